@@ -1,0 +1,97 @@
+"""Shared pieces of the RL math: registries, masked reductions, the parameters every loss reads.
+
+Shapes: ``B`` sequences (rows), ``T`` tokens (token-aligned, see :mod:`megaforge.types`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from megaforge.registry import Registry
+
+ADVANTAGES = Registry("advantage estimator")
+POLICY_LOSSES = Registry("policy loss")
+LOSS_AGGS = Registry("loss aggregation")
+KL_ESTIMATORS = Registry("KL estimator")
+
+
+@dataclass(frozen=True)
+class LossParams:
+    """Everything a policy loss, KL term or aggregation reads (built from the config)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    clip_c: Optional[float] = None
+    beta: float = 0.0
+    kl_estimator: str = "low_var_kl"
+    kl_in_reward: bool = False
+    entropy_coef: float = 0.0
+    loss: str = "ppo_clip"
+    loss_agg: str = "token_mean"
+    loss_agg_norm: float = 0.0
+    tis_cap: Optional[float] = None
+    mis_threshold: Optional[float] = None
+    mis_level: str = "token"
+    plugin_kwargs: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg) -> "LossParams":
+        a, g = cfg.algo, cfg.grpo
+        return cls(
+            clip_low=g.clip_low, clip_high=g.clip_high, clip_c=a.clip_c, beta=g.beta,
+            kl_estimator=a.kl_estimator, kl_in_reward=a.kl_in_reward, entropy_coef=a.entropy_coef,
+            loss=a.loss, loss_agg=a.loss_agg,
+            loss_agg_norm=a.loss_agg_norm or float(cfg.rollout.max_new_tokens),
+            tis_cap=a.tis_cap, mis_threshold=a.mis_threshold, mis_level=a.mis_level,
+            plugin_kwargs=dict(a.plugin_kwargs),
+        )
+
+
+@dataclass
+class AdvantageInputs:
+    """What an advantage estimator may read.
+
+    rewards [B] sequence rewards; group_ids [B] (samples of one prompt share an id);
+    loss_mask [B, T]; token_rewards [B, T] optional per-token reward terms (e.g. -beta * KL when
+    the KL is applied in the reward); values [B, T] optional critic values (gae).
+    """
+
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    token_rewards: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum()
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
+    """sum(x * mask) / sum(mask) (0 when the mask is empty)."""
+    denom = mask.sum()
+    return (x * mask).sum() / denom.clamp_min(1.0) if eps == 0.0 else (x * mask).sum() / (denom + eps)
+
+
+def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Map arbitrary group ids [B] to dense 0..G-1 indices [B]; returns (index, G)."""
+    uniq, inv = torch.unique(group_ids, return_inverse=True)
+    return inv, int(uniq.numel())
+
+
+def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row group mean, unbiased group std and group size, each [B].
+
+    std uses Bessel's correction (n - 1); groups of one sample get std 0.
+    """
+    idx, g = group_index(group_ids)
+    v = values.to(torch.float64)
+    count = torch.zeros(g, dtype=torch.float64).index_add_(0, idx, torch.ones_like(v))
+    total = torch.zeros(g, dtype=torch.float64).index_add_(0, idx, v)
+    mean = total / count
+    sq = torch.zeros(g, dtype=torch.float64).index_add_(0, idx, (v - mean[idx]) ** 2)
+    var = torch.where(count > 1, sq / (count - 1).clamp_min(1), torch.zeros_like(sq))
+    dt = values.dtype if values.is_floating_point() else torch.float32
+    return mean[idx].to(dt), var.sqrt()[idx].to(dt), count[idx].to(dt)

@@ -1,0 +1,96 @@
+"""The RL objective of one micro-batch, shared by every trainer backend.
+
+    loss = agg( w_t * L_pg(t) + beta * KL_t - entropy_coef * H_t )
+
+* ``L_pg`` is the configured policy loss (``algo.loss``), ``w_t`` the train/inference mismatch
+  correction (truncated or masked importance sampling of pi_old / pi_rollout, 1 when off),
+* ``KL_t`` the configured estimator against the frozen reference (skipped when ``beta == 0`` or
+  the KL is applied in the reward), ``H_t`` the policy's entropy at token t,
+* ``agg`` the configured aggregation over the *global* batch (see :mod:`aggregation`).
+
+Metrics come back as *contributions*: each is already divided by the global token count, so the
+trainer sums them over micro-batches and data-parallel ranks to get the batch value.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megaforge.algorithms.aggregation import aggregate
+from megaforge.algorithms.core import KL_ESTIMATORS, POLICY_LOSSES, LossParams
+from megaforge.types import TrainBatch
+
+
+def mismatch_weights(old_logprobs, rollout_logprobs, mask, p: LossParams) -> tuple[torch.Tensor, dict]:
+    """Importance weights correcting the trainer/engine mismatch, [B, T] (no gradient).
+
+    TIS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"):
+    w_t = min(pi_old / pi_rollout, tis_cap).
+    MIS: tokens (or whole sequences, ``mis_level: sequence`` with the geometric-mean ratio) whose
+    ratio exceeds ``mis_threshold`` get weight 0.
+    """
+    w = torch.ones_like(old_logprobs)
+    stats = {}
+    if p.tis_cap is None and p.mis_threshold is None:
+        return w, stats
+    log_r = (old_logprobs - rollout_logprobs).clamp(-20.0, 20.0) * mask
+    r = torch.exp(log_r)
+    if p.tis_cap is not None:
+        w = torch.clamp(r, max=p.tis_cap)
+        stats["tis_clip_frac"] = (r > p.tis_cap).float()
+    if p.mis_threshold is not None:
+        if p.mis_level == "sequence":
+            seq_r = torch.exp(log_r.sum(-1) / mask.sum(-1).clamp_min(1.0))
+            keep = (seq_r <= p.mis_threshold).float()[:, None].expand_as(w)
+        else:
+            keep = (r <= p.mis_threshold).float()
+        w = w * keep
+        stats["mis_masked_frac"] = 1.0 - keep
+    return w.detach(), stats
+
+
+def policy_objective(
+    logprobs: torch.Tensor,
+    mb: TrainBatch,
+    p: LossParams,
+    entropy: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss of micro-batch ``mb`` given the policy's token-aligned ``logprobs`` [B, T] (with grad).
+
+    ``entropy`` [B, T] is needed when ``entropy_coef != 0`` (with grad) and is logged when given.
+    Returns (scalar loss contribution, {metric: scalar contribution}).
+    """
+    mask = mb.loss_mask.to(logprobs.dtype)
+    n_tok, n_seq = mb.num_tokens, mb.num_seqs
+    if n_tok <= 0:
+        raise ValueError("TrainBatch.num_tokens must be set to the global trained-token count")
+    old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+    loss_fn = POLICY_LOSSES.get(p.loss)
+    pg, stats = loss_fn(logprobs, old, mb.advantages.to(logprobs.dtype), mask, p)
+    w, wstats = mismatch_weights(old, mb.rollout_logprobs.to(logprobs.dtype), mask, p)
+    stats.update(wstats)
+    per_token = pg * w
+    metrics: dict[str, torch.Tensor] = {}
+
+    def contrib(x):  # token-mean contribution of a per-token quantity
+        return (x.detach() * mask).sum() / n_tok
+
+    metrics["pg_loss"] = aggregate(pg.detach() * w, mask, p.loss_agg, n_tok, n_seq, p.loss_agg_norm)
+    if mb.ref_logprobs is not None:
+        kl = KL_ESTIMATORS.get(p.kl_estimator)(logprobs, mb.ref_logprobs.to(logprobs.dtype))
+        metrics["kl"] = contrib(kl)
+        if p.beta > 0 and not p.kl_in_reward:
+            per_token = per_token + p.beta * kl
+    if entropy is not None:
+        metrics["entropy"] = contrib(entropy)
+        if p.entropy_coef != 0.0:
+            per_token = per_token - p.entropy_coef * entropy
+    elif p.entropy_coef != 0.0:
+        raise ValueError("entropy_coef != 0 needs the policy entropy from the trainer")
+    loss = aggregate(per_token, mask, p.loss_agg, n_tok, n_seq, p.loss_agg_norm)
+    metrics["loss"] = loss.detach()
+    metrics["train_rollout_logprob_abs_diff"] = contrib((old - mb.rollout_logprobs.to(old.dtype)).abs())
+    for k, v in stats.items():
+        metrics[k] = contrib(v)
+    return loss, metrics

@@ -1,0 +1,421 @@
+"""megaforge's configuration tree: one typed dataclass per section, a docstring per key.
+
+Load with :func:`load_config` (``--config FILE.yaml`` plus dotted overrides such as
+``--grpo.n_samples 4 --output_dir runs``). ``python launchers/grpo.py --help`` prints every key.
+The mechanics (type checks, unknown-key suggestions) live in :mod:`megaforge.configtree`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import yaml
+
+from megaforge import configtree
+from megaforge.configtree import ConfigError
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Hugging Face model directory or hub id of the policy's initial weights. Empty: random init
+    from ``model.config`` (seeded by ``model.init_seed``)."""
+    config: str = ""
+    """HF ``config.json`` (file or directory) used for random init when ``model.path`` is empty."""
+    tokenizer: str = ""
+    """Tokenizer directory or hub id; defaults to ``model.path``."""
+    dtype: DType = "float32"
+    """Parameter and compute dtype of the trainer and the embedded engine."""
+    init_seed: int = 0
+    """Seed of the random init (only with ``model.config``)."""
+    attn_implementation: str = "sdpa"
+    """transformers attention implementation for HF modules (sdpa, eager, flex_attention)."""
+    trust_remote_code: bool = False
+    """Passed to transformers; only enable for model code you trust."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Prompts: a .jsonl or .parquet file, a directory of them, a `datasets` dataset (local path or
+    hub name), or a synthetic task name (``format: synthetic``, e.g. ``arithmetic``)."""
+    format: Literal["auto", "jsonl", "parquet", "hf", "synthetic"] = "auto"
+    """How to read ``data.path``; ``auto`` decides from the path."""
+    split: str = "train"
+    """Split of a `datasets` dataset."""
+    streaming: bool = False
+    """Stream a `datasets` dataset instead of loading it whole."""
+    input_key: str = "prompt"
+    """Row key of the prompt text, or of a list of chat messages ({role, content})."""
+    label_key: str = "answer"
+    """Row key of the reference answer handed to the reward functions."""
+    response_key: str = "response"
+    """Row key of the target response (SFT data)."""
+    apply_chat_template: bool = True
+    """Wrap the prompt in the tokenizer's chat template (user turn + generation prompt)."""
+    system_prompt: str = ""
+    """System message prepended to every chat prompt (empty: none)."""
+    max_prompt_len: int = 512
+    """Prompts longer than this many tokens are an error naming the row (or skipped, see below)."""
+    shuffle: bool = True
+    """Shuffle the rows each epoch with the run's seed (map-style data only)."""
+    skip_bad_rows: bool = False
+    """Skip (and count in ``data/skipped_rows``) malformed or over-long rows instead of failing."""
+    synthetic_size: int = 4096
+    """Rows of a synthetic task."""
+    synthetic_kwargs: dict = field(default_factory=dict)
+    """Extra arguments of the synthetic task generator (e.g. ``{max_operand: 9}``)."""
+
+
+@dataclass
+class GRPOConfig:
+    """The seed's ``grpo:`` block: group sampling and the clipped objective's numbers."""
+
+    n_samples: int = 8
+    """Responses sampled per prompt (the group size)."""
+    clip_low: float = 0.2
+    """Ratio lower clip: ratio >= 1 - clip_low."""
+    clip_high: float = 0.28
+    """Ratio upper clip: ratio <= 1 + clip_high (clip-higher when > clip_low)."""
+    beta: float = 0.0
+    """KL coefficient against the frozen reference policy (0 disables the reference model)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer's logprobs use the same temperature."""
+
+
+@dataclass
+class AlgoConfig:
+    """Which estimator, loss and aggregation; see ``megaforge.algorithms`` for formulas."""
+
+    advantage: str = "grpo"
+    """Advantage estimator (registered name or ``package.module:callable``)."""
+    loss: str = "ppo_clip"
+    """Policy loss (registered name or ``package.module:callable``)."""
+    loss_agg: str = "token_mean"
+    """Loss aggregation: token_mean | seq_mean_token_sum | seq_mean_token_mean | seq_mean_token_sum_norm."""
+    loss_agg_norm: float = 0.0
+    """Constant normaliser of seq_mean_token_sum_norm (0: rollout.max_new_tokens)."""
+    kl_estimator: str = "low_var_kl"
+    """KL estimator: k1 | k2 | k3 | low_var_kl."""
+    kl_in_reward: bool = False
+    """Apply the KL as a per-token reward penalty instead of a loss term."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (loss -= entropy_coef * entropy)."""
+    clip_c: Optional[float] = None
+    """Dual-clip constant (> 1) bounding the loss of negative-advantage tokens; null disables."""
+    std_eps: float = 1e-6
+    """Epsilon added to the group std by ``grpo``."""
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling cap on pi_old/pi_rollout (null disables)."""
+    mis_threshold: Optional[float] = None
+    """Masked importance sampling: drop tokens whose pi_old/pi_rollout exceeds this (null disables)."""
+    mis_level: Literal["token", "sequence"] = "token"
+    """Masked importance sampling granularity."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (zero advantage); DAPO."""
+    gamma: float = 1.0
+    """Discount for reinforce_pp / gae."""
+    lam: float = 1.0
+    """GAE lambda."""
+    plugin_kwargs: dict = field(default_factory=dict)
+    """Extra keyword arguments passed to plug-in losses / advantages."""
+
+
+@dataclass
+class RewardSpec:
+    name: str = "math"
+    """Registered reward (math, thinking, ...) or ``package.module:callable``."""
+    weight: float = 1.0
+    """Weight of this reward in the sum."""
+    kwargs: dict = field(default_factory=dict)
+    """Constructor arguments of the reward."""
+
+
+@dataclass
+class RewardsConfig:
+    functions: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("math", 1.0)])
+    """Rewards summed (with weights) into each sample's reward."""
+    timeout_s: float = 30.0
+    """A reward call that takes longer fails the sample (reward 0, counted) instead of hanging."""
+    workers: int = 0
+    """Threads that score samples (0: score inline)."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["embedded", "embedded_server", "sglang", "megatron"] = "embedded"
+    """Rollout engine: HF transformers in-process (embedded), the same behind HTTP
+    (embedded_server), SGLang servers, or megatron-core inference."""
+    batch_size: int = 16
+    """Prompts per RL step (each sampled grpo.n_samples times)."""
+    max_new_tokens: int = 128
+    """Maximum response length."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    top_k: int = -1
+    """Top-k sampling (-1: off)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (in addition to the tokenizer's end-of-turn / EOS tokens)."""
+    device: str = "auto"
+    """Device of the embedded engine: auto | cpu | cuda | cuda:N."""
+    engine_batch_size: int = 256
+    """Maximum sequences the embedded engine decodes at once."""
+    tensor_parallel: int = 1
+    """Engine tensor-parallel size (sglang)."""
+    num_engines: int = 1
+    """Number of engines (sglang)."""
+    num_gpus: int = 0
+    """GPUs reserved for rollout when disaggregated (0: colocated with the trainer)."""
+    mem_fraction: float = 0.5
+    """Fraction of GPU memory the engine may use (sglang --mem-fraction-static)."""
+    router: bool = False
+    """Put the SGLang router in front of several engines."""
+    extra_args: list[str] = field(default_factory=list)
+    """Extra command-line arguments passed through to each engine server."""
+    host: str = "127.0.0.1"
+    """Interface engine servers bind to."""
+    api_key: str = ""
+    """Token required by engine admin endpoints when bound beyond loopback."""
+    startup_timeout_s: float = 600.0
+    """Seconds an engine may take to become healthy."""
+    request_timeout_s: float = 600.0
+    """Seconds one generation request may take."""
+    generate_fn: str = ""
+    """Custom rollout function ``package.module:callable`` (multi-turn / agentic); empty: single turn."""
+    max_turns: int = 4
+    """Turn limit of multi-turn rollouts."""
+
+
+@dataclass
+class TrainerConfig:
+    backend: Literal["torch", "megatron"] = "torch"
+    """Trainer backend: torch (HF modules, DDP) or megatron (megatron-core, TP/PP/CP)."""
+    device: str = "auto"
+    """auto | cpu | cuda."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Final learning rate of the cosine / linear schedule."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    warmup_steps: int = 0
+    """Linear warm-up optimizer steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward."""
+    mini_batches: int = 1
+    """Optimizer steps per RL step (the batch is split into this many mini-batches)."""
+    epochs: int = 1
+    """Passes over the rollout batch per RL step (PPO epochs)."""
+    ref_device: str = "same"
+    """Where the frozen reference policy lives: same | cpu."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward."""
+    max_bad_steps: int = 3
+    """Consecutive steps with a non-finite loss or gradient (skipped) before the run stops."""
+    # --- megatron backend ---
+    tensor_parallel: int = 1
+    """Tensor-parallel size (megatron)."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel size (megatron)."""
+    context_parallel: int = 1
+    """Context-parallel size (megatron)."""
+    expert_parallel: int = 1
+    """Expert-parallel size (megatron, MoE)."""
+    sequence_parallel: bool = False
+    """Sequence parallelism (megatron, needs tensor_parallel > 1)."""
+    layer_spec: Literal["auto", "te", "torch"] = "auto"
+    """Transformer layer implementation (megatron): te (Transformer Engine), torch, or auto."""
+    fp8: Optional[Literal["hybrid", "e4m3"]] = None
+    """FP8 training format (megatron + te)."""
+    fp8_recipe: str = "delayed"
+    """FP8 scaling recipe (delayed, tensorwise, ...)."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (megatron)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation (megatron)."""
+
+
+@dataclass
+class SFTConfig:
+    max_steps: int = 0
+    """SFT optimizer steps before RL (0 skips the warm start). The SFT launcher runs only these."""
+    batch_size: int = 32
+    """Sequences per SFT step."""
+    lr: float = 1e-3
+    """SFT learning rate."""
+    warmup_steps: int = 0
+    """Linear warm-up of the SFT learning rate."""
+    data: Optional[DataConfig] = None
+    """SFT data (prompt/response rows or chat messages); null: the RL prompts with their labels."""
+    pack: bool = True
+    """Pack several sequences per row up to ``sft.max_len`` (torch backend keeps rows, megatron packs)."""
+    max_len: int = 512
+    """Maximum SFT sequence length."""
+
+
+@dataclass
+class LoopConfig:
+    mode: Literal["sync", "off_policy"] = "sync"
+    """sync: rollout then train; off_policy: rollout of step N+1 overlaps training of step N."""
+    max_staleness: int = 1
+    """Off-policy: samples older than this many weight versions are dropped or corrected."""
+    partial_rollouts: bool = False
+    """Cut long generations at the step boundary and continue them after the weight update."""
+    oversample: float = 1.0
+    """Prompts drawn per step = batch_size * oversample when filters may drop groups."""
+
+
+@dataclass
+class SyncConfig:
+    transport: Literal["auto", "inproc", "ipc", "nccl", "disk", "shm"] = "auto"
+    """Trainer -> engine weight transport."""
+    bucket_mb: int = 512
+    """Maximum bytes of one weight bucket."""
+    interval: int = 1
+    """Sync weights every this many steps."""
+    check_equal: bool = False
+    """After each update, compare the engine's weights with the trainer's and fail on mismatch."""
+
+
+@dataclass
+class MemoryConfig:
+    offload: Literal["none", "pinned", "tms"] = "none"
+    """Offload trainer state while the engines generate (colocated GPU runs)."""
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = True
+    """Write TensorBoard event files under ``<run dir>/tensorboard``."""
+    wandb: bool = False
+    """Log to Weights & Biases."""
+    wandb_project: str = "megaforge"
+    """W&B project."""
+    wandb_mode: Literal["online", "offline"] = "offline"
+    """W&B mode; offline needs no network."""
+    log_samples: int = 1
+    """Sample texts printed per step (0: none)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0
+    """Save every N RL steps (0: only at the end)."""
+    keep_last_n: int = 2
+    """Checkpoints kept (older ones deleted after a new one is complete)."""
+    save_optimizer: bool = True
+    """Include optimizer and scheduler state."""
+
+
+@dataclass
+class Config:
+    output_dir: str = "runs"
+    """Runs are written to ``<output_dir>/<run_name>/``."""
+    run_name: str = "run"
+    """Name of the run directory."""
+    max_steps: int = 10
+    """RL steps."""
+    seed: int = 0
+    """Seed of data order, sampling and init."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in the run directory."""
+    export_hf_every: int = 0
+    """Write a Hugging Face export to ``<run dir>/hf/step_N/`` every N steps (0: never)."""
+    deterministic: bool = False
+    """Use deterministic algorithms (CPU resume tests)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy model and tokenizer."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """RL prompts."""
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    """Group sampling and clipped objective (the seed's block)."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """Advantage estimator, policy loss, aggregation, KL, corrections."""
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    """Reward functions."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout engines and sampling."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Trainer backend, optimizer and parallel layout."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised warm start (and the SFT launcher)."""
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    """Synchronous or off-policy loop."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """Weight synchronisation."""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """Colocation memory management."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Metric sinks and progress display."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.output_dir, self.run_name)
+
+    def validate(self) -> None:
+        def need(cond: bool, key: str, msg: str):
+            if not cond:
+                raise ConfigError(f"config key '{key}': {msg}")
+
+        need(self.max_steps >= 0, "max_steps", "must be >= 0")
+        need(self.sft.max_steps >= 0, "sft.max_steps", "must be >= 0")
+        need(self.grpo.n_samples >= 1, "grpo.n_samples", "must be >= 1")
+        need(self.grpo.temperature > 0, "grpo.temperature", "must be > 0")
+        need(0 <= self.grpo.clip_low < 1, "grpo.clip_low", "must be in [0, 1)")
+        need(self.grpo.clip_high >= 0, "grpo.clip_high", "must be >= 0")
+        need(self.grpo.beta >= 0, "grpo.beta", "must be >= 0")
+        need(self.algo.clip_c is None or self.algo.clip_c > 1, "algo.clip_c", "must be > 1 (or null)")
+        need(self.rollout.batch_size >= 1, "rollout.batch_size", "must be >= 1")
+        need(self.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+        need(0 < self.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+        need(self.trainer.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
+        need(self.trainer.mini_batches >= 1, "trainer.mini_batches", "must be >= 1")
+        need(self.trainer.epochs >= 1, "trainer.epochs", "must be >= 1")
+        for k in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel"):
+            need(getattr(self.trainer, k) >= 1, f"trainer.{k}", "must be >= 1")
+        need(
+            not self.trainer.sequence_parallel or self.trainer.tensor_parallel > 1,
+            "trainer.sequence_parallel", "needs trainer.tensor_parallel > 1",
+        )
+        need(self.sync.bucket_mb >= 1, "sync.bucket_mb", "must be >= 1")
+        need(self.sync.interval >= 1, "sync.interval", "must be >= 1")
+        need(self.checkpoint.keep_last_n >= 1, "checkpoint.keep_last_n", "must be >= 1")
+        need(bool(self.model.path or self.model.config), "model.path", "set model.path (or model.config for a random init)")
+        need(bool(self.data.path) or self.max_steps == 0, "data.path", "set the RL prompt data")
+        need(self.run_name not in ("", ".", "..") and "/" not in self.run_name, "run_name", "must be a plain folder name")
+
+
+def load_config(argv: Optional[list[str]] = None, cls=Config) -> Config:
+    """Parse ``argv`` (default ``sys.argv[1:]``); ``--help`` prints every key and exits."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(__doc__.strip() + "\n\n" + configtree.help_text(cls))
+        raise SystemExit(0)
+    return configtree.load(cls, argv)
+
+
+def save_config(cfg: Config, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        yaml.safe_dump(configtree.to_dict(cfg), f, sort_keys=False)
+    os.replace(tmp, path)
+
+
+def config_from_dict(data: dict, cls=Config) -> Config:
+    return configtree.build(cls, data)

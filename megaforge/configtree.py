@@ -1,0 +1,271 @@
+"""Typed configuration mechanics: dataclass trees <- YAML files + dotted CLI overrides.
+
+A config is a tree of dataclasses. Each field may carry a docstring (a string literal on the line after
+it, as torchtitan does); :func:`field_docs` reads them for ``--help`` and for error messages.
+
+Rules:
+* Unknown keys (in YAML or CLI) fail with the dotted key and the nearest valid one.
+* Values are checked against the annotation: ``int``, ``float`` (ints accepted), ``str``, ``bool``,
+  ``Optional[X]``, ``list[X]``, ``dict``, ``Literal[...]`` and nested dataclasses. A wrong type fails
+  with the key, the expected type and the value.
+* CLI values are parsed as YAML scalars (``4`` -> int, ``true`` -> bool, ``null`` -> None,
+  ``[a, b]`` -> list); ``--flag`` with no value means ``true``.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import textwrap
+import types
+import typing
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem; the message names the dotted key."""
+
+
+# ----------------------------------------------------------------------------------- introspection
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Attribute docstrings of a dataclass: {field name: doc}."""
+    try:
+        src = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    tree = ast.parse(src)
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for prev, node in zip(body, body[1:]):
+        if (
+            isinstance(prev, ast.AnnAssign)
+            and isinstance(prev.target, ast.Name)
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            docs[prev.target.id] = " ".join(node.value.value.split())
+    return docs
+
+
+def all_keys(cls, prefix: str = "") -> list[str]:
+    """Every valid dotted key of a dataclass tree (including section names)."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        keys.append(key)
+        t = _hints(cls)[f.name]
+        if dataclasses.is_dataclass(t):
+            keys.extend(all_keys(t, key + "."))
+    return keys
+
+
+def _nearest(key: str, candidates: list[str]) -> str:
+    # Compare both the full dotted key and its last part, so a typo in a leaf finds its sibling.
+    best = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    if not best:
+        leaf = key.rsplit(".", 1)[-1]
+        by_leaf = {c.rsplit(".", 1)[-1]: c for c in candidates}
+        m = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+        best = [by_leaf[m[0]]] if m else []
+    return f"; did you mean '{best[0]}'?" if best else ""
+
+
+# --------------------------------------------------------------------------------- type checking
+def _type_name(t) -> str:
+    if get_origin(t) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(t))
+    if get_origin(t) in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(t))
+    if t is type(None):
+        return "null"
+    if get_origin(t) is list:
+        (a,) = get_args(t) or (Any,)
+        return f"list of {_type_name(a)}"
+    return getattr(t, "__name__", str(t))
+
+
+def coerce(value: Any, t, key: str) -> Any:
+    """Check ``value`` against annotation ``t``; return it (dataclass values built from dicts)."""
+    origin = get_origin(t)
+    if t is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        errors = []
+        for a in get_args(t):
+            try:
+                return coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"config key '{key}': expected {_type_name(t)}, got {value!r}")
+    if t is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"config key '{key}': expected null, got {value!r}")
+    if origin is Literal:
+        if value in get_args(t):
+            return value
+        raise ConfigError(f"config key '{key}': expected {_type_name(t)}, got {value!r}")
+    if dataclasses.is_dataclass(t):
+        if isinstance(value, t):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}': expected a mapping ({t.__name__}), got {value!r}")
+        return build(t, value, prefix=key + ".")
+    if origin is list:
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}': expected {_type_name(t)}, got {value!r}")
+        (a,) = get_args(t) or (Any,)
+        return [coerce(v, a, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or t is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}': expected a mapping, got {value!r}")
+        return dict(value)
+    if t is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key '{key}': expected bool (true/false), got {value!r}")
+    if t is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key '{key}': expected int, got {value!r}")
+    if t is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"config key '{key}': expected float, got {value!r}")
+    if t is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"config key '{key}': expected str, got {value!r}")
+    raise ConfigError(f"config key '{key}': unsupported annotation {t!r}")
+
+
+def build(cls, data: dict | None, prefix: str = ""):
+    """Build dataclass ``cls`` from a nested dict, checking keys and types."""
+    data = dict(data or {})
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in names:
+            valid = [prefix + n for n in names]
+            raise ConfigError(f"unknown config key '{prefix}{k}'{_nearest(prefix + k, valid)}")
+    kwargs = {k: coerce(v, hints[k], prefix + k) for k, v in data.items()}
+    obj = cls(**kwargs)
+    if hasattr(obj, "validate"):
+        obj.validate()
+    return obj
+
+
+def to_dict(obj) -> Any:
+    """A dataclass tree as plain dicts/lists (YAML- and JSON-ready)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+# ------------------------------------------------------------------------------------- overrides
+def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
+    """``--config FILE`` and ``--a.b VALUE`` / ``--a.b=VALUE`` / ``--flag`` -> (config path, {key: value})."""
+    path = None
+    overrides: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}: use --key value, --key=value or --config FILE")
+        key, eq, raw = arg[2:].partition("=")
+        if not eq:
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                raw = argv[i + 1]
+                i += 1
+            else:
+                raw = "true"
+        i += 1
+        if key == "config":
+            path = raw
+            continue
+        key = key.replace("-", "_")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        overrides[key] = value
+    return path, overrides
+
+
+def set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[p] = nxt
+        node = nxt
+    node[parts[-1]] = value
+
+
+def check_keys(cls, overrides: dict[str, Any]) -> None:
+    valid = all_keys(cls)
+    for k in overrides:
+        if k not in valid:
+            raise ConfigError(f"unknown config key '{k}'{_nearest(k, valid)}")
+
+
+def load(cls, argv: list[str]):
+    """Build ``cls`` from ``--config FILE`` (YAML) plus dotted CLI overrides."""
+    path, overrides = parse_cli(argv)
+    tree: dict = {}
+    if path:
+        try:
+            with open(path) as f:
+                tree = yaml.safe_load(f) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"--config {path}: no such file") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"--config {path}: the top level must be a mapping")
+    check_keys(cls, overrides)
+    for k, v in overrides.items():
+        set_dotted(tree, k, v)
+    return build(cls, tree)
+
+
+def help_text(cls, prefix: str = "") -> str:
+    """One line per key: ``key (type, default): doc``."""
+    lines = []
+    docs = field_docs(cls)
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t):
+            lines.append(f"{prefix}{f.name}:  {docs.get(f.name, '')}")
+            lines.append(help_text(t, prefix + f.name + "."))
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            default = "required"
+        lines.append(f"  {prefix}{f.name} ({_type_name(t)}, default {default!r}): {docs.get(f.name, '')}")
+    return "\n".join(lines)

@@ -1,0 +1,66 @@
+"""Named registries with clear errors, and ``package.module:callable`` plug-ins.
+
+    LOSSES = Registry("policy loss")
+
+    @LOSSES.register("ppo_clip")
+    def ppo_clip(...): ...
+
+    LOSSES.get("ppo_clip")             # the function
+    LOSSES.get("my_pkg.losses:my_loss")  # imported from the user's own module
+    LOSSES.get("ppo_clp")              # ValueError naming the registered ones
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Iterable
+
+
+def import_callable(path: str, what: str = "plug-in") -> Callable:
+    """Import ``package.module:attr`` (attr may be dotted). Errors name the path and what failed."""
+    mod_name, sep, attr = path.partition(":")
+    if not sep or not mod_name or not attr:
+        raise ValueError(f"{what} {path!r}: expected 'package.module:callable'")
+    try:
+        obj = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"{what} {path!r}: cannot import module {mod_name!r}: {e}") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{what} {path!r}: module {mod_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{what} {path!r}: {attr!r} is not callable")
+    return obj
+
+
+class Registry:
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._items: dict[str, Callable] = {}
+
+    def register(self, name: str, obj: Callable | None = None):
+        """Register ``obj`` under ``name`` (usable as a decorator)."""
+
+        def deco(o):
+            if name in self._items and self._items[name] is not o:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            self._items[name] = o
+            return o
+
+        return deco(obj) if obj is not None else deco
+
+    def get(self, name: str) -> Callable:
+        if name in self._items:
+            return self._items[name]
+        if ":" in name:
+            return import_callable(name, self.kind)
+        raise ValueError(
+            f"unknown {self.kind} {name!r}; registered: {', '.join(sorted(self._items))} "
+            f"(or give 'package.module:callable')"
+        )
+
+    def names(self) -> Iterable[str]:
+        return sorted(self._items)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._items

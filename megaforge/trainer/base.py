@@ -1,0 +1,66 @@
+"""The trainer interface every backend implements (torch: HF modules; megatron: megatron-core).
+
+The loop only ever talks to a trainer through these methods, so a backend plugs in without
+touching the loop. All ranks of the trainer's process group call every method collectively;
+batches are given whole to every rank (the backend takes its data-parallel share itself).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterator
+
+import torch
+
+from megaforge.types import TrainBatch
+
+HFBucket = list[tuple[str, torch.Tensor]]
+
+
+class Trainer(ABC):
+    #: weight version: 0 at start, +1 after every optimizer step
+    version: int = 0
+
+    @abstractmethod
+    def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> torch.Tensor:
+        """Token-aligned logprobs [B, T] (temperature applied) of ``model`` in {"policy", "ref"},
+        on CPU, float32; 0 at t = 0 and on padding. No gradient."""
+
+    @abstractmethod
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One RL update on ``batch`` (mini-batches x epochs as configured) with the objective of
+        :func:`megaforge.algorithms.policy_objective`. Returns batch-level metrics (at least
+        ``loss``, ``pg_loss``, ``entropy``, ``clip_frac``, ``train_rollout_logprob_abs_diff``,
+        ``grad_norm``, ``lr``; ``kl`` when a reference is used)."""
+
+    @abstractmethod
+    def sft_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One supervised step: loss = -mean of logprobs over ``loss_mask`` tokens (no temperature)."""
+
+    @abstractmethod
+    def iter_hf_buckets(self, max_bytes: int) -> Iterator[HFBucket]:
+        """The policy's weights as Hugging Face ``(name, tensor)`` lists of at most ``max_bytes``
+        each (a single tensor larger than that forms its own bucket). Every rank calls it; only
+        the ranks that hand weights to engines receive non-empty buckets."""
+
+    @abstractmethod
+    def save(self, path: str) -> None:
+        """Model, optimizer and scheduler state into directory ``path`` (collective)."""
+
+    @abstractmethod
+    def load(self, path: str) -> None:
+        """Restore what :meth:`save` wrote (collective)."""
+
+    @abstractmethod
+    def export_hf(self, path: str) -> None:
+        """A Hugging Face model directory (safetensors + config) loadable by transformers."""
+
+    def offload(self) -> None:
+        """Move trainer state off the accelerator (colocated mode). No-op by default."""
+
+    def onload(self) -> None:
+        """Bring trainer state back. No-op by default."""
+
+    @property
+    def is_engine_feeder(self) -> bool:
+        """True on the rank that talks to rollout engines (global rank 0 by default)."""
+        return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0

@@ -1,0 +1,168 @@
+"""The records that flow between megaforge's parts.
+
+Conventions used everywhere (both trainer backends, every engine, every algorithm):
+
+* A *sequence* is ``prompt_ids + response_ids`` (multi-turn: prompt, then turns of model tokens and
+  tool/environment tokens).
+* Per-token tensors of a TrainBatch are **token-aligned**: entry ``[b, t]`` belongs to token
+  ``tokens[b, t]``. So ``logprobs[b, t] = log p(tokens[b, t] | tokens[b, :t])`` for ``t >= 1`` and is 0
+  at ``t = 0`` and on padding. ``loss_mask[b, t] = 1`` exactly where token ``t`` was sampled by the
+  policy (its logprob is trained); prompt tokens, tool outputs and padding have 0.
+* Batches are right-padded to a common length ``T``; ``lengths[b]`` is the real length of row ``b``.
+  A backend that packs sequences (Megatron) packs from ``tokens`` and ``lengths`` itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """Sampling controls shared by every engine (names follow SGLang's ``sampling_params``)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0): no top-k truncation
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    seed: Optional[int] = None
+
+    def to_sglang(self) -> dict:
+        """The ``sampling_params`` object of SGLang's ``/generate``."""
+        d = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k if self.top_k and self.top_k > 0 else -1,
+            "max_new_tokens": self.max_new_tokens,
+            "stop_token_ids": list(self.stop_token_ids),
+            "no_stop_trim": True,
+            "skip_special_tokens": False,
+        }
+        if self.stop:
+            d["stop"] = list(self.stop)
+        if self.seed is not None:
+            d["sampling_seed"] = int(self.seed)
+        return d
+
+
+@dataclass
+class GenerateRequest:
+    """One generation: a single sample for one prompt (n samples = n requests)."""
+
+    input_ids: list[int]
+    sampling: SamplingParams
+    rid: str = ""
+
+
+@dataclass
+class Completion:
+    """What an engine returns for one GenerateRequest."""
+
+    rid: str
+    output_ids: list[int]
+    output_logprobs: list[float]  # logprob of each output token under the sampling distribution used
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: int = 0
+    text: str = ""
+
+
+@dataclass
+class Sample:
+    """One rollout sample with everything the loss and the metrics need."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]  # one per response token
+    group_id: int
+    finish_reason: str = "stop"
+    weight_version: int = 0
+    reward: float = 0.0
+    # per response token: 1 = sampled by the policy (trained), 0 = tool/env output (not trained).
+    response_mask: Optional[list[int]] = None
+    prompt_text: str = ""
+    response_text: str = ""
+    label: Any = None
+    metadata: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.response_mask is None:
+            self.response_mask = [1] * len(self.response_ids)
+        if len(self.rollout_logprobs) != len(self.response_ids):
+            raise ValueError(
+                f"sample of group {self.group_id}: {len(self.rollout_logprobs)} rollout logprobs for "
+                f"{len(self.response_ids)} response tokens"
+            )
+        if len(self.response_mask) != len(self.response_ids):
+            raise ValueError(
+                f"sample of group {self.group_id}: response_mask has {len(self.response_mask)} entries "
+                f"for {len(self.response_ids)} response tokens"
+            )
+
+
+@dataclass
+class TrainBatch:
+    """A right-padded batch of sequences; every per-token tensor is [B, T] and token-aligned."""
+
+    tokens: torch.Tensor  # [B, T] long
+    lengths: torch.Tensor  # [B] long
+    loss_mask: torch.Tensor  # [B, T] float
+    advantages: torch.Tensor  # [B, T] float
+    rollout_logprobs: torch.Tensor  # [B, T] float (0 where loss_mask is 0)
+    old_logprobs: Optional[torch.Tensor] = None  # [B, T] trainer logprobs before the update
+    ref_logprobs: Optional[torch.Tensor] = None  # [B, T] frozen reference policy
+    values: Optional[torch.Tensor] = None  # [B, T] critic values (PPO)
+    returns: Optional[torch.Tensor] = None  # [B, T] critic targets (PPO)
+    rewards: Optional[torch.Tensor] = None  # [B] sequence rewards
+    group_ids: Optional[torch.Tensor] = None  # [B] long
+    weight_versions: Optional[torch.Tensor] = None  # [B] long
+    # Set by the loop before training so that micro-batch losses add up to the global objective:
+    num_tokens: int = 0  # sum of loss_mask over the *global* batch (all DP ranks)
+    num_seqs: int = 0  # sequences with at least one trained token, global
+
+    _TENSOR_FIELDS = (
+        "tokens", "lengths", "loss_mask", "advantages", "rollout_logprobs", "old_logprobs",
+        "ref_logprobs", "values", "returns", "rewards", "group_ids", "weight_versions",
+    )
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def select(self, index) -> "TrainBatch":
+        """Rows ``index`` (slice, list or LongTensor), trimmed to their longest row."""
+        kw = {}
+        for name in self._TENSOR_FIELDS:
+            v = getattr(self, name)
+            kw[name] = None if v is None else v[index]
+        out = TrainBatch(**kw, num_tokens=self.num_tokens, num_seqs=self.num_seqs)
+        return out.trimmed()
+
+    def trimmed(self) -> "TrainBatch":
+        """Drop trailing columns that are padding in every row."""
+        if self.batch_size == 0:
+            return self
+        t = int(self.lengths.max())
+        if t == self.tokens.shape[1]:
+            return self
+        kw = {}
+        for name in self._TENSOR_FIELDS:
+            v = getattr(self, name)
+            kw[name] = v[:, :t] if (v is not None and v.dim() == 2) else v
+        return TrainBatch(**kw, num_tokens=self.num_tokens, num_seqs=self.num_seqs)
+
+    def micro_batches(self, size: int) -> Iterator["TrainBatch"]:
+        """Consecutive micro-batches of at most ``size`` rows."""
+        for i in range(0, self.batch_size, size):
+            yield self.select(slice(i, i + size))
+
+    def to(self, device) -> "TrainBatch":
+        kw = {n: (None if getattr(self, n) is None else getattr(self, n).to(device)) for n in self._TENSOR_FIELDS}
+        return TrainBatch(**kw, num_tokens=self.num_tokens, num_seqs=self.num_seqs)
+
+    def replace(self, **kw) -> "TrainBatch":
+        return dataclasses.replace(self, **kw)
