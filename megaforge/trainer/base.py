@@ -37,6 +37,19 @@ class Trainer(ABC):
         """One supervised step: loss = -mean of logprobs over ``loss_mask`` tokens (no temperature)."""
 
     @abstractmethod
+    def reset_optimizer(self, lr: float, total_steps: int, warmup_steps: int = 0,
+                        schedule: str = "constant", min_lr: float = 0.0) -> None:
+        """Fresh optimizer and LR schedule (the loop calls it when a phase starts: SFT warm start,
+        then RL). ``schedule`` in constant | cosine | linear, over ``total_steps`` optimizer steps
+        after ``warmup_steps`` of linear warm-up."""
+
+    @abstractmethod
+    def snapshot_reference(self) -> None:
+        """Copy the current policy weights into the frozen reference model (RL start, after any
+        SFT warm start). Only called when the objective needs a reference (grpo.beta > 0 or KL
+        logged); the reference is part of what :meth:`save` / :meth:`load` keep."""
+
+    @abstractmethod
     def iter_hf_buckets(self, max_bytes: int) -> Iterator[HFBucket]:
         """The policy's weights as Hugging Face ``(name, tensor)`` lists of at most ``max_bytes``
         each (a single tensor larger than that forms its own bucket). Every rank calls it; only
