@@ -1,0 +1,169 @@
+"""Make megatron-core 0.16 run on a CPU-only torch (gloo process groups). Applied only on CPU.
+
+megatron-core assumes CUDA in a few places; :func:`apply` patches exactly those (facts measured in
+``shared/notes/megatron-on-cpu.md``):
+
+1. the CUDA RNG tracker is replaced by one holding CPU generator states, seeded with the same offsets
+   as ``model_parallel_cuda_manual_seed`` (attention always forks it);
+2. ``torch.cuda.current_device()`` returns ``"cpu"`` (global memory buffer, TP gather buffers, rotary);
+3. ``torch.cuda.synchronize`` is a no-op (checkpoint preload, pipeline p2p);
+4. a ``TorchFunctionMode`` maps ``device="cuda"``, ``.cuda()`` and ``.to("cuda")`` to CPU and drops
+   ``pin_memory`` (pipeline schedules, FP32Optimizer, rotary under CP); ``Tensor.type()`` names are
+   reported as ``torch.cuda.*Tensor`` where the DistributedOptimizer checks them;
+5. a stand-in for ``torch.cuda.Event`` (inference paths).
+
+The patches are process-wide and idempotent; nothing here runs when the trainer's device is CUDA.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_APPLIED = False
+
+
+class CpuRNGStatesTracker:
+    """Drop-in for megatron's ``CudaRNGStatesTracker`` over the CPU generator.
+
+    ``fork(name)`` swaps the CPU generator state with the named state for the duration of the
+    context, so randomness inside (init, dropout) is reproducible per name exactly as on GPU.
+    """
+
+    def __init__(self, *args, **kwargs):
+        self.reset()
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def reset(self):
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+class _FakeEvent:
+    """``torch.cuda.Event`` stand-in: records wall time so ``elapsed_time`` stays meaningful."""
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1000.0
+
+
+def _is_cuda(dev) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return isinstance(dev, int) and not isinstance(dev, bool)  # a bare index means a CUDA device
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA placements in torch calls to CPU (patch 4)."""
+
+    _TO_METHODS = {torch.Tensor.to}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.pin_memory or func is torch.Tensor.is_pinned:
+            return args[0] if func is torch.Tensor.pin_memory else False
+        if kwargs:
+            if "device" in kwargs and _is_cuda(kwargs["device"]):
+                kwargs = dict(kwargs, device="cpu")
+            if kwargs.get("pin_memory"):
+                kwargs = dict(kwargs, pin_memory=False)
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu") + tuple(args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if "cuda" not in name else name
+        return func(*args, **kwargs)
+
+
+def model_parallel_cpu_manual_seed(seed: int) -> None:
+    """``megatron.core.tensor_parallel.model_parallel_cuda_manual_seed`` over CPU generators
+    (same seed offsets: data-parallel ``seed``, tensor-parallel ``seed + 2718 + tp_rank``, expert
+    ``seed + 1024 + 100 * ep_rank + etp_rank``)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom._CUDA_RNG_STATE_TRACKER
+    tracker.reset()
+    torch.manual_seed(seed)
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + ps.get_tensor_model_parallel_rank())
+    tracker.add(
+        mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME,
+        seed + 1024 + 100 * ps.get_expert_model_parallel_rank() + ps.get_expert_tensor_parallel_rank(),
+    )
+
+
+def apply() -> None:
+    """Install the five patches (idempotent). Call before building megatron modules on CPU."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    # 1. RNG tracker over CPU generator states.
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    mrandom.model_parallel_cuda_manual_seed = lambda seed, *a, **k: model_parallel_cpu_manual_seed(seed)
+    # 2. / 3. / 5.
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.Event = _FakeEvent
+    # 4. device rewriting for the rest of the process.
+    CudaToCpuMode().__enter__()
+    _APPLIED = True

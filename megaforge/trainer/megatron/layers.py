@@ -1,0 +1,170 @@
+"""megaforge's own layers for the ``torch`` layer spec: an RMSNorm that supports sequence
+parallelism and core attention over ``torch.nn.functional.scaled_dot_product_attention`` with
+packed sequences (``thd``) and context parallelism.
+
+Shapes (megatron conventions): ``s`` sequence, ``b`` batch, ``t`` packed tokens, ``np``/``ng``
+query heads / key-value groups on this TP rank, ``hn`` head dim.
+
+Context parallelism (CP = c ranks) uses the load-balanced causal layout megatron and Transformer
+Engine use: every (padded) sequence of length P is cut into 2c chunks of P/(2c) tokens and CP rank r
+holds chunks r and 2c-1-r, in that order. Attention all-gathers K and V over the CP group (backward:
+reduce-scatter, so every rank's K/V receive the gradient from every rank's queries) and masks by the
+tokens' global positions: query at position i of sequence d attends to key j of the same sequence iff
+j <= i.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.module import MegatronModule
+
+
+class RMSNorm(torch.nn.Module):
+    """y = w * (x / sqrt(mean(x^2, -1) + eps)), computed in float32 and cast back before the
+    weight is applied (the order of Hugging Face's LlamaRMSNorm, so bf16 results match).
+
+    Under sequence parallelism each TP rank normalises a different slice of the sequence, so the
+    weight's gradient differs per rank: the weight is marked ``sequence_parallel`` and megatron's
+    ``finalize_model_grads`` all-reduces it over the TP group.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                 zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
+        super().__init__()
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"megaforge RMSNorm used with normalization={config.normalization!r}")
+        if config.layernorm_zero_centered_gamma or zero_centered_gamma:
+            raise ValueError("megaforge RMSNorm does not support zero-centered gamma")
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=device))
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _group_size(group) -> int:
+    return 1 if group is None else torch.distributed.get_world_size(group)
+
+
+def cp_chunk_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Global positions [seq_len / cp_size] held by ``cp_rank`` for a sequence of ``seq_len``
+    tokens (chunks r and 2c-1-r of 2c equal chunks)."""
+    if cp_size == 1:
+        return torch.arange(seq_len, device=device)
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_len} is not a multiple of 2*context_parallel={2 * cp_size}")
+    c = seq_len // (2 * cp_size)
+    a = torch.arange(cp_rank * c, (cp_rank + 1) * c, device=device)
+    j = 2 * cp_size - 1 - cp_rank
+    return torch.cat([a, torch.arange(j * c, (j + 1) * c, device=device)])
+
+
+class SDPAttention(MegatronModule):
+    """Core attention: softmax(q k^T * scale + causal/document mask) v via PyTorch SDPA.
+
+    Input (``sbhd``): q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np*hn].
+    Input (``thd``, packed): q [t, np, hn], k/v [t, ng, hn] -> [t, np*hn], with document
+    boundaries from ``packed_seq_params.cu_seqlens_q_padded`` (global, pre-CP coordinates; padding
+    inside a document sits after its real tokens, so causality keeps it out of real tokens' view).
+    Grouped-query attention uses SDPA's ``enable_gqa`` (no K/V copies).
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None):
+        super().__init__(config=config)
+        tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+        tp = _group_size(tp_group) if tp_group is not None else parallel_state.get_tensor_model_parallel_world_size()
+        self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        if self.cp_group is None and config.context_parallel_size > 1:
+            self.cp_group = parallel_state.get_context_parallel_group()
+        self.np = config.num_attention_heads // tp
+        self.hn = config.kv_channels
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.hn)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _sdpa(self, q, k, v, causal: bool, mask=None):
+        """q [..., np, Lq, hn], k/v [..., ng, Lk, hn]."""
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal and mask is None,
+            scale=self.scale, enable_gqa=q.shape[-3] != k.shape[-3],
+        )
+
+    def _cp_gather(self, x):
+        """[t_local, ...] -> [cp * t_local, ...] rank-major; backward reduce-scatters."""
+        return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=self.cp_group)
+
+    def _packed(self, q, k, v, cu_padded: list[int]) -> torch.Tensor:
+        """Packed documents; q [t, np, hn], k/v [t, ng, hn] -> [t, np, hn]."""
+        cp = _group_size(self.cp_group)
+        if cp == 1:
+            outs = []
+            for lo, hi in zip(cu_padded[:-1], cu_padded[1:]):
+                qi, ki, vi = (x[lo:hi].transpose(0, 1) for x in (q, k, v))
+                outs.append(self._sdpa(qi, ki, vi, causal=True).transpose(0, 1))
+            return torch.cat(outs, 0)
+        r = torch.distributed.get_rank(self.cp_group)
+        t_local = q.shape[0]
+        k_all, v_all = self._cp_gather(k), self._cp_gather(v)  # [cp * t_local, ng, hn]
+        outs = []
+        for lo, hi in zip(cu_padded[:-1], cu_padded[1:]):
+            n = hi - lo  # padded global length of this document
+            llo, lhi = lo // cp, hi // cp
+            # rows of k_all holding the document in global order: chunk j lives on rank
+            # j (first half of its slot) for j < cp, else on rank 2cp-1-j (second half).
+            c = n // (2 * cp)
+            idx = []
+            for j in range(2 * cp):
+                owner, half = (j, 0) if j < cp else (2 * cp - 1 - j, 1)
+                start = owner * t_local + llo + half * c
+                idx.append(torch.arange(start, start + c, device=q.device))
+            idx = torch.cat(idx)
+            kd, vd = k_all[idx].transpose(0, 1), v_all[idx].transpose(0, 1)  # [ng, n, hn]
+            qpos = cp_chunk_positions(n, cp, r, device=q.device)  # [n / cp]
+            mask = torch.arange(n, device=q.device)[None, :] <= qpos[:, None]  # [n/cp, n]
+            qi = q[llo:lhi].transpose(0, 1)
+            outs.append(self._sdpa(qi, kd, vd, causal=False, mask=mask).transpose(0, 1))
+        return torch.cat(outs, 0)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_bias is not None:
+            raise ValueError("SDPAttention does not take an attention_bias")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            cu = packed_seq_params.cu_seqlens_q_padded
+            if cu is None:
+                cu = packed_seq_params.cu_seqlens_q
+            out = self._packed(query, key, value, [int(x) for x in cu.tolist()])
+            return out.reshape(out.shape[0], -1)
+        # sbhd: [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        s_local = q.shape[2]
+        cp = _group_size(self.cp_group)
+        if cp == 1:
+            mask = None if attention_mask is None else ~attention_mask
+            out = self._sdpa(q, k, v, causal=attention_mask is None, mask=mask)
+        else:
+            # each batch row is one sequence of cp * s_local tokens in the load-balanced layout
+            if attention_mask is not None:
+                raise ValueError("context parallelism with an explicit attention_mask is not supported")
+            kq = self._cp_gather(key)  # [cp * s_local, b, ng, hn]
+            n = cp * s_local
+            pos = torch.cat([cp_chunk_positions(n, cp, rr, device=q.device) for rr in range(cp)])
+            order = torch.argsort(pos)
+            kd = kq[order].permute(1, 2, 0, 3)
+            vd = self._cp_gather(value)[order].permute(1, 2, 0, 3)
+            qpos = cp_chunk_positions(n, cp, torch.distributed.get_rank(self.cp_group), device=q.device)
+            mask = torch.arange(n, device=q.device)[None, :] <= qpos[:, None]
+            out = self._sdpa(q, kd, vd, causal=False, mask=mask)
+        return out.permute(2, 0, 1, 3).reshape(s_local, q.shape[0], -1)

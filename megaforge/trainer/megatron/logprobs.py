@@ -1,0 +1,85 @@
+"""Per-token log-probabilities and entropy from vocabulary-parallel logits, without gathering them.
+
+Each TP rank holds logits z [N, V/tp] for its slice of the (padded) vocabulary. With temperature
+tau, z <- z / tau, and only the first ``vocab`` (unpadded) columns taking part:
+
+    m      = max_v z_v                         (all-reduce MAX over TP)
+    S      = sum_v exp(z_v - m)                (all-reduce SUM)
+    logZ   = m + log S
+    lp     = z_y - logZ                        (z_y all-reduce SUM from the rank owning label y)
+    H      = logZ - sum_v p_v z_v,  p = exp(z - logZ)   (all-reduce SUM)
+
+Backward (local, no communication): dlp/dz_v = 1[v = y] - p_v, dH/dz_v = -p_v (z_v - logZ + H);
+each rank returns the gradient for its own columns (then divided by tau), which is exactly the
+gradient of the replicated per-token values with respect to the sharded logits.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class _VocabParallelLogprobEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, vocab_start, n_valid, group, with_entropy):
+        z = logits.float()[:, :n_valid]  # [N, n_valid] real vocabulary columns of this rank
+        n = z.shape[0]
+        if n_valid > 0:
+            m = z.max(-1).values
+        else:
+            m = torch.full((n,), float("-inf"), device=z.device)
+        if group is not None:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        e = torch.exp(z - m[:, None])
+        s = e.sum(-1)
+        local = labels - vocab_start
+        own = (local >= 0) & (local < n_valid)
+        if n_valid > 0:
+            zy = torch.where(own, z.gather(-1, local.clamp(0, n_valid - 1)[:, None])[:, 0], 0.0)
+        else:
+            zy = torch.zeros(n, device=z.device)
+        if with_entropy:
+            pz = (e * z).sum(-1)
+            stats = torch.stack([s, zy, pz])
+        else:
+            stats = torch.stack([s, zy])
+        if group is not None:
+            dist.all_reduce(stats, group=group)
+        logz = m + torch.log(stats[0])
+        lp = stats[1] - logz
+        ent = (logz - stats[2] / stats[0]) if with_entropy else torch.zeros_like(lp)
+        ctx.save_for_backward(z, logz, ent, local, own)
+        ctx.meta = (logits.shape[-1], n_valid, logits.dtype, with_entropy)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        z, logz, ent, local, own = ctx.saved_tensors
+        width, n_valid, dtype, with_entropy = ctx.meta
+        p = torch.exp(z - logz[:, None])
+        grad = -p * g_lp[:, None]
+        if n_valid:
+            onehot_rows = own.nonzero()[:, 0]
+            grad[onehot_rows, local[onehot_rows]] += g_lp[onehot_rows]
+        if with_entropy:
+            grad = grad - p * (z - logz[:, None] + ent[:, None]) * g_ent[:, None]
+        if n_valid < width:
+            grad = torch.cat([grad, grad.new_zeros(grad.shape[0], width - n_valid)], -1)
+        return grad.to(dtype), None, None, None, None, None
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab: int, temperature: float = 1.0,
+                            group=None, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """logprob of ``labels`` [N] and entropy [N] (float32) from this rank's logits [N, V/tp].
+
+    ``vocab`` is the real (unpadded) vocabulary size; columns at or beyond it are ignored.
+    ``group`` is the TP group (None: logits hold the whole vocabulary).
+    """
+    width = logits.shape[-1]
+    rank = 0 if group is None else dist.get_rank(group)
+    start = rank * width
+    n_valid = max(0, min(width, vocab - start))
+    if (labels < 0).any() or (labels >= vocab).any():
+        raise ValueError(f"labels outside the vocabulary [0, {vocab}): min {int(labels.min())}, max {int(labels.max())}")
+    z = logits if temperature == 1.0 else logits / temperature
+    return _VocabParallelLogprobEntropy.apply(z, labels, start, n_valid, group, with_entropy)

@@ -1,0 +1,211 @@
+"""Build a megatron-core ``GPTModel`` from a Hugging Face config and load HF weights into it.
+
+Each rank builds only its pipeline stage and loads only its tensor-parallel shards, reading the HF
+tensors it needs from the safetensors files (or an in-memory HF state dict for random inits).
+The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by * TP``; the padded rows are
+zero and never scored (see :mod:`megaforge.trainer.megatron.logprobs`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megaforge.convert import families
+from megaforge.convert.families import ModelDesc, ParamMap
+from megaforge.convert.layouts import Dims
+from megaforge.convert.mapping import HFSource, to_megatron_shard
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+VOCAB_DIVISIBLE_BY = 128
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+        import megatron.core.extensions.transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def resolve_spec(setting: str) -> str:
+    """``trainer.layer_spec``: auto -> te when Transformer Engine imports, else torch."""
+    if setting == "auto":
+        return "te" if te_available() else "torch"
+    if setting == "te" and not te_available():
+        raise RuntimeError("trainer.layer_spec=te but transformer_engine is not importable")
+    if setting not in ("te", "torch"):
+        raise ValueError(f"trainer.layer_spec={setting!r}; valid: auto, te, torch")
+    return setting
+
+
+def layer_spec(spec: str, desc: ModelDesc, config):
+    """Transformer-layer spec (or block submodules) for GPTModel.
+
+    ``torch``: megatron-core local layers with megaforge's RMSNorm (sequence parallel capable) and
+    SDPA core attention (packed sequences, context parallel). ``te``: megatron's TE spec.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if spec == "te":
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=desc.qk_norm)
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from megaforge.trainer.megatron.layers import RMSNorm, SDPAttention
+
+    ls = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=desc.qk_norm)
+    sub = ls.submodules
+    sub.input_layernorm = RMSNorm
+    sub.pre_mlp_layernorm = RMSNorm
+    att = sub.self_attention.submodules
+    att.core_attention = SDPAttention
+    if desc.qk_norm:
+        att.q_layernorm = RMSNorm
+        att.k_layernorm = RMSNorm
+    return TransformerBlockSubmodules(layer_specs=[ls] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+
+
+def transformer_config(desc: ModelDesc, tcfg, dtype: torch.dtype, on_cpu: bool, spec: str):
+    """megatron ``TransformerConfig`` equivalent to the HF architecture ``desc``.
+
+    ``tcfg`` is ``cfg.trainer`` (parallel sizes, recompute, fp8). Dropout is 0 (RL fine-tuning);
+    loss scaling is left to megaforge (``calculate_per_token_loss=True`` keeps megatron from
+    dividing micro-batch losses, see the trainer).
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    if desc.num_layers % tcfg.pipeline_parallel:
+        raise ValueError(f"num_hidden_layers={desc.num_layers} is not divisible by trainer.pipeline_parallel={tcfg.pipeline_parallel}")
+    for what, n in (("num_attention_heads", desc.num_heads), ("num_key_value_heads", desc.num_kv_heads)):
+        if n % tcfg.tensor_parallel:
+            raise ValueError(f"{what}={n} is not divisible by trainer.tensor_parallel={tcfg.tensor_parallel}")
+    if tcfg.fp8 and spec != "te":
+        raise ValueError("trainer.fp8 needs trainer.layer_spec te (Transformer Engine)")
+    kw = {}
+    if tcfg.recompute != "none":
+        kw["recompute_granularity"] = tcfg.recompute
+        if tcfg.recompute == "full":
+            kw.update(recompute_method="uniform", recompute_num_layers=1)
+    if tcfg.fp8:
+        kw.update(fp8=tcfg.fp8, fp8_recipe=tcfg.fp8_recipe)
+    return TransformerConfig(
+        num_layers=desc.num_layers, hidden_size=desc.hidden, ffn_hidden_size=desc.ffn,
+        num_attention_heads=desc.num_heads, num_query_groups=desc.num_kv_heads, kv_channels=desc.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=desc.norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=desc.qkv_bias, qk_layernorm=desc.qk_norm,
+        hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tcfg.tensor_parallel, pipeline_model_parallel_size=tcfg.pipeline_parallel,
+        context_parallel_size=tcfg.context_parallel, sequence_parallel=tcfg.sequence_parallel,
+        expert_model_parallel_size=tcfg.expert_parallel,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        use_cpu_initialization=on_cpu, perform_initialization=False,
+        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        calculate_per_token_loss=True, deallocate_pipeline_outputs=True,
+        **kw,
+    )
+
+
+def _rope_kwargs(desc: ModelDesc) -> dict:
+    rs = desc.rope_scaling
+    if rs is None:
+        return {}
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "llama3":
+        want = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+        got = {k: float(rs.get(k, v)) for k, v in want.items()}
+        if got != {k: float(v) for k, v in want.items()}:
+            raise NotImplementedError(f"llama3 rope scaling with {got}; megatron-core supports only {want}")
+        return dict(rope_scaling=True, rope_scaling_factor=float(rs["factor"]))
+    raise NotImplementedError(f"rope scaling type {kind!r} is not supported by the megatron backend")
+
+
+@dataclass
+class BuiltModel:
+    model: torch.nn.Module  # GPTModel (this stage), on its device
+    desc: ModelDesc
+    family: families.Family
+    dims: Dims
+    spec: str
+    layer_offset: int
+
+
+def build_model(desc: ModelDesc, family, config, spec: str, device: torch.device) -> BuiltModel:
+    """This rank's pipeline stage of the GPTModel (weights uninitialised until :func:`load_weights`)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    padded = desc.padded_vocab(VOCAB_DIVISIBLE_BY, tp)
+    model = GPTModel(
+        config=config, transformer_layer_spec=layer_spec(spec, desc, config), vocab_size=padded,
+        max_sequence_length=desc.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        parallel_output=True, share_embeddings_and_output_weights=desc.tied,
+        position_embedding_type="rope", rotary_percent=1.0, rotary_base=desc.rope_theta,
+        **_rope_kwargs(desc),
+    )
+    model.to(device)
+    return BuiltModel(model, desc, family, desc.dims(padded), spec, get_transformer_layer_offset(config))
+
+
+def local_param_maps(bm: BuiltModel) -> dict[str, ParamMap]:
+    """Local Megatron parameter name -> the table row it comes from (layers renumbered locally)."""
+    out = {}
+    n_local = len(bm.model.decoder.layers)
+    for pm in bm.family.param_maps(bm.desc):
+        name = pm.megatron
+        if pm.layer is not None:
+            j = pm.layer - bm.layer_offset
+            if not 0 <= j < n_local:
+                continue
+            name = name.replace(f"decoder.layers.{pm.layer}.", f"decoder.layers.{j}.", 1)
+        out[families.spec_name(name, bm.spec)] = pm
+    return out
+
+
+@torch.no_grad()
+def load_weights(bm: BuiltModel, source: HFSource) -> None:
+    """Copy HF tensors into every parameter of this stage (TP shard of this rank)."""
+    from megatron.core import parallel_state as ps
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    maps = local_param_maps(bm)
+    params = dict(bm.model.named_parameters())
+    missing = [n for n in params if n not in maps]
+    if missing:
+        raise KeyError(f"Megatron parameters without an HF source (family {bm.family.name}, spec {bm.spec}): {missing}")
+    for name, p in params.items():
+        shard = to_megatron_shard(maps[name], source, bm.dims, tp, rank)
+        if tuple(shard.shape) != tuple(p.shape):
+            raise ValueError(
+                f"{name}: converted HF shard {tuple(shard.shape)} (from {list(maps[name].hf)}) does not "
+                f"match the Megatron parameter {tuple(p.shape)}"
+            )
+        p.copy_(shard.to(dtype=p.dtype))
+
+
+def hf_source(model_cfg, desc_only: bool = False) -> tuple[object, Optional[HFSource]]:
+    """(HF config, weight source) for ``cfg.model``: ``model.path`` (safetensors) or, when empty,
+    a random init of ``model.config`` seeded by ``model.init_seed`` (same on every rank)."""
+    import transformers
+
+    if model_cfg.path:
+        hf_cfg = transformers.AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
+        return hf_cfg, (None if desc_only else HFSource(path=model_cfg.path))
+    if not model_cfg.config:
+        raise ValueError("model.path or model.config must be set")
+    hf_cfg = transformers.AutoConfig.from_pretrained(model_cfg.config, trust_remote_code=model_cfg.trust_remote_code)
+    if desc_only:
+        return hf_cfg, None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(model_cfg.init_seed)
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=DTYPES[model_cfg.dtype])
+    return hf_cfg, HFSource(state_dict={k: v.detach() for k, v in hf.state_dict().items()})

@@ -1,0 +1,97 @@
+"""Pack right-padded rows into one ``thd`` sequence (no padding waste) and unpack per-token values.
+
+Rows b = 0..B-1 of length L_b are laid end to end. With context parallelism c > 1 each row is
+padded to P_b = ceil(L_b / 2c) * 2c (megatron/TE's load-balanced layout: CP rank r keeps chunks r and
+2c-1-r of each row); with sequence parallelism the last row's padding grows until the packed length
+is a multiple of c * TP. Padding sits after a row's real tokens, so causal attention keeps it out of
+every real token's context.
+
+Predictions are *next-token*: position j of the packed sequence predicts token j+1 of the same
+row (``labels``). :meth:`Packed.to_rows` maps a per-position value v_j (e.g. the logprob of the
+label at j) back to the token-aligned [B, T] layout of :class:`megaforge.types.TrainBatch`:
+out[b, t] = v[start_b + t - 1] for 1 <= t < L_b, 0 elsewhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megaforge.trainer.megatron.layers import cp_chunk_positions
+
+
+@dataclass
+class Packed:
+    tokens: torch.Tensor  # [1, t_local] this CP rank's tokens
+    labels: torch.Tensor  # [1, t_local] next-token labels (0 where there is none)
+    position_ids: torch.Tensor  # [1, t_local] position inside the row
+    packed_seq_params: object  # megatron PackedSeqParams (thd)
+    local_pos: torch.Tensor  # [t_local] global packed positions of this rank's tokens
+    all_pos: torch.Tensor  # [c * t_local] global positions of the rank-major CP gather
+    src: torch.Tensor  # [B, T] packed position predicting token (b, t) (0 where invalid)
+    valid: torch.Tensor  # [B, T] bool: 1 <= t < L_b
+    total: int  # padded global packed length
+
+    def to_rows(self, gathered: torch.Tensor) -> torch.Tensor:
+        """[c * t_local] values in rank-major CP-gather order -> token-aligned [B, T] (differentiable)."""
+        inv = torch.empty_like(self.all_pos)
+        inv[self.all_pos] = torch.arange(self.all_pos.numel(), device=self.all_pos.device)
+        glob = gathered.index_select(0, inv)  # [total] in packed order
+        out = glob.index_select(0, self.src.reshape(-1)).reshape(self.src.shape)
+        return torch.where(self.valid, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank: int = 0, tp_sp: int = 1,
+         device=None, cp_group=None) -> Packed:
+    """Pack ``tokens`` [B, T] (right-padded, ``lengths`` [B]) for one CP rank.
+
+    ``tp_sp`` is the TP size when sequence parallelism is on, else 1.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    B, T = tokens.shape
+    if lengths.shape != (B,):
+        raise ValueError(f"lengths has shape {tuple(lengths.shape)}, tokens {tuple(tokens.shape)}")
+    lens = [int(x) for x in lengths.tolist()]
+    if min(lens) < 1 or max(lens) > T:
+        raise ValueError(f"lengths must be in [1, {T}] (tokens {tuple(tokens.shape)}), got {lens}")
+    align = 2 * cp_size if cp_size > 1 else 1
+    padded = [-(-n // align) * align for n in lens]
+    while sum(padded) % (cp_size * tp_sp):
+        padded[-1] += align
+    total = sum(padded)
+    starts = [0]
+    for p in padded[:-1]:
+        starts.append(starts[-1] + p)
+    flat = torch.zeros(total, dtype=torch.long)
+    labels = torch.zeros(total, dtype=torch.long)
+    pos = torch.zeros(total, dtype=torch.long)
+    src = torch.zeros(B, T, dtype=torch.long)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    for b, (s, n, p) in enumerate(zip(starts, lens, padded)):
+        row = tokens[b, :n].long()
+        flat[s:s + n] = row
+        labels[s:s + n - 1] = row[1:]
+        pos[s:s + p] = torch.arange(p)
+        src[b, 1:n] = torch.arange(s, s + n - 1)
+        valid[b, 1:n] = True
+
+    def positions(rank):
+        return torch.cat([s + cp_chunk_positions(p, cp_size, rank) for s, p in zip(starts, padded)])
+
+    local_pos = positions(cp_rank)
+    all_pos = torch.cat([positions(r) for r in range(cp_size)]) if cp_size > 1 else local_pos
+    # TE semantics: cu_seqlens = cumulative real lengths, cu_seqlens_padded = row offsets
+    cu_real = torch.cumsum(torch.tensor([0] + lens, dtype=torch.int32), 0, dtype=torch.int32)
+    cu_pad = torch.cumsum(torch.tensor([0] + padded, dtype=torch.int32), 0, dtype=torch.int32)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_real.to(device), cu_seqlens_kv=cu_real.to(device),
+        cu_seqlens_q_padded=cu_pad.to(device), cu_seqlens_kv_padded=cu_pad.to(device),
+        max_seqlen_q=max(padded), max_seqlen_kv=max(padded), cp_group=cp_group,
+    )
+    return Packed(
+        tokens=flat[local_pos][None].to(device), labels=labels[local_pos][None].to(device),
+        position_ids=pos[local_pos][None].to(device), packed_seq_params=params,
+        local_pos=local_pos.to(device), all_pos=all_pos.to(device), src=src.to(device),
+        valid=valid.to(device), total=total,
+    )
