@@ -1,0 +1,156 @@
+"""Run checkpoints: atomic, checksummed, resumable.
+
+Layout: ``<run dir>/checkpoints/step_000012/`` holding ``trainer/`` (the backend's own files),
+``state.json`` (loop state: phase, steps, data position, weight version), ``rng_rank{R}.pt`` and,
+written last, ``manifest.json`` (sha256 and size of every file). A checkpoint is written under
+``.tmp-step_000012`` and renamed when complete, so a crash never leaves a half checkpoint under a
+real name. :func:`latest_valid` skips (and names) any checkpoint whose manifest is missing or whose
+files do not match it, falling back to the previous one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from megaforge import dist
+
+_NAME = re.compile(r"^step_(\d+)$")
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(root: str) -> list[str]:
+    out = []
+    for d, _, files in os.walk(root):
+        for f in files:
+            rel = os.path.relpath(os.path.join(d, f), root)
+            if rel != "manifest.json":
+                out.append(rel)
+    return sorted(out)
+
+
+def write_manifest(root: str) -> None:
+    manifest = {rel: {"sha256": _sha256(os.path.join(root, rel)), "bytes": os.path.getsize(os.path.join(root, rel))}
+                for rel in _files(root)}
+    tmp = os.path.join(root, "manifest.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, "manifest.json"))
+
+
+def verify(root: str) -> Optional[str]:
+    """None when ``root`` is a complete checkpoint, else the reason it is not."""
+    mf = os.path.join(root, "manifest.json")
+    if not os.path.exists(mf):
+        return "no manifest.json (incomplete write)"
+    try:
+        with open(mf) as f:
+            manifest = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        return f"unreadable manifest.json: {e}"
+    for rel, info in manifest.items():
+        p = os.path.join(root, rel)
+        if not os.path.exists(p):
+            return f"missing file {rel}"
+        if os.path.getsize(p) != info["bytes"]:
+            return f"{rel}: {os.path.getsize(p)} bytes, manifest says {info['bytes']}"
+        if _sha256(p) != info["sha256"]:
+            return f"{rel}: checksum mismatch"
+    return None
+
+
+def list_checkpoints(ckpt_dir: str) -> list[tuple[int, str]]:
+    if not os.path.isdir(ckpt_dir):
+        return []
+    out = []
+    for name in os.listdir(ckpt_dir):
+        m = _NAME.match(name)
+        if m:
+            out.append((int(m.group(1)), os.path.join(ckpt_dir, name)))
+    return sorted(out)
+
+
+def latest_valid(ckpt_dir: str, log: Callable[[str], None] = print) -> Optional[str]:
+    """Newest complete checkpoint; corrupt or partial ones are reported and skipped."""
+    for step, path in reversed(list_checkpoints(ckpt_dir)):
+        why = verify(path)
+        if why is None:
+            return path
+        log(f"[megaforge] checkpoint {path} is not usable ({why}); falling back to an earlier one")
+    return None
+
+
+def save(ckpt_dir: str, step: int, trainer, loop_state: dict, keep_last_n: int) -> str:
+    """Collective: every rank calls it. Returns the final checkpoint path."""
+    name = f"step_{step:06d}"
+    final = os.path.join(ckpt_dir, name)
+    tmp = os.path.join(ckpt_dir, ".tmp-" + name)
+    if dist.is_main():
+        os.makedirs(ckpt_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    trainer.save(os.path.join(tmp, "trainer"))
+    torch.save(_rng_tensors(), os.path.join(tmp, f"rng_rank{dist.rank()}.pt"))
+    dist.barrier()
+    if dist.is_main():
+        with open(os.path.join(tmp, "state.json"), "w") as f:
+            json.dump(loop_state, f, indent=1)
+        write_manifest(tmp)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for _, old in list_checkpoints(ckpt_dir)[:-keep_last_n]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def _rng_tensors() -> dict:
+    """RNG states as tensors / plain lists so they load with ``weights_only=True``."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    out = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def _restore_rng(state: dict) -> None:
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load(path: str, trainer) -> dict:
+    """Collective: restore the trainer and this rank's RNG; returns the loop state."""
+    trainer.load(os.path.join(path, "trainer"))
+    rng_file = os.path.join(path, f"rng_rank{dist.rank()}.pt")
+    if os.path.exists(rng_file):
+        _restore_rng(torch.load(rng_file, weights_only=True))
+    with open(os.path.join(path, "state.json")) as f:
+        return json.load(f)

@@ -1,0 +1,163 @@
+"""Prompt datasets for RL and SFT: row validation, chat templates, epoch shuffling, resumable position.
+
+A :class:`PromptSource` yields :class:`PromptRow` batches. Its position (epoch, index into the
+epoch's permutation, rows skipped) is in :meth:`PromptSource.state_dict`, so a resumed run sees
+exactly the prompts an uninterrupted run would have seen.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+from megaforge.data.sources import DataError, RawRow, read_rows
+
+
+@dataclass
+class PromptRow:
+    prompt_ids: list[int]
+    prompt_text: str
+    label: Any
+    where: str  # file and row, for messages
+    response_ids: Optional[list[int]] = None  # SFT target (without the end-of-turn token)
+    metadata: dict = field(default_factory=dict)
+
+
+def chat_prompt(tokenizer, content, cfg) -> tuple[str, list[int]]:
+    """The prompt text and ids: a user turn (or given messages) through the chat template."""
+    if isinstance(content, list):
+        messages = list(content)
+    else:
+        messages = [{"role": "user", "content": content}]
+    if cfg.system_prompt and not any(m.get("role") == "system" for m in messages):
+        messages = [{"role": "system", "content": cfg.system_prompt}] + messages
+    if cfg.apply_chat_template:
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError("data.apply_chat_template is true but the tokenizer has no chat template")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = "\n".join(m["content"] for m in messages)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text, list(ids)
+
+
+def _check_messages(msgs, where: str, key: str):
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f"{where}: field {key!r} must be a non-empty string or list of messages")
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: {key}[{j}] must be {{'role': str, 'content': str}}, got {m!r}")
+
+
+def parse_row(raw: RawRow, cfg, tokenizer, want_response: bool) -> PromptRow:
+    """Validate one raw row; raise DataError naming the row on any problem."""
+    if raw.data is None:
+        raise DataError(f"{raw.where}: {raw.error}")
+    row = raw.data
+    key = cfg.input_key
+    if key not in row:
+        raise DataError(f"{raw.where}: missing field {key!r} (data.input_key); row has {sorted(row)}")
+    content = row[key]
+    response_ids = None
+    if isinstance(content, list):
+        _check_messages(content, raw.where, key)
+        if want_response and content[-1]["role"] == "assistant" and cfg.response_key not in row:
+            response_ids = tokenizer(content[-1]["content"], add_special_tokens=False)["input_ids"]
+            content = content[:-1]
+            if not content:
+                raise DataError(f"{raw.where}: {key!r} holds only an assistant message")
+    elif not isinstance(content, str) or not content.strip():
+        raise DataError(f"{raw.where}: field {key!r} must be a non-empty string, got {content!r}")
+    label = row.get(cfg.label_key)
+    if want_response and response_ids is None:
+        resp = row.get(cfg.response_key)
+        if not isinstance(resp, str) or not resp:
+            raise DataError(f"{raw.where}: missing or empty field {cfg.response_key!r} (SFT target, data.response_key)")
+        response_ids = tokenizer(resp, add_special_tokens=False)["input_ids"]
+    if not want_response and label is None:
+        raise DataError(f"{raw.where}: missing field {cfg.label_key!r} (data.label_key) for the rewards")
+    text, ids = chat_prompt(tokenizer, content, cfg)
+    if len(ids) > cfg.max_prompt_len:
+        raise DataError(f"{raw.where}: prompt has {len(ids)} tokens > data.max_prompt_len {cfg.max_prompt_len}")
+    if not ids:
+        raise DataError(f"{raw.where}: the prompt tokenizes to nothing")
+    return PromptRow(list(ids), text, label, raw.where, response_ids)
+
+
+class PromptSource:
+    """Batches of validated prompts; map-style (shuffled per epoch) or streaming (in order)."""
+
+    def __init__(self, cfg, tokenizer, seed: int, want_response: bool = False):
+        self.cfg, self.tok, self.seed, self.want_response = cfg, tokenizer, seed, want_response
+        self.streaming = cfg.streaming
+        self.epoch, self.pos, self.skipped = 0, 0, 0
+        self._stream: Optional[Iterator[RawRow]] = None
+        if self.streaming:
+            self._rows: list[RawRow] = []
+        else:
+            self._rows = list(read_rows(cfg, seed))
+            if not self._rows:
+                raise DataError(f"data.path {cfg.path!r}: no rows")
+            self._order = self._permutation(0)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self._rows)))
+        if self.cfg.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def _next_raw(self) -> RawRow:
+        if self.streaming:
+            if self._stream is None:
+                self._stream = read_rows(self.cfg, self.seed)
+                for _ in range(self.pos):  # resume: skip what was consumed
+                    next(self._stream)
+            try:
+                raw = next(self._stream)
+            except StopIteration:
+                self.epoch += 1
+                self.pos = 0
+                self._stream = read_rows(self.cfg, self.seed)
+                try:
+                    raw = next(self._stream)
+                except StopIteration:
+                    raise DataError(f"data.path {self.cfg.path!r}: no rows") from None
+            self.pos += 1
+            return raw
+        if self.pos >= len(self._order):
+            self.epoch += 1
+            self.pos = 0
+            self._order = self._permutation(self.epoch)
+        raw = self._rows[self._order[self.pos]]
+        self.pos += 1
+        return raw
+
+    def next_batch(self, n: int) -> list[PromptRow]:
+        out: list[PromptRow] = []
+        tries = 0
+        limit = max(10 * n, len(self._rows) + n)
+        while len(out) < n:
+            raw = self._next_raw()
+            try:
+                out.append(parse_row(raw, self.cfg, self.tok, self.want_response))
+            except DataError:
+                if not self.cfg.skip_bad_rows:
+                    raise
+                self.skipped += 1
+                tries += 1
+                if tries > limit:
+                    raise DataError(f"data.path {self.cfg.path!r}: more than {limit} bad rows in a row") from None
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos, self.skipped = int(state["epoch"]), int(state["pos"]), int(state["skipped"])
+        if self.streaming:
+            self._stream = None
+        else:
+            self._order = self._permutation(self.epoch)

@@ -1,0 +1,140 @@
+"""Row sources: jsonl, parquet, `datasets` datasets (local or hub, map-style or streaming), synthetic.
+
+Every row comes with a *location* string (``file.jsonl:17``, ``data.parquet:row 3``,
+``dataset[train]:row 5``) so that a malformed row can be named in the error.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+
+class DataError(ValueError):
+    """A malformed data row or an unreadable data source; the message names file and row."""
+
+
+@dataclass
+class RawRow:
+    data: Optional[dict]  # None when the row could not be parsed
+    where: str  # file and row number
+    error: str = ""  # why the row could not be parsed
+
+
+def detect_format(path: str, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    if os.path.isdir(path):
+        files = os.listdir(path)
+        if any(f.endswith(".jsonl") for f in files):
+            return "jsonl"
+        if any(f.endswith(".parquet") for f in files):
+            return "parquet"
+        return "hf"  # a saved `datasets` dataset or a dataset script folder
+    if path.endswith((".jsonl", ".json")):
+        return "jsonl"
+    if path.endswith(".parquet"):
+        return "parquet"
+    if os.path.exists(path):
+        raise DataError(f"data.path {path!r}: cannot tell the format from the name; set data.format")
+    from megaforge.data.synthetic import SYNTHETIC_TASKS
+
+    if path in SYNTHETIC_TASKS:
+        return "synthetic"
+    return "hf"  # a hub dataset name
+
+
+def _files(path: str, ext: str) -> list[str]:
+    if os.path.isdir(path):
+        files = sorted(glob.glob(os.path.join(path, f"**/*{ext}"), recursive=True))
+        if not files:
+            raise DataError(f"data.path {path!r}: no *{ext} files in the directory")
+        return files
+    if not os.path.exists(path):
+        raise DataError(f"data.path {path!r}: no such file")
+    return [path]
+
+
+def read_jsonl(path: str) -> Iterator[RawRow]:
+    for f in _files(path, ".jsonl") if os.path.isdir(path) else _files(path, ""):
+        with open(f, encoding="utf-8") as fh:
+            if f.endswith(".json"):
+                try:
+                    items = json.load(fh)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{f}: not valid JSON: {e}") from None
+                if not isinstance(items, list):
+                    raise DataError(f"{f}: a .json data file must hold a list of rows")
+                for i, item in enumerate(items):
+                    yield _as_row(item, f"{f}:item {i}")
+                continue
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield RawRow(None, f"{f}:{lineno}", f"not valid JSON ({e.msg} at column {e.colno})")
+                    continue
+                yield _as_row(item, f"{f}:{lineno}")
+
+
+def _as_row(item: Any, where: str) -> RawRow:
+    if not isinstance(item, dict):
+        return RawRow(None, where, f"a row must be a JSON object, got {type(item).__name__}")
+    return RawRow(item, where)
+
+
+def read_parquet(path: str) -> Iterator[RawRow]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise DataError("reading parquet needs pyarrow (pip install 'megaforge[data]')") from e
+    for f in _files(path, ".parquet"):
+        try:
+            table = pq.read_table(f)
+        except Exception as e:  # pyarrow raises several types for corrupt files
+            raise DataError(f"{f}: cannot read parquet: {e}") from None
+        for i, item in enumerate(table.to_pylist()):
+            yield _as_row(item, f"{f}:row {i}")
+
+
+def read_hf(path: str, split: str, streaming: bool) -> Iterator[RawRow]:
+    try:
+        import datasets
+    except ImportError as e:
+        raise DataError(f"data.path {path!r} is a `datasets` dataset: pip install datasets") from e
+    try:
+        if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
+            ds = datasets.load_from_disk(path)
+        elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
+            ds = datasets.load_from_disk(path)[split]
+        else:
+            ds = datasets.load_dataset(path, split=split, streaming=streaming)
+    except Exception as e:
+        raise DataError(f"data.path {path!r} (split {split!r}): cannot load dataset: {e}") from None
+    for i, item in enumerate(ds):
+        yield _as_row(dict(item), f"{path}[{split}]:row {i}")
+
+
+def read_synthetic(name: str, n: int, seed: int, kwargs: dict) -> Iterator[RawRow]:
+    from megaforge.data.synthetic import synthetic_rows
+
+    for i, item in enumerate(synthetic_rows(name, n, seed, **kwargs)):
+        yield RawRow(item, f"{name}:row {i}")
+
+
+def read_rows(cfg, seed: int) -> Iterator[RawRow]:
+    """All rows of the source described by a DataConfig."""
+    fmt = detect_format(cfg.path, cfg.format)
+    if fmt == "jsonl":
+        return read_jsonl(cfg.path)
+    if fmt == "parquet":
+        return read_parquet(cfg.path)
+    if fmt == "hf":
+        return read_hf(cfg.path, cfg.split, cfg.streaming)
+    if fmt == "synthetic":
+        return read_synthetic(cfg.path, cfg.synthetic_size, seed, cfg.synthetic_kwargs)
+    raise DataError(f"data.format {fmt!r} is not supported")

@@ -1,0 +1,50 @@
+"""Verifiable tasks generated in code, so the demo and the tests need no download.
+
+``arithmetic``: "What is 7 + 5?" answered as ``<think>7+5=12</think> \\boxed{12}``. Rows carry
+``prompt``, ``answer`` (the label the rewards check) and ``response`` (a correct worked answer, used
+by the SFT warm start).
+"""
+from __future__ import annotations
+
+import random
+from typing import Callable, Iterator
+
+from megaforge.registry import Registry
+
+SYNTHETIC_TASKS = Registry("synthetic task")
+
+
+@SYNTHETIC_TASKS.register("arithmetic")
+def arithmetic_rows(n: int, seed: int = 0, max_operand: int = 9, ops: str = "+-", min_operand: int = 0) -> list[dict]:
+    """``n`` rows of ``a op b`` with operands in [min_operand, max_operand] and op drawn from ``ops``."""
+    bad = set(ops) - set("+-*")
+    if bad:
+        raise ValueError(f"arithmetic task: unsupported operator(s) {sorted(bad)}; use some of '+-*'")
+    if max_operand < min_operand:
+        raise ValueError(f"arithmetic task: max_operand {max_operand} < min_operand {min_operand}")
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a = rng.randint(min_operand, max_operand)
+        b = rng.randint(min_operand, max_operand)
+        op = rng.choice(ops)
+        c = a + b if op == "+" else a - b if op == "-" else a * b
+        rows.append({
+            "id": i,
+            "prompt": f"What is {a} {op} {b}?",
+            "answer": str(c),
+            "response": f"<think>{a}{op}{b}={c}</think> \\boxed{{{c}}}",
+        })
+    return rows
+
+
+def synthetic_rows(name: str, n: int, seed: int, **kwargs) -> list[dict]:
+    fn: Callable[..., list[dict]] = SYNTHETIC_TASKS.get(name)
+    try:
+        return fn(n, seed=seed, **kwargs)
+    except TypeError as e:
+        raise ValueError(f"synthetic task {name!r}: bad data.synthetic_kwargs {kwargs}: {e}") from e
+
+
+def iter_rows(name: str, n: int, seed: int, **kwargs) -> Iterator[dict]:
+    yield from synthetic_rows(name, n, seed, **kwargs)

@@ -1,0 +1,84 @@
+"""Small torch.distributed helpers; everything works unchanged in a single process."""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if initialized() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if initialized() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def init_from_env(device_type: str, timeout_s: float = 1800.0) -> None:
+    """Initialise the default process group from torchrun's variables (no-op when absent)."""
+    if initialized() or "WORLD_SIZE" not in os.environ:
+        return
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def barrier() -> None:
+    if initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if not initialized() or world() == 1:
+        return obj
+    box = [obj if rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if initialized() and world() > 1:
+        dev = t.device
+        if dist.get_backend() == "nccl" and dev.type != "cuda":
+            t = t.cuda()
+        dist.all_reduce(t)
+        t = t.to(dev)
+    return t
+
+
+def shard_range(n: int, r: int | None = None, w: int | None = None) -> tuple[int, int]:
+    """Contiguous rows [lo, hi) of ``n`` owned by rank ``r`` of ``w`` (sizes differ by at most 1)."""
+    r = rank() if r is None else r
+    w = world() if w is None else w
+    base, extra = divmod(n, w)
+    lo = r * base + min(r, extra)
+    return lo, lo + base + (1 if r < extra else 0)
+
+
+def all_gather_rows(t: torch.Tensor, n_total: int, group=None) -> torch.Tensor:
+    """Concatenate each rank's contiguous row shard ([n_r, ...]) into [n_total, ...] on every rank."""
+    if not initialized() or world() == 1:
+        return t
+    w = dist.get_world_size(group)
+    sizes = [shard_range(n_total, r, w) for r in range(w)]
+    biggest = max(hi - lo for lo, hi in sizes)
+    pad = torch.zeros((biggest,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    pad[: t.shape[0]] = t
+    dev = t.device
+    if dist.get_backend(group) == "nccl" and dev.type != "cuda":
+        pad = pad.cuda()
+    parts = [torch.empty_like(pad) for _ in range(w)]
+    dist.all_gather(parts, pad, group=group)
+    return torch.cat([p[: hi - lo].to(dev) for p, (lo, hi) in zip(parts, sizes)], dim=0)

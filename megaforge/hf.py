@@ -1,0 +1,78 @@
+"""Loading Hugging Face models and tokenizers the same way everywhere (trainer, engines, tests)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r} requested but CUDA is not available on this machine")
+    return torch.device(name)
+
+
+def load_tokenizer(model_cfg):
+    from transformers import AutoTokenizer
+
+    path = model_cfg.tokenizer or model_cfg.path
+    if not path:
+        raise ValueError("model.tokenizer: set a tokenizer (or model.path)")
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def hf_config(model_cfg):
+    """The transformers config of the policy (from model.path, else model.config)."""
+    from transformers import AutoConfig
+
+    if model_cfg.path:
+        return AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
+    src = model_cfg.config
+    if os.path.isdir(src):
+        src = os.path.join(src, "config.json")
+    if not os.path.exists(src):
+        raise FileNotFoundError(f"model.config {model_cfg.config!r}: no config.json there")
+    with open(src) as f:
+        data = json.load(f)
+    mt = data.get("model_type")
+    if not mt:
+        raise ValueError(f"model.config {src}: no 'model_type' field")
+    return AutoConfig.for_model(**data)
+
+
+def load_hf_model(model_cfg, device: torch.device, dtype: Optional[torch.dtype] = None):
+    """The policy as a transformers CausalLM on ``device`` (pretrained, or seeded random init)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = dtype or DTYPES[model_cfg.dtype]
+    if model_cfg.path:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_cfg.path, dtype=dtype, attn_implementation=model_cfg.attn_implementation,
+            trust_remote_code=model_cfg.trust_remote_code,
+        )
+    else:
+        config = hf_config(model_cfg)
+        config._attn_implementation = model_cfg.attn_implementation
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(model_cfg.init_seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.to(device)
+
+
+def hf_state_names(model) -> list[str]:
+    """Names of the tensors ``save_pretrained`` writes (tied duplicates left out)."""
+    sd = model.state_dict()
+    tied: set[str] = set()
+    if getattr(model.config, "tie_word_embeddings", False):
+        keys = getattr(model, "_tied_weights_keys", None)  # dict {tied: source} (v5) or list (v4)
+        tied = set(keys) if keys else {"lm_head.weight"}
+    return [k for k in sd if k not in tied]

@@ -1,0 +1,37 @@
+"""What the launchers run: parse the config, start the run, report errors without a traceback
+wall for problems the user can fix (config, data, run directory)."""
+from __future__ import annotations
+
+import os
+import sys
+
+from megaforge.configtree import ConfigError
+
+
+def main(mode: str, argv=None) -> None:
+    from megaforge.config import load_config
+    from megaforge.data.sources import DataError
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        cfg = load_config(argv)
+    except ConfigError as e:
+        print(f"megaforge: config error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    from megaforge.loop import RunError, run_grpo, run_sft
+
+    try:
+        if mode == "grpo":
+            run_grpo(cfg)
+        elif mode == "sft":
+            run_sft(cfg)
+        else:
+            raise ValueError(f"unknown launcher mode {mode!r}")
+    except (ConfigError, DataError, RunError) as e:
+        print(f"megaforge: error: {e}", file=sys.stderr)
+        raise SystemExit(1)
+    finally:
+        from megaforge import dist
+
+        if dist.initialized():
+            dist.dist.destroy_process_group()

@@ -1,0 +1,310 @@
+"""The RL loop (and the SFT loop). It calls the parts and owns nothing.
+
+One synchronous RL step (DESIGN.md, "One RL step"):
+
+    rows     = data.next_batch(rollout.batch_size)                       main rank
+    samples  = engine.generate(rows x grpo.n_samples); rewards           main rank
+    batch    = TrainBatch(samples) -> broadcast to every trainer rank
+    engine.release_memory(weights, kv_cache); trainer.onload()
+    batch.ref_logprobs = trainer.compute_logprobs(batch, "ref")         when a reference is used
+    batch.advantages   = ADVANTAGES[algo.advantage](rewards, groups, ...)
+    metrics  = trainer.train_step(batch)
+    trainer.offload(); engine.resume_memory(weights)
+    engine.update_weights(trainer.iter_hf_buckets(sync.bucket_mb))       every rank iterates
+    engine.resume_memory(kv_cache, cuda_graph)
+    log metrics; checkpoint / HF export when due
+"""
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+
+from megaforge import checkpoint, dist
+from megaforge.algorithms import ADVANTAGES, KL_ESTIMATORS, AdvantageInputs
+from megaforge.config import Config, save_config
+from megaforge.data.batch import samples_to_batch, set_denominators, sft_batch
+from megaforge.data.prompts import PromptSource
+from megaforge.metrics import MetricsLogger, Progress
+from megaforge.rollout.manager import completions_to_samples, make_requests, sampling_params, score, stop_token_ids
+
+
+class RunError(RuntimeError):
+    pass
+
+
+@contextmanager
+def timed(metrics: dict, key: str):
+    t = time.perf_counter()
+    yield
+    metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - t
+
+
+def _log(msg: str) -> None:
+    if dist.is_main():
+        print(f"[megaforge] {msg}", flush=True)
+
+
+class Run:
+    """Everything one run needs; :meth:`rl` and :meth:`sft` are the two loops."""
+
+    def __init__(self, cfg: Config, mode: str = "grpo"):
+        from megaforge.hf import load_tokenizer, resolve_device
+        from megaforge.trainer import build_trainer
+
+        self.cfg, self.mode = cfg, mode
+        self.run_dir = cfg.run_dir
+        dist.init_from_env(resolve_device(cfg.trainer.device).type)
+        if cfg.deterministic:
+            torch.use_deterministic_algorithms(True)
+        torch.manual_seed(cfg.seed)
+        self._prepare_run_dir()
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.trainer = build_trainer(cfg, self.tokenizer)
+        self.state = {"sft_step": 0, "rl_step": 0, "data": None, "sft_data": None, "skipped_steps": 0}
+        self.resumed_from = None
+        if cfg.resume:
+            self._resume()
+        self.engine = None
+
+    # ---------------------------------------------------------------------------------- set-up
+    def _prepare_run_dir(self) -> None:
+        cfg = self.cfg
+        err = None
+        if dist.is_main():
+            has_run = os.path.exists(os.path.join(self.run_dir, "metrics.jsonl")) or checkpoint.list_checkpoints(
+                os.path.join(self.run_dir, "checkpoints"))
+            if has_run and not cfg.resume:
+                err = (f"run directory {self.run_dir} already holds a run: pass --resume to continue it, or "
+                       f"choose another --run_name / --output_dir (nothing was changed)")
+            else:
+                for sub in ("", "checkpoints", "logs", "hf"):
+                    os.makedirs(os.path.join(self.run_dir, sub), exist_ok=True)
+                save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
+        err = dist.broadcast_object(err)
+        if err:
+            raise RunError(err)
+
+    def _resume(self) -> None:
+        path = None
+        if dist.is_main():
+            path = checkpoint.latest_valid(os.path.join(self.run_dir, "checkpoints"))
+        path = dist.broadcast_object(path)
+        if path is None:
+            _log(f"--resume: no complete checkpoint in {self.run_dir}/checkpoints; starting from the beginning")
+            return
+        self.state = checkpoint.load(path, self.trainer)
+        self.resumed_from = path
+        _log(f"resumed from {path} (sft step {self.state['sft_step']}, rl step {self.state['rl_step']})")
+
+    def _build_engine(self):
+        if not dist.is_main():
+            return None
+        from megaforge.rollout import build_engine
+
+        return build_engine(self.cfg, self.tokenizer)
+
+    def _save(self, label_step: int) -> None:
+        path = checkpoint.save(os.path.join(self.run_dir, "checkpoints"), label_step, self.trainer,
+                               self.state, self.cfg.checkpoint.keep_last_n)
+        _log(f"checkpoint written: {path}")
+
+    # ------------------------------------------------------------------------------------ SFT
+    def sft(self) -> None:
+        cfg = self.cfg
+        total = cfg.sft.max_steps
+        if self.state["sft_step"] >= total:
+            return
+        data_cfg = cfg.sft.data or cfg.data
+        source = PromptSource(data_cfg, self.tokenizer, cfg.seed, want_response=True) if dist.is_main() else None
+        if source is not None and self.state.get("sft_data"):
+            source.load_state_dict(self.state["sft_data"])
+        self.trainer.reset_optimizer(cfg.sft.lr, total, cfg.sft.warmup_steps, "constant")
+        logger = MetricsLogger(cfg, self.run_dir, "sft_metrics.jsonl",
+                               resume_step=self.state["sft_step"] if self.resumed_from else None,
+                               tb_subdir="tensorboard/sft") if dist.is_main() else None
+        bar = Progress(total, self.state["sft_step"], "sft", cfg.metrics.progress and dist.is_main())
+        eos = self.tokenizer.eos_token_id
+        while self.state["sft_step"] < total:
+            t0 = time.perf_counter()
+            batch = None
+            if source is not None:
+                batch = sft_batch(source.next_batch(cfg.sft.batch_size), eos, self.tokenizer.pad_token_id, cfg.sft.max_len)
+            batch = dist.broadcast_object(batch)
+            m = self.trainer.sft_step(batch)
+            self.state["sft_step"] += 1
+            m["time/step"] = time.perf_counter() - t0
+            m["tokens"] = float(batch.num_tokens)
+            if source is not None:
+                self.state["sft_data"] = source.state_dict()
+                logger.log(self.state["sft_step"], m)
+            bar.update(m, keys=("loss", "time/step"))
+            if cfg.checkpoint.interval and self.state["sft_step"] % cfg.checkpoint.interval == 0:
+                self._save_phase()
+        bar.close()
+        if logger is not None:
+            logger.close()
+            _log(f"SFT done: {total} steps, last loss {m['loss']:.4f}")
+
+    def _save_phase(self) -> None:
+        # SFT checkpoints are numbered below RL ones: step 0 of RL, labelled by the SFT step count
+        self.state = dist.broadcast_object(self.state)
+        self._save(self.state["rl_step"] if self.state["rl_step"] else 0)
+
+    # ------------------------------------------------------------------------------------- RL
+    def _needs_ref(self) -> bool:
+        return self.cfg.grpo.beta > 0
+
+    def rl(self) -> None:
+        cfg = self.cfg
+        self.engine = self._build_engine()
+        self.data = PromptSource(cfg.data, self.tokenizer, cfg.seed) if dist.is_main() else None
+        if self.data is not None and self.state.get("data"):
+            self.data.load_state_dict(self.state["data"])
+        from megaforge.rewards import RewardManager
+
+        self.rewards = RewardManager(cfg.rewards) if dist.is_main() else None
+        if self.state["rl_step"] == 0:
+            total_updates = cfg.max_steps * cfg.trainer.mini_batches * cfg.trainer.epochs
+            self.trainer.reset_optimizer(cfg.trainer.lr, total_updates, cfg.trainer.warmup_steps,
+                                         cfg.trainer.lr_schedule, cfg.trainer.min_lr)
+            if self._needs_ref():
+                self.trainer.snapshot_reference()
+        # the engine starts from the trainer's weights (after SFT or resume)
+        self._sync_weights({})
+        self.stop_ids = stop_token_ids(self.tokenizer, cfg.model.path) if dist.is_main() else []
+        logger = MetricsLogger(cfg, self.run_dir, resume_step=self.state["rl_step"] if self.resumed_from else None) \
+            if dist.is_main() else None
+        bar = Progress(cfg.max_steps, self.state["rl_step"], "grpo", cfg.metrics.progress and dist.is_main())
+        bad = 0
+        try:
+            while self.state["rl_step"] < cfg.max_steps:
+                step = self.state["rl_step"] + 1
+                m = self.rl_step(step, bar)
+                bad = bad + 1 if m.get("skipped", 0.0) > 0 else 0
+                self.state["skipped_steps"] += int(m.get("skipped", 0.0) > 0)
+                m["health/skipped_steps"] = float(self.state["skipped_steps"])
+                self.state["rl_step"] = step
+                if self.data is not None:
+                    self.state["data"] = self.data.state_dict()
+                if logger is not None:
+                    logger.log(step, m)
+                bar.update(m)
+                if bad >= cfg.trainer.max_bad_steps:
+                    raise RunError(f"{bad} consecutive steps had a non-finite loss or gradient "
+                                   f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}); stopping. "
+                                   f"Metrics up to step {step} are in {self.run_dir}/metrics.jsonl")
+                if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and step < cfg.max_steps:
+                    self._save_rl()
+                if cfg.export_hf_every and step % cfg.export_hf_every == 0:
+                    self.trainer.export_hf(os.path.join(self.run_dir, "hf", f"step_{step}"))
+            self._save_rl()
+        finally:
+            bar.close()
+            if logger is not None:
+                logger.close()
+            if self.rewards is not None:
+                self.rewards.close()
+            if self.engine is not None:
+                self.engine.shutdown()
+
+    def _save_rl(self) -> None:
+        self.state = dist.broadcast_object(self.state)
+        self._save(self.state["rl_step"])
+
+    def _rollout(self, step: int, m: dict, bar: Progress):
+        """Main rank: prompts -> samples with rewards -> TrainBatch (advantages not yet set)."""
+        cfg = self.cfg
+        with timed(m, "time/rollout"):
+            rows = self.data.next_batch(cfg.rollout.batch_size)
+            reqs = make_requests(rows, cfg.grpo.n_samples, sampling_params(cfg, self.stop_ids), cfg.seed, step)
+            comps = self.engine.generate(reqs)
+        samples = completions_to_samples(rows, cfg.grpo.n_samples, comps, self.tokenizer)
+        with timed(m, "time/reward"):
+            m.update(score(samples, self.rewards))
+        if self.rewards.last_error and (m["reward/errors"] or m["reward/timeouts"]):
+            bar.write(f"[megaforge] step {step}: {self.rewards.last_error}")
+        r = torch.tensor([s.reward for s in samples])
+        lens = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+        m.update({
+            "reward/mean": float(r.mean()), "reward/std": float(r.std()) if len(r) > 1 else 0.0,
+            "response_len/mean": float(lens.mean()), "response_len/max": float(lens.max()),
+            "response/length_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+            "response/empty_frac": float((lens == 0).float().mean()),
+            "data/skipped_rows": float(self.data.skipped), "data/epoch": float(self.data.epoch),
+        })
+        for s in samples[: cfg.metrics.log_samples]:
+            bar.write(f"[step {step}] reward={s.reward:.2f} | {s.prompt_text!r} -> {s.response_text!r}")
+        return samples_to_batch(samples, self.tokenizer.pad_token_id)
+
+    def _advantages(self, batch) -> torch.Tensor:
+        cfg = self.cfg
+        token_rewards = None
+        if cfg.algo.kl_in_reward and batch.ref_logprobs is not None and cfg.grpo.beta > 0:
+            # the penalty uses the rollout policy's logprobs (no gradient): r_t -= beta * KL_t
+            kl = KL_ESTIMATORS.get(cfg.algo.kl_estimator)(batch.rollout_logprobs, batch.ref_logprobs)
+            token_rewards = -cfg.grpo.beta * kl * batch.loss_mask
+        inp = AdvantageInputs(rewards=batch.rewards, group_ids=batch.group_ids, loss_mask=batch.loss_mask,
+                              token_rewards=token_rewards, values=batch.values)
+        return ADVANTAGES.get(cfg.algo.advantage)(inp, cfg.algo)
+
+    def rl_step(self, step: int, bar: Progress) -> dict:
+        cfg = self.cfg
+        m: dict = {}
+        t0 = time.perf_counter()
+        batch = self._rollout(step, m, bar) if dist.is_main() else None
+        batch = dist.broadcast_object(batch)
+        m = dist.broadcast_object(m)
+        # colocated choreography: engine memory out, trainer state in
+        if self.engine is not None:
+            self.engine.release_memory(["weights", "kv_cache"])
+        with timed(m, "time/onload"):
+            self.trainer.onload()
+        with timed(m, "time/train"):
+            if self._needs_ref():
+                batch.ref_logprobs = self.trainer.compute_logprobs(batch, "ref")
+            if cfg.trainer.mini_batches * cfg.trainer.epochs > 1:
+                batch.old_logprobs = self.trainer.compute_logprobs(batch, "policy")
+            batch.advantages = self._advantages(batch)
+            set_denominators(batch)
+            m.update(self.trainer.train_step(batch))
+        with timed(m, "time/offload"):
+            self.trainer.offload()
+        self._sync_weights(m)
+        m["weight_version"] = float(self.trainer.version)
+        m["time/step"] = time.perf_counter() - t0
+        m["throughput/tokens_per_s"] = float(batch.lengths.sum()) / max(m["time/step"], 1e-9)
+        m.setdefault("kl", 0.0)
+        return m
+
+    def _sync_weights(self, m: dict) -> None:
+        from megaforge.sync import push_weights
+
+        if self.engine is not None:
+            self.engine.resume_memory(["weights"])
+        with timed(m, "time/sync"):
+            push_weights(self.trainer, self.engine, self.cfg.sync.bucket_mb << 20, self.trainer.version,
+                         check_equal=self.cfg.sync.check_equal)
+        if self.engine is not None:
+            self.engine.resume_memory(["kv_cache", "cuda_graph"])
+
+
+def run_grpo(cfg: Config) -> Run:
+    run = Run(cfg, "grpo")
+    run.sft()
+    if cfg.max_steps > 0:
+        run.rl()
+    else:
+        run._save_rl()
+    return run
+
+
+def run_sft(cfg: Config) -> Run:
+    run = Run(cfg, "sft")
+    run.sft()
+    run._save_phase()
+    if cfg.export_hf_every:
+        run.trainer.export_hf(os.path.join(run.run_dir, "hf", f"sft_step_{run.state['sft_step']}"))
+    return run

@@ -1,0 +1,136 @@
+"""Metric sinks (jsonl, TensorBoard, W&B) and the progress display.
+
+``<run dir>/metrics.jsonl`` holds one JSON object per RL step (``sft_metrics.jsonl`` for the warm
+start). On resume the file is cut back to the checkpoint's step, so no step appears twice.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Optional
+
+REQUIRED_KEYS = (
+    "step", "reward/mean", "loss", "kl", "entropy", "clip_frac", "response_len/mean",
+    "train_rollout_logprob_abs_diff", "time/rollout", "time/train", "time/sync", "time/offload",
+    "time/onload", "time/step", "throughput/tokens_per_s",
+)
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else (1e308 if v > 0 else -1e308)
+    return v
+
+
+def truncate_jsonl(path: str, keep_upto_step: int) -> None:
+    """Drop lines whose ``step`` is greater than ``keep_upto_step`` (atomic rewrite)."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash
+            if rec.get("step", 0) <= keep_upto_step:
+                kept.append(json.dumps(rec))
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("".join(k + "\n" for k in kept))
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    """Writes step records to every configured sink (main rank only)."""
+
+    def __init__(self, cfg, run_dir: str, filename: str = "metrics.jsonl", resume_step: Optional[int] = None,
+                 tb_subdir: str = "tensorboard"):
+        self.cfg = cfg.metrics
+        self.path = os.path.join(run_dir, filename)
+        if resume_step is not None:
+            truncate_jsonl(self.path, resume_step)
+        elif os.path.exists(self.path):
+            os.remove(self.path)  # a fresh run in an old directory starts a fresh file
+        self._f = open(self.path, "a")
+        self.tb = None
+        if self.cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(run_dir, tb_subdir), purge_step=resume_step + 1 if resume_step else None)
+        self.wandb = None
+        if self.cfg.wandb:
+            try:
+                import wandb
+            except ImportError as e:
+                raise RuntimeError("metrics.wandb is true but wandb is not installed: pip install wandb") from e
+            self.wandb = wandb.init(project=self.cfg.wandb_project, name=cfg.run_name, dir=run_dir,
+                                    mode=self.cfg.wandb_mode, config=_flat_config(cfg), resume="allow")
+
+    def log(self, step: int, metrics: dict) -> None:
+        rec = {"step": step, **{k: _clean(v) for k, v in metrics.items() if k != "step"}}
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        if self.tb is not None:
+            for k, v in rec.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in rec.items() if k != "step"}, step=step)
+
+    def close(self) -> None:
+        self._f.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _flat_config(cfg) -> dict:
+    from megaforge.configtree import to_dict
+
+    out = {}
+
+    def walk(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, prefix + k + ".")
+            else:
+                out[prefix + k] = v
+
+    walk(to_dict(cfg))
+    return out
+
+
+class Progress:
+    """A tqdm bar over steps showing the newest reward, loss and step time."""
+
+    def __init__(self, total: int, initial: int, desc: str, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, unit="step")
+
+    def update(self, metrics: dict, keys=("reward/mean", "loss", "time/step")) -> None:
+        if self.bar is None:
+            return
+        post = {}
+        for k in keys:
+            if k in metrics and metrics[k] is not None:
+                post[k.split("/")[-1] if k != "time/step" else "step_s"] = f"{metrics[k]:.3g}"
+        self.bar.set_postfix(post)
+        self.bar.update(1)
+
+    def write(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

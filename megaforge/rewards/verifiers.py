@@ -1,0 +1,120 @@
+"""Verifiable rewards: final-answer correctness and output format.
+
+Reward callables follow the seed's signature ``reward(prompt: str, response: str, target) -> float``.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Optional
+
+_NUM = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)$")
+_GSM8K = re.compile(r"####\s*([^\n]+)")
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced."""
+    idx = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if idx < 0:
+        return None
+    i = text.index("{", idx) + 1
+    depth, start = 1, i
+    while i < len(text):
+        c = text[i]
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i].strip()
+        i += 1
+    return None  # unbalanced
+
+
+def extract_answer(text: str) -> Optional[str]:
+    """The final answer of a response or a reference: last \\boxed{}, else GSM8K's ``#### N``."""
+    if text is None:
+        return None
+    text = str(text)
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    m = _GSM8K.findall(text)
+    if m:
+        return m[-1].strip()
+    return None
+
+
+def normalize(ans: str) -> str:
+    s = ans.strip().strip("$").strip()
+    s = s.replace(",", "").replace("\\!", "").replace("\\,", "")
+    s = re.sub(r"\\text\{([^}]*)\}", r"\1", s)
+    s = s.rstrip(".").strip()
+    return s
+
+
+def answers_equal(pred: str, gold: str, use_math_verify: bool = True) -> bool:
+    """Exact after normalisation; numbers compared numerically; otherwise math-verify equivalence."""
+    p, g = normalize(pred), normalize(gold)
+    if p == g:
+        return True
+    if _NUM.match(p) and _NUM.match(g):
+        return abs(float(p) - float(g)) <= 1e-9 * max(1.0, abs(float(g)))
+    if not use_math_verify:
+        return False
+    try:
+        from math_verify import parse, verify
+    except ImportError as e:
+        raise RuntimeError("MathReward needs math-verify for symbolic answers: pip install math-verify") from e
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    # megaforge's reward manager bounds the time of each call; math-verify's own signal-based
+    # timeouts only work in the main thread, so they are off here.
+    gold_parsed = parse(f"${g}$", parsing_timeout=None)
+    pred_parsed = parse(f"${p}$", parsing_timeout=None)
+    if not gold_parsed or not pred_parsed:
+        return False
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+
+
+class MathReward:
+    """1.0 when the response's final answer (last ``\\boxed{}``, else ``#### N``) equals the target.
+
+    The target may be a bare answer, a GSM8K solution ending in ``#### N``, or text with a
+    ``\\boxed{}``. Equality: normalised strings, numbers numerically, else math-verify.
+    """
+
+    def __init__(self, correct: float = 1.0, incorrect: float = 0.0, use_math_verify: bool = True):
+        self.correct, self.incorrect, self.use_math_verify = correct, incorrect, use_math_verify
+
+    def __call__(self, prompt: str, response: str, target) -> float:
+        pred = extract_answer(response)
+        if pred is None:
+            return self.incorrect
+        gold = extract_answer(str(target))
+        if gold is None:
+            gold = str(target)
+        return self.correct if answers_equal(pred, gold, self.use_math_verify) else self.incorrect
+
+
+class ThinkingReward:
+    """Format reward: ``reward`` when the response is ``<think>...</think>`` (non-empty reasoning)
+    followed by a final answer (``\\boxed{}`` when ``require_answer``), else 0."""
+
+    def __init__(self, reward: float = 1.0, require_answer: bool = True,
+                 open_tag: str = "<think>", close_tag: str = "</think>"):
+        self.reward, self.require_answer = reward, require_answer
+        self.pattern = re.compile(
+            r"^\s*" + re.escape(open_tag) + r"(?P<think>.+?)" + re.escape(close_tag) + r"(?P<rest>.*)$", re.S
+        )
+        self.open_tag, self.close_tag = open_tag, close_tag
+
+    def __call__(self, prompt: str, response: str, target=None) -> float:
+        m = self.pattern.match(response)
+        if not m or not m.group("think").strip():
+            return 0.0
+        rest = m.group("rest")
+        if self.open_tag in rest or self.close_tag in rest:
+            return 0.0
+        if self.require_answer and last_boxed(rest) is None:
+            return 0.0
+        return self.reward

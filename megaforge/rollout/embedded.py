@@ -1,0 +1,200 @@
+"""The embedded engine: a Hugging Face CausalLM with megaforge's own batched sampling loop.
+
+It is the CPU / development default and the reference the other engines are tested against. Per
+decoding step (KV cache through transformers' DynamicCache, prompts left-padded):
+
+    logits [B, V] -> sampling.sample_tokens -> token [B], logprob [B]
+
+A row finishes on a stop token (kept in the output, like SGLang with ``no_stop_trim``), a stop
+string, ``max_new_tokens`` or an abort. Memory release/resume is tracked: generating while the
+weights are released is an error.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from megaforge.rollout.base import MEMORY_TAGS, Engine, check_tags
+from megaforge.rollout.sampling import sample_tokens
+from megaforge.types import Completion, GenerateRequest
+
+
+class EngineStateError(RuntimeError):
+    pass
+
+
+class EmbeddedEngine(Engine):
+    def __init__(self, model, tokenizer=None, max_batch: int = 256, pad_token_id: Optional[int] = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.device = next(model.parameters()).device
+        if pad_token_id is None:
+            pad_token_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        self.pad_id = int(pad_token_id if pad_token_id is not None else 0)
+        self._version = 0
+        self._released: set[str] = set()
+        self._abort = threading.Event()
+        self._lock = threading.Lock()
+        self._params = dict(model.state_dict(keep_vars=True))
+
+    # ------------------------------------------------------------------------------- construction
+    @classmethod
+    def from_config(cls, cfg, tokenizer=None, device: Optional[str] = None) -> "EmbeddedEngine":
+        from megaforge.hf import load_hf_model, resolve_device
+
+        dev = resolve_device(device or cfg.rollout.device)
+        model = load_hf_model(cfg.model, dev)
+        return cls(model, tokenizer, max_batch=cfg.rollout.engine_batch_size)
+
+    # ----------------------------------------------------------------------------------- generate
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        if "weights" in self._released or "kv_cache" in self._released:
+            raise EngineStateError(f"generate called while memory is released ({sorted(self._released)})")
+        for i, r in enumerate(requests):
+            if not r.input_ids:
+                raise ValueError(f"request {i} ({r.rid!r}): empty input_ids")
+        self._abort.clear()
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].input_ids))
+        out: list[Optional[Completion]] = [None] * len(requests)
+        with self._lock:
+            for s in range(0, len(order), self.max_batch):
+                idx = order[s: s + self.max_batch]
+                for i, c in zip(idx, self._generate_batch([requests[i] for i in idx])):
+                    out[i] = c
+        return out  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def _generate_batch(self, reqs: list[GenerateRequest]) -> list[Completion]:
+        dev = self.device
+        B = len(reqs)
+        L = max(len(r.input_ids) for r in reqs)
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((B, L), dtype=torch.long)
+        for b, r in enumerate(reqs):
+            n = len(r.input_ids)
+            ids[b, L - n:] = torch.tensor(r.input_ids, dtype=torch.long)
+            attn[b, L - n:] = 1
+        ids, attn = ids.to(dev), attn.to(dev)
+        temp = torch.tensor([r.sampling.temperature for r in reqs], dtype=torch.float32, device=dev)
+        top_k = torch.tensor([r.sampling.top_k for r in reqs], dtype=torch.long, device=dev)
+        top_p = torch.tensor([r.sampling.top_p for r in reqs], dtype=torch.float32, device=dev)
+        max_new = [r.sampling.max_new_tokens for r in reqs]
+        stop_ids = [set(r.sampling.stop_token_ids) for r in reqs]
+        stop_strs = [list(r.sampling.stop) for r in reqs]
+        if any(stop_strs) and self.tokenizer is None:
+            raise ValueError("stop strings need the engine's tokenizer")
+        gen = None
+        seeds = [r.sampling.seed for r in reqs]
+        if all(s is not None for s in seeds):
+            gen = torch.Generator(device=dev)
+            gen.manual_seed(hash(tuple(seeds)) & 0x7FFF_FFFF_FFFF_FFFF)
+
+        outputs: list[list[int]] = [[] for _ in range(B)]
+        logps: list[list[float]] = [[] for _ in range(B)]
+        reason: list[Optional[str]] = [None] * B
+        position = (attn.cumsum(-1) - 1).clamp_min(0)
+        past = None
+        cur_ids, cur_pos = ids, position
+        for step in range(max(max_new)):
+            out = self.model(input_ids=cur_ids, attention_mask=attn, position_ids=cur_pos,
+                             past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tok, lp = sample_tokens(out.logits[:, -1, :], temp, top_k, top_p, gen)
+            tok_l, lp_l = tok.tolist(), lp.tolist()
+            aborted = self._abort.is_set()
+            for b in range(B):
+                if reason[b] is not None:
+                    continue
+                if aborted:
+                    reason[b] = "abort"
+                    continue
+                outputs[b].append(tok_l[b])
+                logps[b].append(lp_l[b])
+                if tok_l[b] in stop_ids[b]:
+                    reason[b] = "stop"
+                elif stop_strs[b] and self._hit_stop_string(outputs[b], stop_strs[b]):
+                    reason[b] = "stop"
+                elif len(outputs[b]) >= max_new[b]:
+                    reason[b] = "length"
+            if all(r is not None for r in reason):
+                break
+            # finished rows keep decoding padding; their outputs are no longer extended
+            nxt = torch.tensor([tok_l[b] if reason[b] is None else self.pad_id for b in range(B)], device=dev)
+            cur_ids = nxt[:, None]
+            cur_pos = cur_pos[:, -1:] + 1
+            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=dev)], dim=1)
+        comps = []
+        for b, r in enumerate(reqs):
+            text = self.tokenizer.decode(outputs[b], skip_special_tokens=False) if self.tokenizer is not None else ""
+            comps.append(Completion(r.rid, outputs[b], logps[b], reason[b] or "length", self._version, text))
+        return comps
+
+    def _hit_stop_string(self, out_ids: list[int], stops: list[str]) -> bool:
+        tail = self.tokenizer.decode(out_ids[-16:], skip_special_tokens=False)
+        return any(s in tail for s in stops)
+
+    # ------------------------------------------------------------------------------------ weights
+    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
+        if "weights" in self._released:
+            raise EngineStateError("update_weights called while the weights are released; resume 'weights' first")
+        with self._lock, torch.no_grad():
+            for bucket in buckets:
+                self.load_tensors(bucket)
+            self._version = int(version)
+
+    def load_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        n = 0
+        for name, t in named:
+            p = self._params.get(name)
+            if p is None:
+                raise KeyError(f"update_weights: the engine's model has no tensor {name!r}")
+            if tuple(p.shape) != tuple(t.shape):
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(t.shape)}, the engine's is {tuple(p.shape)}")
+            p.data.copy_(t.to(device=p.device, dtype=p.dtype))
+            n += 1
+        return n
+
+    def set_version(self, version: int) -> None:
+        self._version = int(version)
+
+    def named_weights(self):
+        """The engine's current tensors, for ``sync.check_equal``."""
+        return self.model.state_dict()
+
+    # ------------------------------------------------------------------------------------- memory
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        tags = check_tags(tags)
+        with self._lock:
+            if "weights" in tags and "weights" not in self._released and self.device.type == "cuda":
+                self.model.to("cpu")
+            self._released |= set(tags)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        tags = check_tags(tags)
+        with self._lock:
+            if "weights" in tags and "weights" in self._released and self.device.type == "cuda":
+                self.model.to(self.device)
+                self._params = dict(self.model.state_dict(keep_vars=True))
+            self._released -= set(tags)
+
+    @property
+    def released(self) -> set[str]:
+        return set(self._released)
+
+    def abort(self) -> None:
+        self._abort.set()
+
+    def health(self) -> bool:
+        return "weights" not in self._released
+
+    def shutdown(self) -> None:
+        self._abort.set()

@@ -1,0 +1,69 @@
+"""From prompts to scored samples: request fan-out (n per prompt), seeds, decoding, rewards."""
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+from megaforge.types import GenerateRequest, Sample, SamplingParams
+
+
+def stop_token_ids(tokenizer, model_dir: str = "") -> list[int]:
+    """End-of-turn ids: the tokenizer's EOS plus any of the generation config's."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if model_dir:
+        try:
+            from transformers import GenerationConfig
+
+            gc = GenerationConfig.from_pretrained(model_dir)
+            e = gc.eos_token_id
+            ids.update([e] if isinstance(e, int) else (e or []))
+        except (OSError, ValueError):
+            pass
+    if not ids:
+        raise ValueError("the tokenizer has no eos token: generation could never stop")
+    return sorted(ids)
+
+
+def request_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
+    h = hashlib.blake2b(f"{seed}/{step}/{prompt_index}/{sample_index}".encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little") & 0x7FFF_FFFF
+
+
+def sampling_params(cfg, stop_ids: Sequence[int]) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(temperature=cfg.grpo.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_new_tokens=r.max_new_tokens, stop_token_ids=list(stop_ids), stop=list(r.stop))
+
+
+def make_requests(rows, n: int, base: SamplingParams, seed: int, step: int, group_offset: int = 0) -> list[GenerateRequest]:
+    reqs = []
+    for i, row in enumerate(rows):
+        for j in range(n):
+            sp = SamplingParams(**{**base.__dict__, "seed": request_seed(seed, step, group_offset + i, j)})
+            reqs.append(GenerateRequest(list(row.prompt_ids), sp, rid=f"s{step}-g{group_offset + i}-n{j}"))
+    return reqs
+
+
+def completions_to_samples(rows, n: int, completions, tokenizer, group_offset: int = 0) -> list[Sample]:
+    samples = []
+    for k, c in enumerate(completions):
+        row = rows[k // n]
+        text = tokenizer.decode(c.output_ids, skip_special_tokens=True)
+        samples.append(Sample(
+            prompt_ids=list(row.prompt_ids), response_ids=list(c.output_ids),
+            rollout_logprobs=list(c.output_logprobs), group_id=group_offset + k // n,
+            finish_reason=c.finish_reason, weight_version=c.weight_version,
+            prompt_text=row.prompt_text, response_text=text, label=row.label,
+        ))
+    return samples
+
+
+def score(samples: list[Sample], reward_manager) -> dict:
+    rewards, metrics = reward_manager.score([s.prompt_text for s in samples],
+                                            [s.response_text for s in samples],
+                                            [s.label for s in samples])
+    for s, r in zip(samples, rewards):
+        s.reward = r
+    return metrics

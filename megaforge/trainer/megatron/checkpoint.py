@@ -1,0 +1,123 @@
+"""Megatron dist-checkpointing of the trainer (``torch_dist`` format), and offload / onload.
+
+A checkpoint directory holds the policy's sharded state, optionally the optimizer's (fully
+reshardable: saved at one TP x PP x DP layout, loadable at another) and the frozen reference
+model, plus ``megaforge_trainer.json`` (weight version, LR-schedule position, what was saved).
+
+megatron's writer normally hands results back through a ``multiprocessing`` Manager started with
+the *spawn* method, which re-imports the entry script and hangs a script without an
+``if __name__ == "__main__":`` guard. Saves here are synchronous, so an in-process queue serves
+the same purpose; :func:`save` installs one and no Manager process is started.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+
+import torch
+import torch.distributed as dist
+
+_STRATEGY = ("torch_dist", 1)
+_META = "megaforge_trainer.json"
+_OPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
+                 "chained_optim_avoid_prefix": True}
+
+
+def _sharded(tr, with_optimizer: bool, with_ref: bool, loading: bool) -> dict:
+    model_sd = tr.ddp.sharded_state_dict(metadata=_OPT_METADATA)
+    sd = {"model": model_sd}
+    if with_optimizer:
+        sd["optimizer"] = tr.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=_OPT_METADATA)
+    if with_ref:
+        sd["ref"] = tr.ref.sharded_state_dict(prefix="ref.", metadata=_OPT_METADATA)
+    return sd
+
+
+def save(tr, path: str) -> None:
+    """Collective save into directory ``path`` (created; must be empty or absent)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    with_opt = bool(tr.cfg.checkpoint.save_optimizer)
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    filesystem_async._results_queue = queue.Queue()  # synchronous save: no spawn-method Manager
+    dist_checkpointing.save(_sharded(tr, with_opt, tr.ref is not None, loading=False), path,
+                            sharded_strategy=_STRATEGY)
+    if dist.get_rank() == 0:
+        meta = {"version": tr.version, "sched": tr.sched, "optimizer": with_opt, "ref": tr.ref is not None,
+                "layout": {k: getattr(tr.cfg.trainer, k) for k in
+                           ("tensor_parallel", "pipeline_parallel", "context_parallel")},
+                "family": tr.family.name, "layer_spec": tr.spec}
+        with open(os.path.join(path, _META + ".tmp"), "w") as f:
+            json.dump(meta, f, indent=1)
+        os.replace(os.path.join(path, _META + ".tmp"), os.path.join(path, _META))
+    dist.barrier()
+
+
+def load(tr, path: str) -> None:
+    """Collective load of what :func:`save` wrote, into the current layout (resharding as needed)."""
+    from megatron.core import dist_checkpointing
+
+    meta_file = os.path.join(path, _META)
+    if not os.path.exists(meta_file):
+        raise FileNotFoundError(f"{meta_file} is missing: not a complete megaforge megatron checkpoint")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    if meta["family"] != tr.family.name:
+        raise ValueError(f"{path}: checkpoint of family {meta['family']!r}, trainer is {tr.family.name!r}")
+    if meta["ref"] and tr.ref is None:
+        tr.snapshot_reference()  # allocate; overwritten below
+    sd = _sharded(tr, meta["optimizer"], meta["ref"], loading=True)
+    state = dist_checkpointing.load(sd, path, sharded_strategy=_STRATEGY)
+    tr.ddp.load_state_dict(state["model"], strict=False)
+    _check_loaded(tr.ddp.module, state["model"], path)
+    if meta["optimizer"]:
+        tr.optimizer.load_state_dict(state["optimizer"])
+    if meta["ref"]:
+        tr.ref.load_state_dict(state["ref"], strict=False)
+        _check_loaded(tr.ref, state["ref"], path)
+    tr.version = int(meta["version"])
+    tr.sched = dict(meta["sched"])
+
+
+def _check_loaded(module, state: dict, path: str) -> None:
+    missing = [n for n, _ in module.named_parameters() if n not in state]
+    if missing:
+        raise KeyError(f"{path}: checkpoint lacks parameters {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+# ---------------------------------------------------------------------------------- offload
+def move_state(tr, device) -> None:
+    """Move parameters, gradient buffers and optimizer state to ``device`` (``cpu`` to offload).
+
+    Megatron's DDP keeps parameters and gradients in contiguous buffers: their storage is copied
+    to (pinned) host memory and freed (``offload_to_cpu``) or reallocated and restored; gradients
+    are not kept (they are zero between steps). Optimizer tensors that do not live in those
+    buffers (Adam moments, fp32 main copies of bf16 parameters) move individually.
+    """
+    to_cpu = torch.device(device).type == "cpu"
+    buffers = list(tr.ddp.buffers) + list(getattr(tr.ddp, "expert_parallel_buffers", []))
+    for b in buffers:
+        if to_cpu:
+            b.offload_to_cpu(move_params=True, move_grads=True)
+        else:
+            b.reload_from_cpu(move_params=True, move_grads=True)
+    # (after the move: offloaded buffer storages are empty, skipped by the size test below)
+    in_buffer = {b.param_data.untyped_storage().data_ptr() for b in buffers if b.param_data is not None}
+    for o in getattr(tr.optimizer, "chained_optimizers", [tr.optimizer]):
+        inner = getattr(o, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.untyped_storage().data_ptr() not in in_buffer and p.untyped_storage().size() > 0:
+                    p.data = p.data.to(device, non_blocking=True)
+        for st in inner.state.values():
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    st[k] = v.to(device, non_blocking=True)
+    if not to_cpu:
+        torch.cuda.synchronize()

@@ -1,0 +1,420 @@
+"""The Megatron-Core trainer backend (``trainer.backend: megatron``).
+
+Every rank of the world constructs a :class:`MegatronTrainer` and calls every method collectively
+with the *whole* batch. Layout: TP x CP x DP x PP from ``cfg.trainer``; each DP rank takes a
+contiguous share of every mini-batch (sizes differ by at most one row), CP ranks of a DP replica see
+the same rows and split every sequence, PP stages all receive the same micro-batches.
+
+Losses and gradients. A micro-batch is ``micro_batch_size`` rows packed into one ``thd`` sequence.
+Its loss is :func:`megaforge.algorithms.policy_objective` on token-aligned [b, T] logprobs (CP
+pieces are all-gathered first, so every CP rank computes the micro-batch's full loss and backward
+routes each rank only the gradient of its own tokens). ``num_tokens`` / ``num_seqs`` are those of the
+mini-batch (the global batch of one optimizer step), so micro-batch losses *add up* to the
+mini-batch objective: megatron's schedule runs with ``calculate_per_token_loss=True`` (no division
+by the number of micro-batches), DDP sums gradients over DP x CP (no averaging) and
+``finalize_model_grads`` is called without a token count (no rescaling). The result is the exact
+gradient of the objective, whatever the layout or the micro-batching.
+
+Metrics are contributions (see ``policy_objective``): summed over micro-batches and DP ranks on
+the last pipeline stage, broadcast to all ranks, averaged over the optimizer steps of the call.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megaforge.algorithms import LossParams, policy_objective
+from megaforge.convert import families
+from megaforge.trainer.base import HFBucket, Trainer
+from megaforge.trainer.megatron import cpu_compat, parallel
+from megaforge.trainer.megatron import model as mmodel
+from megaforge.trainer.megatron.logprobs import vocab_parallel_logprobs
+from megaforge.trainer.megatron.packing import Packed, pack
+from megaforge.trainer.optim import lr_at
+from megaforge.types import TrainBatch
+
+
+def shard_range(n: int, r: int, w: int) -> tuple[int, int]:
+    """Contiguous rows [lo, hi) of ``n`` owned by part ``r`` of ``w`` (sizes differ by at most 1)."""
+    base, extra = divmod(n, w)
+    lo = r * base + min(r, extra)
+    return lo, lo + base + (1 if r < extra else 0)
+
+
+@dataclass
+class _MicroBatch:
+    batch: TrainBatch  # rows of this micro-batch (num_tokens / num_seqs of its mini-batch)
+    packed: Packed
+
+
+class MegatronTrainer(Trainer):
+    def __init__(self, cfg, tokenizer=None):
+        from megatron.core import tensor_parallel
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        self.cfg, self.tokenizer = cfg, tokenizer
+        t = cfg.trainer
+        self.device = parallel.pick_device(t.device)
+        if self.device.type == "cpu":
+            cpu_compat.apply()
+        parallel.init_distributed(self.device)
+        parallel.init_model_parallel(t.tensor_parallel, t.pipeline_parallel, t.context_parallel, t.expert_parallel)
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+        self.dtype = mmodel.DTYPES[cfg.model.dtype]
+        self.hf_config, source = mmodel.hf_source(cfg.model)
+        self.family = families.family_of(self.hf_config)
+        self.desc = self.family.describe(self.hf_config)
+        self.spec = mmodel.resolve_spec(t.layer_spec)
+        self.tconfig = mmodel.transformer_config(self.desc, t, self.dtype, self.device.type == "cpu", self.spec)
+        self.bm = mmodel.build_model(self.desc, self.family, self.tconfig, self.spec, self.device)
+        mmodel.load_weights(self.bm, source)
+        self.ddp = DistributedDataParallel(
+            config=self.tconfig, module=self.bm.model,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                use_distributed_optimizer=t.distributed_optimizer,
+            ),
+        )
+        self.tconfig.no_sync_func = self.ddp.no_sync
+        self.tconfig.finalize_model_grads_func = self._finalize_grads
+        self.params = LossParams.from_config(cfg)
+        self.temperature = cfg.grpo.temperature
+        self.ref = None
+        self.version = 0
+        self._bad_steps = 0
+        self.reset_optimizer(t.lr, cfg.max_steps * t.mini_batches * t.epochs, t.warmup_steps, t.lr_schedule, t.min_lr)
+
+    # ------------------------------------------------------------------------------ groups
+    @staticmethod
+    def _ps():
+        from megatron.core import parallel_state as ps
+
+        return ps
+
+    def _tp_group(self):
+        ps = self._ps()
+        return ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+
+    def _cp_size(self) -> int:
+        return self._ps().get_context_parallel_world_size()
+
+    def _last_stage(self) -> bool:
+        return self._ps().is_pipeline_last_stage()
+
+    def _finalize_grads(self, models, num_tokens=None, *args, **kwargs):
+        """megatron's finalize_model_grads without the token-count rescaling (see module doc)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads(models, None)
+
+    # --------------------------------------------------------------------------- optimizer
+    def reset_optimizer(self, lr, total_steps, warmup_steps=0, schedule="constant", min_lr=0.0):
+        """Fresh Adam(W) state (megatron optimizer, distributed when configured) and LR schedule
+        :func:`megaforge.trainer.optim.lr_at`. Weight decay applies to every parameter."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        t = self.cfg.trainer
+        oc = OptimizerConfig(
+            optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=t.weight_decay, adam_beta1=t.betas[0],
+            adam_beta2=t.betas[1], adam_eps=t.eps, clip_grad=t.grad_clip, bf16=self.dtype == torch.bfloat16,
+            fp16=self.dtype == torch.float16, params_dtype=self.dtype,
+            use_distributed_optimizer=t.distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(oc, [self.ddp], config_overrides={})
+        self.tconfig.grad_scale_func = self.optimizer.scale_loss
+        self.sched = dict(peak=lr, total=total_steps, warmup=warmup_steps, schedule=schedule, min_lr=min_lr, step=0)
+        self._set_lr()
+
+    def _set_lr(self) -> float:
+        s = self.sched
+        lr = lr_at(s["step"], s["peak"], s["total"], s["warmup"], s["schedule"], s["min_lr"])
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr * g.get("lr_mult", 1.0)
+            g["weight_decay"] = self.cfg.trainer.weight_decay * g.get("wd_mult", 1.0)
+        return lr
+
+    def _optimizer_step(self) -> dict[str, float]:
+        """Clip by the global gradient norm and step; a non-finite norm skips the step (counted;
+        ``trainer.max_bad_steps`` consecutive skips raise)."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        opt = self.optimizer
+        lr = self._set_lr()
+        found_inf = opt.prepare_grads()
+        norm = float(opt.get_grad_norm())
+        if found_inf or not math.isfinite(norm):
+            opt.zero_grad()
+            self._bad_steps += 1
+            if self._bad_steps >= self.cfg.trainer.max_bad_steps:
+                raise RuntimeError(f"{self._bad_steps} consecutive optimizer steps with a non-finite gradient norm ({norm})")
+            return {"grad_norm": norm, "lr": lr, "skipped": 1.0}
+        self._bad_steps = 0
+        clip = self.cfg.trainer.grad_clip
+        for o in getattr(opt, "chained_optimizers", [opt]):
+            params = o.get_parameters()
+            if clip > 0 and params:
+                clip_grad_by_total_norm_fp32(params, max_norm=clip, total_norm=norm)
+        opt.step_with_ready_grads()
+        self.sched["step"] += 1
+        self.version += 1
+        return {"grad_norm": norm, "lr": lr, "skipped": 0.0}
+
+    # ------------------------------------------------------------------------------ batches
+    def _dp_rows(self, batch: TrainBatch) -> TrainBatch:
+        ps = self._ps()
+        lo, hi = shard_range(batch.batch_size, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+        if hi == lo:
+            raise ValueError(
+                f"a (mini-)batch of {batch.batch_size} sequences cannot feed "
+                f"{ps.get_data_parallel_world_size()} data-parallel ranks: raise rollout.batch_size * "
+                "grpo.n_samples or lower trainer.mini_batches")
+        return batch.select(slice(lo, hi))
+
+    def _micro_batches(self, local: TrainBatch) -> list[_MicroBatch]:
+        ps = self._ps()
+        sp = ps.get_tensor_model_parallel_world_size() if self.tconfig.sequence_parallel else 1
+        cp_group = ps.get_context_parallel_group() if self._cp_size() > 1 else None
+        out = []
+        for mb in local.micro_batches(self.cfg.trainer.micro_batch_size):
+            pk = pack(mb.tokens, mb.lengths, self._cp_size(), ps.get_context_parallel_rank(), sp,
+                      self.device, cp_group)
+            out.append(_MicroBatch(mb.to(self.device), pk))
+        return out
+
+    def _token_values(self, logits: torch.Tensor, mb: _MicroBatch, temperature: float, entropy: bool):
+        """Token-aligned logprobs (and entropy) [b, T] from this rank's logits [1, t_local, V/tp]."""
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        lp, ent = vocab_parallel_logprobs(logits[0], mb.packed.labels[0], self.desc.vocab, temperature,
+                                          self._tp_group(), with_entropy=entropy)
+        if self._cp_size() > 1:  # duplicated downstream: backward keeps this rank's slice
+            g = self._ps().get_context_parallel_group()
+            lp = gather_from_sequence_parallel_region(lp, tensor_parallel_output_grad=False, group=g)
+            if entropy:
+                ent = gather_from_sequence_parallel_region(ent, tensor_parallel_output_grad=False, group=g)
+        return mb.packed.to_rows(lp), (mb.packed.to_rows(ent) if entropy else None)
+
+    def _schedule(self, module, mbs: list[_MicroBatch], loss_fn, forward_only: bool) -> list:
+        """Run megatron's (pipeline) schedule; ``loss_fn(mb, logits) -> (loss, metrics dict)`` on the
+        last stage. Returns the metrics dicts of the last stage (empty list elsewhere)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iter, model):
+            mb = next(data_iter)
+            p = mb.packed
+            out = model(p.tokens, p.position_ids, None, packed_seq_params=p.packed_seq_params)
+            return out, partial(_loss_wrapper, loss_fn, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=[module],
+            num_microbatches=len(mbs), seq_length=max(m.packed.tokens.shape[1] for m in mbs),
+            micro_batch_size=1, forward_only=forward_only,
+        )
+
+    def _from_last_stage(self, t: Optional[torch.Tensor], shape, dtype=torch.float32) -> torch.Tensor:
+        """Broadcast a tensor computed on the last pipeline stage to every stage."""
+        ps = self._ps()
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return t
+        buf = t.to(self.device) if t is not None else torch.empty(shape, dtype=dtype, device=self.device)
+        dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        return buf
+
+    def _obj_from_last_stage(self, obj):
+        ps = self._ps()
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+        return box[0]
+
+    # ---------------------------------------------------------------------------- logprobs
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> torch.Tensor:
+        if model == "policy":
+            module = self.ddp
+        elif model == "ref":
+            if self.ref is None:
+                raise RuntimeError("compute_logprobs(model='ref'): no reference model (snapshot_reference not called)")
+            module = self.ref
+        else:
+            raise ValueError(f"compute_logprobs: model must be 'policy' or 'ref', got {model!r}")
+        ps = self._ps()
+        B, T = batch.tokens.shape
+        module.eval()
+        with self._ref_on_device(module):
+            local = self._dp_rows(batch)
+            mbs = self._micro_batches(local)
+
+            def loss_fn(mb, logits):
+                lp, _ = self._token_values(logits, mb, self.temperature, entropy=False)
+                return lp.sum() * 0.0, {"lp": lp.float()}
+
+            out = self._schedule(module, mbs, loss_fn, forward_only=True)
+        full = None
+        if self._last_stage():
+            rows = torch.zeros(local.batch_size, T, device=self.device)
+            i = 0
+            for d in out:
+                lp = d["lp"]
+                rows[i:i + lp.shape[0], : lp.shape[1]] = lp
+                i += lp.shape[0]
+            full = _all_gather_rows(rows, B, ps.get_data_parallel_group())
+        return self._from_last_stage(full, (B, T)).float().cpu()
+
+    def snapshot_reference(self) -> None:
+        """Frozen copy of the current policy weights (same layout, no optimizer); on the CPU when
+        ``trainer.ref_device: cpu`` (moved to the device only while it computes)."""
+        if self.ref is None:
+            self.ref = mmodel.build_model(self.desc, self.family, self.tconfig, self.spec, self.device).model
+            for p in self.ref.parameters():
+                p.requires_grad_(False)
+        with torch.no_grad():
+            for (n, p), (n2, q) in zip(self.bm.model.named_parameters(), self.ref.named_parameters()):
+                assert n == n2, (n, n2)
+                q.copy_(p)
+        if self.cfg.trainer.ref_device == "cpu":
+            self.ref.to("cpu")
+
+    def _ref_on_device(self, module):
+        import contextlib
+
+        if module is not self.ref or self.cfg.trainer.ref_device != "cpu" or self.device.type == "cpu":
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def ctx():
+            self.ref.to(self.device)
+            try:
+                yield
+            finally:
+                self.ref.to("cpu")
+
+        return ctx()
+
+    # ----------------------------------------------------------------------------- training
+    def _mini_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        m = self.cfg.trainer.mini_batches
+        if m > batch.batch_size:
+            raise ValueError(f"trainer.mini_batches={m} exceeds the batch of {batch.batch_size} sequences")
+        out = []
+        for k in range(m):
+            lo, hi = shard_range(batch.batch_size, k, m)
+            mini = batch.select(slice(lo, hi))
+            mini.num_tokens = int(mini.loss_mask.sum())
+            mini.num_seqs = int((mini.loss_mask.sum(-1) > 0).sum())
+            out.append(mini)
+        return out
+
+    def _run(self, batch: TrainBatch, loss_fn) -> dict[str, float]:
+        """Mini-batches x epochs optimizer steps; ``loss_fn(mb, logits) -> (loss, metrics)``."""
+        ps = self._ps()
+        self.ddp.train()
+        totals: dict[str, float] = {}
+        steps = 0
+        for _ in range(self.cfg.trainer.epochs):
+            for mini in self._mini_batches(batch):
+                if mini.num_tokens == 0:
+                    raise ValueError("a mini-batch has no trained tokens (loss_mask is all zero)")
+                self.ddp.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                mbs = self._micro_batches(self._dp_rows(mini))
+                out = self._schedule(self.ddp, mbs, loss_fn, forward_only=False)
+                keys = self._obj_from_last_stage(sorted(out[0]) if self._last_stage() else None)
+                vec = None
+                if self._last_stage():
+                    vec = torch.stack([sum(d[k].float() for d in out) for k in keys]).to(self.device)
+                    dist.all_reduce(vec, group=ps.get_data_parallel_group())
+                vec = self._from_last_stage(vec, (len(keys),))
+                step = {k: float(v) for k, v in zip(keys, vec.tolist())}
+                step.update(self._optimizer_step())
+                for k, v in step.items():
+                    totals[k] = totals.get(k, 0.0) + v
+                steps += 1
+        out = {k: v / steps for k, v in totals.items()}
+        out["skipped"] = totals.get("skipped", 0.0)
+        return out
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        coef = self.params.entropy_coef
+
+        def loss_fn(mb: _MicroBatch, logits):
+            lp, ent = self._token_values(logits, mb, self.temperature, entropy=True)
+            if coef == 0.0:
+                ent = ent.detach()
+            return policy_objective(lp, mb.batch, self.params, ent)
+
+        return self._run(batch, loss_fn)
+
+    def sft_step(self, batch: TrainBatch) -> dict[str, float]:
+        def loss_fn(mb: _MicroBatch, logits):
+            lp, _ = self._token_values(logits, mb, 1.0, entropy=False)
+            loss = -(lp * mb.batch.loss_mask.to(lp.dtype)).sum() / mb.batch.num_tokens
+            return loss, {"loss": loss.detach()}
+
+        return self._run(batch, loss_fn)
+
+    # ------------------------------------------------------------------- weights and state
+    def iter_hf_buckets(self, max_bytes: int) -> Iterator[HFBucket]:
+        from megaforge.trainer.megatron.hf_export import iter_hf_buckets
+
+        return iter_hf_buckets(self.bm, max_bytes)
+
+    def export_hf(self, path: str) -> None:
+        from megaforge.trainer.megatron.hf_export import export_hf
+
+        export_hf(self.bm, self.hf_config, path, self.tokenizer, self.cfg.model.path)
+
+    def save(self, path: str) -> None:
+        from megaforge.trainer.megatron.checkpoint import save
+
+        save(self, path)
+
+    def load(self, path: str) -> None:
+        from megaforge.trainer.megatron.checkpoint import load
+
+        load(self, path)
+        self._set_lr()
+
+    def offload(self) -> None:
+        from megaforge.trainer.megatron.checkpoint import move_state
+
+        if self.device.type == "cuda":
+            move_state(self, "cpu")
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        from megaforge.trainer.megatron.checkpoint import move_state
+
+        if self.device.type == "cuda":
+            move_state(self, self.device)
+
+    def close(self) -> None:
+        """Release megatron's parallel state (the process group stays); the trainer is unusable after."""
+        self._ps().destroy_model_parallel()
+
+
+def _loss_wrapper(loss_fn, mb: _MicroBatch, logits):
+    """megatron loss-func protocol (loss, num_tokens, reduced dict); num_tokens is unused (1)."""
+    loss, metrics = loss_fn(mb, logits)
+    return loss, torch.ones((), dtype=torch.int, device=logits.device), {k: v.detach() for k, v in metrics.items()}
+
+
+def _all_gather_rows(rows: torch.Tensor, n_total: int, group) -> torch.Tensor:
+    """Concatenate each DP rank's contiguous row share into [n_total, ...] (shares from shard_range)."""
+    w = dist.get_world_size(group)
+    if w == 1:
+        return rows
+    sizes = [shard_range(n_total, r, w) for r in range(w)]
+    biggest = max(hi - lo for lo, hi in sizes)
+    pad = rows.new_zeros((biggest,) + tuple(rows.shape[1:]))
+    pad[: rows.shape[0]] = rows
+    parts = [torch.empty_like(pad) for _ in range(w)]
+    dist.all_gather(parts, pad, group=group)
+    return torch.cat([p[: hi - lo] for p, (lo, hi) in zip(parts, sizes)], 0)
