@@ -39,6 +39,8 @@ class EmbeddedEngine(Engine):
         self._abort = threading.Event()
         self._lock = threading.Lock()
         self._params = dict(model.state_dict(keep_vars=True))
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(0)
 
     # ------------------------------------------------------------------------------- construction
     @classmethod
@@ -90,11 +92,9 @@ class EmbeddedEngine(Engine):
         stop_strs = [list(r.sampling.stop) for r in reqs]
         if any(stop_strs) and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer")
-        gen = None
-        seeds = [r.sampling.seed for r in reqs]
-        if all(s is not None for s in seeds):
-            gen = torch.Generator(device=dev)
-            gen.manual_seed(hash(tuple(seeds)) & 0x7FFF_FFFF_FFFF_FFFF)
+        seeds = torch.tensor([-1 if r.sampling.seed is None else int(r.sampling.seed) for r in reqs],
+                             dtype=torch.long, device=dev)
+        gen = self._generator
 
         outputs: list[list[int]] = [[] for _ in range(B)]
         logps: list[list[float]] = [[] for _ in range(B)]
@@ -106,7 +106,8 @@ class EmbeddedEngine(Engine):
             out = self.model(input_ids=cur_ids, attention_mask=attn, position_ids=cur_pos,
                              past_key_values=past, use_cache=True)
             past = out.past_key_values
-            tok, lp = sample_tokens(out.logits[:, -1, :], temp, top_k, top_p, gen)
+            tok, lp = sample_tokens(out.logits[:, -1, :], temp, top_k, top_p, gen, seeds,
+                                    torch.full((B,), step, dtype=torch.long, device=dev))
             tok_l, lp_l = tok.tolist(), lp.tolist()
             aborted = self._abort.is_set()
             for b in range(B):

@@ -41,22 +41,57 @@ def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return torch.empty_like(z).scatter_(-1, order, sorted_z)
 
 
+_M64 = (1 << 64) - 1
+
+
+def _to_i64(x: int) -> int:
+    x &= _M64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = _to_i64(0x9E3779B97F4A7C15), _to_i64(0xBF58476D1CE4E5B9), _to_i64(0x94D049BB133111EB)
+
+
+def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A uniform number in [0, 1) per row from (seed, position) alone (splitmix64 on int64 with
+    wrap-around), float64 [B]. The same request draws the same numbers whatever batch it is in."""
+    x = seeds.to(torch.int64) * _GOLDEN + positions.to(torch.int64) + 1
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _MIX1
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _MIX2
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    return ((x >> 11) & ((1 << 53) - 1)).to(torch.float64) * (2.0 ** -53)
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     generator: Optional[torch.Generator] = None,
+    seeds: Optional[torch.Tensor] = None,
+    positions: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [B], logprobs [B]) for one decoding step; see the module docstring."""
+    """(tokens [B], logprobs [B]) for one decoding step; see the module docstring.
+
+    Rows draw by inverse CDF from a uniform number: ``counter_uniform(seed, position)`` where
+    ``seeds[b] >= 0`` (reproducible per request), else ``torch.rand`` with ``generator``.
+    """
     z = process_logits(logits, temperature, top_k, top_p)
     logq = torch.log_softmax(z, dim=-1)
     greedy = temperature <= 0
     if bool(greedy.all()):
         tok = logits.argmax(-1)
     else:
-        probs = logq.exp()
-        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        B = logits.shape[0]
+        u = torch.rand(B, generator=generator, device=logits.device, dtype=torch.float64)
+        if seeds is not None:
+            seeded = seeds >= 0
+            if bool(seeded.any()):
+                u = torch.where(seeded, counter_uniform(seeds, positions), u)
+        cdf = logq.double().exp().cumsum(-1)
+        tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp_max(cdf.shape[-1] - 1)
         if bool(greedy.any()):
             tok = torch.where(greedy, logits.argmax(-1), tok)
     lp = logq.gather(-1, tok[:, None]).squeeze(-1)

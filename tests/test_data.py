@@ -1,0 +1,103 @@
+import json
+
+import pytest
+
+from megaforge.config import DataConfig
+from megaforge.data.prompts import PromptSource
+from megaforge.data.sources import DataError
+
+
+def _cfg(path, **kw):
+    return DataConfig(path=path, **kw)
+
+
+def _write_jsonl(p, rows):
+    p.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+def test_jsonl_rows_and_chat_template(tmp_path, tokenizer):
+    p = tmp_path / "d.jsonl"
+    _write_jsonl(p, [{"prompt": "What is 1 + 2?", "answer": "3"}, {"prompt": "What is 2 + 2?", "answer": "4"}])
+    src = PromptSource(_cfg(str(p), shuffle=False), tokenizer, seed=0)
+    rows = src.next_batch(2)
+    assert rows[0].prompt_text == "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    assert rows[0].label == "3" and rows[1].label == "4"
+    assert tokenizer.decode(rows[0].prompt_ids) == rows[0].prompt_text
+
+
+def test_malformed_row_names_file_and_line(tmp_path, tokenizer):
+    p = tmp_path / "d.jsonl"
+    _write_jsonl(p, [{"prompt": "a", "answer": "1"}, "{not json", {"prompt": "b", "answer": "2"}])
+    with pytest.raises(DataError, match=r"d\.jsonl:2: not valid JSON"):
+        PromptSource(_cfg(str(p), shuffle=False), tokenizer, 0).next_batch(3)
+
+
+def test_missing_field_names_row_and_key(tmp_path, tokenizer):
+    p = tmp_path / "d.jsonl"
+    _write_jsonl(p, [{"prompt": "a", "answer": "1"}, {"question": "b", "answer": "2"}])
+    with pytest.raises(DataError, match=r"d\.jsonl:2: missing field 'prompt' \(data.input_key\)"):
+        PromptSource(_cfg(str(p), shuffle=False), tokenizer, 0).next_batch(2)
+
+
+def test_skip_bad_rows_counts(tmp_path, tokenizer):
+    p = tmp_path / "d.jsonl"
+    _write_jsonl(p, [{"prompt": "a", "answer": "1"}, "[1, 2]", {"prompt": "", "answer": "2"}, {"prompt": "c", "answer": "3"}])
+    src = PromptSource(_cfg(str(p), shuffle=False, skip_bad_rows=True), tokenizer, 0)
+    rows = src.next_batch(2)
+    assert [r.label for r in rows] == ["1", "3"] and src.skipped == 2
+
+
+def test_prompt_too_long(tmp_path, tokenizer):
+    p = tmp_path / "d.jsonl"
+    _write_jsonl(p, [{"prompt": "x " * 200, "answer": "1"}])
+    with pytest.raises(DataError, match=r"d\.jsonl:1: prompt has \d+ tokens > data.max_prompt_len 32"):
+        PromptSource(_cfg(str(p), max_prompt_len=32), tokenizer, 0).next_batch(1)
+
+
+def test_parquet_and_custom_keys(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"question": ["q1", "q2", None], "gold": ["1", "2", "3"]}), p)
+    src = PromptSource(_cfg(str(p), input_key="question", label_key="gold", shuffle=False), tokenizer, 0)
+    assert [r.label for r in src.next_batch(2)] == ["1", "2"]
+    with pytest.raises(DataError, match=r"d\.parquet:row 2: field 'question' must be a non-empty string"):
+        src.next_batch(1)
+
+
+def test_messages_rows_and_system_prompt(tmp_path, tokenizer):
+    p = tmp_path / "d.jsonl"
+    _write_jsonl(p, [{"prompt": [{"role": "user", "content": "hi"}], "answer": "1"},
+                     {"prompt": [{"role": "user"}], "answer": "2"}])
+    src = PromptSource(_cfg(str(p), shuffle=False, system_prompt="Be brief."), tokenizer, 0)
+    r = src.next_batch(1)[0]
+    assert r.prompt_text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi")
+    with pytest.raises(DataError, match=r"d\.jsonl:2: prompt\[0\] must be"):
+        src.next_batch(1)
+
+
+def test_resume_position_reproduces_order(tokenizer):
+    cfg = _cfg("arithmetic", format="synthetic", synthetic_size=50)
+    a = PromptSource(cfg, tokenizer, seed=3)
+    first = [r.prompt_text for r in a.next_batch(30)]
+    state = a.state_dict()
+    rest = [r.prompt_text for r in a.next_batch(40)]  # crosses an epoch boundary
+    b = PromptSource(cfg, tokenizer, seed=3)
+    b.load_state_dict(state)
+    assert [r.prompt_text for r in b.next_batch(40)] == rest
+    assert a.epoch == 1 and first != rest[:30]
+
+
+def test_unknown_synthetic_task_lists_registered(tokenizer):
+    with pytest.raises(ValueError, match="unknown synthetic task 'algebra'; registered: arithmetic"):
+        PromptSource(_cfg("algebra", format="synthetic"), tokenizer, 0)
+
+
+def test_sft_rows_need_response(tmp_path, tokenizer):
+    p = tmp_path / "d.jsonl"
+    _write_jsonl(p, [{"prompt": "a", "response": "b"}, {"prompt": "a"}])
+    src = PromptSource(_cfg(str(p), shuffle=False), tokenizer, 0, want_response=True)
+    assert tokenizer.decode(src.next_batch(1)[0].response_ids) == "b"
+    with pytest.raises(DataError, match=r"d\.jsonl:2: missing or empty field 'response'"):
+        src.next_batch(1)

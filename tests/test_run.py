@@ -1,0 +1,57 @@
+"""End-to-end runs of the launcher on tiny settings: run directory, metrics, checkpoints, resume."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
+TINY = ["--sft.max_steps", "3", "--sft.batch_size", "8", "--rollout.batch_size", "4", "--grpo.n_samples", "4",
+        "--rollout.max_new_tokens", "12", "--metrics.progress", "false"]
+
+
+def launch(*args, expect_rc=0, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "launchers", "grpo.py"), "--config", DEMO, *TINY, *args],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == expect_rc, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+def metrics(run_dir, name="metrics.jsonl"):
+    with open(os.path.join(run_dir, name)) as f:
+        return [json.loads(l) for l in f]
+
+
+def test_run_dir_metrics_and_resume(tmp_path):
+    out = str(tmp_path)
+    launch("--output_dir", out, "--run_name", "a", "--max_steps", "4", "--checkpoint.interval", "2")
+    run = os.path.join(out, "a")
+    recs = metrics(run)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    from megaforge.metrics import REQUIRED_KEYS
+
+    for k in REQUIRED_KEYS:
+        assert k in recs[0], k
+    assert len(metrics(run, "sft_metrics.jsonl")) == 3
+    assert os.path.exists(os.path.join(run, "config.yaml"))
+    assert os.listdir(os.path.join(run, "tensorboard"))
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["step_000002", "step_000004"]
+
+    # a second run into the same directory without --resume is refused and changes nothing
+    before = open(os.path.join(run, "metrics.jsonl")).read()
+    p = launch("--output_dir", out, "--run_name", "a", "--max_steps", "4", expect_rc=1)
+    assert "already holds a run: pass --resume" in p.stderr
+    assert open(os.path.join(run, "metrics.jsonl")).read() == before
+
+    # resume continues from step 4 to 6 with no duplicated step
+    launch("--output_dir", out, "--run_name", "a", "--max_steps", "6", "--resume", "--checkpoint.interval", "2")
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_config_error_before_any_work(tmp_path):
+    p = launch("--output_dir", str(tmp_path), "--grpo.n_sample", "2", expect_rc=2)
+    assert "did you mean 'grpo.n_samples'" in p.stderr
+    assert os.listdir(tmp_path) == []
