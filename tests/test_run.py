@@ -55,3 +55,18 @@ def test_config_error_before_any_work(tmp_path):
     p = launch("--output_dir", str(tmp_path), "--grpo.n_sample", "2", expect_rc=2)
     assert "did you mean 'grpo.n_samples'" in p.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_wandb_offline_and_plot(tmp_path):
+    pytest.importorskip("wandb")
+    out = str(tmp_path)
+    launch("--output_dir", out, "--run_name", "w", "--max_steps", "2", "--sft.max_steps", "0",
+           "--metrics.wandb", "true", "--metrics.wandb_mode", "offline")
+    run = os.path.join(out, "w")
+    wb = os.path.join(run, "wandb")
+    assert any(d.startswith("offline-run-") for d in os.listdir(wb)), os.listdir(wb)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_run.py"), run], check=True, env=env,
+                   capture_output=True, timeout=120)
+    with open(os.path.join(run, "curves.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
