@@ -92,9 +92,10 @@ class AlgoConfig:
     """Which estimator, loss and aggregation; see ``megaforge.algorithms`` for formulas."""
 
     advantage: str = "grpo"
-    """Advantage estimator (registered name or ``package.module:callable``)."""
+    """Advantage estimator: grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae (needs the
+    critic) | a name registered by an ``algo.plugins`` module | ``package.module:callable``."""
     loss: str = "ppo_clip"
-    """Policy loss (registered name or ``package.module:callable``)."""
+    """Policy loss: ppo_clip | gspo | cispo | sapo | reinforce | a registered name | ``package.module:callable``."""
     loss_agg: str = "token_mean"
     """Loss aggregation: token_mean | seq_mean_token_sum | seq_mean_token_mean | seq_mean_token_sum_norm."""
     loss_agg_norm: float = 0.0
@@ -108,21 +109,62 @@ class AlgoConfig:
     clip_c: Optional[float] = None
     """Dual-clip constant (> 1) bounding the loss of negative-advantage tokens; null disables."""
     std_eps: float = 1e-6
-    """Epsilon added to the group std by ``grpo``."""
+    """Epsilon added to the std by ``grpo`` (group std) and the batch-normalised estimators."""
     tis_cap: Optional[float] = None
     """Truncated importance sampling cap on pi_old/pi_rollout (null disables)."""
+    tis_level: Literal["token", "sequence"] = "token"
+    """TIS ratio: per token, or the sequence's product of token ratios applied to all its tokens."""
     mis_threshold: Optional[float] = None
-    """Masked importance sampling: drop tokens whose pi_old/pi_rollout exceeds this (null disables)."""
-    mis_level: Literal["token", "sequence"] = "token"
-    """Masked importance sampling granularity."""
+    """Masked importance sampling: weight 0 where pi_old/pi_rollout exceeds this (null disables)."""
+    mis_threshold_low: Optional[float] = None
+    """Masked importance sampling lower bound: weight 0 where the ratio is below this (null: none)."""
+    mis_level: Literal["token", "sequence", "geometric"] = "token"
+    """MIS ratio: per token, the sequence's product of ratios, or its geometric mean (rejection only)."""
+    sapo_tau_pos: float = 1.0
+    """SAPO gate temperature for positive-advantage tokens (paper default 1.0)."""
+    sapo_tau_neg: float = 1.05
+    """SAPO gate temperature for negative-advantage tokens (paper default 1.05)."""
+    cispo_clip_low: Optional[float] = None
+    """CISPO weight lower bound is 1 - cispo_clip_low (null: no lower bound, as in the paper); the
+    upper bound is 1 + grpo.clip_high."""
+    reinforce_clip: Optional[float] = None
+    """``reinforce`` loss: clip the detached ratio pi/pi_old to [1 - c, 1 + c] (null: no clipping)."""
     dynamic_sampling: bool = False
-    """Drop groups whose rewards are all equal (zero advantage); DAPO."""
+    """Drop groups whose rewards are all equal (zero advantage) and sample more prompts to keep
+    rollout.batch_size groups; DAPO. Prompts per extra round: missing groups * loop.oversample."""
+    dynamic_sampling_max_rounds: int = 4
+    """Generation rounds per step when dynamic sampling; after the last one the step trains on the
+    groups kept so far (all of the last round's groups when none was kept)."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong punishment: responses longer than rollout.max_new_tokens - overlong_buffer
+    get a linearly growing penalty (0 disables)."""
+    overlong_penalty: float = 1.0
+    """Penalty at rollout.max_new_tokens tokens (DAPO: 1.0)."""
     gamma: float = 1.0
     """Discount for reinforce_pp / gae."""
     lam: float = 1.0
     """GAE lambda."""
+    plugins: list[str] = field(default_factory=list)
+    """Modules imported at start-up so that the losses / advantages / rewards they register by name
+    (``@POLICY_LOSSES.register("my_loss")``) can be used by that name."""
     plugin_kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments passed to plug-in losses / advantages."""
+
+
+@dataclass
+class CriticConfig:
+    """The value model of PPO (``algo.advantage: gae``): the policy's backbone plus a linear value head,
+    trained with the clipped value loss through the trainer backend."""
+
+    enabled: Optional[bool] = None
+    """Train a critic; null: exactly when algo.advantage is gae."""
+    path: str = ""
+    """Hugging Face model directory of the critic's backbone; empty: a copy of the policy at RL start
+    (after the SFT warm start). The value head starts at zero."""
+    lr: float = 1e-5
+    """Critic learning rate (constant, AdamW with the trainer's betas / eps / weight decay)."""
+    value_clip: Optional[float] = 0.2
+    """PPO value clipping: V_clip = V_old + clip(V - V_old, -value_clip, value_clip); null disables."""
 
 
 @dataclass
@@ -260,7 +302,11 @@ class SFTConfig:
     data: Optional[DataConfig] = None
     """SFT data (prompt/response rows or chat messages); null: the RL prompts with their labels."""
     pack: bool = True
-    """Pack several sequences per row up to ``sft.max_len`` (torch backend keeps rows, megatron packs)."""
+    """Pack several examples per row (position ids restart per example and attention never crosses
+    examples); the megatron backend always packs."""
+    pack_len: int = 0
+    """Row length of packed rows (torch backend); 0: the longest example of each micro-batch, so
+    packing never lengthens a row and only removes padding."""
     max_len: int = 512
     """Maximum SFT sequence length."""
 
@@ -345,6 +391,8 @@ class Config:
     """Group sampling and clipped objective (the seed's block)."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """Advantage estimator, policy loss, aggregation, KL, corrections."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Value model (PPO / gae)."""
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     """Reward functions."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -368,6 +416,38 @@ class Config:
     def run_dir(self) -> str:
         return os.path.join(self.output_dir, self.run_name)
 
+    @property
+    def critic_enabled(self) -> bool:
+        return self.critic.enabled if self.critic.enabled is not None else self.algo.advantage == "gae"
+
+    def _validate_algo(self, need) -> None:
+        a = self.algo
+        for k in ("tis_cap", "mis_threshold", "mis_threshold_low"):
+            v = getattr(a, k)
+            need(v is None or v > 0, f"algo.{k}", "must be > 0 (or null)")
+        need(a.mis_threshold_low is None or a.mis_threshold is not None, "algo.mis_threshold_low",
+             "needs algo.mis_threshold (the upper bound)")
+        need(a.mis_threshold is None or a.mis_threshold_low is None or a.mis_threshold_low < a.mis_threshold,
+             "algo.mis_threshold_low", "must be < algo.mis_threshold")
+        need(a.sapo_tau_pos > 0, "algo.sapo_tau_pos", "must be > 0")
+        need(a.sapo_tau_neg > 0, "algo.sapo_tau_neg", "must be > 0")
+        need(a.cispo_clip_low is None or 0 <= a.cispo_clip_low <= 1, "algo.cispo_clip_low", "must be in [0, 1] (or null)")
+        need(a.reinforce_clip is None or 0 <= a.reinforce_clip < 1, "algo.reinforce_clip", "must be in [0, 1) (or null)")
+        need(a.dynamic_sampling_max_rounds >= 1, "algo.dynamic_sampling_max_rounds", "must be >= 1")
+        need(a.overlong_buffer >= 0, "algo.overlong_buffer", "must be >= 0")
+        need(a.overlong_buffer < self.rollout.max_new_tokens or a.overlong_buffer == 0, "algo.overlong_buffer",
+             f"must be < rollout.max_new_tokens ({self.rollout.max_new_tokens})")
+        need(a.overlong_penalty >= 0, "algo.overlong_penalty", "must be >= 0")
+        need(0 < a.gamma <= 1, "algo.gamma", "must be in (0, 1]")
+        need(0 <= a.lam <= 1, "algo.lam", "must be in [0, 1]")
+        need(a.std_eps >= 0, "algo.std_eps", "must be >= 0")
+        need(self.loop.oversample >= 1, "loop.oversample", "must be >= 1")
+        need(not (a.advantage == "gae" and self.critic.enabled is False), "critic.enabled",
+             "algo.advantage gae needs the critic (set critic.enabled true or null)")
+        need(self.critic.lr > 0, "critic.lr", "must be > 0")
+        need(self.critic.value_clip is None or self.critic.value_clip > 0, "critic.value_clip", "must be > 0 (or null)")
+        need(self.sft.pack_len >= 0, "sft.pack_len", "must be >= 0")
+
     def validate(self) -> None:
         def need(cond: bool, key: str, msg: str):
             if not cond:
@@ -381,6 +461,7 @@ class Config:
         need(self.grpo.clip_high >= 0, "grpo.clip_high", "must be >= 0")
         need(self.grpo.beta >= 0, "grpo.beta", "must be >= 0")
         need(self.algo.clip_c is None or self.algo.clip_c > 1, "algo.clip_c", "must be > 1 (or null)")
+        self._validate_algo(need)
         need(self.rollout.batch_size >= 1, "rollout.batch_size", "must be >= 1")
         need(self.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
         need(0 < self.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")

@@ -7,12 +7,19 @@ A new algorithm is a function plus a registry entry::
     @POLICY_LOSSES.register("my_loss")
     def my_loss(logprobs, old_logprobs, advantages, mask, p): ...
 
-or ``algo.loss: my_pkg.losses:my_loss`` in the config. The loop never changes for it.
+or ``algo.loss: my_pkg.losses:my_loss`` in the config (or ``algo.plugins: [my_pkg.losses]`` and
+``algo.loss: my_loss``). The loop never changes for it. Families: advantages (grpo, dr_grpo, rloo,
+reinforce_pp, reinforce_pp_baseline, gae), policy losses (ppo_clip, gspo, cispo, sapo, reinforce),
+aggregations, KL estimators, train/inference mismatch corrections (objective), the critic's value
+loss (value) and DAPO's filters and overlong shaping (filters).
 """
 from megaforge.algorithms.core import (  # noqa: F401
     ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES, AdvantageInputs, LossParams,
-    group_stats, masked_mean,
+    group_stats, load_plugins, masked_mean, resolve_components,
 )
 from megaforge.algorithms import advantages, aggregation, kl, losses  # noqa: F401  (registration)
 from megaforge.algorithms.aggregation import aggregate  # noqa: F401
+from megaforge.algorithms.advantages import gae, value_targets  # noqa: F401
+from megaforge.algorithms.filters import first_groups, nonzero_variance_groups, overlong_penalty  # noqa: F401
 from megaforge.algorithms.objective import policy_objective, mismatch_weights  # noqa: F401
+from megaforge.algorithms.value import clipped_value_loss, value_objective  # noqa: F401

@@ -1,7 +1,9 @@
 """Advantage estimators. Each: ``fn(inputs: AdvantageInputs, cfg: AlgoConfig) -> advantages [B, T]``.
 
-Sequence-level estimators broadcast one value per row over its trained tokens (``loss_mask``);
-the result is 0 wherever ``loss_mask`` is 0.
+Sequence-level estimators (grpo, dr_grpo, rloo) broadcast one value per row over its trained
+tokens; token-level ones (reinforce_pp, reinforce_pp_baseline, gae) turn the sequence reward plus
+the per-token reward terms (``AdvantageInputs.token_rewards``, the KL penalty when
+``algo.kl_in_reward``) into returns. Every result is 0 wherever ``loss_mask`` is 0.
 """
 from __future__ import annotations
 
@@ -19,11 +21,13 @@ def grpo_advantage(inp: AdvantageInputs, cfg) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300), outcome supervision.
 
     A_i = (r_i - mean_g(r)) / (std_g(r) + eps) for sample i of group g, std with Bessel's
-    correction; every response token of sample i gets A_i. Groups of one sample get 0.
+    correction; every response token of sample i gets A_i. Groups of one sample, and groups whose
+    rewards are all equal, get 0 (also with std_eps 0).
     """
     mean, std, count = group_stats(inp.rewards, inp.group_ids)
-    adv = (inp.rewards - mean) / (std + cfg.std_eps)
-    adv = torch.where(count > 1, adv, torch.zeros_like(adv))
+    denom = std + cfg.std_eps
+    adv = (inp.rewards - mean) / torch.where(denom > 0, denom, torch.ones_like(denom))
+    adv = torch.where((count > 1) & (std > 0), adv, torch.zeros_like(adv))
     return _broadcast(adv, inp.loss_mask)
 
 
@@ -48,3 +52,111 @@ def rloo_advantage(inp: AdvantageInputs, cfg) -> torch.Tensor:
     mean, _, count = group_stats(inp.rewards, inp.group_ids)
     scale = torch.where(count > 1, count / (count - 1).clamp_min(1), torch.zeros_like(count))
     return _broadcast(scale * (inp.rewards - mean), inp.loss_mask)
+
+
+# ------------------------------------------------------------------------- token-level estimators
+def token_rewards(inp: AdvantageInputs, seq_rewards: torch.Tensor) -> torch.Tensor:
+    """Per-token rewards [B, T]: ``inp.token_rewards`` (e.g. -beta * KL_t, 0 when absent) plus the
+    sequence reward on the last trained token of each row."""
+    mask = inp.loss_mask
+    r = torch.zeros_like(mask) if inp.token_rewards is None else inp.token_rewards.to(mask.dtype) * mask
+    T = mask.shape[1]
+    pos = torch.arange(T, device=mask.device)[None, :].expand_as(mask)
+    last = torch.where(mask > 0, pos, torch.full_like(pos, -1)).max(-1).values  # [B], -1: no token
+    has = last >= 0
+    rows = torch.nonzero(has).squeeze(-1)
+    r = r.clone()
+    r[rows, last[rows]] += seq_rewards[rows].to(r.dtype)
+    return r
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma * G_next over trained tokens only (untrained positions are skipped, so a
+    tool output between two model turns is not a time step); 0 where mask is 0."""
+    B, T = rewards.shape
+    out = torch.zeros_like(rewards)
+    running = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)
+    for t in range(T - 1, -1, -1):
+        m = mask[:, t] > 0
+        running = torch.where(m, rewards[:, t] + gamma * running, running)
+        out[:, t] = torch.where(m, running, torch.zeros_like(running))
+    return out
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / (std + eps) with mean and population std over the trained tokens of the batch."""
+    n = mask.sum().clamp_min(1.0)
+    mean = (x * mask).sum() / n
+    var = (((x - mean) * mask) ** 2).sum() / n
+    denom = var.sqrt() + eps
+    if float(denom) == 0.0:  # every value equal: nothing to normalise, all centred values are 0
+        return torch.zeros_like(x)
+    return (x - mean) / denom * mask
+
+
+@ADVANTAGES.register("reinforce_pp")
+def reinforce_pp_advantage(inp: AdvantageInputs, cfg) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large
+    Language Models", arXiv:2501.03262).
+
+    Token rewards r_t = -beta * KL_t (``algo.kl_in_reward``; 0 otherwise) + R_i at the last response
+    token; returns G_t = sum_{s >= t} gamma^(s - t) r_s; advantages normalised over the whole batch:
+        A_t = (G_t - mean_batch(G)) / (std_batch(G) + std_eps)    (mean/std over trained tokens)
+    """
+    g = discounted_returns(token_rewards(inp, inp.rewards), inp.loss_mask, cfg.gamma)
+    return whiten(g, inp.loss_mask, cfg.std_eps)
+
+
+@ADVANTAGES.register("reinforce_pp_baseline")
+def reinforce_pp_baseline_advantage(inp: AdvantageInputs, cfg) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu 2025, arXiv:2501.03262, the group-baseline variant): the group mean
+    reward is subtracted first, then as ``reinforce_pp``:
+        R'_i = R_i - mean_g(R);  r_t = -beta * KL_t + R'_i [t = last];  A = batch-normalised G
+    """
+    mean, _, _ = group_stats(inp.rewards, inp.group_ids)
+    g = discounted_returns(token_rewards(inp, inp.rewards - mean), inp.loss_mask, cfg.gamma)
+    return whiten(g, inp.loss_mask, cfg.std_eps)
+
+
+def gae(inp: AdvantageInputs, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, arXiv:1506.02438) over trained tokens:
+
+        delta_t = r_t + gamma * V_next - V_t        (V_next = 0 after the last trained token)
+        A_t     = delta_t + gamma * lam * A_next
+        returns = A_t + V_t                          (the critic's lambda-return targets)
+
+    with r_t from :func:`token_rewards` and V_t = ``inp.values`` (value of the prefix before token t).
+    Returns (raw advantages, returns), both 0 where loss_mask is 0.
+    """
+    if inp.values is None:
+        raise ValueError("advantage 'gae' needs critic values (config key critic.enabled: the loop "
+                         "computes them when the critic is on)")
+    mask = inp.loss_mask
+    r = token_rewards(inp, inp.rewards)
+    v = inp.values.to(r.dtype) * mask
+    B, T = r.shape
+    adv = torch.zeros_like(r)
+    next_v = torch.zeros(B, dtype=r.dtype, device=r.device)
+    next_a = torch.zeros_like(next_v)
+    for t in range(T - 1, -1, -1):
+        m = mask[:, t] > 0
+        delta = r[:, t] + cfg.gamma * next_v - v[:, t]
+        a = delta + cfg.gamma * cfg.lam * next_a
+        adv[:, t] = torch.where(m, a, torch.zeros_like(a))
+        next_v = torch.where(m, v[:, t], next_v)
+        next_a = torch.where(m, a, next_a)
+    return adv, (adv + v) * mask
+
+
+@ADVANTAGES.register("gae")
+def gae_advantage(inp: AdvantageInputs, cfg) -> torch.Tensor:
+    """PPO's advantages (Schulman et al. 2017, arXiv:1707.06347; as in InstructGPT, Ouyang et al.
+    2022): :func:`gae` whitened over the batch's trained tokens, A = (A - mean) / (std + std_eps).
+    The critic is trained on the unwhitened :func:`gae` returns with the clipped value loss."""
+    adv, _ = gae(inp, cfg)
+    return whiten(adv, inp.loss_mask, cfg.std_eps)
+
+
+def value_targets(inp: AdvantageInputs, cfg) -> torch.Tensor:
+    """The critic's regression targets: the lambda-returns of :func:`gae` [B, T]."""
+    return gae(inp, cfg)[1]

@@ -4,11 +4,13 @@ Shapes: ``B`` sequences (rows), ``T`` tokens (token-aligned, see :mod:`megaforge
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
+from megaforge.configtree import ConfigError
 from megaforge.registry import Registry
 
 ADVANTAGES = Registry("advantage estimator")
@@ -32,21 +34,54 @@ class LossParams:
     loss_agg: str = "token_mean"
     loss_agg_norm: float = 0.0
     tis_cap: Optional[float] = None
+    tis_level: str = "token"
     mis_threshold: Optional[float] = None
+    mis_threshold_low: Optional[float] = None
     mis_level: str = "token"
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    cispo_clip_low: Optional[float] = None
+    reinforce_clip: Optional[float] = None
     plugin_kwargs: dict = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, cfg) -> "LossParams":
+        """Read the config; imports ``algo.plugins`` and checks that every named component exists,
+        so a typo fails at start-up with the config key and the registered names."""
         a, g = cfg.algo, cfg.grpo
+        resolve_components(cfg)
         return cls(
             clip_low=g.clip_low, clip_high=g.clip_high, clip_c=a.clip_c, beta=g.beta,
             kl_estimator=a.kl_estimator, kl_in_reward=a.kl_in_reward, entropy_coef=a.entropy_coef,
             loss=a.loss, loss_agg=a.loss_agg,
             loss_agg_norm=a.loss_agg_norm or float(cfg.rollout.max_new_tokens),
-            tis_cap=a.tis_cap, mis_threshold=a.mis_threshold, mis_level=a.mis_level,
-            plugin_kwargs=dict(a.plugin_kwargs),
+            tis_cap=a.tis_cap, tis_level=a.tis_level, mis_threshold=a.mis_threshold,
+            mis_threshold_low=a.mis_threshold_low, mis_level=a.mis_level,
+            sapo_tau_pos=a.sapo_tau_pos, sapo_tau_neg=a.sapo_tau_neg, cispo_clip_low=a.cispo_clip_low,
+            reinforce_clip=a.reinforce_clip, plugin_kwargs=dict(a.plugin_kwargs),
         )
+
+
+def load_plugins(modules) -> None:
+    """Import each module of ``algo.plugins`` (their import registers losses, advantages, rewards)."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ConfigError(f"config key 'algo.plugins': cannot import module {name!r}: {e}") from e
+
+
+def resolve_components(cfg) -> None:
+    """Import ``algo.plugins``, then look up every configured algorithm component; an unknown name
+    raises ConfigError (a ValueError) naming the config key and listing the registered names."""
+    a = cfg.algo
+    load_plugins(a.plugins)
+    for key, reg in (("algo.advantage", ADVANTAGES), ("algo.loss", POLICY_LOSSES),
+                     ("algo.loss_agg", LOSS_AGGS), ("algo.kl_estimator", KL_ESTIMATORS)):
+        try:
+            reg.get(getattr(a, key.split(".")[1]))
+        except ValueError as e:
+            raise ConfigError(f"config key '{key}': {e}") from e
 
 
 @dataclass

@@ -22,29 +22,53 @@ from megaforge.algorithms.core import KL_ESTIMATORS, POLICY_LOSSES, LossParams
 from megaforge.types import TrainBatch
 
 
+def _level_log_ratio(log_r: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """log of the ratio at ``level``, broadcast to [B, T]: the token's own (token), the sum over the
+    row's trained tokens (sequence: log of the product of ratios), or their mean (geometric)."""
+    if level == "token":
+        return log_r
+    total = (log_r * mask).sum(-1, keepdim=True)
+    if level == "sequence":
+        return total.clamp(-20.0, 20.0).expand_as(log_r)
+    if level == "geometric":
+        return (total / mask.sum(-1, keepdim=True).clamp_min(1.0)).expand_as(log_r)
+    raise ValueError(f"unknown importance-sampling level {level!r}; valid: token, sequence, geometric")
+
+
 def mismatch_weights(old_logprobs, rollout_logprobs, mask, p: LossParams) -> tuple[torch.Tensor, dict]:
     """Importance weights correcting the trainer/engine mismatch, [B, T] (no gradient).
 
-    TIS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"):
-    w_t = min(pi_old / pi_rollout, tis_cap).
-    MIS: tokens (or whole sequences, ``mis_level: sequence`` with the geometric-mean ratio) whose
-    ratio exceeds ``mis_threshold`` get weight 0.
+    With rho = pi_old / pi_rollout taken at a *level* (token: rho_t; sequence: prod_t rho_t over the
+    row's trained tokens; geometric: exp(mean_t log rho_t)):
+
+    * TIS (truncated IS; Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+      Off-Policy RL Training"):  w = min(rho_tis_level, tis_cap).
+    * MIS (masked IS; IcePop, Ling team 2025, and Liu, Li et al. 2025, "When Speed Kills
+      Stability"):  w = rho_mis_level * 1[lo <= rho_mis_level <= mis_threshold]; the ratio is
+      rejected (weight 0) outside the band instead of truncated. ``geometric`` is rejection only
+      (weight 1 inside the band). With ``tis_cap`` set too, the weight is the TIS weight times the
+      MIS indicator.
+
+    Rejected tokens stay in the aggregation's denominator (the estimator's zero contributions), so a
+    batch's loss scale does not depend on how many were rejected.
     """
     w = torch.ones_like(old_logprobs)
     stats = {}
     if p.tis_cap is None and p.mis_threshold is None:
         return w, stats
     log_r = (old_logprobs - rollout_logprobs).clamp(-20.0, 20.0) * mask
-    r = torch.exp(log_r)
     if p.tis_cap is not None:
+        r = torch.exp(_level_log_ratio(log_r, mask, p.tis_level))
         w = torch.clamp(r, max=p.tis_cap)
         stats["tis_clip_frac"] = (r > p.tis_cap).float()
     if p.mis_threshold is not None:
-        if p.mis_level == "sequence":
-            seq_r = torch.exp(log_r.sum(-1) / mask.sum(-1).clamp_min(1.0))
-            keep = (seq_r <= p.mis_threshold).float()[:, None].expand_as(w)
-        else:
-            keep = (r <= p.mis_threshold).float()
+        r = torch.exp(_level_log_ratio(log_r, mask, p.mis_level))
+        keep = r <= p.mis_threshold
+        if p.mis_threshold_low is not None:
+            keep = keep & (r >= p.mis_threshold_low)
+        keep = keep.float()
+        if p.tis_cap is None and p.mis_level != "geometric":
+            w = r
         w = w * keep
         stats["mis_masked_frac"] = 1.0 - keep
     return w.detach(), stats

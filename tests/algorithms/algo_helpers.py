@@ -1,0 +1,51 @@
+"""Helpers of the algorithm tests: small hand-made tensors and tiny in-process runs of the CPU demo."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(1)
+
+# the smallest settings that still exercise every part of an RL step on the CPU demo
+SMOKE = ["--max_steps", "2", "--sft.max_steps", "2", "--sft.batch_size", "8", "--rollout.batch_size", "2",
+         "--grpo.n_samples", "4", "--rollout.max_new_tokens", "16", "--trainer.micro_batch_size", "8",
+         "--metrics.progress", "false", "--metrics.tensorboard", "false", "--metrics.log_samples", "0",
+         "--checkpoint.interval", "0"]
+
+
+def lp_for_ratio(ratios, old):
+    """Leaf logprobs with gradient such that exp(logp - old) == ratios."""
+    old = torch.as_tensor(old, dtype=torch.float64)
+    return (old + torch.log(torch.as_tensor(ratios, dtype=torch.float64))).clone().requires_grad_(True)
+
+
+def params(**kw):
+    from megaforge.algorithms import LossParams
+
+    return LossParams(**kw)
+
+
+def run_launcher(mode: str, argv: list[str], out_dir: str, run_name: str) -> str:
+    """Run a launcher in this process (exactly what launchers/*.py do); returns the run directory."""
+    from megaforge.launch import main
+
+    main(mode, argv + ["--output_dir", out_dir, "--run_name", run_name])
+    return os.path.join(out_dir, run_name)
+
+
+def read_metrics(run_dir: str, name: str = "metrics.jsonl") -> list[dict]:
+    with open(os.path.join(run_dir, name)) as f:
+        return [json.loads(line) for line in f]
+
+
+def finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
