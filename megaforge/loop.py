@@ -16,6 +16,7 @@ One synchronous RL step (DESIGN.md, "One RL step"):
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -23,7 +24,8 @@ from contextlib import contextmanager
 import torch
 
 from megaforge import checkpoint, dist
-from megaforge.algorithms import ADVANTAGES, KL_ESTIMATORS, AdvantageInputs
+from megaforge.algorithms import (ADVANTAGES, KL_ESTIMATORS, AdvantageInputs, first_groups, nonzero_variance_groups,
+                                  overlong_penalty, value_targets)
 from megaforge.config import Config, save_config
 from megaforge.data.batch import samples_to_batch, set_denominators, sft_batch
 from megaforge.data.prompts import PromptSource
@@ -172,6 +174,11 @@ class Run:
                                          cfg.trainer.lr_schedule, cfg.trainer.min_lr)
             if self._needs_ref():
                 self.trainer.snapshot_reference()
+        if self.cfg.critic_enabled and getattr(self.trainer, "critic", None) is None:
+            if not hasattr(self.trainer, "init_critic"):
+                raise RunError(f"critic.enabled / algo.advantage={cfg.algo.advantage}: trainer.backend "
+                               f"{cfg.trainer.backend} has no critic yet; use trainer.backend torch")
+            self.trainer.init_critic()  # a copy of the policy as it starts RL (after SFT)
         # the engine starts from the trainer's weights (after SFT or resume)
         self._sync_weights({})
         self.stop_ids = stop_token_ids(self.tokenizer, cfg.model.path) if dist.is_main() else []
@@ -214,28 +221,69 @@ class Run:
         self.state = dist.broadcast_object(self.state)
         self._save(self.state["rl_step"])
 
-    def _rollout(self, step: int, m: dict, bar: Progress):
-        """Main rank: prompts -> samples with rewards -> TrainBatch (advantages not yet set)."""
+    def _generate(self, step: int, n_prompts: int, offset: int, m: dict) -> list:
+        """``n_prompts`` prompts x grpo.n_samples scored samples (group ids from ``offset``), with DAPO's
+        overlong shaping added to the rewards when ``algo.overlong_buffer`` > 0."""
         cfg = self.cfg
         with timed(m, "time/rollout"):
-            rows = self.data.next_batch(cfg.rollout.batch_size)
-            reqs = make_requests(rows, cfg.grpo.n_samples, sampling_params(cfg, self.stop_ids), cfg.seed, step)
+            rows = self.data.next_batch(n_prompts)
+            reqs = make_requests(rows, cfg.grpo.n_samples, sampling_params(cfg, self.stop_ids), cfg.seed, step, offset)
             comps = self.engine.generate(reqs)
-        samples = completions_to_samples(rows, cfg.grpo.n_samples, comps, self.tokenizer)
+        samples = completions_to_samples(rows, cfg.grpo.n_samples, comps, self.tokenizer, offset)
         with timed(m, "time/reward"):
-            m.update(score(samples, self.rewards))
+            for k, v in score(samples, self.rewards).items():  # counts add up, means average over rounds
+                m[k] = m.get(k, 0.0) + (v if k in ("reward/errors", "reward/timeouts") else v * len(samples))
+        if cfg.algo.overlong_buffer > 0:
+            pen = overlong_penalty(torch.tensor([len(s.response_ids) for s in samples]), cfg.rollout.max_new_tokens,
+                                   cfg.algo.overlong_buffer, cfg.algo.overlong_penalty)
+            for s, p in zip(samples, pen.tolist()):
+                s.reward += p
+            m["reward/overlong_penalty"] = m.get("reward/overlong_penalty", 0.0) + float(pen.sum())
+        return samples
+
+    def _rollout(self, step: int, m: dict, bar: Progress):
+        """Main rank: prompts -> samples with rewards -> TrainBatch (advantages not yet set).
+
+        Dynamic sampling (``algo.dynamic_sampling``, DAPO): groups with equal rewards are dropped and
+        more prompts sampled, up to ``algo.dynamic_sampling_max_rounds`` rounds, until
+        ``rollout.batch_size`` groups are kept; then the first ``batch_size`` kept groups train. If no
+        group survives, the last round's groups train (their advantages are 0)."""
+        cfg = self.cfg
+        target, n = cfg.rollout.batch_size, cfg.grpo.n_samples
+        if not cfg.algo.dynamic_sampling:
+            generated = samples = self._generate(step, target, 0, m)
+        else:
+            generated, samples, rounds, last = [], [], 0, []
+            while len(samples) < target * n and rounds < cfg.algo.dynamic_sampling_max_rounds:
+                want = target - len(samples) // n
+                last = self._generate(step, math.ceil(want * cfg.loop.oversample), len(generated) // n, m)
+                generated += last
+                keep = nonzero_variance_groups(torch.tensor([s.reward for s in last]),
+                                               torch.tensor([s.group_id for s in last]))
+                samples += [s for s, k in zip(last, keep.tolist()) if k]
+                rounds += 1
+            m["dynamic_sampling/rounds"] = float(rounds)
+            m["dynamic_sampling/kept_groups"] = float(min(len(samples) // n, target))
+            m["dynamic_sampling/generated_groups"] = float(len(generated) // n)
+            m["dynamic_sampling/fallback"] = float(not samples)
+            if not samples:
+                samples = last
+            keep = first_groups(torch.tensor([s.group_id for s in samples]), target)
+            samples = [s for s, k in zip(samples, keep.tolist()) if k]
+        for k in [k for k in m if k.startswith("reward/") and k not in ("reward/errors", "reward/timeouts")]:
+            m[k] /= len(generated)
         if self.rewards.last_error and (m["reward/errors"] or m["reward/timeouts"]):
             bar.write(f"[megaforge] step {step}: {self.rewards.last_error}")
-        r = torch.tensor([s.reward for s in samples])
-        lens = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+        r = torch.tensor([s.reward for s in generated])  # metrics describe everything generated
+        lens = torch.tensor([len(s.response_ids) for s in generated], dtype=torch.float32)
         m.update({
             "reward/mean": float(r.mean()), "reward/std": float(r.std()) if len(r) > 1 else 0.0,
             "response_len/mean": float(lens.mean()), "response_len/max": float(lens.max()),
-            "response/length_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+            "response/length_frac": sum(s.finish_reason == "length" for s in generated) / len(generated),
             "response/empty_frac": float((lens == 0).float().mean()),
             "data/skipped_rows": float(self.data.skipped), "data/epoch": float(self.data.epoch),
         })
-        for s in samples[: cfg.metrics.log_samples]:
+        for s in generated[: cfg.metrics.log_samples]:
             bar.write(f"[step {step}] reward={s.reward:.2f} | {s.prompt_text!r} -> {s.response_text!r}")
         return samples_to_batch(samples, self.tokenizer.pad_token_id)
 
@@ -248,6 +296,8 @@ class Run:
             token_rewards = -cfg.grpo.beta * kl * batch.loss_mask
         inp = AdvantageInputs(rewards=batch.rewards, group_ids=batch.group_ids, loss_mask=batch.loss_mask,
                               token_rewards=token_rewards, values=batch.values)
+        if batch.values is not None:  # the critic's targets: lambda-returns
+            batch.returns = value_targets(inp, cfg.algo)
         return ADVANTAGES.get(cfg.algo.advantage)(inp, cfg.algo)
 
     def rl_step(self, step: int, bar: Progress) -> dict:
@@ -267,6 +317,8 @@ class Run:
                 batch.ref_logprobs = self.trainer.compute_logprobs(batch, "ref")
             if cfg.trainer.mini_batches * cfg.trainer.epochs > 1:
                 batch.old_logprobs = self.trainer.compute_logprobs(batch, "policy")
+            if cfg.critic_enabled:
+                batch.values = self.trainer.compute_values(batch)
             batch.advantages = self._advantages(batch)
             set_denominators(batch)
             m.update(self.trainer.train_step(batch))

@@ -38,6 +38,7 @@ class TorchTrainer(Trainer):
         self.params = LossParams.from_config(cfg)
         self.temperature = cfg.grpo.temperature
         self.ref: Optional[torch.nn.Module] = None
+        self.critic = None  # megaforge.trainer.critic.TorchCritic when the run trains one (PPO)
         self.version = 0
         self.reset_optimizer(cfg.trainer.lr, cfg.max_steps * cfg.trainer.mini_batches * cfg.trainer.epochs,
                              cfg.trainer.warmup_steps, cfg.trainer.lr_schedule, cfg.trainer.min_lr)
@@ -110,6 +111,18 @@ class TorchTrainer(Trainer):
         local_lp = torch.cat(parts) if parts else torch.zeros((0, batch.tokens.shape[1]))
         return dist.all_gather_rows(local_lp, batch.batch_size)
 
+    def init_critic(self) -> None:
+        """A fresh critic (PPO / gae): copy of the current policy backbone (or critic.path), zero head."""
+        from megaforge.trainer.critic import TorchCritic
+
+        self.critic = TorchCritic(self.cfg, self.model, self.device)
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """Critic values [B, T] (token-aligned, CPU, no gradient)."""
+        if self.critic is None:
+            raise RuntimeError("compute_values: no critic (init_critic not called; see critic.enabled)")
+        return self.critic.compute_values(batch)
+
     def snapshot_reference(self) -> None:
         dev = self.device if self.cfg.trainer.ref_device == "same" else resolve_device(self.cfg.trainer.ref_device)
         self.ref = copy.deepcopy(self.model).to(dev).eval()
@@ -175,11 +188,30 @@ class TorchTrainer(Trainer):
                 ent = ent.detach()
             return policy_objective(lp, mb.to(self.device), self.params, ent)
 
-        return self._run(batch, loss_fn)
+        out = self._run(batch, loss_fn)
+        if self.critic is not None and batch.returns is not None:
+            out.update(self.critic.train_step(batch))
+        return out
+
+    def _forward_packed(self, module, mb: TrainBatch, temperature: float):
+        """Token-aligned logprobs [B, T] of ``mb``'s rows, computed on packed rows (several rows per
+        packed row, position ids restarting per row, attention within a row only)."""
+        from megaforge.data.packing import pack_rows
+
+        pk = pack_rows(mb.tokens, mb.lengths, self.cfg.sft.pack_len)
+        tokens, pos = pk.tokens.to(self.device), pk.position_ids.to(self.device)
+        # no attention_mask: transformers derives the block-diagonal causal mask from the restarts
+        logits = module(input_ids=tokens, position_ids=pos, use_cache=False).logits
+        full = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=self.device)
+        lp, _ = token_logprobs(logits, tokens, full, temperature)
+        return pk.unpack(lp * (pos >= 1).float())
 
     def sft_step(self, batch: TrainBatch) -> dict[str, float]:
         def loss_fn(mb):
-            lp, _ = self._forward(self.module, mb, 1.0, False)
+            if self.cfg.sft.pack:
+                lp = self._forward_packed(self.module, mb, 1.0)
+            else:
+                lp, _ = self._forward(self.module, mb, 1.0, False)
             mask = mb.loss_mask.to(self.device)
             loss = -(lp * mask).sum() / mb.num_tokens
             return loss, {"loss": loss.detach()}
@@ -207,6 +239,8 @@ class TorchTrainer(Trainer):
     def offload(self) -> None:
         if self.device.type == "cuda":
             self.model.to("cpu")
+            if self.critic is not None:
+                self.critic.to("cpu")
             for st in self.opt.state.values():
                 for k, v in st.items():
                     if torch.is_tensor(v):
@@ -216,6 +250,8 @@ class TorchTrainer(Trainer):
     def onload(self) -> None:
         if self.device.type == "cuda":
             self.model.to(self.device)
+            if self.critic is not None:
+                self.critic.to(self.device)
             for st in self.opt.state.values():
                 for k, v in st.items():
                     if torch.is_tensor(v) and k != "step":
@@ -230,6 +266,8 @@ class TorchTrainer(Trainer):
                 state["optimizer"] = self.opt.state_dict()
             if self.ref is not None:
                 state["ref"] = self.ref.state_dict()
+            if self.critic is not None:
+                state["critic"] = self.critic.state_dict()
             torch.save(state, os.path.join(path, "trainer.pt"))
         dist.barrier()
 
@@ -247,6 +285,9 @@ class TorchTrainer(Trainer):
         if "ref" in state:
             self.snapshot_reference()
             self.ref.load_state_dict(state["ref"])
+        if "critic" in state:
+            self.init_critic()
+            self.critic.load_state_dict(state["critic"])
         self._set_lr()
 
     def export_hf(self, path: str) -> None:
