@@ -303,7 +303,8 @@ class SFTConfig:
     """SFT data (prompt/response rows or chat messages); null: the RL prompts with their labels."""
     pack: bool = True
     """Pack several examples per row (position ids restart per example and attention never crosses
-    examples); the megatron backend always packs."""
+    examples: transformers' position-id packing, exact for its built-in models; turn it off for
+    trust_remote_code models whose attention ignores position-id restarts). Megatron always packs."""
     pack_len: int = 0
     """Row length of packed rows (torch backend); 0: the longest example of each micro-batch, so
     packing never lengthens a row and only removes padding."""

@@ -45,10 +45,15 @@ def set_denominators(batch: TrainBatch) -> TrainBatch:
 
 
 def sft_batch(rows, eos_id: int, pad_id: int, max_len: int) -> TrainBatch:
-    """prompt + response + eos per row; the loss covers response and eos. Rows longer than
-    ``max_len`` are cut (the cut part is not trained)."""
+    """prompt + response + eos per row; the loss covers response and eos. Chat rows (``sft_ids``)
+    come whole with their own mask (assistant turns, each ending with its end-of-turn token). Rows
+    longer than ``max_len`` are cut (the cut part is not trained)."""
     seqs, masks = [], []
     for r in rows:
+        if getattr(r, "sft_ids", None) is not None:
+            seqs.append(list(r.sft_ids)[:max_len])
+            masks.append(list(r.sft_mask)[:max_len])
+            continue
         resp = list(r.response_ids) + [eos_id]
         ids = list(r.prompt_ids) + resp
         m = [0] * len(r.prompt_ids) + [1] * len(resp)

@@ -21,6 +21,9 @@ class PromptRow:
     where: str  # file and row, for messages
     response_ids: Optional[list[int]] = None  # SFT target (without the end-of-turn token)
     metadata: dict = field(default_factory=dict)
+    # chat SFT: the whole conversation's ids and its loss mask (assistant turns); see data/sft.py
+    sft_ids: Optional[list[int]] = None
+    sft_mask: Optional[list[int]] = None
 
 
 def chat_prompt(tokenizer, content, cfg) -> tuple[str, list[int]]:
@@ -61,6 +64,9 @@ def parse_row(raw: RawRow, cfg, tokenizer, want_response: bool) -> PromptRow:
     response_ids = None
     if isinstance(content, list):
         _check_messages(content, raw.where, key)
+        if want_response and content[-1]["role"] == "assistant" and cfg.response_key not in row \
+                and cfg.apply_chat_template:
+            return _chat_sft_row(content, row.get(cfg.label_key), raw.where, cfg, tokenizer)
         if want_response and content[-1]["role"] == "assistant" and cfg.response_key not in row:
             response_ids = tokenizer(content[-1]["content"], add_special_tokens=False)["input_ids"]
             content = content[:-1]
@@ -82,6 +88,21 @@ def parse_row(raw: RawRow, cfg, tokenizer, want_response: bool) -> PromptRow:
     if not ids:
         raise DataError(f"{raw.where}: the prompt tokenizes to nothing")
     return PromptRow(list(ids), text, label, raw.where, response_ids)
+
+
+def _chat_sft_row(messages, label, where: str, cfg, tokenizer) -> PromptRow:
+    """A chat conversation for SFT: trained on every assistant turn (data/sft.py)."""
+    from megaforge.data.sft import chat_sft_example
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("data.apply_chat_template is true but the tokenizer has no chat template")
+    if cfg.system_prompt and not any(m.get("role") == "system" for m in messages):
+        messages = [{"role": "system", "content": cfg.system_prompt}] + list(messages)
+    ids, mask, prompt_text = chat_sft_example(tokenizer, messages, where)
+    n_prompt = mask.index(1)
+    if n_prompt > cfg.max_prompt_len:
+        raise DataError(f"{where}: prompt has {n_prompt} tokens > data.max_prompt_len {cfg.max_prompt_len}")
+    return PromptRow(ids[:n_prompt], prompt_text, label, where, sft_ids=ids, sft_mask=mask)
 
 
 class PromptSource:
