@@ -1,0 +1,378 @@
+"""megaforge's embedded engine behind SGLang's native HTTP API.
+
+    python -m megaforge.rollout.server --model DIR --port P [--host 127.0.0.1] [--api-key K]
+        [--tokenizer DIR] [--device cpu] [--dtype float32] [--log-file F] [--weight-version V]
+
+Endpoints (request/answer fields as sglang 0.5.23; schemas in :mod:`megaforge.rollout.protocol`):
+``/generate``, ``/update_weights_from_tensor``, ``/update_weights_from_disk``,
+``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
+``/begin_weight_update``, ``/end_weight_update``, ``/update_weight_version``,
+``/release_memory_occupation``, ``/resume_memory_occupation``, ``/flush_cache``, ``/pause_generation``,
+``/continue_generation``, ``/abort_request``, ``/health``, ``/health_generate``, ``/get_weight_version``,
+``/model_info`` (= ``/get_model_info``), ``/server_info`` (= ``/get_server_info``).
+
+Checked state, as SGLang: tensor and distributed weight updates run inside a
+``/begin_weight_update`` .. ``/end_weight_update`` session; memory tags are released and resumed
+once each (generating or loading weights while ``weights`` is released is an error); memory release
+and a flushing update need an idle server. A malformed body (unknown field, wrong type) is HTTP 400
+``{"object": "error", "message", "type": "Bad Request", "param": <field>, "code": 400}``.
+
+Security: binds 127.0.0.1 by default and refuses a non-loopback bind without an API key
+(``--api-key`` or ``$MEGAFORGE_ENGINE_API_KEY``, which keeps it out of ``ps``). With a key every
+endpoint except ``/health*`` needs ``Authorization: Bearer <key>`` (SGLang's ``--api-key`` rule), else
+401. Weight payloads are unpickled with :class:`megaforge.rollout.wire.RestrictedUnpickler`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from megaforge.rollout.protocol import StateError
+
+API_KEY_ENV = "MEGAFORGE_ENGINE_API_KEY"
+log = logging.getLogger("megaforge.engine_server")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost: treat as reachable from outside
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m megaforge.rollout.server", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--api-key", default=None, help=f"bearer token (default: ${API_KEY_ENV})")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--attn-implementation", default="sdpa")
+    p.add_argument("--max-batch", type=int, default=256, help="sequences decoded at once")
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--log-file", default=None)
+    p.add_argument("--sock-fd", type=int, default=None, help="serve on this inherited, bound socket")
+    p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds for weight-update group set-up")
+    a = p.parse_args(argv)
+    a.api_key = a.api_key or os.environ.get(API_KEY_ENV) or None
+    return a
+
+
+class Server:
+    """The endpoints' state around one EmbeddedEngine. Engine work runs on one worker thread."""
+
+    def __init__(self, args, engine, tokenizer, eos_ids: list[int], host: str, port: int):
+        self.args, self.engine, self.tokenizer, self.eos_ids = args, engine, tokenizer, list(eos_ids)
+        self.host, self.port = host, port
+        self.version = args.weight_version
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.released: set[str] = set()
+        self.session_open = False
+        self.groups: dict = {}
+        self.queued: dict[str, int] = {}  # rid -> abort epoch at submission (not started yet)
+        self.running: set[str] = set()
+        self.aborted_rids: set[str] = set()
+        self.epoch = 0
+        self.unpaused = asyncio.Event()
+        self.unpaused.set()
+        self.started = time.time()
+
+    async def run(self, fn, *a):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *a)
+
+    @property
+    def busy(self) -> int:
+        return len(self.queued) + len(self.running)
+
+    # ------------------------------------------------------------------------------------ generate
+    def _requests(self, body: dict) -> tuple[list, bool]:
+        from megaforge.rollout import protocol as P
+        from megaforge.types import GenerateRequest, SamplingParams
+
+        if (body["text"] is None) == (body["input_ids"] is None):
+            raise P.FieldError("input_ids", "give exactly one of `input_ids` and `text`")
+        if body["stream"]:
+            raise P.FieldError("stream", "streaming is not supported by megaforge's embedded server")
+        if body["input_ids"] is not None:
+            single = not isinstance(body["input_ids"][0], list)
+            prompts = [body["input_ids"]] if single else body["input_ids"]
+        else:
+            if self.tokenizer is None:
+                raise P.FieldError("text", "this server has no tokenizer; send input_ids")
+            single = isinstance(body["text"], str)
+            texts = [body["text"]] if single else body["text"]
+            prompts = [self.tokenizer(t)["input_ids"] for t in texts]
+        n = len(prompts)
+        vocab = self.engine.model.config.vocab_size
+        for i, ids in enumerate(prompts):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad or not ids:
+                raise P.FieldError("input_ids" if single else f"input_ids[{i}]",
+                                   f"token ids must be in [0, {vocab}) and non-empty (got {bad[:3] or 'none'})")
+
+        def per_item(name, default):
+            v = body[name]
+            if isinstance(v, list):
+                if single or len(v) != n:
+                    raise P.FieldError(name, f"an array here needs a batch of the same length ({n} prompts)")
+                return v
+            return [default if v is None else v] * n
+
+        rid = body["rid"]
+        if rid is None:
+            rids = [uuid.uuid4().hex for _ in range(n)]
+        elif isinstance(rid, str):
+            rids = [rid] if single else [f"{rid}_{i}" for i in range(n)]
+        else:
+            rids = per_item("rid", None)
+        for name, ok in (("logprob_start_len", (-1,)), ("top_logprobs_num", (0,))):
+            for i, v in enumerate(per_item(name, ok[0])):
+                if v not in ok:
+                    raise P.FieldError(name if single else f"{name}[{i}]", f"only {ok[0]} is supported by megaforge's embedded server")
+        sps = per_item("sampling_params", {})
+        reqs, shown = [], []
+        for i, sp in enumerate(sps):
+            s = P.validate_sampling(sp, "sampling_params" if not isinstance(body["sampling_params"], list) else f"sampling_params[{i}]")
+            stop_ids = [] if s["ignore_eos"] else sorted(set(s["stop_token_ids"] or []) | set(self.eos_ids))
+            stop = [s["stop"]] if isinstance(s["stop"], str) else list(s["stop"] or [])
+            if stop and self.tokenizer is None:
+                raise P.FieldError(f"sampling_params.stop", "stop strings need the server's tokenizer")
+            top_k = s["top_k"] if 0 < s["top_k"] < vocab else -1
+            reqs.append(GenerateRequest(list(prompts[i]), SamplingParams(
+                temperature=s["temperature"], top_p=s["top_p"], top_k=top_k, max_new_tokens=s["max_new_tokens"],
+                stop_token_ids=stop_ids, stop=stop, seed=s["sampling_seed"]), rid=rids[i]))
+            shown.append(s)
+        return list(zip(reqs, shown, per_item("return_logprob", False))), single
+
+    def _generate_job(self, items: list, epoch: int) -> tuple[list, str]:
+        """Worker thread: (completions, the weight version they were generated with)."""
+        from megaforge.types import Completion
+
+        version = self.version  # weight updates run on this same thread: stable for the job
+        for req, _, _ in items:
+            self.queued.pop(req.rid, None)
+        if epoch != self.epoch:  # abort_all / pause(abort) came while queued
+            return [Completion(r.rid, [], [], "abort", 0, "") for r, _, _ in items], version
+        todo = [r for r, _, _ in items if r.rid not in self.aborted_rids]
+        self.running.update(r.rid for r in todo)
+        try:
+            done = {c.rid: c for c in self.engine.generate(todo)} if todo else {}
+        finally:
+            self.running.difference_update(r.rid for r in todo)
+        self.aborted_rids.difference_update(r.rid for r, _, _ in items)
+        return [done.get(r.rid) or Completion(r.rid, [], [], "abort", 0, "") for r, _, _ in items], version
+
+    def _answer(self, req, sp: dict, want_lp: bool, c, version: str) -> dict:
+        from megaforge.rollout.protocol import finish_reason_json
+
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(c.output_ids, skip_special_tokens=sp["skip_special_tokens"])
+            if not sp["no_stop_trim"] and c.finish_reason == "stop":
+                for s in req.sampling.stop:
+                    if s in text:
+                        text = text[: text.index(s)]
+                        break
+        meta = {"id": req.rid, "finish_reason": finish_reason_json(c.finish_reason, c.output_ids, req.sampling.stop_token_ids,
+                                                                  req.sampling.stop, text),
+                "prompt_tokens": len(req.input_ids), "completion_tokens": len(c.output_ids), "cached_tokens": 0,
+                "weight_version": version}
+        if want_lp:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.output_logprobs, c.output_ids)]
+        return {"text": text, "output_ids": list(c.output_ids), "meta_info": meta}
+
+    async def generate(self, body: dict):
+        items, single = self._requests(body)
+        await self.unpaused.wait()
+        if self.released & {"weights", "kv_cache"}:
+            raise StateError(f"cannot generate: memory is released ({sorted(self.released)}); "
+                             f"call /resume_memory_occupation first")
+        for r, _, _ in items:
+            self.queued[r.rid] = self.epoch
+        try:
+            comps, version = await self.run(self._generate_job, items, self.epoch)
+        finally:
+            for r, _, _ in items:
+                self.queued.pop(r.rid, None)
+        out = [self._answer(r, sp, lp, c, version) for (r, sp, lp), c in zip(items, comps)]
+        return out[0] if single else out
+
+    # ------------------------------------------------------------------------------------ control
+    def abort_all(self) -> None:
+        self.epoch += 1
+        self.engine.abort()
+
+    def abort(self, rid: str, abort_all: bool) -> None:
+        if abort_all:
+            self.abort_all()
+        elif rid in self.running:
+            raise StateError(f"request {rid!r} is running: the embedded engine aborts running requests only all "
+                             f"at once (abort_all: true)")
+        elif rid in self.queued:
+            self.aborted_rids.add(rid)
+
+    def release(self, tags) -> None:
+        from megaforge.rollout.protocol import MEMORY_TAGS
+
+        tags = list(tags or MEMORY_TAGS)
+        if self.busy:
+            raise StateError(f"release_memory_occupation needs an idle server; {self.busy} requests are running or queued")
+        again = [t for t in tags if t in self.released]
+        if again:
+            raise StateError(f"memory tag(s) {again} already released")
+        self.engine.release_memory(tags)
+        self.released |= set(tags)
+
+    def resume(self, tags) -> None:
+        from megaforge.rollout.protocol import MEMORY_TAGS
+
+        tags = list(tags or MEMORY_TAGS)
+        missing = [t for t in tags if t not in self.released]
+        if missing:
+            raise StateError(f"memory tag(s) {missing} are not released; released: {sorted(self.released)}")
+        self.engine.resume_memory(tags)
+        self.released -= set(tags)
+
+    async def flush(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.busy
+
+    async def health_generate(self) -> tuple[bool, str]:
+        if self.released & {"weights", "kv_cache"}:
+            return False, f"memory released: {sorted(self.released)}"
+        if self.running:
+            return True, "busy"  # as SGLang: a server making progress on requests is healthy
+        from megaforge.types import GenerateRequest, SamplingParams
+
+        req = GenerateRequest([0], SamplingParams(temperature=0.0, max_new_tokens=1), rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
+        try:
+            await asyncio.wait_for(self.run(self.engine.generate, [req]), timeout=20.0)
+        except Exception as e:  # noqa: BLE001  (any failure is "unhealthy", with its reason)
+            return False, f"{type(e).__name__}: {e}"
+        return True, "ok"
+
+    def info(self) -> dict:
+        cfg = self.engine.model.config
+        return {"model_path": self.args.model, "served_model_name": self.args.model,
+                "tokenizer_path": self.args.tokenizer or self.args.model, "is_generation": True,
+                "weight_version": self.version, "load_format": None, "model_type": getattr(cfg, "model_type", None),
+                "architectures": getattr(cfg, "architectures", None)}
+
+    def server_info(self) -> dict:
+        from megaforge import __version__
+
+        return {"host": self.host, "port": self.port, "model_path": self.args.model, "dtype": self.args.dtype,
+                "device": self.args.device, "tp_size": 1, "max_batch": self.args.max_batch, "weight_version": self.version,
+                "released_memory": sorted(self.released), "running_requests": len(self.running),
+                "queued_requests": len(self.queued), "paused": not self.unpaused.is_set(),
+                "weight_update_session": self.session_open, "weight_update_groups": sorted(self.groups),
+                "startup_time": self.started, "version": __version__, "frontend": "megaforge-embedded"}
+
+
+def load(args):
+    """(engine, tokenizer, eos ids) from the command line."""
+    import torch
+
+    from megaforge.config import ModelConfig
+    from megaforge.hf import load_hf_model, load_tokenizer, resolve_device
+    from megaforge.rollout.embedded import EmbeddedEngine
+
+    tok = None
+    try:
+        tok = load_tokenizer(ModelConfig(path=args.tokenizer or args.model))
+    except (OSError, ValueError) as e:
+        if args.tokenizer:
+            raise SystemExit(f"megaforge engine server: --tokenizer {args.tokenizer}: {e}")
+        log.warning("no tokenizer in %s (%s): text prompts and stop strings are unavailable", args.model, e)
+    mc = ModelConfig(path=args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
+    model = load_hf_model(mc, resolve_device(args.device))
+    eos = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        eos.update([e] if isinstance(e, int) else (e or []))
+    if tok is not None and tok.eos_token_id is not None:
+        eos.add(int(tok.eos_token_id))
+    torch.set_grad_enabled(False)
+    return EmbeddedEngine(model, tok, max_batch=args.max_batch), tok, sorted(eos)
+
+
+def bind(args) -> socket.socket:
+    if args.sock_fd is not None:
+        sock = socket.socket(fileno=args.sock_fd)
+    else:
+        fam = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        sock = socket.socket(fam, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(args, sock: socket.socket) -> None:
+    from aiohttp import web
+
+    from megaforge.rollout.server_app import build_app
+
+    engine, tok, eos = await asyncio.get_running_loop().run_in_executor(None, load, args)
+    host, port = sock.getsockname()[:2]
+    srv = Server(args, engine, tok, eos, host, port)
+    runner = web.AppRunner(build_app(srv, args.api_key), access_log=None, handle_signals=False)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    log.info("serving %s on http://%s:%d (weight version %s, auth %s)", args.model, host, port, srv.version,
+             "on" if args.api_key else "off")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(s, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    srv.abort_all()
+    await runner.cleanup()
+    srv.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    handlers = [logging.FileHandler(args.log_file)] if args.log_file else [logging.StreamHandler(sys.stderr)]
+    logging.basicConfig(level=logging.INFO, handlers=handlers, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        print(f"megaforge engine server: --model {args.model}: no config.json there", file=sys.stderr)
+        raise SystemExit(2)
+    sock = bind(args)
+    host = sock.getsockname()[0]
+    if not is_loopback(host) and not args.api_key:
+        print(f"megaforge engine server: refusing to serve on {host} (not loopback) without an API key: pass "
+              f"--api-key or set ${API_KEY_ENV} (admin endpoints would be open to the network)", file=sys.stderr)
+        raise SystemExit(2)
+    if args.api_key and len(args.api_key) < 8:
+        print("megaforge engine server: --api-key must have at least 8 characters", file=sys.stderr)
+        raise SystemExit(2)
+    asyncio.run(serve(args, sock))
+    logging.shutdown()
+    os._exit(0)  # do not wait on a worker thread blocked in a rendezvous
+
+
+def new_api_key() -> str:
+    return secrets.token_urlsafe(24)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""The aiohttp routes of :mod:`megaforge.rollout.server`: auth, body validation, errors, weight updates.
+
+Answers (as sglang 0.5.23): weight-update endpoints ``{"success": bool, "message": str}`` (HTTP 400
+when ``success`` is false); generation and state errors ``{"error": {"message": str}}`` with HTTP
+400; malformed bodies ``{"object": "error", "message", "type": "Bad Request", "param": <field>,
+"code": 400}``; missing/wrong bearer token ``{"error": "Unauthorized"}`` with HTTP 401.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import secrets
+
+from aiohttp import web
+
+from megaforge.rollout import protocol as P
+
+log = logging.getLogger("megaforge.engine_server")
+NO_SESSION = "{} must run between begin_weight_update() and end_weight_update()"
+
+
+def _bad_request(field: str, message: str) -> web.Response:
+    return web.json_response({"object": "error", "message": message, "type": "Bad Request", "param": field,
+                              "code": 400}, status=400)
+
+
+def _failed(message: str) -> web.Response:
+    return web.json_response({"success": False, "message": message}, status=400)
+
+
+def _ok(message: str = "Success", **extra) -> web.Response:
+    return web.json_response({"success": True, "message": message, **extra})
+
+
+def build_app(srv, api_key) -> web.Application:
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        if api_key and not request.path.startswith("/health"):
+            auth = request.headers.get("Authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), api_key.encode()):
+                log.warning("401 %s %s from %s", request.method, request.path, request.remote)
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        try:
+            return await handler(request)
+        except P.FieldError as e:
+            return _bad_request(e.field, f"{request.path}: {e}")
+        except P.StateError as e:
+            return web.json_response({"error": {"message": f"{request.path}: {e}"}}, status=400)
+
+    async def body(request: web.Request) -> dict:
+        raw = await request.read()
+        if not raw.strip():
+            data = {}
+        else:
+            try:
+                data = json.loads(raw)
+            except ValueError as e:
+                raise P.FieldError("<body>", f"not valid JSON ({e})") from None
+        return P.validate(P.SCHEMAS[request.path], data)
+
+    def version_after(b: dict) -> None:
+        if b.get("weight_version") is not None:
+            srv.version = b["weight_version"]
+
+    def flush_refused(b: dict):
+        if b["flush_cache"] and srv.busy:
+            return ("Weights were updated, but the cache was not flushed because requests are still running or "
+                    "queued. Retract or finish them, then call /flush_cache.")
+        return None
+
+    def check_weights_resident(what: str) -> None:
+        if "weights" in srv.released:
+            raise P.StateError(f"{what} while the weights are released; call /resume_memory_occupation with 'weights' first")
+
+    # ---------------------------------------------------------------------------------- generate
+    async def generate(request):
+        b = await body(request)
+        try:
+            return web.json_response(await srv.generate(b))
+        except (ValueError, RuntimeError) as e:
+            if isinstance(e, P.FieldError):
+                raise
+            return web.json_response({"error": {"message": f"/generate: {type(e).__name__}: {e}"}}, status=400)
+
+    # ------------------------------------------------------------------------------ weight updates
+    async def begin(request):
+        await body(request)
+        if srv.session_open:
+            return _failed("a weight-update session is already open; call end_weight_update() first")
+        srv.session_open = True
+        return _ok()
+
+    async def end(request):
+        await body(request)
+        if not srv.session_open:
+            return _failed("no weight-update session is open; call begin_weight_update() first")
+        srv.session_open = False
+        return _ok()
+
+    async def from_tensor(request):
+        from megaforge.rollout import wire
+
+        b = await body(request)
+        if b["abort_all_requests"]:
+            srv.abort_all()
+        if not srv.session_open:
+            return _failed(NO_SESSION.format("update_weights_from_tensor"))
+        if not b["serialized_named_tensors"]:
+            raise P.FieldError("serialized_named_tensors", "needs one entry per engine TP rank (this server: 1)")
+        if b["load_format"] not in (None, wire.FLATTENED_BUCKET):
+            raise P.FieldError("load_format", f"expected null or {wire.FLATTENED_BUCKET!r}, got {b['load_format']!r}")
+        check_weights_resident("update_weights_from_tensor")
+
+        def job():
+            try:
+                named = wire.named_tensors_from_payload(wire.deserialize(b["serialized_named_tensors"][0]), b["load_format"])
+            except wire.UnpicklingRefused as e:
+                return P.FieldError("serialized_named_tensors", str(e))
+            except (ValueError, EOFError, IndexError, TypeError, AttributeError) as e:
+                return P.FieldError("serialized_named_tensors", f"cannot read the payload: {type(e).__name__}: {e}")
+            _load(srv.engine, named)
+            version_after(b)
+            return len(named)
+
+        try:
+            n = await srv.run(job)
+        except (KeyError, ValueError, RuntimeError) as e:
+            return _failed(f"update_weights_from_tensor: {e} (the weights may be partially updated)")
+        if isinstance(n, P.FieldError):
+            raise n
+        return _failed(flush_refused(b)) if flush_refused(b) else _ok(f"Success: {n} tensors loaded")
+
+    async def from_disk(request):
+        b = await body(request)
+        if b["abort_all_requests"]:
+            srv.abort_all()
+        if b["load_format"] not in (None, "auto", "safetensors"):
+            raise P.FieldError("load_format", f"the embedded server reads safetensors only (null, 'auto', 'safetensors'), got {b['load_format']!r}")
+        files = sorted(glob.glob(os.path.join(b["model_path"], "*.safetensors")))
+        if not files:
+            return _failed(f"update_weights_from_disk: no *.safetensors file in model_path {b['model_path']!r}")
+        check_weights_resident("update_weights_from_disk")
+
+        def job():
+            from safetensors.torch import load_file
+
+            n = 0
+            for f in files:
+                named = list(load_file(f).items())
+                _load(srv.engine, named)
+                n += len(named)
+            version_after(b)
+            return n
+
+        try:
+            n = await srv.run(job)
+        except (KeyError, ValueError, OSError) as e:
+            return _failed(f"update_weights_from_disk {b['model_path']!r}: {e} (the weights may be partially updated)")
+        if flush_refused(b):
+            return _failed(flush_refused(b))
+        return web.json_response({"success": True, "message": f"Succeeded to update model weights ({n} tensors from "
+                                                              f"{len(files)} files).", "num_paused_requests": 0})
+
+    async def init_group(request):
+        from megaforge.rollout import weight_group
+
+        b = await body(request)
+        if b["group_name"] == "" or b["group_name"] in srv.groups:
+            return _failed(f"group_name {b['group_name']!r} is empty or already initialised")
+        if b["backend"] == "nccl" and srv.engine.device.type != "cuda":
+            raise P.FieldError("backend", "nccl needs a CUDA engine; this server runs on "
+                                          f"{srv.engine.device.type}: use 'gloo'")
+        if not 0 <= b["rank_offset"] < b["world_size"]:
+            raise P.FieldError("rank_offset", f"must be in [0, world_size={b['world_size']})")
+
+        def job():
+            return weight_group.init_custom_process_group(b["backend"], b["master_address"], b["master_port"],
+                                                          b["world_size"], b["rank_offset"], b["group_name"],
+                                                          timeout_s=srv.args.dist_timeout)
+
+        try:
+            srv.groups[b["group_name"]] = await srv.run(job)
+        except Exception as e:  # noqa: BLE001  (rendezvous failures come in many types)
+            return _failed(f"Failed to initialize custom process group: {type(e).__name__}: {e}.")
+        return _ok("Succeeded to initialize custom process group.")
+
+    async def from_distributed(request):
+        from megaforge.rollout import weight_group
+
+        b = await body(request)
+        if b["abort_all_requests"]:
+            srv.abort_all()
+        if not srv.session_open:
+            return _failed(NO_SESSION.format("update_weights_from_distributed"))
+        pg = srv.groups.get(b["group_name"])
+        if pg is None:
+            return _failed(f"Group {b['group_name']} not in {sorted(srv.groups)}. Please call `init_weights_update_group` first.")
+        if not len(b["names"]) == len(b["dtypes"]) == len(b["shapes"]):
+            raise P.FieldError("names", f"names, dtypes and shapes differ in length ({len(b['names'])}, "
+                                        f"{len(b['dtypes'])}, {len(b['shapes'])})")
+        if b["load_format"] not in (None, "flattened_bucket"):
+            raise P.FieldError("load_format", f"expected null or 'flattened_bucket', got {b['load_format']!r}")
+        dtypes = []
+        for i, d in enumerate(b["dtypes"]):
+            try:
+                dtypes.append(weight_group.parse_dtype(d, f"dtypes[{i}]"))
+            except ValueError as e:
+                raise P.FieldError(f"dtypes[{i}]", str(e)) from None
+        check_weights_resident("update_weights_from_distributed")
+
+        def job():
+            named = weight_group.receive(pg, b["names"], dtypes, b["shapes"], b["load_format"] == "flattened_bucket",
+                                         srv.engine.device)
+            _load(srv.engine, named)
+            version_after(b)
+
+        try:
+            await srv.run(job)
+        except (KeyError, ValueError, RuntimeError) as e:
+            return _failed(f"Failed to update parameter online: {e}. The weights may be partially updated.")
+        return _failed(flush_refused(b)) if flush_refused(b) else _ok("Succeeded to update parameter online.")
+
+    async def destroy_group(request):
+        from megaforge.rollout import weight_group
+
+        b = await body(request)
+        pg = srv.groups.pop(b["group_name"], None)
+        if pg is None:
+            return _failed(f"group_name {b['group_name']!r} is not initialised")
+        await srv.run(weight_group.destroy, pg)
+        return _ok("Succeeded to destroy custom process group.")
+
+    async def set_version(request):
+        b = await body(request)
+        if b["abort_all_requests"]:
+            srv.abort_all()
+
+        def job():
+            srv.version = b["new_version"]
+
+        await srv.run(job)
+        return _ok(f"Weight version updated to {b['new_version']}", new_version=b["new_version"])
+
+    # ------------------------------------------------------------------------------- memory, state
+    async def release(request):
+        b = await body(request)
+        await srv.run(srv.release, b["tags"])
+        return web.json_response({"success": True, "released": sorted(srv.released)})
+
+    async def resume(request):
+        b = await body(request)
+        await srv.run(srv.resume, b["tags"])
+        return web.json_response({"success": True, "released": sorted(srv.released)})
+
+    async def flush_cache(request):
+        try:
+            timeout = float(request.query.get("timeout", "0"))
+        except ValueError:
+            raise P.FieldError("timeout", f"query parameter must be a number, got {request.query.get('timeout')!r}") from None
+        if await srv.flush(max(timeout, 0.0)):
+            return web.Response(text="Cache flushed.\n")
+        return web.Response(status=400, text=f"Flush cache failed: {srv.busy} requests are running or queued.\n")
+
+    async def pause(request):
+        b = await body(request)
+        if b["mode"] != "abort":
+            raise P.FieldError("mode", f"mode {b['mode']!r} is not supported by the embedded engine (it cannot suspend "
+                                       f"a running batch); use 'abort'")
+        srv.unpaused.clear()
+        srv.abort_all()
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def cont(request):
+        await body(request)
+        srv.unpaused.set()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort(request):
+        b = await body(request)
+        srv.abort(b["rid"] or "", b["abort_all"])
+        return web.Response(status=200)
+
+    async def health(request):
+        return web.Response(status=200)
+
+    async def health_generate(request):
+        ok, why = await srv.health_generate()
+        return web.Response(status=200 if ok else 503, text=why)
+
+    async def weight_version(request):
+        return web.json_response({"weight_version": srv.version})
+
+    async def model_info(request):
+        return web.json_response(srv.info())
+
+    async def server_info(request):
+        return web.json_response(srv.server_info())
+
+    app = web.Application(middlewares=[guard], client_max_size=64 << 20)
+    post = [("/generate", generate), ("/update_weights_from_tensor", from_tensor), ("/update_weights_from_disk", from_disk),
+            ("/init_weights_update_group", init_group), ("/update_weights_from_distributed", from_distributed),
+            ("/destroy_weights_update_group", destroy_group), ("/begin_weight_update", begin),
+            ("/end_weight_update", end), ("/update_weight_version", set_version), ("/pause_generation", pause),
+            ("/continue_generation", cont), ("/abort_request", abort)]
+    for path, h in post:
+        app.router.add_post(path, h)
+    app.router.add_put("/generate", generate)
+    for path, h in (("/release_memory_occupation", release), ("/resume_memory_occupation", resume),
+                    ("/flush_cache", flush_cache)):
+        app.router.add_get(path, h)
+        app.router.add_post(path, h)
+    for path, h in (("/health", health), ("/health_generate", health_generate), ("/get_weight_version", weight_version),
+                    ("/model_info", model_info), ("/get_model_info", model_info), ("/server_info", server_info),
+                    ("/get_server_info", server_info)):
+        app.router.add_get(path, h)
+    return app
+
+
+def _load(engine, named) -> None:
+    """Load ``[(name, tensor)]`` into the engine (its lock held), keeping its served version."""
+    engine.update_weights([named], engine.weight_version)
