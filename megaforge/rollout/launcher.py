@@ -1,0 +1,283 @@
+"""Engine server processes: command lines, GPUs, ports, logs, readiness, and no orphans.
+
+:class:`ServerProcess` runs one server command:
+
+* its own process group (``start_new_session``), so stopping it stops everything it spawned;
+* ``PR_SET_PDEATHSIG = SIGKILL`` set in the child (``preexec_fn``, Linux): if the parent dies, even by
+  SIGKILL, the kernel kills the server. The signal follows the *thread* that started the child, so
+  start servers from the main thread (``build_engine`` does);
+* stdout and stderr appended to its log file (``<run dir>/logs/engine_K.log``), after a header with
+  the command line (API keys redacted);
+* a port chosen safely: the embedded server inherits a socket we bound and hold (``--sock-fd``), so no
+  other process can take the port in between; SGLang gets a port picked by binding port 0, and is
+  relaunched on a fresh port when its log says the address was in use;
+* readiness: ``GET /health_generate`` (``/health`` for the router) polled until HTTP 200; a server
+  that exits, or is not ready within the timeout, raises :class:`ServerStartError` with its exit code
+  and the tail of its log (and is killed).
+
+Every started process is registered: an ``atexit`` hook and SIGTERM/SIGHUP handlers (which then
+chain to the previous handler) stop them all: SIGTERM to the group, SIGKILL after a grace period.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Callable, Optional
+
+PR_SET_PDEATHSIG = 1
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ADDR_IN_USE = re.compile(r"address already in use|errno 98|EADDRINUSE", re.IGNORECASE)
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+def _libc_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _libc_prctl()  # resolved before any fork: the child only calls it
+
+
+def _preexec(parent_pid: int) -> Callable[[], None]:
+    def run():
+        if _PRCTL is not None:
+            _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+    return run
+
+
+def connect_host(host: str) -> str:
+    """The address a client on this machine uses for a server bound to ``host``."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def url_for(host: str, port: int) -> str:
+    h = connect_host(host)
+    return f"http://[{h}]:{port}" if ":" in h else f"http://{h}:{port}"
+
+
+def bound_socket(host: str) -> socket.socket:
+    """A listening socket on a free port of ``host``, to hand to the embedded server (bind and hold)."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    s.bind((host, 0))
+    s.listen(128)
+    return s
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def redact(cmd: list[str]) -> list[str]:
+    out, hide = [], False
+    for a in cmd:
+        out.append("***" if hide else a)
+        hide = a in ("--api-key", "--admin-api-key")
+    return out
+
+
+def tail(path: str, n: int = 40) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64_000))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError as e:
+        return f"<cannot read {path}: {e}>"
+    return "\n".join(lines[-n:])
+
+
+_LIVE: list["ServerProcess"] = []
+_LIVE_LOCK = threading.Lock()
+_HOOKED = False
+
+
+def _stop_all() -> None:
+    with _LIVE_LOCK:
+        procs = list(_LIVE)
+    for p in procs:
+        p.stop(grace_s=5.0)
+
+
+def _install_hooks() -> None:
+    global _HOOKED
+    if _HOOKED:
+        return
+    _HOOKED = True
+    atexit.register(_stop_all)
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread; atexit + PDEATHSIG still apply
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        prev = signal.getsignal(sig)
+
+        def handler(signum, frame, prev=prev):
+            _stop_all()
+            if callable(prev):
+                prev(signum, frame)
+            elif prev == signal.SIG_DFL:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        signal.signal(sig, handler)
+
+
+class ServerProcess:
+    """One server subprocess. ``make_cmd(port, sock_fd)`` builds its command line."""
+
+    def __init__(self, name: str, make_cmd: Callable[[int, Optional[int]], list[str]], log_path: str, host: str = "127.0.0.1",
+                 env: Optional[dict] = None, hold_socket: bool = False, api_key: str = "", probe: str = "/health_generate"):
+        self.name, self.make_cmd, self.log_path, self.host = name, make_cmd, log_path, host
+        self.env = dict(os.environ if env is None else env)
+        self.hold_socket, self.api_key, self.probe = hold_socket, api_key, probe
+        self.proc: Optional[subprocess.Popen] = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return url_for(self.host, self.port)
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> "ServerProcess":
+        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
+        sock = bound_socket(self.host) if self.hold_socket else None
+        try:
+            self.port = sock.getsockname()[1] if sock else free_port(self.host)
+            cmd = self.make_cmd(self.port, sock.fileno() if sock else None)
+            with open(self.log_path, "ab") as log:
+                log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {self.name}: {' '.join(redact(cmd))}\n".encode())
+                log.flush()
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             env=self.env, cwd=REPO_ROOT, start_new_session=True,
+                                             preexec_fn=_preexec(os.getpid()),
+                                             pass_fds=(sock.fileno(),) if sock else ())
+        finally:
+            if sock is not None:
+                sock.close()  # the child holds its own copy
+        _install_hooks()
+        with _LIVE_LOCK:
+            _LIVE.append(self)
+        return self
+
+    def _ready_once(self) -> bool:
+        req = urllib.request.Request(self.url + self.probe)
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=5.0) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def wait_ready(self, timeout_s: float, poll_s: float = 0.5) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise ServerStartError(f"{self.name} exited with code {self.proc.returncode} before it was ready "
+                                       f"({self.url}); last lines of {self.log_path}:\n{tail(self.log_path)}")
+            if self._ready_once():
+                return
+            if time.monotonic() >= deadline:
+                self.stop()
+                raise ServerStartError(f"{self.name} was not ready within {timeout_s:.0f} s ({self.url}{self.probe}); "
+                                       f"last lines of {self.log_path}:\n{tail(self.log_path)}")
+            time.sleep(poll_s)
+
+    def start_ready(self, timeout_s: float, attempts: int = 3) -> "ServerProcess":
+        """Start and wait until ready, relaunching on a fresh port when the port was taken meanwhile."""
+        for k in range(attempts):
+            self.start()
+            try:
+                self.wait_ready(timeout_s)
+                return self
+            except ServerStartError as e:
+                self.stop()
+                if k + 1 < attempts and _ADDR_IN_USE.search(tail(self.log_path, 10)):
+                    continue
+                raise e
+        raise AssertionError("unreachable")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to the process group, SIGKILL after ``grace_s``."""
+        p = self.proc
+        with _LIVE_LOCK:
+            if self in _LIVE:
+                _LIVE.remove(self)
+        if p is None or p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # also reaps anything the server left in its group
+        except ProcessLookupError:
+            pass
+        try:
+            p.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def restart(self, timeout_s: float) -> "ServerProcess":
+        """Stop and start again (fresh port), waiting for readiness: the fault-tolerance hook."""
+        self.stop()
+        return self.start_ready(timeout_s)
+
+
+def start_all(servers: list[ServerProcess], timeout_s: float) -> list[ServerProcess]:
+    """Start every server, then wait for all of them (they load in parallel); stop all on failure."""
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            try:
+                s.wait_ready(timeout_s)
+            except ServerStartError:
+                if not _ADDR_IN_USE.search(tail(s.log_path, 10)):
+                    raise
+                s.start_ready(timeout_s)
+    except BaseException:
+        for s in servers:
+            s.stop(grace_s=3.0)
+        raise
+    return servers
+
+
+def child_env(gpus: Optional[list[int]] = None, extra: Optional[dict] = None) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    env.update(extra or {})
+    return env
