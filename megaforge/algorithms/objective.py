@@ -117,4 +117,6 @@ def policy_objective(
     metrics["train_rollout_logprob_abs_diff"] = contrib((old - mb.rollout_logprobs.to(old.dtype)).abs())
     for k, v in stats.items():
         metrics[k] = contrib(v)
+    if "clip_frac" not in metrics:  # a required metric; losses without hard clipping (sapo) clip nothing
+        metrics["clip_frac"] = torch.zeros((), dtype=loss.dtype, device=loss.device)
     return loss, metrics

@@ -128,13 +128,13 @@ def test_objective_terms_hand_computed():
     pg = [-1.0, 1.0]  # on-policy ppo: -A
     kl = [0.5, -1.0]
     expect = sum(pg[i] + 0.1 * kl[i] - 0.01 * [2.0, 3.0][i] for i in range(2)) / 2
-    assert float(loss) == pytest.approx(expect)
+    assert float(loss.detach()) == pytest.approx(expect)
     assert float(m["kl"]) == pytest.approx(sum(kl) / 2)
     assert float(m["entropy"]) == pytest.approx(2.5)
     assert float(m["train_rollout_logprob_abs_diff"]) == pytest.approx((0.25 + 0.5) / 2)
     # the KL in the reward instead: no KL term in the loss, still logged
     loss2, m2 = policy_objective(lp, b, params(beta=0.1, kl_estimator="k1", kl_in_reward=True))
-    assert float(loss2) == pytest.approx(0.0) and float(m2["kl"]) == pytest.approx(-0.25)
+    assert float(loss2.detach()) == pytest.approx(0.0) and float(m2["kl"]) == pytest.approx(-0.25)
     with pytest.raises(ValueError, match="entropy"):
         policy_objective(lp, b, params(entropy_coef=0.1))
 
@@ -175,7 +175,7 @@ def test_mismatch_stats_and_objective_use():
     b = TrainBatch(tokens=torch.zeros(2, 3, dtype=torch.long), lengths=torch.tensor([3, 2]), loss_mask=MASK,
                    advantages=MASK.clone(), rollout_logprobs=ROLL, num_tokens=5, num_seqs=2)
     loss, m = policy_objective(lp, b, params(tis_cap=3.0))
-    assert float(loss) == pytest.approx(-(2 + 0.5 + 3 + 1.5 + 1.2) / 5)
+    assert float(loss.detach()) == pytest.approx(-(2 + 0.5 + 3 + 1.5 + 1.2) / 5)
     assert float(m["tis_clip_frac"]) == pytest.approx(1 / 5)
     assert float(m["train_rollout_logprob_abs_diff"]) == pytest.approx((L2 + abs(L05) + L4 + L15 + L12) / 5)
     (g,) = torch.autograd.grad(loss, lp)
