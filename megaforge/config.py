@@ -300,7 +300,9 @@ class SFTConfig:
     warmup_steps: int = 0
     """Linear warm-up of the SFT learning rate."""
     data: Optional[DataConfig] = None
-    """SFT data (prompt/response rows or chat messages); null: the RL prompts with their labels."""
+    """SFT data; null: ``data`` (the RL prompts with their ``response`` targets). Rows are
+    prompt/response (loss on the response and its end-of-turn token) or a chat message list under
+    ``input_key`` ending with an assistant turn (loss on every assistant turn)."""
     pack: bool = True
     """Pack several examples per row (position ids restart per example and attention never crosses
     examples: transformers' position-id packing, exact for its built-in models; turn it off for
@@ -443,6 +445,9 @@ class Config:
         need(0 <= a.lam <= 1, "algo.lam", "must be in [0, 1]")
         need(a.std_eps >= 0, "algo.std_eps", "must be >= 0")
         need(self.loop.oversample >= 1, "loop.oversample", "must be >= 1")
+        need(not (a.kl_in_reward and self.grpo.beta > 0 and a.advantage in ("grpo", "dr_grpo", "rloo")),
+             "algo.kl_in_reward", f"algo.advantage {a.advantage} uses sequence rewards only, so the KL penalty "
+             "would be dropped: use reinforce_pp, reinforce_pp_baseline or gae, or keep the KL in the loss")
         need(not (a.advantage == "gae" and self.critic.enabled is False), "critic.enabled",
              "algo.advantage gae needs the critic (set critic.enabled true or null)")
         need(self.critic.lr > 0, "critic.lr", "must be > 0")

@@ -76,3 +76,19 @@ def test_custom_advantage_and_reward_in_a_run(tmp_path, in_root, monkeypatch):
     recs = read_metrics(run)
     assert len(recs) == 2 and recs[0]["reward/length_reward"] > 0
     assert recs[0]["reward/mean"] == pytest.approx(recs[0]["reward/length_reward"])
+
+
+@pytest.mark.parametrize("argv,key", [
+    (["--algo.kl_in_reward", "true"], "algo.kl_in_reward"),  # demo: grpo with beta 0.01
+    (["--algo.advantage", "gae", "--critic.enabled", "false"], "critic.enabled"),
+    (["--algo.mis_threshold_low", "0.5"], "algo.mis_threshold_low"),
+    (["--algo.mis_threshold", "2", "--algo.mis_threshold_low", "3"], "algo.mis_threshold_low"),
+    (["--algo.overlong_buffer", "24"], "algo.overlong_buffer"),
+    (["--algo.sapo_tau_neg", "0"], "algo.sapo_tau_neg"),
+    (["--algo.mis_level", "seq"], "algo.mis_level"),
+    (["--loop.oversample", "0.5"], "loop.oversample"),
+    (["--critic.value_clip", "-1"], "critic.value_clip"),
+])
+def test_algorithm_config_validation_names_the_key(argv, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        _cfg(*argv)
