@@ -11,6 +11,7 @@ the same purpose; :func:`save` installs one and no Manager process is started.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -24,13 +25,30 @@ _OPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_
                  "chained_optim_avoid_prefix": True}
 
 
+def _ensure_adam_state(optimizer) -> None:
+    """Materialise torch AdamW's lazily created state (step 0, zero moments: exactly what its first
+    ``step`` would create) so megatron can describe it before any step has run."""
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(o, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.numel() and not inner.state[p]:
+                    inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}
+
+
 def _sharded(tr, with_optimizer: bool, with_ref: bool, loading: bool) -> dict:
-    model_sd = tr.ddp.sharded_state_dict(metadata=_OPT_METADATA)
+    # a fresh metadata dict each time: megatron caches the current DP group in it (in place)
+    md = dict(_OPT_METADATA)
+    model_sd = tr.bm.model.sharded_state_dict(metadata=md)
     sd = {"model": model_sd}
     if with_optimizer:
-        sd["optimizer"] = tr.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=_OPT_METADATA)
+        _ensure_adam_state(tr.optimizer)
+        sd["optimizer"] = tr.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=md)
     if with_ref:
-        sd["ref"] = tr.ref.sharded_state_dict(prefix="ref.", metadata=_OPT_METADATA)
+        sd["ref"] = tr.ref.sharded_state_dict(prefix="ref.", metadata=md)
     return sd
 
 
@@ -57,6 +75,45 @@ def save(tr, path: str) -> None:
     dist.barrier()
 
 
+@contextlib.contextmanager
+def _step_tolerant_reshardable_load():
+    """megatron-core 0.16.1 bug (torch AdamW, i.e. no TE / apex optimizer): loading the
+    ``fully_reshardable`` distributed-optimizer format restores AdamW's per-parameter ``step``
+    from the common state first, then copies *every* state key from the loaded shards, which
+    deliberately omit ``step``: KeyError. While loading, keys absent from the shards are left as
+    restored."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    orig = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def patched(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            st = self.optimizer.state[main_param]
+            if "step" in st:
+                tensors = dict(tensors, step=st["step"])
+        return orig(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = patched
+    try:
+        yield
+    finally:
+        DistributedOptimizer._set_main_param_and_optimizer_states = orig
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """megatron-core 0.16.1 (torch AdamW path) restores one ``step`` tensor object into every
+    parameter's state; AdamW increments each parameter's ``step`` in place, so a shared tensor
+    advances once per parameter per optimizer step and corrupts the bias correction. Give every
+    parameter its own copy."""
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(o, "optimizer", None)
+        for st in (inner.state.values() if inner is not None else ()):
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
+
+
 def load(tr, path: str) -> None:
     """Collective load of what :func:`save` wrote, into the current layout (resharding as needed)."""
     from megatron.core import dist_checkpointing
@@ -72,21 +129,15 @@ def load(tr, path: str) -> None:
         tr.snapshot_reference()  # allocate; overwritten below
     sd = _sharded(tr, meta["optimizer"], meta["ref"], loading=True)
     state = dist_checkpointing.load(sd, path, sharded_strategy=_STRATEGY)
-    tr.ddp.load_state_dict(state["model"], strict=False)
-    _check_loaded(tr.ddp.module, state["model"], path)
+    tr.bm.model.load_state_dict(state["model"], strict=True)
     if meta["optimizer"]:
-        tr.optimizer.load_state_dict(state["optimizer"])
+        with _step_tolerant_reshardable_load():
+            tr.optimizer.load_state_dict(state["optimizer"])
+        _unshare_adam_steps(tr.optimizer)
     if meta["ref"]:
-        tr.ref.load_state_dict(state["ref"], strict=False)
-        _check_loaded(tr.ref, state["ref"], path)
+        tr.ref.load_state_dict(state["ref"], strict=True)
     tr.version = int(meta["version"])
     tr.sched = dict(meta["sched"])
-
-
-def _check_loaded(module, state: dict, path: str) -> None:
-    missing = [n for n, _ in module.named_parameters() if n not in state]
-    if missing:
-        raise KeyError(f"{path}: checkpoint lacks parameters {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
 # ---------------------------------------------------------------------------------- offload

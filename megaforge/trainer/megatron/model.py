@@ -8,8 +8,6 @@ zero and never scored (see :mod:`megaforge.trainer.megatron.logprobs`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -18,7 +16,6 @@ from megaforge.convert.families import ModelDesc, ParamMap
 from megaforge.convert.layouts import Dims
 from megaforge.convert.mapping import HFSource, to_megatron_shard
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 VOCAB_DIVISIBLE_BY = 128
 
 
@@ -105,7 +102,7 @@ def transformer_config(desc: ModelDesc, tcfg, dtype: torch.dtype, on_cpu: bool, 
         context_parallel_size=tcfg.context_parallel, sequence_parallel=tcfg.sequence_parallel,
         expert_model_parallel_size=tcfg.expert_parallel,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        use_cpu_initialization=on_cpu, perform_initialization=False,
+        use_cpu_initialization=on_cpu, perform_initialization=True,  # (also sets the TP attributes)
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
         calculate_per_token_loss=True, deallocate_pipeline_outputs=True,
         **kw,
@@ -137,7 +134,8 @@ class BuiltModel:
 
 
 def build_model(desc: ModelDesc, family, config, spec: str, device: torch.device) -> BuiltModel:
-    """This rank's pipeline stage of the GPTModel (weights uninitialised until :func:`load_weights`)."""
+    """This rank's pipeline stage of the GPTModel (megatron's random init; :func:`load_weights`
+    overwrites every parameter)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -192,20 +190,13 @@ def load_weights(bm: BuiltModel, source: HFSource) -> None:
         p.copy_(shard.to(dtype=p.dtype))
 
 
-def hf_source(model_cfg, desc_only: bool = False) -> tuple[object, Optional[HFSource]]:
-    """(HF config, weight source) for ``cfg.model``: ``model.path`` (safetensors) or, when empty,
-    a random init of ``model.config`` seeded by ``model.init_seed`` (same on every rank)."""
-    import transformers
+def hf_source(model_cfg) -> tuple[object, HFSource]:
+    """(HF config, weight source) for ``cfg.model``: ``model.path`` (safetensors, read lazily) or,
+    when empty, the seeded random init of ``model.config`` that the torch backend also uses."""
+    from megaforge.hf import hf_config, load_hf_model
 
+    cfg = hf_config(model_cfg)
     if model_cfg.path:
-        hf_cfg = transformers.AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
-        return hf_cfg, (None if desc_only else HFSource(path=model_cfg.path))
-    if not model_cfg.config:
-        raise ValueError("model.path or model.config must be set")
-    hf_cfg = transformers.AutoConfig.from_pretrained(model_cfg.config, trust_remote_code=model_cfg.trust_remote_code)
-    if desc_only:
-        return hf_cfg, None
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(model_cfg.init_seed)
-        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=DTYPES[model_cfg.dtype])
-    return hf_cfg, HFSource(state_dict={k: v.detach() for k, v in hf.state_dict().items()})
+        return cfg, HFSource(path=model_cfg.path)
+    hf = load_hf_model(model_cfg, torch.device("cpu"))
+    return cfg, HFSource(state_dict={k: v.detach() for k, v in hf.state_dict().items()})

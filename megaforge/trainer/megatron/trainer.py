@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 from megaforge.algorithms import LossParams, policy_objective
+from megaforge.dist import all_gather_rows, shard_range
+from megaforge.hf import DTYPES
 from megaforge.convert import families
 from megaforge.trainer.base import HFBucket, Trainer
 from megaforge.trainer.megatron import cpu_compat, parallel
@@ -37,13 +39,6 @@ from megaforge.trainer.megatron.logprobs import vocab_parallel_logprobs
 from megaforge.trainer.megatron.packing import Packed, pack
 from megaforge.trainer.optim import lr_at
 from megaforge.types import TrainBatch
-
-
-def shard_range(n: int, r: int, w: int) -> tuple[int, int]:
-    """Contiguous rows [lo, hi) of ``n`` owned by part ``r`` of ``w`` (sizes differ by at most 1)."""
-    base, extra = divmod(n, w)
-    lo = r * base + min(r, extra)
-    return lo, lo + base + (1 if r < extra else 0)
 
 
 @dataclass
@@ -65,7 +60,7 @@ class MegatronTrainer(Trainer):
         parallel.init_distributed(self.device)
         parallel.init_model_parallel(t.tensor_parallel, t.pipeline_parallel, t.context_parallel, t.expert_parallel)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
-        self.dtype = mmodel.DTYPES[cfg.model.dtype]
+        self.dtype = DTYPES[cfg.model.dtype]
         self.hf_config, source = mmodel.hf_source(cfg.model)
         self.family = families.family_of(self.hf_config)
         self.desc = self.family.describe(self.hf_config)
@@ -86,7 +81,6 @@ class MegatronTrainer(Trainer):
         self.temperature = cfg.grpo.temperature
         self.ref = None
         self.version = 0
-        self._bad_steps = 0
         self.reset_optimizer(t.lr, cfg.max_steps * t.mini_batches * t.epochs, t.warmup_steps, t.lr_schedule, t.min_lr)
 
     # ------------------------------------------------------------------------------ groups
@@ -139,8 +133,8 @@ class MegatronTrainer(Trainer):
         return lr
 
     def _optimizer_step(self) -> dict[str, float]:
-        """Clip by the global gradient norm and step; a non-finite norm skips the step (counted;
-        ``trainer.max_bad_steps`` consecutive skips raise)."""
+        """Clip by the global gradient norm and step; a non-finite norm skips the step
+        (``skipped``: the loop counts consecutive skips against ``trainer.max_bad_steps``)."""
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         opt = self.optimizer
@@ -149,11 +143,7 @@ class MegatronTrainer(Trainer):
         norm = float(opt.get_grad_norm())
         if found_inf or not math.isfinite(norm):
             opt.zero_grad()
-            self._bad_steps += 1
-            if self._bad_steps >= self.cfg.trainer.max_bad_steps:
-                raise RuntimeError(f"{self._bad_steps} consecutive optimizer steps with a non-finite gradient norm ({norm})")
             return {"grad_norm": norm, "lr": lr, "skipped": 1.0}
-        self._bad_steps = 0
         clip = self.cfg.trainer.grad_clip
         for o in getattr(opt, "chained_optimizers", [opt]):
             params = o.get_parameters()
@@ -265,7 +255,7 @@ class MegatronTrainer(Trainer):
                 lp = d["lp"]
                 rows[i:i + lp.shape[0], : lp.shape[1]] = lp
                 i += lp.shape[0]
-            full = _all_gather_rows(rows, B, ps.get_data_parallel_group())
+            full = all_gather_rows(rows, B, ps.get_data_parallel_group())
         return self._from_last_stage(full, (B, T)).float().cpu()
 
     def snapshot_reference(self) -> None:
@@ -404,17 +394,3 @@ def _loss_wrapper(loss_fn, mb: _MicroBatch, logits):
     """megatron loss-func protocol (loss, num_tokens, reduced dict); num_tokens is unused (1)."""
     loss, metrics = loss_fn(mb, logits)
     return loss, torch.ones((), dtype=torch.int, device=logits.device), {k: v.detach() for k, v in metrics.items()}
-
-
-def _all_gather_rows(rows: torch.Tensor, n_total: int, group) -> torch.Tensor:
-    """Concatenate each DP rank's contiguous row share into [n_total, ...] (shares from shard_range)."""
-    w = dist.get_world_size(group)
-    if w == 1:
-        return rows
-    sizes = [shard_range(n_total, r, w) for r in range(w)]
-    biggest = max(hi - lo for lo, hi in sizes)
-    pad = rows.new_zeros((biggest,) + tuple(rows.shape[1:]))
-    pad[: rows.shape[0]] = rows
-    parts = [torch.empty_like(pad) for _ in range(w)]
-    dist.all_gather(parts, pad, group=group)
-    return torch.cat([p[: hi - lo] for p, (lo, hi) in zip(parts, sizes)], 0)

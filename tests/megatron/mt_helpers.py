@@ -1,0 +1,174 @@
+"""Helpers of the Megatron backend tests: tiny HF models, a shared batch, multi-process launches.
+
+Imported by ``conftest.py`` (fixtures), the test modules and ``worker.py`` (the spawned ranks).
+
+Multi-rank checks run ``tests/megatron/worker.py`` in N fresh processes joined by a gloo process
+group on 127.0.0.1 (a free port per launch, OMP_NUM_THREADS=1, a hard timeout); several checks share
+one launch to amortise start-up. Workers write their results with ``torch.save``; the test process
+computes the references (Hugging Face transformers) and compares.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(ROOT, "tests", "megatron", "worker.py")
+VOCAB = 250  # not a multiple of 128: Megatron pads it
+
+
+def _shared():
+    """tests/conftest.py (make_tiny_model, free_port), loaded by path: every test directory has a
+    module named ``conftest``."""
+    if "_megaforge_tests_conftest" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("_megaforge_tests_conftest", os.path.join(ROOT, "tests", "conftest.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sys.modules["_megaforge_tests_conftest"] = mod
+    return sys.modules["_megaforge_tests_conftest"]
+
+
+def run_workers(scenario: str, nprocs: int, spec: dict, workdir, timeout: float = 300.0) -> list:
+    """Run ``worker.py scenario`` on ``nprocs`` ranks; returns each rank's result object."""
+    workdir = str(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    spec_file = os.path.join(workdir, f"{scenario}.json")
+    with open(spec_file, "w") as f:
+        json.dump(spec, f)
+    port = _shared().free_port()
+    procs, logs = [], []
+    for r in range(nprocs):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nprocs),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore")
+        log = open(os.path.join(workdir, f"{scenario}.rank{r}.log"), "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, WORKER, scenario, spec_file, workdir],
+                                      stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+    deadline = time.time() + timeout
+    failed = None
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.time() > deadline:
+                failed = f"timed out after {timeout:.0f} s"
+                break
+            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if bad:
+                time.sleep(2.0)  # let the peers notice; then stop them
+                failed = f"rank {bad[0]} exited with {procs[bad[0]].returncode}"
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    if failed is None and any(p.returncode != 0 for p in procs):
+        failed = "exit codes " + str([p.returncode for p in procs])
+    if failed:
+        tails = []
+        for r in range(nprocs):
+            with open(os.path.join(workdir, f"{scenario}.rank{r}.log")) as f:
+                tails.append(f"--- rank {r} ---\n" + "".join(f.readlines()[-40:]))
+        raise AssertionError(f"{scenario} on {nprocs} ranks: {failed}\n" + "\n".join(tails))
+    return [torch.load(os.path.join(workdir, f"{scenario}.rank{r}.pt"), weights_only=False) for r in range(nprocs)]
+
+
+def make_tiny(kind: str, path: str, tied: bool = False) -> str:
+    """A 4-layer random HF model of family ``kind`` (tests/conftest.make_tiny_model, vocabulary
+    250, Qwen3 with head_dim 24 != hidden / heads), norms and biases perturbed so they matter."""
+    import transformers
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    kw = dict(vocab=VOCAB, tie=tied, num_hidden_layers=4, intermediate_size=96, max_position_embeddings=128,
+              rms_norm_eps=1e-6, seed={"llama": 1, "qwen2": 2, "qwen3": 3}[kind])
+    if kind == "qwen3":
+        kw["head_dim"] = 24
+    _shared().make_tiny_model(path, kind, **kw)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(kw["seed"])
+    with torch.no_grad():  # HF inits norms to ones and biases to zero
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path
+
+
+MODELS = {"llama_tied": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
+
+
+def make_batch(B: int = 5, T: int = 20, seed: int = 0, lengths=(20, 7, 13, 3, 17)):
+    """A right-padded RL TrainBatch: prompt of 2..4 tokens, the rest trained; random advantages,
+    rollout / old logprobs near plausible values."""
+    from megaforge.types import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(lengths[:B])
+    tokens = torch.randint(0, VOCAB, (B, T), generator=g)
+    t = torch.arange(T)[None]
+    tokens = torch.where(t < lengths[:, None], tokens, 0)
+    prompt = torch.randint(1, 4, (B,), generator=g).clamp(max=lengths - 1)
+    loss_mask = ((t >= prompt[:, None]) & (t < lengths[:, None])).float()
+    adv = torch.randn(B, generator=g)[:, None].expand(B, T) * loss_mask
+    rollout = (-5.5 + 0.3 * torch.randn(B, T, generator=g)) * loss_mask
+    old = (-5.5 + 0.3 * torch.randn(B, T, generator=g)) * loss_mask
+    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=loss_mask, advantages=adv.contiguous(),
+                      rollout_logprobs=rollout, old_logprobs=old,
+                      num_tokens=int(loss_mask.sum()), num_seqs=int((loss_mask.sum(-1) > 0).sum()))
+
+
+def hf_logprobs(path: str, batch, temperature: float = 1.0) -> torch.Tensor:
+    """Token-aligned logprobs [B, T] of the HF model, each row run unpadded (megaforge's
+    ``token_logprobs`` oracle), float32."""
+    import transformers
+
+    from megaforge.trainer.logprobs import token_logprobs
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = torch.zeros(batch.tokens.shape)
+    with torch.no_grad():
+        for b in range(batch.batch_size):
+            n = int(batch.lengths[b])
+            logits = model(batch.tokens[b:b + 1, :n]).logits
+            out[b, :n] = token_logprobs(logits, batch.tokens[b:b + 1, :n], batch.lengths[b:b + 1], temperature)[0][0]
+    return out
+
+
+def trainer_cfg(model_path: str, backend: str = "megatron", layout: dict | None = None, **trainer):
+    """The megaforge Config of these tests (fp32, temperature 0.8, Adam eps 1e-6: with eps 1e-8,
+    parameters whose gradient is ~1e-8 (e.g. k_proj under q/k norm) move by lr * g / (|g| + eps),
+    which float32 rounding of g alone changes by ~1e-4, for any two implementations)."""
+    from megaforge.config import config_from_dict
+
+    layout = layout or {}
+    t = dict(backend=backend, device="cpu", lr=1e-3, eps=1e-6, micro_batch_size=2, grad_clip=1.0)
+    if backend == "megatron":
+        t.update(layer_spec="torch", tensor_parallel=layout.get("tp", 1), pipeline_parallel=layout.get("pp", 1),
+                 context_parallel=layout.get("cp", 1), sequence_parallel=layout.get("sp", False),
+                 distributed_optimizer=layout.get("dist_opt", True))
+    t.update(trainer)
+    return config_from_dict({"model": {"path": model_path, "dtype": "float32"}, "trainer": t,
+                             "grpo": {"temperature": 0.8}, "max_steps": 0, "seed": 0})
+
+
+def torch_backend_reference(model_path: str, batch, steps, **trainer):
+    """The torch backend (single process) on the same batch: ``steps`` is a list of "rl" / "sft";
+    returns ([metrics], [HF state dict after each step])."""
+    from megaforge.trainer.torch_backend import TorchTrainer
+
+    tr = TorchTrainer(trainer_cfg(model_path, "torch", **trainer))
+    metrics, states = [], []
+    for kind in steps:
+        metrics.append(tr.train_step(batch) if kind == "rl" else tr.sft_step(batch))
+        states.append({k: v.detach().clone() for k, v in tr.model.state_dict().items()})
+    return metrics, states

@@ -1,0 +1,97 @@
+"""One rank of a multi-process Megatron backend test (launched by mt_helpers.run_workers).
+
+    python worker.py SCENARIO SPEC.json OUTDIR
+
+Scenarios:
+* ``logprobs``: for every (name, model dir, layout) in ``runs``, build a MegatronTrainer and record
+  compute_logprobs of the shared batch (packed several rows per micro-batch, and one per micro-batch).
+* ``train``: train / SFT steps at one layout, HF weights via iter_hf_buckets, save; reload at a
+  second layout, logprobs and weights again, more steps, export_hf.
+Results go to OUTDIR/SCENARIO.rank{R}.pt.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def layout_name(layout: dict) -> str:
+    return "_".join(f"{k}{int(v)}" for k, v in sorted(layout.items()))
+
+
+def hf_weights(trainer, max_bytes: int) -> tuple[dict, int]:
+    out, n = {}, 0
+    for bucket in trainer.iter_hf_buckets(max_bytes):
+        n += 1
+        for name, t in bucket:
+            assert name not in out, f"{name} streamed twice"
+            out[name] = t.detach().cpu().clone()
+    return out, n
+
+
+def run_steps(tr, batch, kinds: list[str]) -> list[dict]:
+    return [tr.train_step(batch) if k == "rl" else tr.sft_step(batch) for k in kinds]
+
+
+def scenario_logprobs(spec, res):
+    from mt_helpers import make_batch, trainer_cfg
+    from megaforge.trainer.megatron import MegatronTrainer
+
+    batch = make_batch()
+    for name, path, layout in spec["runs"]:
+        t0 = time.time()
+        tr = MegatronTrainer(trainer_cfg(path, layout=layout, micro_batch_size=batch.batch_size))
+        packed = tr.compute_logprobs(batch)
+        tr.cfg.trainer.micro_batch_size = 1
+        single = tr.compute_logprobs(batch)
+        res[(name, layout_name(layout))] = {"packed": packed, "single": single, "s": time.time() - t0}
+        tr.close()
+
+
+def scenario_train(spec, res):
+    from mt_helpers import make_batch, trainer_cfg
+    from megaforge.trainer.megatron import MegatronTrainer
+
+    batch = make_batch()
+    kw = spec.get("trainer", {})
+    tr = MegatronTrainer(trainer_cfg(spec["model"], layout=spec["layout1"], **kw))
+    res["metrics1"] = run_steps(tr, batch, spec["steps1"])
+    res["weights1"], res["n_buckets"] = hf_weights(tr, spec.get("bucket_bytes", 40_000))
+    res["lp1"] = tr.compute_logprobs(batch)
+    res["version1"] = tr.version
+    tr.save(spec["ckpt"])
+    tr.close()
+    if "layout2" not in spec:
+        return
+    tr = MegatronTrainer(trainer_cfg(spec["model"], layout=spec["layout2"], **kw))
+    tr.load(spec["ckpt"])
+    res["version2_loaded"] = tr.version
+    res["lp2_loaded"] = tr.compute_logprobs(batch)
+    res["weights2_loaded"], _ = hf_weights(tr, 1 << 30)
+    res["metrics2"] = run_steps(tr, batch, spec.get("steps2", []))
+    res["weights2"], _ = hf_weights(tr, 1 << 30)
+    if spec.get("export"):
+        tr.export_hf(spec["export"])
+    tr.close()
+
+
+def main():
+    scenario, spec_file, outdir = sys.argv[1:4]
+    with open(spec_file) as f:
+        spec = json.load(f)
+    res = {}
+    {"logprobs": scenario_logprobs, "train": scenario_train}[scenario](spec, res)
+    rank = int(os.environ["RANK"])
+    torch.save(res, os.path.join(outdir, f"{scenario}.rank{rank}.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
