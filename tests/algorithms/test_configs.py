@@ -14,7 +14,7 @@ import shlex
 
 import pytest
 import torch
-from algo_helpers import ROOT, SMOKE, read_metrics, run_launcher
+from algo_helpers import ROOT, SMOKE, VARIED_REWARD, read_metrics, run_launcher
 
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True))
 
@@ -112,9 +112,14 @@ ALGOS = {
 
 @pytest.mark.parametrize("name", sorted(ALGOS))
 def test_algorithm_runs_two_steps(name, tmp_path, in_root):
-    run = run_launcher("grpo", ["--config", "configs/demo_cpu.yaml", *SMOKE, *ALGOS[name]], str(tmp_path), name)
+    run = run_launcher("grpo", ["--config", "configs/demo_cpu.yaml", *SMOKE, *VARIED_REWARD, *ALGOS[name]],
+                       str(tmp_path), name)
     recs = check_run(run, "grpo")
+    assert all(r["grad_norm"] > 0 and r["skipped"] == 0 for r in recs)  # a real update every step
+    if "--algo.kl_in_reward" in ALGOS[name]:
+        assert recs[1]["kl"] != 0.0  # step 2 samples from the updated policy: KL to the reference
     if name == "ppo_gae_critic":
-        assert all(math.isfinite(r["critic/loss"]) and "critic/grad_norm" in r for r in recs)
+        assert all(r["critic/loss"] > 0 and r["critic/grad_norm"] > 0 for r in recs)
+        assert recs[1]["critic/values"] != 0.0  # the value head has learned something after step 1
         ck = sorted(glob.glob(os.path.join(run, "checkpoints", "step_*", "trainer", "trainer.pt")))[-1]
         assert "critic" in torch.load(ck, map_location="cpu", weights_only=True)
