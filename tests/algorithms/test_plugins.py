@@ -64,18 +64,24 @@ def test_custom_advantage_and_reward_in_a_run(tmp_path, in_root, monkeypatch):
 
         def length_reward(prompt, response, target, per_char=0.01):
             return per_char * len(response)
+
+        from megaforge.rewards import REWARDS
+
+        REWARDS.register("always_one", lambda prompt, response, target: 1.0)
     '''))
     monkeypatch.syspath_prepend(str(tmp_path))
     run = run_launcher("grpo", ["--config", "configs/demo_cpu.yaml", *SMOKE, "--algo.plugins", "[my_plugins]",
                                 "--algo.advantage", "sign_of_reward", "--algo.plugin_kwargs", "{scale: 2.0}",
-                                "--rewards.functions", "[{name: 'my_plugins:length_reward', kwargs: {per_char: 0.5}}]"],
+                                "--rewards.functions", "[{name: 'my_plugins:length_reward', kwargs: {per_char: 0.5}}, "
+                                "{name: always_one, weight: 0.25}]"],
                        str(tmp_path), "plug")
     import my_plugins
 
     assert len(my_plugins.CALLS) == 2  # one advantage call per RL step
     recs = read_metrics(run)
     assert len(recs) == 2 and recs[0]["reward/length_reward"] > 0
-    assert recs[0]["reward/mean"] == pytest.approx(recs[0]["reward/length_reward"])
+    assert recs[0]["reward/always_one"] == 1.0  # registered by name in an algo.plugins module
+    assert recs[0]["reward/mean"] == pytest.approx(recs[0]["reward/length_reward"] + 0.25)
 
 
 @pytest.mark.parametrize("argv,key", [
