@@ -34,6 +34,50 @@ def _shared():
     return sys.modules["_megaforge_tests_conftest"]
 
 
+def run_ranks(argv: list[str], nprocs: int, workdir, name: str, timeout: float = 300.0) -> tuple[list[int], list[str]]:
+    """Run ``python argv...`` as ``nprocs`` ranks of one gloo world (torchrun's environment variables,
+    a free port, OMP_NUM_THREADS=1). Stops every rank on the first failure or at ``timeout``.
+    Returns (exit codes, log texts); raises with the logs' tails on a timeout."""
+    workdir = str(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    port = _shared().free_port()
+    procs, paths = [], []
+    for r in range(nprocs):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nprocs),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore")
+        paths.append(os.path.join(workdir, f"{name}.rank{r}.log"))
+        with open(paths[-1], "w") as log:
+            procs.append(subprocess.Popen([sys.executable] + argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+    deadline = time.time() + timeout
+    timed_out = False
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.time() > deadline:
+                timed_out = True
+                break
+            if any(p.poll() not in (None, 0) for p in procs):
+                time.sleep(2.0)  # let the peers notice; then stop them
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    logs = []
+    for path in paths:
+        with open(path) as f:
+            logs.append(f.read())
+    if timed_out:
+        raise AssertionError(f"{name} on {nprocs} ranks timed out after {timeout:.0f} s\n" + tails(logs))
+    return [p.returncode for p in procs], logs
+
+
+def tails(logs: list[str], n: int = 40) -> str:
+    return "\n".join(f"--- rank {r} ---\n" + "\n".join(t.splitlines()[-n:]) for r, t in enumerate(logs))
+
+
 def run_workers(scenario: str, nprocs: int, spec: dict, workdir, timeout: float = 300.0) -> list:
     """Run ``worker.py scenario`` on ``nprocs`` ranks; returns each rank's result object."""
     workdir = str(workdir)
@@ -41,44 +85,9 @@ def run_workers(scenario: str, nprocs: int, spec: dict, workdir, timeout: float 
     spec_file = os.path.join(workdir, f"{scenario}.json")
     with open(spec_file, "w") as f:
         json.dump(spec, f)
-    port = _shared().free_port()
-    procs, logs = [], []
-    for r in range(nprocs):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nprocs),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore")
-        log = open(os.path.join(workdir, f"{scenario}.rank{r}.log"), "w")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, WORKER, scenario, spec_file, workdir],
-                                      stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
-    deadline = time.time() + timeout
-    failed = None
-    try:
-        while any(p.poll() is None for p in procs):
-            if time.time() > deadline:
-                failed = f"timed out after {timeout:.0f} s"
-                break
-            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if bad:
-                time.sleep(2.0)  # let the peers notice; then stop them
-                failed = f"rank {bad[0]} exited with {procs[bad[0]].returncode}"
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    if failed is None and any(p.returncode != 0 for p in procs):
-        failed = "exit codes " + str([p.returncode for p in procs])
-    if failed:
-        tails = []
-        for r in range(nprocs):
-            with open(os.path.join(workdir, f"{scenario}.rank{r}.log")) as f:
-                tails.append(f"--- rank {r} ---\n" + "".join(f.readlines()[-40:]))
-        raise AssertionError(f"{scenario} on {nprocs} ranks: {failed}\n" + "\n".join(tails))
+    codes, logs = run_ranks([WORKER, scenario, spec_file, workdir], nprocs, workdir, scenario, timeout)
+    if any(codes):
+        raise AssertionError(f"{scenario} on {nprocs} ranks: exit codes {codes}\n" + tails(logs))
     return [torch.load(os.path.join(workdir, f"{scenario}.rank{r}.pt"), weights_only=False) for r in range(nprocs)]
 
 

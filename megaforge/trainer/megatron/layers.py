@@ -142,10 +142,11 @@ class SDPAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("SDPAttention does not take an attention_bias")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = getattr(packed_seq_params, "cu_seqlens_padded_list", None)  # set by megaforge's packing
             if cu is None:
-                cu = packed_seq_params.cu_seqlens_q
-            out = self._packed(query, key, value, [int(x) for x in cu.tolist()])
+                t = packed_seq_params.cu_seqlens_q_padded
+                cu = (t if t is not None else packed_seq_params.cu_seqlens_q).tolist()
+            out = self._packed(query, key, value, [int(x) for x in cu])
             return out.reshape(out.shape[0], -1)
         # sbhd: [s, b, h, d] -> [b, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))

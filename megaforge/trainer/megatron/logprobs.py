@@ -83,3 +83,28 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab: i
         raise ValueError(f"labels outside the vocabulary [0, {vocab}): min {int(labels.min())}, max {int(labels.max())}")
     z = logits if temperature == 1.0 else logits / temperature
     return _VocabParallelLogprobEntropy.apply(z, labels, start, n_valid, group, with_entropy)
+
+
+@torch.no_grad()
+def vocab_parallel_argmax(logits: torch.Tensor, vocab: int, group=None) -> torch.Tensor:
+    """Index [N] of the largest logit over the real vocabulary from this rank's logits [N, V/tp]
+    (ties: the lowest index)."""
+    width = logits.shape[-1]
+    rank = 0 if group is None else dist.get_rank(group)
+    n_valid = max(0, min(width, vocab - rank * width))
+    z = logits[:, :n_valid].float()
+    if n_valid:
+        val, idx = z.max(-1)
+    else:
+        val = torch.full((z.shape[0],), float("-inf"), device=z.device)
+        idx = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
+    idx = idx + rank * width
+    if group is None:
+        return idx
+    tp = dist.get_world_size(group)
+    vals = [torch.empty_like(val) for _ in range(tp)]
+    idxs = [torch.empty_like(idx) for _ in range(tp)]
+    dist.all_gather(vals, val, group=group)
+    dist.all_gather(idxs, idx, group=group)
+    best = torch.stack(vals).argmax(0)  # first rank holding the maximum
+    return torch.stack(idxs).gather(0, best[None])[0]

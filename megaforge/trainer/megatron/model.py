@@ -81,7 +81,8 @@ def transformer_config(desc: ModelDesc, tcfg, dtype: torch.dtype, on_cpu: bool, 
     for what, n in (("num_attention_heads", desc.num_heads), ("num_key_value_heads", desc.num_kv_heads)):
         if n % tcfg.tensor_parallel:
             raise ValueError(f"{what}={n} is not divisible by trainer.tensor_parallel={tcfg.tensor_parallel}")
-    if tcfg.fp8 and spec != "te":
+    te = spec == "te"
+    if tcfg.fp8 and not te:
         raise ValueError("trainer.fp8 needs trainer.layer_spec te (Transformer Engine)")
     kw = {}
     if tcfg.recompute != "none":
@@ -96,8 +97,11 @@ def transformer_config(desc: ModelDesc, tcfg, dtype: torch.dtype, on_cpu: bool, 
         normalization="RMSNorm", layernorm_epsilon=desc.norm_eps, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, add_qkv_bias=desc.qkv_bias, qk_layernorm=desc.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        # fused kernels on GPU (jit SwiGLU / bias-dropout-add; TE: fused RoPE incl. thd + CP,
+        # wgrad accumulation straight into the fp32 main grads); none of them exists on CPU
+        bias_activation_fusion=not on_cpu, bias_dropout_fusion=not on_cpu, masked_softmax_fusion=False,
+        apply_rope_fusion=te and not on_cpu, persist_layer_norm=False,
+        gradient_accumulation_fusion=te and not on_cpu,
         tensor_model_parallel_size=tcfg.tensor_parallel, pipeline_model_parallel_size=tcfg.pipeline_parallel,
         context_parallel_size=tcfg.context_parallel, sequence_parallel=tcfg.sequence_parallel,
         expert_model_parallel_size=tcfg.expert_parallel,

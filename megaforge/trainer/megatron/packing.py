@@ -89,6 +89,7 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank:
         cu_seqlens_q_padded=cu_pad.to(device), cu_seqlens_kv_padded=cu_pad.to(device),
         max_seqlen_q=max(padded), max_seqlen_kv=max(padded), cp_group=cp_group,
     )
+    params.cu_seqlens_padded_list = cu_pad.tolist()  # host copy: attention needs no device sync
     return Packed(
         tokens=flat[local_pos][None].to(device), labels=labels[local_pos][None].to(device),
         position_ids=pos[local_pos][None].to(device), packed_seq_params=params,

@@ -35,7 +35,7 @@ from megaforge.convert import families
 from megaforge.trainer.base import HFBucket, Trainer
 from megaforge.trainer.megatron import cpu_compat, parallel
 from megaforge.trainer.megatron import model as mmodel
-from megaforge.trainer.megatron.logprobs import vocab_parallel_logprobs
+from megaforge.trainer.megatron.logprobs import vocab_parallel_argmax, vocab_parallel_logprobs
 from megaforge.trainer.megatron.packing import Packed, pack
 from megaforge.trainer.optim import lr_at
 from megaforge.types import TrainBatch
@@ -178,16 +178,20 @@ class MegatronTrainer(Trainer):
 
     def _token_values(self, logits: torch.Tensor, mb: _MicroBatch, temperature: float, entropy: bool):
         """Token-aligned logprobs (and entropy) [b, T] from this rank's logits [1, t_local, V/tp]."""
-        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
         lp, ent = vocab_parallel_logprobs(logits[0], mb.packed.labels[0], self.desc.vocab, temperature,
                                           self._tp_group(), with_entropy=entropy)
-        if self._cp_size() > 1:  # duplicated downstream: backward keeps this rank's slice
-            g = self._ps().get_context_parallel_group()
-            lp = gather_from_sequence_parallel_region(lp, tensor_parallel_output_grad=False, group=g)
-            if entropy:
-                ent = gather_from_sequence_parallel_region(ent, tensor_parallel_output_grad=False, group=g)
-        return mb.packed.to_rows(lp), (mb.packed.to_rows(ent) if entropy else None)
+        lp = mb.packed.to_rows(self._cp_gather(lp))
+        return lp, (mb.packed.to_rows(self._cp_gather(ent)) if entropy else None)
+
+    def _cp_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[t_local] per-position values -> [cp * t_local] (rank-major). What follows is computed
+        identically on every CP rank, so backward keeps this rank's slice of the gradient."""
+        if self._cp_size() == 1:
+            return x
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        return gather_from_sequence_parallel_region(
+            x, tensor_parallel_output_grad=False, group=self._ps().get_context_parallel_group())
 
     def _schedule(self, module, mbs: list[_MicroBatch], loss_fn, forward_only: bool) -> list:
         """Run megatron's (pipeline) schedule; ``loss_fn(mb, logits) -> (loss, metrics dict)`` on the
@@ -227,6 +231,13 @@ class MegatronTrainer(Trainer):
     # ---------------------------------------------------------------------------- logprobs
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> torch.Tensor:
+        return self.forward_rows(batch, model, ("logprobs",))["logprobs"]
+
+    @torch.no_grad()
+    def forward_rows(self, batch: TrainBatch, model: str = "policy", fields=("logprobs",)) -> dict:
+        """Token-aligned [B, T] tensors on every rank, CPU: ``logprobs`` (float32, temperature
+        applied) and/or ``argmax`` (long: the model's most likely token at t given tokens[:t]).
+        0 at t = 0 and on padding."""
         if model == "policy":
             module = self.ddp
         elif model == "ref":
@@ -235,6 +246,9 @@ class MegatronTrainer(Trainer):
             module = self.ref
         else:
             raise ValueError(f"compute_logprobs: model must be 'policy' or 'ref', got {model!r}")
+        unknown = set(fields) - {"logprobs", "argmax"}
+        if unknown:
+            raise ValueError(f"forward_rows: unknown fields {sorted(unknown)}; valid: logprobs, argmax")
         ps = self._ps()
         B, T = batch.tokens.shape
         module.eval()
@@ -243,20 +257,28 @@ class MegatronTrainer(Trainer):
             mbs = self._micro_batches(local)
 
             def loss_fn(mb, logits):
-                lp, _ = self._token_values(logits, mb, self.temperature, entropy=False)
-                return lp.sum() * 0.0, {"lp": lp.float()}
+                out = {}
+                if "logprobs" in fields:
+                    out["logprobs"] = self._token_values(logits, mb, self.temperature, entropy=False)[0].float()
+                if "argmax" in fields:
+                    am = vocab_parallel_argmax(logits[0], self.desc.vocab, self._tp_group())
+                    out["argmax"] = mb.packed.to_rows(self._cp_gather(am))
+                return logits.sum() * 0.0, out
 
             out = self._schedule(module, mbs, loss_fn, forward_only=True)
-        full = None
-        if self._last_stage():
-            rows = torch.zeros(local.batch_size, T, device=self.device)
-            i = 0
-            for d in out:
-                lp = d["lp"]
-                rows[i:i + lp.shape[0], : lp.shape[1]] = lp
-                i += lp.shape[0]
-            full = all_gather_rows(rows, B, ps.get_data_parallel_group())
-        return self._from_last_stage(full, (B, T)).float().cpu()
+        result = {}
+        for f in fields:
+            dtype = torch.long if f == "argmax" else torch.float32
+            full = None
+            if self._last_stage():
+                rows = torch.zeros(local.batch_size, T, dtype=dtype, device=self.device)
+                i = 0
+                for d in out:
+                    rows[i:i + d[f].shape[0], : d[f].shape[1]] = d[f]
+                    i += d[f].shape[0]
+                full = all_gather_rows(rows, B, ps.get_data_parallel_group())
+            result[f] = self._from_last_stage(full, (B, T), dtype).cpu()
+        return result
 
     def snapshot_reference(self) -> None:
         """Frozen copy of the current policy weights (same layout, no optimizer); on the CPU when

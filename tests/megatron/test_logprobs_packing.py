@@ -1,0 +1,54 @@
+"""Single-process checks of the vocab-parallel logprob/entropy function and of thd packing."""
+import torch
+
+from megaforge.trainer.megatron.logprobs import vocab_parallel_argmax, vocab_parallel_logprobs
+from megaforge.trainer.megatron.packing import pack
+
+
+def test_logprobs_entropy_and_grads_ignore_padded_vocab():
+    torch.manual_seed(0)
+    N, V, Vp, tau = 7, 11, 16, 0.7
+    logits = torch.randn(N, Vp, dtype=torch.float64).float().requires_grad_(True)
+    labels = torch.randint(0, V, (N,))
+    w1, w2 = torch.randn(N), torch.randn(N)
+    lp, ent = vocab_parallel_logprobs(logits, labels, V, temperature=tau)
+    ((lp * w1).sum() + (ent * w2).sum()).backward()
+    got = logits.grad.clone()
+    logits.grad = None
+    ref = torch.log_softmax(logits[:, :V] / tau, -1)
+    rlp, rent = ref.gather(-1, labels[:, None])[:, 0], -(ref.exp() * ref).sum(-1)
+    ((rlp * w1).sum() + (rent * w2).sum()).backward()
+    assert (lp - rlp).abs().max() < 1e-6 and (ent - rent).abs().max() < 1e-6
+    assert (got - logits.grad).abs().max() < 1e-6
+    assert got[:, V:].abs().max() == 0  # padded columns get no gradient
+    big = logits.detach().clone()
+    big[:, V:] = 100.0  # padded columns never win nor count
+    assert torch.equal(vocab_parallel_argmax(big, V), big[:, :V].argmax(-1))
+    assert (vocab_parallel_logprobs(big, labels, V, tau)[0] - rlp).abs().max() < 1e-6
+
+
+def test_pack_cp2_sp_layout_covers_every_token_once():
+    tokens = torch.arange(1, 41).reshape(4, 10)
+    lengths = torch.tensor([10, 3, 7, 1])
+    parts = [pack(tokens, lengths, cp_size=2, cp_rank=r, tp_sp=2) for r in range(2)]
+    total = parts[0].total
+    assert total % (2 * 2) == 0 and all(p.tokens.shape[1] * 2 == total for p in parts)
+    pos = torch.cat([p.local_pos for p in parts])
+    assert torch.equal(pos.sort().values, torch.arange(total))
+    # each row is padded to a multiple of 2 * cp = 4: 12, 4, 8, 4 (+ growth of the last row for SP)
+    cu = parts[0].packed_seq_params.cu_seqlens_q_padded.tolist()
+    assert cu[:4] == [0, 12, 16, 24] and cu[-1] == total
+    assert parts[0].packed_seq_params.cu_seqlens_q.tolist() == [0, 10, 13, 20, 21]
+    # labels are the next token of the same row, 0 at a row's last real token
+    glob_tok = torch.zeros(total, dtype=torch.long)
+    glob_lab = torch.zeros(total, dtype=torch.long)
+    for p in parts:
+        glob_tok[p.local_pos] = p.tokens[0]
+        glob_lab[p.local_pos] = p.labels[0]
+    assert glob_tok[:10].tolist() == list(range(1, 11)) and glob_lab[:10].tolist() == list(range(2, 11)) + [0]
+    # to_rows: value at packed position j lands on (row, t) with j predicting token t
+    gathered = torch.cat([p.local_pos.float() for p in parts])  # rank-major gather of "position"
+    rows = parts[0].to_rows(gathered)
+    assert rows[0, 1:10].tolist() == list(range(0, 9)) and rows[0, 0] == 0
+    assert rows[1, 1:3].tolist() == [12, 13] and rows[1, 3:].abs().sum() == 0
+    assert rows[3].abs().sum() == 0  # a one-token row predicts nothing
