@@ -1,6 +1,7 @@
 """Run checkpoints: atomic, checksummed, resumable.
 
-Layout: ``<run dir>/checkpoints/step_000012/`` holding ``trainer/`` (the backend's own files),
+Layout: ``<run dir>/checkpoints/step_000012/`` (RL step 12; ``sft_step_000050/`` during the SFT warm
+start, ordered before every RL checkpoint) holding ``trainer/`` (the backend's own files),
 ``state.json`` (loop state: phase, steps, data position, weight version), ``rng_rank{R}.pt`` and,
 written last, ``manifest.json`` (sha256 and size of every file). A checkpoint is written under
 ``.tmp-step_000012`` and renamed when complete, so a crash never leaves a half checkpoint under a
@@ -22,7 +23,7 @@ import torch
 
 from megaforge import dist
 
-_NAME = re.compile(r"^step_(\d+)$")
+_NAME = re.compile(r"^(sft_)?step_(\d+)$")
 
 
 def _sha256(path: str) -> str:
@@ -75,14 +76,19 @@ def verify(root: str) -> Optional[str]:
     return None
 
 
-def list_checkpoints(ckpt_dir: str) -> list[tuple[int, str]]:
+def checkpoint_name(step: int, phase: str = "rl") -> str:
+    return f"{'sft_' if phase == 'sft' else ''}step_{step:06d}"
+
+
+def list_checkpoints(ckpt_dir: str) -> list[tuple[tuple[int, int], str]]:
+    """Complete-or-not checkpoints, oldest first: SFT ones, then RL ones, by step."""
     if not os.path.isdir(ckpt_dir):
         return []
     out = []
     for name in os.listdir(ckpt_dir):
         m = _NAME.match(name)
         if m:
-            out.append((int(m.group(1)), os.path.join(ckpt_dir, name)))
+            out.append(((0 if m.group(1) else 1, int(m.group(2))), os.path.join(ckpt_dir, name)))
     return sorted(out)
 
 
@@ -96,9 +102,9 @@ def latest_valid(ckpt_dir: str, log: Callable[[str], None] = print) -> Optional[
     return None
 
 
-def save(ckpt_dir: str, step: int, trainer, loop_state: dict, keep_last_n: int) -> str:
+def save(ckpt_dir: str, step: int, trainer, loop_state: dict, keep_last_n: int, phase: str = "rl") -> str:
     """Collective: every rank calls it. Returns the final checkpoint path."""
-    name = f"step_{step:06d}"
+    name = checkpoint_name(step, phase)
     final = os.path.join(ckpt_dir, name)
     tmp = os.path.join(ckpt_dir, ".tmp-" + name)
     if dist.is_main():
@@ -113,9 +119,14 @@ def save(ckpt_dir: str, step: int, trainer, loop_state: dict, keep_last_n: int) 
         with open(os.path.join(tmp, "state.json"), "w") as f:
             json.dump(loop_state, f, indent=1)
         write_manifest(tmp)
-        if os.path.exists(final):
-            shutil.rmtree(final)
+        old = None
+        if os.path.exists(final):  # keep the old one until the new one has its name
+            old = os.path.join(ckpt_dir, ".old-" + name)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
         for _, old in list_checkpoints(ckpt_dir)[:-keep_last_n]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()

@@ -18,7 +18,7 @@ def main(mode: str, argv=None) -> None:
     except ConfigError as e:
         print(f"megaforge: config error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    from megaforge.loop import RunError, run_grpo, run_sft
+    from megaforge.loop import RunError, RunStopped, run_grpo, run_sft
 
     try:
         if mode == "grpo":
@@ -27,6 +27,9 @@ def main(mode: str, argv=None) -> None:
             run_sft(cfg)
         else:
             raise ValueError(f"unknown launcher mode {mode!r}")
+    except RunStopped as e:
+        print(f"megaforge: {e}", file=sys.stderr)
+        raise SystemExit(143)
     except (ConfigError, DataError, RunError) as e:
         print(f"megaforge: error: {e}", file=sys.stderr)
         raise SystemExit(1)

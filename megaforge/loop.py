@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import threading
 import time
 from contextlib import contextmanager
 
@@ -35,6 +37,13 @@ from megaforge.rollout.manager import completions_to_samples, make_requests, sam
 
 class RunError(RuntimeError):
     pass
+
+
+class RunStopped(RuntimeError):
+    """SIGTERM / SIGUSR1 arrived: the run saved a checkpoint at a step boundary and stopped."""
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 @contextmanager
@@ -70,6 +79,31 @@ class Run:
         if cfg.resume:
             self._resume()
         self.engine = None
+        self._stop_signal = 0
+        self._install_stop_handlers()
+
+    # ------------------------------------------------------------------------ graceful stop
+    def _install_stop_handlers(self) -> None:
+        """SIGTERM / SIGUSR1 (preemption, SLURM's pre-time-limit signal) finish the current step,
+        write a checkpoint and stop; ``--resume`` continues exactly there."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum, frame):
+            self._stop_signal = signum
+
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, handler)
+
+    def _stop_requested(self) -> bool:
+        """True on every rank when any rank received a stop signal."""
+        flag = torch.tensor([float(self._stop_signal)])
+        return bool(dist.all_reduce_sum(flag).item() > 0)
+
+    def _stop(self, phase: str, step: int) -> None:
+        name = signal.Signals(self._stop_signal).name if self._stop_signal else "a stop signal"
+        raise RunStopped(f"{name} received: stopped after {phase} step {step} with a checkpoint; "
+                         f"continue with --resume")
 
     # ---------------------------------------------------------------------------------- set-up
     def _prepare_run_dir(self) -> None:
@@ -108,9 +142,9 @@ class Run:
 
         return build_engine(self.cfg, self.tokenizer)
 
-    def _save(self, label_step: int) -> None:
-        path = checkpoint.save(os.path.join(self.run_dir, "checkpoints"), label_step, self.trainer,
-                               self.state, self.cfg.checkpoint.keep_last_n)
+    def _save(self, step: int, phase: str = "rl") -> None:
+        path = checkpoint.save(os.path.join(self.run_dir, "checkpoints"), step, self.trainer,
+                               self.state, self.cfg.checkpoint.keep_last_n, phase)
         _log(f"checkpoint written: {path}")
 
     # ------------------------------------------------------------------------------------ SFT
@@ -123,7 +157,8 @@ class Run:
         source = PromptSource(data_cfg, self.tokenizer, cfg.seed, want_response=True) if dist.is_main() else None
         if source is not None and self.state.get("sft_data"):
             source.load_state_dict(self.state["sft_data"])
-        self.trainer.reset_optimizer(cfg.sft.lr, total, cfg.sft.warmup_steps, "constant")
+        if self.state["sft_step"] == 0:  # a resumed SFT keeps the optimizer state it saved
+            self.trainer.reset_optimizer(cfg.sft.lr, total, cfg.sft.warmup_steps, "constant")
         logger = MetricsLogger(cfg, self.run_dir, "sft_metrics.jsonl",
                                resume_step=self.state["sft_step"] if self.resumed_from else None,
                                tb_subdir="tensorboard/sft") if dist.is_main() else None
@@ -143,17 +178,23 @@ class Run:
                 self.state["sft_data"] = source.state_dict()
                 logger.log(self.state["sft_step"], m)
             bar.update(m, keys=("loss", "time/step"))
-            if cfg.checkpoint.interval and self.state["sft_step"] % cfg.checkpoint.interval == 0:
+            stop = self._stop_requested()
+            if stop or (cfg.checkpoint.interval and self.state["sft_step"] % cfg.checkpoint.interval == 0):
                 self._save_phase()
+            if stop:
+                bar.close()
+                if logger is not None:
+                    logger.close()
+                self._stop("SFT", self.state["sft_step"])
         bar.close()
         if logger is not None:
             logger.close()
             _log(f"SFT done: {total} steps, last loss {m['loss']:.4f}")
 
     def _save_phase(self) -> None:
-        # SFT checkpoints are numbered below RL ones: step 0 of RL, labelled by the SFT step count
+        """An SFT checkpoint (``sft_step_N``; ordered before every RL checkpoint)."""
         self.state = dist.broadcast_object(self.state)
-        self._save(self.state["rl_step"] if self.state["rl_step"] else 0)
+        self._save(self.state["sft_step"], "sft")
 
     # ------------------------------------------------------------------------------------- RL
     def _needs_ref(self) -> bool:
@@ -207,6 +248,9 @@ class Run:
                     self._save_rl()
                 if cfg.export_hf_every and step % cfg.export_hf_every == 0:
                     self.trainer.export_hf(os.path.join(self.run_dir, "hf", f"step_{step}"))
+                if step < cfg.max_steps and self._stop_requested():
+                    self._save_rl()
+                    self._stop("RL", step)
             self._save_rl()
         finally:
             bar.close()

@@ -1,0 +1,103 @@
+"""Exact resume: a run stopped by SIGTERM (or killed with SIGKILL) anywhere and resumed with --resume
+writes the same metrics.jsonl values as an uninterrupted run; corrupt checkpoints are skipped."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
+ARGS = ["--config", DEMO, "--sft.max_steps", "6", "--sft.batch_size", "8", "--rollout.batch_size", "4",
+        "--grpo.n_samples", "4", "--rollout.max_new_tokens", "12", "--max_steps", "6", "--grpo.beta", "0.01",
+        "--metrics.progress", "false", "--metrics.tensorboard", "false", "--deterministic", "true"]
+VOLATILE = ("time/", "throughput/")
+
+
+def cmd(out, name, *extra):
+    return [sys.executable, os.path.join(ROOT, "launchers", "grpo.py"), *ARGS, "--output_dir", out, "--run_name", name, *extra]
+
+
+def env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+
+
+def lines(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(l) for l in f if l.strip()]
+
+
+def stable(recs):
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in recs]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ref"))
+    subprocess.run(cmd(out, "r"), env=env(), check=True, capture_output=True, timeout=300)
+    run = os.path.join(out, "r")
+    return lines(os.path.join(run, "metrics.jsonl")), lines(os.path.join(run, "sft_metrics.jsonl"))
+
+
+def stop_when(proc, path, n, sig):
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if len(lines(path)) >= n:
+            proc.send_signal(sig)
+            return proc.wait(timeout=120)
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before {path} had {n} lines: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("timed out")
+
+
+@pytest.mark.parametrize("where,n", [("metrics.jsonl", 2), ("sft_metrics.jsonl", 3)])
+def test_sigterm_then_resume_matches_uninterrupted(tmp_path, reference, where, n):
+    out = str(tmp_path)
+    run = os.path.join(out, "s")
+    p = subprocess.Popen(cmd(out, "s"), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    rc = stop_when(p, os.path.join(run, where), n, signal.SIGTERM)
+    assert rc == 143, p.stderr.read()[-2000:]
+    assert "received: stopped after" in p.stderr.read()
+    subprocess.run(cmd(out, "s", "--resume"), env=env(), check=True, capture_output=True, timeout=300)
+    rl, sft = reference
+    assert stable(lines(os.path.join(run, "metrics.jsonl"))) == stable(rl)
+    assert stable(lines(os.path.join(run, "sft_metrics.jsonl"))) == stable(sft)
+
+
+def test_sigkill_resumes_from_last_checkpoint(tmp_path, reference):
+    out = str(tmp_path)
+    run = os.path.join(out, "k")
+    p = subprocess.Popen(cmd(out, "k", "--checkpoint.interval", "2"), env=env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    stop_when(p, os.path.join(run, "metrics.jsonl"), 3, signal.SIGKILL)
+    p = subprocess.run(cmd(out, "k", "--resume", "--checkpoint.interval", "2"), env=env(), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "resumed from" in p.stdout and "step_000002" in p.stdout
+    assert stable(lines(os.path.join(run, "metrics.jsonl"))) == stable(reference[0])
+
+
+def test_corrupt_checkpoint_falls_back(tmp_path):
+    out = str(tmp_path)
+    run = os.path.join(out, "c")
+    short = ["--max_steps", "4", "--checkpoint.interval", "2", "--checkpoint.keep_last_n", "3"]
+    subprocess.run(cmd(out, "c", *short), env=env(), check=True, capture_output=True, timeout=300)
+    ckpts = os.path.join(run, "checkpoints")
+    newest = os.path.join(ckpts, "step_000004", "trainer", "trainer.pt")
+    with open(newest, "r+b") as f:  # truncate the newest checkpoint's weights
+        f.truncate(os.path.getsize(newest) // 2)
+    before = os.listdir(run)
+    p = subprocess.run(cmd(out, "c", *short[:1], "6", *short[2:], "--resume"), env=env(), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "step_000004 is not usable (trainer/trainer.pt:" in p.stdout
+    assert "resumed from" in p.stdout and "step_000002" in p.stdout
+    assert [r["step"] for r in lines(os.path.join(run, "metrics.jsonl"))] == [1, 2, 3, 4, 5, 6]
+    assert set(before) <= set(os.listdir(run))
