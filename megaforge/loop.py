@@ -53,6 +53,27 @@ def timed(metrics: dict, key: str):
     metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - t
 
 
+class InputError(RunError):
+    """Bad input met on the main rank (a data row, ...); every rank raises it together."""
+
+
+def on_main(fn):
+    """Run ``fn()`` on the main rank and hand its result to every rank. A DataError there becomes an
+    InputError on every rank (instead of leaving the other ranks waiting in a collective)."""
+    from megaforge.data.sources import DataError
+
+    out = None
+    if dist.is_main():
+        try:
+            out = ("ok", fn())
+        except DataError as e:
+            out = ("error", str(e))
+    out = dist.broadcast_object(out)
+    if out[0] == "error":
+        raise InputError(out[1])
+    return out[1]
+
+
 def _log(msg: str) -> None:
     if dist.is_main():
         print(f"[megaforge] {msg}", flush=True)
@@ -71,6 +92,10 @@ class Run:
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(cfg.seed)
+        if mode == "grpo" and cfg.max_steps > 0:
+            from megaforge.rollout import preflight
+
+            preflight(cfg)  # e.g. rollout.engine sglang without sglang installed: fail before SFT
         self._prepare_run_dir()
         self.tokenizer = load_tokenizer(cfg.model)
         self.trainer = build_trainer(cfg, self.tokenizer)
@@ -166,10 +191,13 @@ class Run:
         eos = self.tokenizer.eos_token_id
         while self.state["sft_step"] < total:
             t0 = time.perf_counter()
-            batch = None
-            if source is not None:
-                batch = sft_batch(source.next_batch(cfg.sft.batch_size), eos, self.tokenizer.pad_token_id, cfg.sft.max_len)
-            batch = dist.broadcast_object(batch)
+            try:
+                batch = on_main(lambda: sft_batch(source.next_batch(cfg.sft.batch_size), eos,
+                                                  self.tokenizer.pad_token_id, cfg.sft.max_len))
+            except InputError as e:
+                self._save_phase()
+                raise InputError(f"{e}\nSFT step {self.state['sft_step']} is checkpointed: fix the input and "
+                                 f"continue with --resume") from None
             m = self.trainer.sft_step(batch)
             self.state["sft_step"] += 1
             m["time/step"] = time.perf_counter() - t0
@@ -230,7 +258,12 @@ class Run:
         try:
             while self.state["rl_step"] < cfg.max_steps:
                 step = self.state["rl_step"] + 1
-                m = self.rl_step(step, bar)
+                try:
+                    m = self.rl_step(step, bar)
+                except InputError as e:  # met before the trainer changed: the last step's state is whole
+                    self._save_rl()
+                    raise InputError(f"{e}\nRL step {step - 1} is checkpointed: fix the input and continue "
+                                     f"with --resume") from None
                 bad = bad + 1 if m.get("skipped", 0.0) > 0 else 0
                 self.state["skipped_steps"] += int(m.get("skipped", 0.0) > 0)
                 m["health/skipped_steps"] = float(self.state["skipped_steps"])
@@ -348,9 +381,7 @@ class Run:
         cfg = self.cfg
         m: dict = {}
         t0 = time.perf_counter()
-        batch = self._rollout(step, m, bar) if dist.is_main() else None
-        batch = dist.broadcast_object(batch)
-        m = dist.broadcast_object(m)
+        batch, m = on_main(lambda: (self._rollout(step, m, bar), m))
         # colocated choreography: engine memory out, trainer state in
         if self.engine is not None:
             self.engine.release_memory(["weights", "kv_cache"])

@@ -8,8 +8,9 @@ megaforge's embedded server (``rollout.engine: embedded_server``), through one c
   there is one. Every request asks ``return_logprob``; answers map to :class:`Completion`.
 * ``update_weights(buckets, version)`` by ``sync.transport``:
   ``auto`` / ``shm`` / ``ipc``: ``/update_weights_from_tensor`` with ``load_format:
-  "flattened_bucket"`` (:mod:`megaforge.rollout.wire`: CPU buckets through shared memory, CUDA
-  buckets as CUDA IPC handles), inside ``/begin_weight_update`` .. ``/end_weight_update``;
+  "flattened_bucket"`` (:mod:`megaforge.rollout.wire`), inside ``/begin_weight_update`` ..
+  ``/end_weight_update``: ``shm`` copies every bucket into CPU shared memory, ``ipc`` sends CUDA
+  buckets as CUDA IPC handles, ``auto`` does whichever fits the trainer's tensors;
   ``nccl``: ``/init_weights_update_group`` once (this process is rank 0; backend nccl for CUDA
   tensors, gloo for CPU ones), then per bucket ``/update_weights_from_distributed`` plus one broadcast
   of the flat buffer; ``disk``: safetensors shards in a temporary folder and
@@ -173,7 +174,10 @@ class HTTPEngine(Engine):
         inflight: Optional[tuple] = None
         sent = False
         for bucket, last in _lookahead(buckets):
-            flat, metas = wire.flatten(bucket)
+            if self.transport == "ipc" and not bucket[0][1].is_cuda:
+                raise ValueError("sync.transport 'ipc' needs CUDA tensors; the trainer's are on "
+                                 f"{bucket[0][1].device} (use 'shm' or 'auto')")
+            flat, metas = wire.flatten(bucket, to_cpu=self.transport == "shm")
 
             async def send(flat=flat, metas=metas, last=last):
                 await asyncio.gather(*(c.update_weights_from_tensor(

@@ -91,15 +91,16 @@ def _shared_cpu_bytes(nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
-def flatten(named: Iterable[tuple[str, torch.Tensor]], shared: bool = True) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
-    """(flat uint8 buffer, metadata) of ``named`` in :func:`packing_order`. CPU buffers are allocated
-    in shared memory when ``shared``; CUDA buffers stay on the tensors' device."""
+def flatten(named: Iterable[tuple[str, torch.Tensor]], shared: bool = True,
+            to_cpu: bool = False) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
+    """(flat uint8 buffer, metadata) of ``named`` in :func:`packing_order`. The buffer is on the
+    tensors' device (CPU when ``to_cpu``); a CPU buffer is allocated in shared memory when ``shared``."""
     named = packing_order(named)
     if not named:
         raise ValueError("flattened bucket: no tensors")
     metas, total = flat_layout(named)
-    dev = named[0][1].device
-    if any(t.device != dev for _, t in named):
+    dev = torch.device("cpu") if to_cpu else named[0][1].device
+    if not to_cpu and any(t.device != dev for _, t in named):
         raise ValueError(f"flattened bucket: tensors on several devices ({sorted({str(t.device) for _, t in named})})")
     flat = _shared_cpu_bytes(total) if (shared and dev.type == "cpu") else torch.empty(total, dtype=torch.uint8, device=dev)
     for (name, t), m in zip(named, metas):

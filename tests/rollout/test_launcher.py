@@ -169,3 +169,11 @@ def test_sglang_engine_without_sglang_names_the_extra(tmp_path, tokenizer, tiny_
         with pytest.raises(ConfigError, match=r"pip install 'megaforge\[sglang\]'.*sglang==0\.5\.23"):
             fn()
     assert not os.path.exists(os.path.join(cfg.run_dir, "logs", "engine_0.log"))  # nothing was launched
+    # the launcher stops at start-up, before any SFT step or run directory
+    from megaforge.launch import main
+
+    with pytest.raises(SystemExit) as e:
+        main("grpo", ["--model.path", tiny_model_dir, "--data.path", "arithmetic", "--data.format", "synthetic",
+                      "--rollout.engine", "sglang", "--sft.max_steps", "5", "--output_dir", str(tmp_path / "runs"),
+                      "--run_name", "x"])
+    assert e.value.code == 1 and not os.path.exists(tmp_path / "runs" / "x")

@@ -265,3 +265,32 @@ def test_client_error_names_endpoint_status_and_body(engine):
         engine._call(dead.request("GET", "/health"))
     assert time.time() - t0 >= 0.15  # backoff 0.05 + 0.1
     engine._call(dead.close())
+
+
+def test_flush_cache_retries_while_requests_drain(engine, url):
+    t, box = _background_generate(engine, {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 3000,
+                                                                                     "ignore_eos": True}})
+    _wait_running(url)
+    st, _ = http(url, "POST", "/flush_cache")
+    assert st == 400  # refused while a request runs, as SGLang
+    timer = threading.Timer(0.5, engine.abort)
+    timer.start()
+    t0 = time.time()
+    engine.flush_cache()  # the client retries until the request has drained
+    assert time.time() - t0 >= 0.4
+    t.join(30)
+    assert box["out"]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_transport_choices_are_checked(url):
+    from megaforge.rollout.sglang import HTTPEngine
+
+    with pytest.raises(ValueError, match="inproc"):
+        HTTPEngine([url], transport="inproc")
+    ipc = HTTPEngine([url], transport="ipc")
+    try:
+        with pytest.raises(ValueError, match="needs CUDA tensors"):
+            ipc.update_weights([[("lm_head.weight", torch.zeros(512, 64))]], 1)
+        assert http(url, "GET", "/server_info")[1]["weight_update_session"] is False  # the session was closed
+    finally:
+        ipc.shutdown()
