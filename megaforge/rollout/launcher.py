@@ -15,8 +15,11 @@
   that exits, or is not ready within the timeout, raises :class:`ServerStartError` with its exit code
   and the tail of its log (and is killed).
 
-Every started process is registered: an ``atexit`` hook and SIGTERM/SIGHUP handlers (which then
-chain to the previous handler) stop them all: SIGTERM to the group, SIGKILL after a grace period.
+Every started process is registered and stopped (SIGTERM to its group, SIGKILL after a grace period)
+by :meth:`ServerProcess.stop` (``Engine.shutdown``), an ``atexit`` hook, and, where the program leaves
+SIGTERM/SIGHUP at their default (which would end it without ``atexit``), handlers that stop the
+servers and then die by the signal as before. A program that handles SIGTERM itself (the RL loop's
+graceful stop) keeps its handler: its exit path runs ``Engine.shutdown`` and ``atexit``.
 """
 from __future__ import annotations
 
@@ -130,15 +133,13 @@ def _install_hooks() -> None:
     if threading.current_thread() is not threading.main_thread():
         return  # signal handlers can only be set from the main thread; atexit + PDEATHSIG still apply
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        prev = signal.getsignal(sig)
+        if signal.getsignal(sig) != signal.SIG_DFL:
+            continue  # the program handles it (e.g. the loop's graceful stop): its exit path stops the servers
 
-        def handler(signum, frame, prev=prev):
+        def handler(signum, frame):
             _stop_all()
-            if callable(prev):
-                prev(signum, frame)
-            elif prev == signal.SIG_DFL:
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
         signal.signal(sig, handler)
 

@@ -19,10 +19,13 @@ from engine_helpers import ROOT, engine_config, http
 pytestmark = pytest.mark.timeout(240)
 
 PARENT = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
     sys.path.insert(0, {root!r})
     from megaforge.rollout.launcher import ServerProcess, child_env
     kind, arg, log = sys.argv[1:4]
+    stop = []
+    if arg == "graceful":  # the program handles SIGTERM itself, like the RL loop
+        signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
     if kind == "engine":
         cmd = lambda port, fd: [sys.executable, "-m", "megaforge.rollout.server", "--model", arg, "--port", str(port),
                                 "--sock-fd", str(fd)]
@@ -32,7 +35,11 @@ PARENT = textwrap.dedent("""
         s = ServerProcess("http", cmd, log, env=child_env(), probe="/")
     s.start_ready(120)
     print(s.pid, s.url, flush=True)
-    time.sleep(600)
+    for _ in range(6000):
+        if stop:
+            print("stopping; server alive:", s.alive(), flush=True)
+            sys.exit(0)  # atexit stops the server
+        time.sleep(0.1)
 """)
 
 
@@ -86,6 +93,19 @@ def test_servers_stopped_when_parent_gets_sigterm(tmp_path):
         assert http(url, "GET", "/")[0] == 200
         parent.send_signal(signal.SIGTERM)
         assert parent.wait(20) == -signal.SIGTERM  # our handler stopped the servers, then SIGTERM's default ran
+        assert _gone(pid, 5.0)
+    finally:
+        parent.kill()
+        if psutil.pid_exists(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_program_sigterm_handler_is_kept_and_atexit_stops_servers(tmp_path):
+    parent, pid, url = _start_parent(tmp_path, "http", "graceful")
+    try:
+        parent.send_signal(signal.SIGTERM)
+        out, _ = parent.communicate(timeout=30)
+        assert parent.returncode == 0 and "server alive: True" in out  # not killed under the program's feet
         assert _gone(pid, 5.0)
     finally:
         parent.kill()
