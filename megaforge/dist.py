@@ -31,7 +31,15 @@ def init_from_env(device_type: str, timeout_s: float = 1800.0) -> None:
         return
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        have = torch.cuda.device_count()
+        if local_world > have:
+            from megaforge.hf import DeviceError
+
+            raise DeviceError(f"{local_world} processes per node (torchrun --nproc_per_node) but this node has "
+                               f"{have} GPU(s): lower --nproc_per_node to {have}, or set trainer.device cpu")
+        torch.cuda.set_device(local_rank)
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 

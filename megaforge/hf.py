@@ -10,12 +10,26 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class DeviceError(RuntimeError):
+    """A device the config asks for does not exist here."""
+
+
 def resolve_device(name: str) -> torch.device:
+    """``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``; an absent device is an error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"device {name!r} requested but CUDA is not available on this machine")
-    return torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise DeviceError(f"device {name!r}: {e}") from None
+    if dev.type == "cuda":
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have == 0:
+            raise DeviceError(f"device {name!r} requested but this machine has no CUDA GPU "
+                              f"(set trainer.device / rollout.device to cpu or auto)")
+        if dev.index is not None and dev.index >= have:
+            raise DeviceError(f"device {name!r} requested but this machine has {have} GPU(s)")
+    return dev
 
 
 def load_tokenizer(model_cfg):

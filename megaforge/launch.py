@@ -18,6 +18,7 @@ def main(mode: str, argv=None) -> None:
     except ConfigError as e:
         print(f"megaforge: config error: {e}", file=sys.stderr)
         raise SystemExit(2)
+    from megaforge.hf import DeviceError
     from megaforge.loop import RunError, RunStopped, run_grpo, run_sft
 
     try:
@@ -30,7 +31,7 @@ def main(mode: str, argv=None) -> None:
     except RunStopped as e:
         print(f"megaforge: {e}", file=sys.stderr)
         raise SystemExit(143)
-    except (ConfigError, DataError, RunError) as e:
+    except (ConfigError, DataError, RunError, DeviceError) as e:
         print(f"megaforge: error: {e}", file=sys.stderr)
         raise SystemExit(1)
     finally:
