@@ -176,7 +176,7 @@ class ServerProcess:
                 log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {self.name}: {' '.join(redact(cmd))}\n".encode())
                 log.flush()
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             env=self.env, cwd=REPO_ROOT, start_new_session=True,
+                                             env=self.env, start_new_session=True,
                                              preexec_fn=_preexec(os.getpid()),
                                              pass_fds=(sock.fileno(),) if sock else ())
         finally:

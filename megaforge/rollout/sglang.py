@@ -286,6 +286,26 @@ class HTTPEngine(Engine):
     def health(self) -> bool:
         return all(self._all(lambda c: c.health_generate()))
 
+    def restart_server(self, k: int, timeout_s: float = 600.0) -> None:
+        """Restart engine ``k`` (one this engine launched), e.g. after a failed health check. It comes
+        back with its initial weights and version 0, memory resident: the caller re-syncs weights."""
+        proc = next((p for p in self.processes if p.name == f"engine_{k}"), None)
+        if proc is None:
+            raise ValueError(f"engine {k} was not launched by this HTTPEngine; it cannot restart it")
+        old = self.clients[k]
+        proc.restart(timeout_s)
+        self._call(old.close())
+        self.clients[k] = SGLangClient(proc.url, old.api_key, old.timeout_s, old.max_concurrency)
+        if self._pg is not None:  # the group lost a member: dropped everywhere, rebuilt on the next update
+            from megaforge.rollout import weight_group
+
+            others = [c for i, c in enumerate(self.clients) if i != k]
+            self._call(_gather([c.destroy_weights_update_group(self.group_name) for c in others], return_exceptions=True))
+            weight_group.destroy(self._pg)
+            self._pg = None
+        if self._released:  # keep one memory state across engines
+            self._call(self.clients[k].release_memory_occupation(sorted(self._released)))
+
     def abort(self) -> None:
         self._all(lambda c: c.abort_request(abort_all=True))
 
@@ -395,6 +415,8 @@ def build_http_engine(cfg, tokenizer, kind: str) -> HTTPEngine:
     api_key = r.api_key or ("" if is_loopback(r.host) else new_api_key())
     model_dir, cleanup = _model_dir(cfg)
     tok_dir = cfg.model.tokenizer or cfg.model.path or ""
+    local = lambda p: os.path.abspath(p) if p and os.path.exists(p) else p  # noqa: E731  (hub ids stay)
+    model_dir, tok_dir = local(model_dir), local(tok_dir)
     logs = os.path.join(cfg.run_dir, "logs")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     device = resolve_device(r.device) if kind == "embedded_server" else torch.device("cuda")

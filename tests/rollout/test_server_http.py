@@ -294,3 +294,18 @@ def test_transport_choices_are_checked(url):
         assert http(url, "GET", "/server_info")[1]["weight_update_session"] is False  # the session was closed
     finally:
         ipc.shutdown()
+
+
+def test_restart_after_kill_then_resync(engine, long_model_dir):
+    """Last in the module: the building block of engine fault tolerance (issue 10)."""
+    import signal
+
+    old_pid = engine.processes[0].pid
+    os.kill(old_pid, signal.SIGKILL)
+    engine.processes[0].proc.wait(10)
+    assert not engine.health()
+    engine.restart_server(0, timeout_s=180)
+    assert engine.processes[0].pid != old_pid and engine.health() and engine.weight_version == 0
+    ref, named = perturbed_state(long_model_dir, seed=5)
+    engine.update_weights(buckets_of(named, 2), version=11)
+    _check_served_logprobs(engine, ref, 11)
