@@ -47,6 +47,9 @@ class DataConfig:
     """How to read ``data.path``; ``auto`` decides from the path."""
     split: str = "train"
     """Split of a `datasets` dataset."""
+    name: str = ""
+    """Configuration (subset) of a `datasets` hub dataset, e.g. ``main`` for openai/gsm8k or ``en`` for
+    open-r1/DAPO-Math-17k-Processed; empty: the dataset's default."""
     streaming: bool = False
     """Stream a `datasets` dataset instead of loading it whole."""
     input_key: str = "prompt"

@@ -101,7 +101,7 @@ def read_parquet(path: str) -> Iterator[RawRow]:
             yield _as_row(item, f"{f}:row {i}")
 
 
-def read_hf(path: str, split: str, streaming: bool) -> Iterator[RawRow]:
+def read_hf(path: str, split: str, streaming: bool, name: str = "") -> Iterator[RawRow]:
     try:
         import datasets
     except ImportError as e:
@@ -112,9 +112,10 @@ def read_hf(path: str, split: str, streaming: bool) -> Iterator[RawRow]:
         elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
             ds = datasets.load_from_disk(path)[split]
         else:
-            ds = datasets.load_dataset(path, split=split, streaming=streaming)
+            ds = datasets.load_dataset(path, name or None, split=split, streaming=streaming)
     except Exception as e:
-        raise DataError(f"data.path {path!r} (split {split!r}): cannot load dataset: {e}") from None
+        subset = f", data.name {name!r}" if name else ""
+        raise DataError(f"data.path {path!r} (split {split!r}{subset}): cannot load dataset: {e}") from None
     for i, item in enumerate(ds):
         yield _as_row(dict(item), f"{path}[{split}]:row {i}")
 
@@ -134,7 +135,7 @@ def read_rows(cfg, seed: int) -> Iterator[RawRow]:
     if fmt == "parquet":
         return read_parquet(cfg.path)
     if fmt == "hf":
-        return read_hf(cfg.path, cfg.split, cfg.streaming)
+        return read_hf(cfg.path, cfg.split, cfg.streaming, cfg.name)
     if fmt == "synthetic":
         return read_synthetic(cfg.path, cfg.synthetic_size, seed, cfg.synthetic_kwargs)
     raise DataError(f"data.format {fmt!r} is not supported")
