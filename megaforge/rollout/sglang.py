@@ -368,12 +368,17 @@ def gpu_assignment(num_engines: int, tp: int, num_gpus: int, local_world: int, v
     """GPU ids (as the parent sees them, mapped through its CUDA_VISIBLE_DEVICES) of each engine.
 
     Colocated (``num_gpus == 0``): engines share the trainer's GPUs, engine k on GPUs
-    ``[k*tp, (k+1)*tp)``. Disaggregated: the rollout GPUs follow the trainer's ``local_world`` ones.
+    ``[k*tp, (k+1)*tp)``. Disaggregated: the last ``num_gpus`` GPUs of the node are the rollout GPUs
+    (the placement :mod:`megaforge.planner.layout` reports); they must not overlap the trainer's
+    ``local_world`` ones. All engines run on this (the main rank's) node.
     """
     need = num_engines * tp
-    base = 0 if num_gpus == 0 else local_world
     if num_gpus and need > num_gpus:
         raise ValueError(f"rollout.num_engines x rollout.tensor_parallel = {need} GPUs > rollout.num_gpus = {num_gpus}")
+    base = 0 if num_gpus == 0 else (len(visible) - num_gpus if visible is not None else local_world)
+    if num_gpus and base < local_world:
+        raise ValueError(f"rollout.num_gpus = {num_gpus} rollout GPUs and {local_world} trainer processes do not fit "
+                         f"the {len(visible) if visible is not None else '?'} GPUs of this node")
     if visible is not None and base + need > len(visible):
         raise ValueError(f"rollout engines need GPUs {base}..{base + need - 1} but only {len(visible)} are visible")
     ids = visible if visible is not None else list(range(base + need))

@@ -172,7 +172,10 @@ def test_gpu_assignment():
     from megaforge.rollout.sglang import gpu_assignment
 
     assert gpu_assignment(2, 2, 0, 4, [0, 1, 2, 3]) == [[0, 1], [2, 3]]  # colocated
-    assert gpu_assignment(2, 1, 2, 2, [4, 5, 6, 7]) == [[6], [7]]  # after the trainer's 2 GPUs, mapped
+    assert gpu_assignment(2, 1, 2, 2, [4, 5, 6, 7]) == [[6], [7]]  # the node's last 2 GPUs, mapped
+    assert gpu_assignment(1, 2, 2, 4, list(range(8))) == [[6, 7]]
+    with pytest.raises(ValueError, match="do not fit"):
+        gpu_assignment(1, 2, 2, 3, [0, 1, 2, 3])
     with pytest.raises(ValueError, match="rollout.num_gpus"):
         gpu_assignment(3, 1, 2, 2, [0, 1, 2, 3])
     with pytest.raises(ValueError, match="visible"):
