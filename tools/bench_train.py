@@ -164,7 +164,9 @@ def main(argv=None) -> int:
     tr = MegatronTrainer(cfg)
     dev = tr.device
     n_micro = args.micro_batches
-    dp = tr._ps().get_data_parallel_world_size()
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_world_size()
     batch, _ = rl_batch(shape, n_micro * dp)
     g = torch.Generator().manual_seed(1)
     s, b = shape["seq"], shape["mbs"]

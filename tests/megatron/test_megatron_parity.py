@@ -69,7 +69,7 @@ def test_train_step_tp2_matches_torch_backend_and_checkpoint_reshards_to_pp2(tin
     The HF export of the result loads in transformers."""
     path = tiny_models["qwen3"]
     spec = {"model": path, "layout1": {"tp": 2}, "layout2": {"pp": 2}, "steps1": ["rl"], "steps2": ["rl", "sft"],
-            "ckpt": str(tmp_path / "ckpt"), "export": str(tmp_path / "hf_out"), "bucket_bytes": 40_000}
+            "ckpt": str(tmp_path / "ckpt"), "export": str(tmp_path / "hf_out"), "bucket_bytes": 40_000, "ref": True}
     res = run_workers("train", 2, spec, tmp_path)
     r = res[0]
     ref_m, ref_w = torch_backend_reference(path, make_batch(), ["rl", "rl", "sft"])
@@ -81,6 +81,9 @@ def test_train_step_tp2_matches_torch_backend_and_checkpoint_reshards_to_pp2(tin
     for k, v in r["weights1"].items():
         assert torch.equal(r["weights2_loaded"][k], v), f"{k} changed through save (tp2) / load (pp2)"
     assert _max_diff(r["lp2_loaded"], r["lp1"]) <= 1e-6
+    # the frozen reference: the initial policy, kept through training and the checkpoint
+    assert _max_diff(r["ref0"], hf_logprobs(path, make_batch(), temperature=0.8)) <= TOL
+    assert _max_diff(r["ref_loaded"], r["ref0"]) <= 1e-6 and _max_diff(r["lp1"], r["ref0"]) > 1e-3
     _check_metrics(r["metrics2"][0], ref_m[1], "step 2 (pp2, after resume)")
     _check_metrics(r["metrics2"][1], ref_m[2], "sft step 3 (pp2)")
     _check_weights(r["weights2"], ref_w[2], "weights after step 3 (pp2)")
@@ -101,7 +104,7 @@ def test_train_tied_llama_tp2_pp2_then_tp2_dp2_sp(tiny_models, tmp_path):
     path = tiny_models["llama_tied"]
     kw = {"mini_batches": 2, "micro_batch_size": 1}
     spec = {"model": path, "layout1": {"tp": 2, "pp": 2}, "layout2": {"tp": 2, "sp": True}, "steps1": ["rl"], "steps2": ["rl"],
-            "ckpt": str(tmp_path / "ckpt"), "trainer": kw}
+            "ckpt": str(tmp_path / "ckpt"), "trainer": kw, "export": str(tmp_path / "hf_tied")}
     res = run_workers("train", 4, spec, tmp_path)
     r = res[0]
     ref_m, ref_w = torch_backend_reference(path, make_batch(), ["rl", "rl"], **kw)
@@ -112,3 +115,9 @@ def test_train_tied_llama_tp2_pp2_then_tp2_dp2_sp(tiny_models, tmp_path):
         assert torch.equal(r["weights2_loaded"][k], v), f"{k} changed through save / load"
     _check_metrics(r["metrics2"][0], ref_m[1], "rl step 2 (tp2 dp2 sp)")
     _check_weights(r["weights2"], ref_w[1], "weights after rl step 2 (tp2 dp2 sp)")
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(spec["export"], dtype=torch.float32)
+    assert hf.config.tie_word_embeddings and hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(hf.model.embed_tokens.weight, r["weights2"]["model.embed_tokens.weight"])
+    assert "lm_head.weight" not in r["weights2"]

@@ -61,6 +61,9 @@ def scenario_train(spec, res):
     batch = make_batch()
     kw = spec.get("trainer", {})
     tr = MegatronTrainer(trainer_cfg(spec["model"], layout=spec["layout1"], **kw))
+    if spec.get("ref"):
+        tr.snapshot_reference()
+        res["ref0"] = tr.compute_logprobs(batch, "ref")
     res["metrics1"] = run_steps(tr, batch, spec["steps1"])
     res["weights1"], res["n_buckets"] = hf_weights(tr, spec.get("bucket_bytes", 40_000))
     res["lp1"] = tr.compute_logprobs(batch)
@@ -73,6 +76,8 @@ def scenario_train(spec, res):
     tr.load(spec["ckpt"])
     res["version2_loaded"] = tr.version
     res["lp2_loaded"] = tr.compute_logprobs(batch)
+    if spec.get("ref"):
+        res["ref_loaded"] = tr.compute_logprobs(batch, "ref")
     res["weights2_loaded"], _ = hf_weights(tr, 1 << 30)
     res["metrics2"] = run_steps(tr, batch, spec.get("steps2", []))
     res["weights2"], _ = hf_weights(tr, 1 << 30)

@@ -135,7 +135,7 @@ def load(tr, path: str) -> None:
             tr.optimizer.load_state_dict(state["optimizer"])
         _unshare_adam_steps(tr.optimizer)
     if meta["ref"]:
-        tr.ref.load_state_dict(state["ref"], strict=True)
+        tr.ref.load_state_dict({k.removeprefix("ref."): v for k, v in state["ref"].items()}, strict=True)
     tr.version = int(meta["version"])
     tr.sched = dict(meta["sched"])
 

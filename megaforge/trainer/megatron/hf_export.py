@@ -23,8 +23,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megaforge.convert.families import spec_name
 from megaforge.convert.mapping import hf_shapes, to_hf
+from megaforge.trainer.megatron.model import local_param_maps
 
 _TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -38,13 +38,6 @@ def _stage_of(pm, desc, pp: int) -> int:
     return 0 if pm.megatron.startswith("embedding.") else pp - 1
 
 
-def _local_name(pm, bm) -> str:
-    name = pm.megatron
-    if pm.layer is not None:
-        name = name.replace(f"decoder.layers.{pm.layer}.", f"decoder.layers.{pm.layer - bm.layer_offset}.", 1)
-    return spec_name(name, bm.spec)
-
-
 def iter_hf_buckets(bm, max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of at most ``max_bytes`` (a bigger tensor is a bucket of its own); see module doc."""
     from megatron.core import parallel_state as ps
@@ -55,10 +48,10 @@ def iter_hf_buckets(bm, max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor
     feeder = dist.get_rank() == 0
     rows = [pm for pm in bm.family.param_maps(bm.desc) if pm.export]
     params = dict(bm.model.named_parameters())
+    local = {pm.megatron: name for name, pm in local_param_maps(bm).items()}  # this stage's rows
     dtype = next(iter(params.values())).dtype
     # shard shapes of every exported row, from the stage that owns it
-    mine = {pm.megatron: tuple(params[_local_name(pm, bm)].shape) for pm in rows
-            if _stage_of(pm, bm.desc, pp) == pp_rank}
+    mine = {pm.megatron: tuple(params[local[pm.megatron]].shape) for pm in rows if pm.megatron in local}
     if pp > 1:
         everyone = [None] * pp
         dist.all_gather_object(everyone, mine, group=ps.get_pipeline_model_parallel_group())
@@ -74,12 +67,12 @@ def iter_hf_buckets(bm, max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor
         stage = _stage_of(pm, bm.desc, pp)
         out_shapes = hf_shapes(pm, shapes[pm.megatron], tp, bm.dims)
         nbytes = sum(int(torch.Size(s).numel()) for s in out_shapes) * elem
-        if bucket is not None and size and size + nbytes > max_bytes:
+        if size and size + nbytes > max_bytes:
             yield bucket if feeder else []
             bucket, size = [], 0
         tensors = None
         if stage == pp_rank and first_replica:
-            shard = params[_local_name(pm, bm)].detach()
+            shard = params[local[pm.megatron]].detach()
             if tp > 1:
                 parts = [torch.empty_like(shard) for _ in range(tp)]
                 dist.all_gather(parts, shard.contiguous(), group=ps.get_tensor_model_parallel_group())

@@ -159,9 +159,11 @@ def build_model(desc: ModelDesc, family, config, spec: str, device: torch.device
 
 
 def local_param_maps(bm: BuiltModel) -> dict[str, ParamMap]:
-    """Local Megatron parameter name -> the table row it comes from (layers renumbered locally)."""
+    """This stage's Megatron parameter name -> the table row it comes from (layers renumbered
+    locally; rows whose parameter lives on another stage are left out)."""
     out = {}
     n_local = len(bm.model.decoder.layers)
+    present = {n for n, _ in bm.model.named_parameters()}
     for pm in bm.family.param_maps(bm.desc):
         name = pm.megatron
         if pm.layer is not None:
@@ -169,7 +171,9 @@ def local_param_maps(bm: BuiltModel) -> dict[str, ParamMap]:
             if not 0 <= j < n_local:
                 continue
             name = name.replace(f"decoder.layers.{pm.layer}.", f"decoder.layers.{j}.", 1)
-        out[families.spec_name(name, bm.spec)] = pm
+        name = families.spec_name(name, bm.spec)
+        if name in present:
+            out[name] = pm
     return out
 
 
