@@ -241,6 +241,9 @@ def test_flush_health_info_endpoints(engine, url):
     assert engine._call(c.health()) and engine._call(c.health_generate()) and engine.health()
     v = engine.weight_version
     assert http(url, "GET", "/get_weight_version")[1] == {"weight_version": str(v)}
+    engine._call(c.update_weight_version(str(v + 100)))  # a version without a weight change
+    assert engine.weight_version == v + 100 and engine._call(c.get_weight_version()) == v + 100
+    engine._call(c.update_weight_version(str(v)))
     for path in ("/get_model_info", "/model_info"):
         info = http(url, "GET", path)[1]
         assert info["weight_version"] == str(v) and info["model_type"] == "qwen2" and info["is_generation"]
