@@ -13,11 +13,24 @@ def main(mode: str, argv=None) -> None:
     from megaforge.data.sources import DataError
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from megaforge.planner import FlagError, split_argv
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        from megaforge import planner
+
+        print("dry run (plan only: no run directory, no weights):\n" + planner.__doc__.split("Launcher flags", 1)[1].strip() + "\n")
     try:
+        plan_opts, argv = split_argv(argv)  # --dry_run and its flags (megaforge.planner)
         cfg = load_config(argv)
-    except ConfigError as e:
+    except (ConfigError, FlagError) as e:
         print(f"megaforge: config error: {e}", file=sys.stderr)
         raise SystemExit(2)
+    if plan_opts.get("dry_run"):
+        from megaforge.planner import dry_run
+
+        path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), "")
+        raise SystemExit(dry_run(cfg, mode, plan_opts, path))
     from megaforge.hf import DeviceError
     from megaforge.loop import RunError, RunStopped, run_grpo, run_sft
 

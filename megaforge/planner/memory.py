@@ -1,0 +1,266 @@
+"""Per-GPU memory estimate of each phase, in bytes, from the model shape and the layout.
+
+Notation as in :mod:`megaforge.planner.shapes`; ``p`` bytes per element of ``model.dtype``, ``t`` TP,
+``c`` CP, ``P`` parameters on the rank (:meth:`ModelShape.stage_params`), ``s`` tokens of one
+micro-batch on the rank (``micro_batch_size`` rows of the longest length, packed, / c).
+
+Trainer state (megatron backend, bf16/fp16 params): weights ``p*P``; gradients ``4*P`` (megatron
+DDP reduces in an fp32 main-grad buffer); Adam ``12*P`` (fp32 master copy + two fp32 moments; 8*P
+for fp32 params) divided by DP*CP (dense) / expert-DP (experts) with the distributed optimizer.
+torch backend: weights, gradients, two AdamW moments in the parameter dtype (``4*p*P``), plus a
+DDP bucket copy of the gradients (``p*P``) with more than one rank. The frozen reference (``grpo.beta
+> 0``, ``trainer.ref_device: same``) adds ``p*P``.
+
+Activations: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models", per layer ``s*b*h*(34 + 5*a*s/h)`` with LayerNorm, GeLU and dropout) adapted to what
+megaforge's layers save: RMSNorm, GQA, SwiGLU, no dropout, SDPA / flash attention (no ``s^2``
+term: only q, k, v, the output and an fp32 log-sum-exp per head are kept). Per token and layer:
+
+    R = 2*n*h + 2*p*h                     norm inputs (n bytes per element) + qkv / fc1 inputs;
+                                          divided by t only with sequence parallelism
+    A = p*(qd + 2*kvd)                    qkv projection output (kept alive by the v view)
+      + p*(qd + kvd)                      q, k after RoPE
+      + [n*(qd + kvd)]                    q/k RMSNorm inputs (Qwen3)
+      + o*p*qd + 4*a                      attention output (o = 2 copies with SDPA, 1 with TE) + lse
+      + 3*p*F   (megatron fused SwiGLU; 4*p*F for HF's unfused act(gate)*up)
+    per layer = R / (t if SP else 1) + A / t
+    n = 4 + p for megaforge's / HF's RMSNorm (fp32 copy + normalised output), p for TE's.
+    MoE layer: the dense 3*p*F becomes 4*E (fp32 router logits, with R) + k*(2*p*h + 3*p*Fe/t)
+      (k dispatched copies per token, balanced routing: permuted input + unpermute input + SwiGLU),
+      + 3*p*Fs/t for a shared expert.
+    Recompute: selective (megatron's core_attn) drops the attention output copy and the lse;
+      full (uniform, 1 layer) keeps p*h/(t if SP) per layer plus one layer recomputed in backward.
+    CP with the torch spec also keeps the all-gathered K/V (2 copies of 2*p*kvd*c/t per token) and
+      SDPA's boolean + additive mask, (1 + p) * rows * (S/c) * S bytes per layer.
+    1F1B pipeline: stage 0 holds min(PP, micro-batches) micro-batches of its L/PP layers.
+
+Loss (last stage), per token and local vocabulary column V/t: 26 bytes in an RL train step (fp32
+copy of the logits saved for backward, exp / entropy temporaries, the bf16 gradient; see
+megaforge.trainer.megatron.logprobs), 14 for SFT (no entropy) and for logprob passes.
+
+Engines: SGLang holds ``mem_fraction * M`` (weights ``p*P/etp`` + KV pool) plus CUDA graphs
+(``0.5 GiB + max_bs*(4*V/etp + p*(4h + (qd + 2kvd)/etp + 3*F'/etp))``, ``F' = F`` or ``k*Fe``) and
+a prefill workspace (``chunk*p*(2h + (qd + 2kvd)/etp + 3*F'/etp) + 8*max_bs*V``). KV per token:
+``2*L*max(g/etp, 1)*d*kv_bytes``. The embedded (HF) engine: weights ``p*P``, DynamicCache
+``B*(P+N)*2*L*g*d*p`` (+1/L while a layer's cache is re-concatenated), prefill logits of every
+prompt position ``B*P*V*p`` with one layer's activations and the padding mask ``B*P^2``, and
+``B*V*(p + 24)`` for sampling (fp32 / fp64 CDF buffers).
+
+These are what ``torch.cuda.max_memory_allocated`` counts; the verdict adds a reserve per process
+for the CUDA context, NCCL buffers and allocator slack (``--reserve_gib``, default 2 for the trainer,
+1 for a separate engine process).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+GiB = float(1 << 30)
+ENGINE_RESERVE_GIB = 1.0
+SGLANG_GRAPH_BASE = 0.5 * GiB
+SGLANG_DEFAULT_MAX_BS = 256
+SGLANG_DEFAULT_CHUNK = 8192
+LOSS_BYTES_RL, LOSS_BYTES_FWD = 26, 14
+
+
+@dataclass
+class Item:
+    name: str
+    bytes: float
+    owner: str  # trainer | engine
+    note: str = ""
+
+
+@dataclass
+class Phase:
+    name: str
+    items: list = field(default_factory=list)
+    reserve: float = 0.0
+    where: str = ""  # which GPU kind / pipeline stage is the worst
+
+    @property
+    def allocated(self) -> float:
+        return sum(i.bytes for i in self.items)
+
+    @property
+    def total(self) -> float:
+        return self.allocated + self.reserve
+
+    def owned(self, owner: str) -> float:
+        return sum(i.bytes for i in self.items if i.owner == owner)
+
+
+def dtype_bytes(name: str) -> int:
+    return 4 if name == "float32" else 2
+
+
+def _extra_arg(args: list, flag: str, default):
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return type(default)(args[i + 1]) if default is not None else args[i + 1]
+        if a.startswith(flag + "="):
+            return type(default)(a.split("=", 1)[1]) if default is not None else a.split("=", 1)[1]
+    return default
+
+
+# ---------------------------------------------------------------------------------- trainer state
+def trainer_state(cfg, shape, lay, stage: int) -> list[Item]:
+    p = dtype_bytes(cfg.model.dtype)
+    if lay.backend == "megatron":
+        sp = shape.stage_params(lay.tp, lay.pp, stage, lay.ep, lay.etp)
+        dense = sp["dense"] + sp["embedding"] + sp["output"]
+        n = dense + sp["expert"]
+        per = 12 if p == 2 else 8
+        if cfg.trainer.distributed_optimizer:
+            opt = per * (dense / (lay.dp * lay.cp) + sp["expert"] / lay.edp)
+            how = f"{per} B/param over DP*CP={lay.dp * lay.cp}" + (f", experts over EDP={lay.edp}" if sp["expert"] else "")
+        else:
+            opt, how = per * n, f"{per} B/param, not distributed"
+        return [Item("trainer weights", p * n, "trainer", f"{n / 1e9:.3f} B params x {p} B"),
+                Item("gradients (fp32 main grad)", 4.0 * n, "trainer", "4 B/param"),
+                Item("optimizer (Adam)", opt, "trainer", how)]
+    n = shape.hf_params()
+    items = [Item("trainer weights", p * n, "trainer", f"{n / 1e9:.3f} B params x {p} B"),
+             Item("gradients", p * n, "trainer", f"{p} B/param")]
+    if lay.world > 1:
+        items.append(Item("DDP gradient buckets", p * n, "trainer", f"{p} B/param"))
+    items.append(Item("optimizer (AdamW)", 2.0 * p * n, "trainer", f"2 moments x {p} B/param"))
+    if cfg.critic_enabled and cfg.max_steps > 0:
+        nc = n - (0 if shape.tied else shape.vocab * shape.hidden) + shape.hidden + 1
+        items.append(Item("critic (weights+grads+AdamW)", 4.0 * p * nc, "trainer", "4 x p B/param of the backbone"))
+    return items
+
+
+def reference(cfg, shape, lay, stage: int, mode: str) -> list[Item]:
+    if mode != "grpo" or cfg.max_steps == 0 or cfg.grpo.beta <= 0 or cfg.trainer.ref_device == "cpu":
+        return []
+    p = dtype_bytes(cfg.model.dtype)
+    if lay.backend == "megatron":
+        sp = shape.stage_params(lay.tp, lay.pp, stage, lay.ep, lay.etp)
+        n = sum(sp.values())
+    else:
+        n = shape.hf_params()
+    return [Item("reference model", p * n, "trainer", "grpo.beta > 0, trainer.ref_device same")]
+
+
+# ----------------------------------------------------------------------------------- activations
+def layer_bytes(shape, p: int, spec: str, tp: int, sp: bool, recompute: str, moe: bool) -> tuple[float, float]:
+    """(saved, full) activation bytes of one layer per local token (see module docstring)."""
+    h, qd, kvd = shape.hidden, shape.qd, shape.kvd
+    n = p if spec == "te" else 4 + p
+    seq_div = tp if sp else 1
+    R = 2 * n * h + 2 * p * h
+    A = p * (qd + 2 * kvd) + p * (qd + kvd) + (n * (qd + kvd) if shape.qk_norm else 0)
+    o = (1 if spec == "te" else 2) * p * qd
+    lse = 4 * shape.heads
+    expert = 0.0
+    if moe:
+        R += 4 * shape.experts
+        expert = shape.topk * (2 * p * h + 3 * p * shape.expert_ffn / tp)
+        A += 3 * p * shape.shared_ffn
+    else:
+        A += (4 if spec == "hf" else 3) * p * shape.ffn
+    full = R / seq_div + (A + o + lse) / tp + expert
+    if recompute == "selective":
+        saved = R / seq_div + (A + (p * qd if spec != "te" else o)) / tp + expert
+    elif recompute == "full":
+        saved = p * h / seq_div
+    else:
+        saved = full
+    return saved, full
+
+
+def activations(cfg, shape, lay, stage: int, seq: int, rows: int, n_micro: int, loss_bytes: int) -> list[Item]:
+    """Activation and loss items of one pipeline stage for micro-batches of ``rows`` rows of ``seq``
+    tokens (forward + backward peak)."""
+    p = dtype_bytes(cfg.model.dtype)
+    c = lay.cp
+    seq_pad = math.ceil(seq / (2 * c)) * 2 * c if c > 1 else seq
+    s = rows * seq_pad / c  # tokens of one micro-batch on this rank
+    spec = lay.spec
+    recompute = cfg.trainer.recompute if lay.backend == "megatron" else ("full" if cfg.trainer.gradient_checkpointing else "none")
+    per_stage = shape.layers // lay.pp
+    layers = range(stage * per_stage, (stage + 1) * per_stage)
+    saved = full_max = 0.0
+    for i in layers:
+        sv, fl = layer_bytes(shape, p, spec, lay.tp, lay.sp, recompute, i in shape.moe_layers)
+        saved += sv
+        full_max = max(full_max, fl)
+    in_flight = min(lay.pp - stage, n_micro) if lay.pp > 1 else 1
+    act = s * saved * in_flight
+    note = f"{s:.0f} tokens x {saved / per_stage:.0f} B/token/layer x {per_stage} layers" + (f" x {in_flight} micro-batches in flight" if in_flight > 1 else "")
+    items = [Item(f"activations (recompute {recompute})", act, "trainer", note)]
+    if recompute == "full":
+        items.append(Item("one layer recomputed in backward", s * full_max, "trainer", "full recompute"))
+    if spec == "torch" and c > 1:
+        mask = (1 + p) * rows * (seq_pad / c) * seq_pad * per_stage
+        kv = 2 * 2 * p * shape.kvd * c / lay.tp * s * per_stage
+        items.append(Item("CP all-gathered K/V + attention masks", mask + kv, "trainer", "torch spec with context parallelism"))
+    if spec == "hf":  # padded rows: a [b, 1, T, T] boolean mask per layer
+        items.append(Item("padding masks", rows * seq * seq * per_stage * in_flight, "trainer", "b*T^2 B per layer"))
+    if stage == lay.pp - 1:
+        vloc = (shape.padded_vocab(lay.tp) if lay.backend == "megatron" else shape.vocab) / lay.tp
+        n = p if spec == "te" else 4 + p
+        head = s * (n + p) * shape.hidden / (lay.tp if lay.sp else 1)
+        items.append(Item("logits / logprob buffers", s * vloc * loss_bytes + head, "trainer",
+                          f"{s:.0f} tokens x {vloc:.0f} vocab cols x {loss_bytes} B (vocab-parallel)"))
+    return items
+
+
+def micro_batches(cfg, lay, mode: str) -> tuple[int, int, int]:
+    """(sequence length, rows per micro-batch, micro-batches per DP rank per optimizer step)."""
+    t = cfg.trainer
+    if mode == "sft":
+        seq, seqs, minis = cfg.sft.max_len, cfg.sft.batch_size, 1
+    else:
+        seq, seqs, minis = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, cfg.rollout.batch_size * cfg.grpo.n_samples, t.mini_batches
+    per_rank = math.ceil(seqs / minis / lay.dp)
+    rows = max(1, min(t.micro_batch_size, per_rank))
+    return seq, rows, math.ceil(per_rank / rows)
+
+
+# ----------------------------------------------------------------------------------------- engines
+def engine_items(cfg, shape, lay, memory: float) -> tuple[list[Item], list[Item], dict]:
+    """(rollout items, items left during training, KV facts) of one GPU holding an engine rank."""
+    r = cfg.rollout
+    p = dtype_bytes(cfg.model.dtype)
+    n = shape.hf_params()
+    args = list(r.extra_args)
+    seqs = r.batch_size * cfg.grpo.n_samples * (cfg.loop.oversample if cfg.algo.dynamic_sampling else 1.0)
+    P, N = cfg.data.max_prompt_len, r.max_new_tokens
+    ffn = shape.topk * shape.expert_ffn + shape.shared_ffn if shape.is_moe else shape.ffn
+    if lay.engine == "sglang":
+        etp = lay.engine_tp
+        w = p * n / etp
+        kvb = 1 if "fp8" in str(_extra_arg(args, "--kv-cache-dtype", "auto")) else p
+        per_tok = 2 * shape.layers * max(shape.kv_heads / etp, 1) * shape.head_dim * kvb
+        static = r.mem_fraction * memory
+        kv = static - w
+        max_bs = 0 if "--disable-cuda-graph" in args else _extra_arg(args, "--cuda-graph-max-bs", SGLANG_DEFAULT_MAX_BS)
+        width = 4 * shape.hidden + (shape.qd + 2 * shape.kvd) / etp + 3 * ffn / etp
+        graphs = (SGLANG_GRAPH_BASE + max_bs * (4 * shape.padded_vocab(1) / etp + p * width)) if max_bs else 0.0
+        chunk = _extra_arg(args, "--chunked-prefill-size", SGLANG_DEFAULT_CHUNK)
+        work = chunk * p * (2 * shape.hidden + (shape.qd + 2 * shape.kvd) / etp + 3 * ffn / etp) + 8 * max(max_bs, 1) * shape.vocab
+        roll = [Item("engine weights", w, "engine", f"{n / 1e9:.3f} B params x {p} B / engine TP {etp}"),
+                Item("KV cache", max(kv, 0.0), "engine", f"rollout.mem_fraction {r.mem_fraction} x {memory / GiB:.1f} GiB - weights"),
+                Item("CUDA graphs", graphs, "engine", f"max batch {max_bs}"),
+                Item("engine prefill workspace", work, "engine", f"chunk {chunk} tokens")]
+        kvinfo = {"kv_bytes_per_token": per_tok, "capacity_tokens": int(max(kv, 0) // per_tok),
+                  "demand_tokens": int(seqs / max(lay.num_engines, 1) * (P + N)), "sequence_tokens": P + N,
+                  "kv_gib": kv / GiB}
+        return roll, [Item("engine CUDA graphs (not released)", graphs, "engine", "the loop releases weights and kv_cache only")], kvinfo
+    # embedded / embedded_server: a Hugging Face model, TP 1
+    B = int(min(r.engine_batch_size, math.ceil(seqs / max(lay.num_engines, 1))))
+    per_tok = 2 * shape.layers * shape.kv_heads * shape.head_dim * p
+    w = p * n
+    kv_end = B * (P + N) * per_tok * (1 + 1 / shape.layers)
+    prefill = B * P * (per_tok + shape.vocab * p + p * (2 * shape.hidden + shape.qd + 2 * shape.kvd + 4 * ffn) + P)
+    decode = kv_end + B * shape.vocab * (p + 24)
+    roll = [Item("engine weights", w, "engine", f"{n / 1e9:.3f} B params x {p} B (HF model)")]
+    if prefill >= decode:
+        roll.append(Item("prefill: KV + logits of every prompt position", prefill, "engine", f"{B} rows x {P} prompt tokens"))
+    else:
+        roll.append(Item("KV cache (DynamicCache) + sampling", decode, "engine", f"{B} rows x {P + N} tokens"))
+    kvinfo = {"kv_bytes_per_token": per_tok, "capacity_tokens": None, "demand_tokens": int(B * (P + N)),
+              "sequence_tokens": P + N, "kv_gib": B * (P + N) * per_tok / GiB, "engine_batch": B}
+    return roll, [], kvinfo

@@ -1,0 +1,203 @@
+"""The dry run: build the plan (checks, placement, memory per phase), print it, write its JSON.
+
+Exit status: 0 the plan fits, 1 a layout that cannot work (every broken constraint printed with its
+config key), 3 a phase that does not fit in the GPU's memory (with the knobs that would make it fit).
+The last line of stdout is the plan as one JSON object (also written to ``--dry_run_json FILE``).
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from megaforge.planner import memory as M
+from megaforge.planner.layout import Hardware, check_layout, default_gpus, placement, resolve_gpu
+from megaforge.planner.phases import NOFIT, estimate, knobs
+from megaforge.planner.shapes import ShapeError, read_shape
+
+#: launcher flags of the dry run (not config keys): name -> type (bool: no value)
+FLAGS = {"dry_run": bool, "dry_run_json": str, "model_config": str, "nodes": int, "gpus_per_node": int,
+         "gpu": str, "gpu_memory_gib": float, "reserve_gib": float}
+EXIT_OK, EXIT_LAYOUT, EXIT_NOFIT = 0, 1, 3
+
+
+class FlagError(ValueError):
+    pass
+
+
+def split_argv(argv: list[str]) -> tuple[dict, list[str]]:
+    """Take the dry-run flags (``--dry_run``, ``--nodes 2``, ``--gpu=H200`` ...) out of ``argv``;
+    returns ({flag: value}, the remaining config arguments)."""
+    opts, rest, i = {}, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, val = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        name = name.replace("-", "_")
+        if name not in FLAGS:
+            rest.append(arg)
+            i += 1
+            continue
+        kind = FLAGS[name]
+        if kind is bool:
+            if not eq and i + 1 < len(argv) and argv[i + 1].lower() in ("true", "false"):
+                val, i = argv[i + 1], i + 1
+            opts[name] = (val or "true").lower() == "true"
+        else:
+            if not eq:
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    raise FlagError(f"--{name} needs a value")
+                val, i = argv[i + 1], i + 1
+            try:
+                opts[name] = kind(val)
+            except ValueError:
+                raise FlagError(f"--{name} {val!r}: expected {kind.__name__}") from None
+        i += 1
+    extra = sorted(k for k in opts if k != "dry_run")
+    if extra and not opts.get("dry_run"):
+        raise FlagError(f"--{extra[0]} only applies to a dry run: add --dry_run")
+    return opts, rest
+
+
+def _gib(x: float) -> float:
+    return round(x / M.GiB, 3)
+
+
+def make_plan(cfg, mode: str, opts: dict) -> dict:
+    """The plan as a JSON-ready dict (see module docstring for ``exit_code``)."""
+    plan = {"launcher": mode, "ok": False, "exit_code": EXIT_LAYOUT, "errors": [], "warnings": []}
+    try:
+        shape = read_shape(cfg.model, opts.get("model_config", ""))
+    except ShapeError as e:
+        plan["errors"].append({"key": "model", "message": str(e)})
+        return plan
+    gpu, mem = resolve_gpu(opts.get("gpu"), opts.get("gpu_memory_gib"))
+    assumed = []
+    if "gpus_per_node" not in opts:
+        assumed.append("gpus_per_node: the smallest count that holds one trainer replica (give --gpus_per_node)")
+    if "gpu" not in opts and "gpu_memory_gib" not in opts:
+        assumed.append("GPU memory 80 GiB (give --gpu NAME or --gpu_memory_gib)")
+    hw = Hardware(opts.get("nodes", 1), opts.get("gpus_per_node", default_gpus(cfg)), gpu, mem, assumed)
+    plan["model"] = shape.as_dict()
+    plan["hardware"] = {"nodes": hw.nodes, "gpus_per_node": hw.gpus_per_node, "gpu": hw.gpu,
+                        "memory_gib": hw.memory_gib, "assumed": assumed}
+    lay, errs, warns = check_layout(cfg, shape, hw, mode)
+    plan["warnings"] = warns
+    plan["errors"] = [{"key": e.key, "message": str(e)} for e in errs]
+    if lay is None:
+        return plan
+    plan["model"]["padded_vocab"] = shape.padded_vocab(lay.tp) if lay.backend == "megatron" else shape.vocab
+    plan["layout"] = dict(vars(lay))
+    plan["placement"] = placement(lay, hw)
+    reserve = opts.get("reserve_gib", 2.0)
+    phases, kv = estimate(cfg, shape, lay, hw, mode, reserve)
+    seq, rows, nm = M.micro_batches(cfg, lay, mode if mode == "sft" else ("grpo" if cfg.max_steps else "sft"))
+    seq_pad = -(-seq // (2 * lay.cp)) * 2 * lay.cp if lay.cp > 1 else seq
+    plan["micro_batch"] = {"seq_len": seq, "rows": rows, "micro_batches_per_step": nm,
+                           "tokens_per_rank": int(rows * seq_pad / lay.cp)}
+    plan["kv"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in kv.items()}
+    plan["phases"] = {}
+    for ph in phases:
+        entry = {"items": {i.name: _gib(i.bytes) for i in ph.items}, "notes": {i.name: i.note for i in ph.items if i.note},
+                 "allocated_gib": _gib(ph.allocated), "trainer_allocated_gib": _gib(ph.owned("trainer")),
+                 "engine_allocated_gib": _gib(ph.owned("engine")), "reserve_gib": _gib(ph.reserve),
+                 "total_gib": _gib(ph.total), "verdict": ph.verdict, "where": ph.where, "problem": ph.problem}
+        if ph.verdict != "fits":
+            entry["knobs"] = knobs(cfg, shape, hw, mode, ph, reserve)
+        plan["phases"][ph.name] = entry
+    nofit = any(p.verdict == NOFIT for p in phases)
+    plan["ok"] = not nofit
+    plan["exit_code"] = EXIT_NOFIT if nofit else EXIT_OK
+    return plan
+
+
+# --------------------------------------------------------------------------------------- printing
+def _coords(c: dict) -> str:
+    keys = ("tp", "cp", "dp", "pp", "ep")
+    return " ".join(f"{k}{c[k]}" for k in keys if k in c)
+
+
+def format_plan(plan: dict, config_path: str = "") -> str:
+    out = [f"megaforge dry run ({plan['launcher']} launcher{', ' + config_path if config_path else ''}): "
+           "no run directory, no weights, no processes"]
+    m = plan.get("model")
+    if m:
+        moe = f", MoE {m['experts']} experts top-{m['topk']} ffn {m['expert_ffn']}" if m["experts"] else ""
+        out.append(f"model     {m['model_type']} from {m['source']}: {m['layers']} layers, hidden {m['hidden']}, heads "
+                   f"{m['heads']}/{m['kv_heads']} kv x {m['head_dim']}, ffn {m['ffn']}{moe}, vocab {m['vocab']}"
+                   + (f" (padded {m['padded_vocab']})" if m.get("padded_vocab") else "")
+                   + f", {'tied' if m['tied'] else 'untied'}; {m['hf_params'] / 1e9:.3f} B params")
+    hw = plan.get("hardware")
+    if hw:
+        out.append(f"hardware  {hw['nodes']} node(s) x {hw['gpus_per_node']} GPUs, {hw['gpu']} {hw['memory_gib']:.1f} GiB each")
+        out += [f"          assumed: {a}" for a in hw["assumed"]]
+    lay = plan.get("layout")
+    if lay:
+        tr = (f"trainer   {lay['backend']}: {lay['world']} ranks = TP {lay['tp']} x CP {lay['cp']} x PP {lay['pp']} x DP {lay['dp']}"
+              + (f"; experts EP {lay['ep']} x expert-TP {lay['etp']} x EDP {lay['edp']}" if lay["ep"] > 1 else "")
+              + (", sequence parallel" if lay["sp"] else "") + f", layer spec {lay['spec']}")
+        out.append(tr)
+        if lay["engine"]:
+            where = "colocated" if lay["colocated"] else f"on {lay['rollout_gpus']} GPUs of their own"
+            out.append(f"rollout   {lay['engine']}: {lay['num_engines']} engine(s) x TP {lay['engine_tp']}, {where}")
+        mb = plan["micro_batch"]
+        out.append(f"batches   sequences of up to {mb['seq_len']} tokens, {mb['rows']} per micro-batch "
+                   f"({mb['tokens_per_rank']} tokens per rank), {mb['micro_batches_per_step']} micro-batch(es) per optimizer step")
+    for w in plan["warnings"]:
+        out.append(f"warning   {w}")
+    for e in plan["errors"]:
+        out.append(f"ERROR     {e['message']}")
+    if plan.get("placement"):
+        out.append("placement")
+        rows = plan["placement"]
+        shown = rows if len(rows) <= 64 else [r for r in rows if r["node"] in (0, rows[-1]["node"])]
+        for r in shown:
+            parts = []
+            if "trainer" in r:
+                parts.append(f"trainer rank {r['trainer']['rank']:>3} ({_coords(r['trainer'])})")
+            if "engine" in r:
+                e = r["engine"]
+                parts.append(f"engine {e['id']} TP rank {e['tp_rank']}" + (" (in the rank-0 process)" if e.get("in_process") else ""))
+            out.append(f"  node {r['node']} GPU {r['gpu']}: " + (" | ".join(parts) or "idle"))
+        if len(shown) < len(rows):
+            out.append(f"  ... ({len(rows) - len(shown)} more GPUs laid out the same way)")
+    if plan.get("phases"):
+        out.append(f"memory per GPU (GiB of {plan['hardware']['memory_gib']:.1f}; formulas: megaforge/planner/memory.py)")
+        for name, ph in plan["phases"].items():
+            out.append(f"  {name} phase" + (f" [{ph['where']}]" if ph["where"] else ""))
+            for item, gib in ph["items"].items():
+                note = ph["notes"].get(item, "")
+                out.append(f"    {item:<48} {gib:9.2f}" + (f"   {note}" if note else ""))
+            out.append(f"    {'runtime reserve (CUDA context, NCCL, allocator)':<48} {ph['reserve_gib']:9.2f}")
+            out.append(f"    {'total':<48} {ph['total_gib']:9.2f}   -> {ph['verdict'].upper()}")
+            if ph["problem"]:
+                out.append(f"    problem: {ph['problem']}")
+            for k in ph.get("knobs", []):
+                out.append(f"    knob: {k['change']} -> {k['gib']:.2f} GiB")
+            if ph["verdict"] != "fits" and not ph.get("knobs"):
+                out.append("    knob: no single config change makes it fit; add GPUs (--nodes) or combine the knobs above")
+        kv = plan.get("kv") or {}
+        if kv.get("capacity_tokens") is not None:
+            held = kv["capacity_tokens"] / max(kv["sequence_tokens"], 1)
+            out.append(f"  KV cache per engine: {kv['kv_gib']:.2f} GiB = {kv['capacity_tokens']} tokens ({held:.0f} full-length "
+                       f"sequences); one step asks for up to {kv['demand_tokens']} tokens per engine"
+                       + ("" if kv["capacity_tokens"] >= kv["demand_tokens"] else " (requests queue: rollout takes several waves)"))
+    verdict = {EXIT_OK: "OK: the layout works and every phase fits",
+               EXIT_LAYOUT: "FAILED: the layout cannot work (see ERROR lines)",
+               EXIT_NOFIT: "FAILED: a phase does not fit in GPU memory (see the knobs)"}[plan["exit_code"]]
+    out.append(f"verdict   {verdict}")
+    return "\n".join(out)
+
+
+def dry_run(cfg, mode: str, opts: dict, config_path: str = "") -> int:
+    """Print the plan and its JSON (last line); write ``--dry_run_json``; return the exit status."""
+    plan = make_plan(cfg, mode, opts)
+    print(format_plan(plan, config_path))
+    line = json.dumps(plan, sort_keys=True)
+    if opts.get("dry_run_json"):
+        with open(opts["dry_run_json"], "w") as f:
+            f.write(line + "\n")
+    print(line)
+    sys.stdout.flush()
+    if plan["exit_code"] == EXIT_LAYOUT:
+        for e in plan["errors"]:
+            print(f"megaforge: dry run: {e['message']}", file=sys.stderr)
+    return plan["exit_code"]
