@@ -147,9 +147,11 @@ def move_state(tr, device) -> None:
     Megatron's DDP keeps parameters and gradients in contiguous buffers: their storage is copied
     to (pinned) host memory and freed (``offload_to_cpu``) or reallocated and restored; gradients
     are not kept (they are zero between steps). Optimizer tensors that do not live in those
-    buffers (Adam moments, fp32 main copies of bf16 parameters) move individually.
+    buffers (Adam moments, fp32 main copies of bf16 parameters) and the reference model move
+    individually.
     """
     to_cpu = torch.device(device).type == "cpu"
+    nb = not to_cpu  # host -> device copies may overlap; device -> pageable host copies are synchronous
     buffers = list(tr.ddp.buffers) + list(getattr(tr.ddp, "expert_parallel_buffers", []))
     for b in buffers:
         if to_cpu:
@@ -165,10 +167,12 @@ def move_state(tr, device) -> None:
         for group in inner.param_groups:
             for p in group["params"]:
                 if p.untyped_storage().data_ptr() not in in_buffer and p.untyped_storage().size() > 0:
-                    p.data = p.data.to(device, non_blocking=True)
+                    p.data = p.data.to(device, non_blocking=nb)
         for st in inner.state.values():
             for k, v in st.items():
                 if torch.is_tensor(v) and v.dim() > 0:
-                    st[k] = v.to(device, non_blocking=True)
+                    st[k] = v.to(device, non_blocking=nb)
+    if tr.ref is not None and tr.cfg.trainer.ref_device != "cpu":
+        tr.ref.to(device, non_blocking=nb)
     if not to_cpu:
         torch.cuda.synchronize()

@@ -2,9 +2,9 @@
 
 Rows b = 0..B-1 of length L_b are laid end to end. With context parallelism c > 1 each row is
 padded to P_b = ceil(L_b / 2c) * 2c (megatron/TE's load-balanced layout: CP rank r keeps chunks r and
-2c-1-r of each row); with sequence parallelism the last row's padding grows until the packed length
-is a multiple of c * TP. Padding sits after a row's real tokens, so causal attention keeps it out of
-every real token's context.
+2c-1-r of each row); the last row's padding then grows until the packed length is a multiple of
+c * TP under sequence parallelism (times 16 for FP8 GEMMs). Padding sits after a row's real
+tokens, so causal attention keeps it out of every real token's context.
 
 Predictions are *next-token*: position j of the packed sequence predicts token j+1 of the same
 row (``labels``). :meth:`Packed.to_rows` maps a per-position value v_j (e.g. the logprob of the
@@ -42,10 +42,11 @@ class Packed:
 
 
 def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank: int = 0, tp_sp: int = 1,
-         device=None, cp_group=None) -> Packed:
+         device=None, cp_group=None, multiple: int = 1) -> Packed:
     """Pack ``tokens`` [B, T] (right-padded, ``lengths`` [B]) for one CP rank.
 
-    ``tp_sp`` is the TP size when sequence parallelism is on, else 1.
+    ``tp_sp`` is the TP size when sequence parallelism is on, else 1; each rank's share of the
+    packed length is also made a multiple of ``multiple`` (FP8 GEMMs need 16).
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -57,7 +58,7 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank:
         raise ValueError(f"lengths must be in [1, {T}] (tokens {tuple(tokens.shape)}), got {lens}")
     align = 2 * cp_size if cp_size > 1 else 1
     padded = [-(-n // align) * align for n in lens]
-    while sum(padded) % (cp_size * tp_sp):
+    while sum(padded) % (cp_size * tp_sp * multiple):
         padded[-1] += align
     total = sum(padded)
     starts = [0]

@@ -172,7 +172,7 @@ class MegatronTrainer(Trainer):
         out = []
         for mb in local.micro_batches(self.cfg.trainer.micro_batch_size):
             pk = pack(mb.tokens, mb.lengths, self._cp_size(), ps.get_context_parallel_rank(), sp,
-                      self.device, cp_group)
+                      self.device, cp_group, multiple=16 if self.cfg.trainer.fp8 else 1)
             out.append(_MicroBatch(mb.to(self.device), pk))
         return out
 
