@@ -17,6 +17,11 @@ gradient of the objective, whatever the layout or the micro-batching.
 
 Metrics are contributions (see ``policy_objective``): summed over micro-batches and DP ranks on
 the last pipeline stage, broadcast to all ranks, averaged over the optimizer steps of the call.
+
+Calling it: every rank of the world calls every method (all are collective) with the same
+arguments; results (logprobs, metrics) are the same on every rank. ``iter_hf_buckets`` yields
+tensors on global rank 0 only (empty lists elsewhere, same count) and must be consumed to the end
+on every rank. On CPU, :mod:`cpu_compat` patches are installed process-wide by the constructor.
 """
 from __future__ import annotations
 
