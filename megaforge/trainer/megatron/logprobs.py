@@ -49,20 +49,23 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         lp = stats[1] - logz
         ent = (logz - stats[2] / stats[0]) if with_entropy else torch.zeros_like(lp)
         ctx.save_for_backward(z, logz, ent, local, own)
-        ctx.meta = (logits.shape[-1], n_valid, logits.dtype, with_entropy)
+        ctx.meta = (logits.shape[-1], n_valid, logits.dtype)
+        ctx.set_materialize_grads(False)  # a detached entropy costs no backward pass over [N, V]
         return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         z, logz, ent, local, own = ctx.saved_tensors
-        width, n_valid, dtype, with_entropy = ctx.meta
+        width, n_valid, dtype = ctx.meta
         p = torch.exp(z - logz[:, None])
-        grad = -p * g_lp[:, None]
-        if n_valid:
-            onehot_rows = own.nonzero()[:, 0]
-            grad[onehot_rows, local[onehot_rows]] += g_lp[onehot_rows]
-        if with_entropy:
-            grad = grad - p * (z - logz[:, None] + ent[:, None]) * g_ent[:, None]
+        if g_lp is not None:
+            grad = p * (-g_lp[:, None])
+            if n_valid:  # + g at the label's column, on the rank that owns it (no host sync)
+                grad.scatter_add_(1, local.clamp(0, n_valid - 1)[:, None], (g_lp * own)[:, None])
+        else:
+            grad = torch.zeros_like(p)
+        if g_ent is not None:
+            grad -= p * (z - logz[:, None] + ent[:, None]) * g_ent[:, None]
         if n_valid < width:
             grad = torch.cat([grad, grad.new_zeros(grad.shape[0], width - n_valid)], -1)
         return grad.to(dtype), None, None, None, None, None
@@ -72,15 +75,14 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab: i
                             group=None, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """logprob of ``labels`` [N] and entropy [N] (float32) from this rank's logits [N, V/tp].
 
-    ``vocab`` is the real (unpadded) vocabulary size; columns at or beyond it are ignored.
+    ``vocab`` is the real (unpadded) vocabulary size; columns at or beyond it are ignored. Labels
+    must lie in [0, vocab) (the caller checks, on the host: a check here would sync the device).
     ``group`` is the TP group (None: logits hold the whole vocabulary).
     """
     width = logits.shape[-1]
     rank = 0 if group is None else dist.get_rank(group)
     start = rank * width
     n_valid = max(0, min(width, vocab - start))
-    if (labels < 0).any() or (labels >= vocab).any():
-        raise ValueError(f"labels outside the vocabulary [0, {vocab}): min {int(labels.min())}, max {int(labels.max())}")
     z = logits if temperature == 1.0 else logits / temperature
     return _VocabParallelLogprobEntropy.apply(z, labels, start, n_valid, group, with_entropy)
 

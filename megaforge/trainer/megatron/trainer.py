@@ -174,6 +174,9 @@ class MegatronTrainer(Trainer):
         ps = self._ps()
         sp = ps.get_tensor_model_parallel_world_size() if self.tconfig.sequence_parallel else 1
         cp_group = ps.get_context_parallel_group() if self._cp_size() > 1 else None
+        lo, hi = int(local.tokens.min()), int(local.tokens.max())
+        if lo < 0 or hi >= self.desc.vocab:
+            raise ValueError(f"TrainBatch.tokens outside the vocabulary [0, {self.desc.vocab}): min {lo}, max {hi}")
         out = []
         for mb in local.micro_batches(self.cfg.trainer.micro_batch_size):
             pk = pack(mb.tokens, mb.lengths, self._cp_size(), ps.get_context_parallel_rank(), sp,
