@@ -75,7 +75,7 @@ class SDPAttention(MegatronModule):
     Input (``thd``, packed): q [t, np, hn], k/v [t, ng, hn] -> [t, np*hn], with document
     boundaries from ``packed_seq_params.cu_seqlens_q_padded`` (global, pre-CP coordinates; padding
     inside a document sits after its real tokens, so causality keeps it out of real tokens' view).
-    Grouped-query attention uses SDPA's ``enable_gqa`` (no K/V copies).
+    Every call is 4-D with a causal flag or a boolean mask, so PyTorch can pick a fused kernel.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
@@ -94,11 +94,20 @@ class SDPAttention(MegatronModule):
 
     # -- helpers ------------------------------------------------------------------------------
     def _sdpa(self, q, k, v, causal: bool, mask=None):
-        """q [..., np, Lq, hn], k/v [..., ng, Lk, hn]."""
+        """q [b, np, Lq, hn], k/v [b, ng, Lk, hn] (4-D: PyTorch's fused kernels need it).
+
+        Without a mask, grouped K/V go in as they are (``enable_gqa``: flash attention on GPU);
+        with a mask (context parallelism) they are expanded to the query heads first, since the
+        memory-efficient kernel that takes masks does not do GQA."""
         p = self.dropout if self.training else 0.0
+        gqa = q.shape[1] != k.shape[1]
+        if gqa and mask is not None:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            gqa = False
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal and mask is None,
-            scale=self.scale, enable_gqa=q.shape[-3] != k.shape[-3],
+            q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal and mask is None, scale=self.scale,
+            enable_gqa=gqa,
         )
 
     def _cp_gather(self, x):
@@ -111,8 +120,8 @@ class SDPAttention(MegatronModule):
         if cp == 1:
             outs = []
             for lo, hi in zip(cu_padded[:-1], cu_padded[1:]):
-                qi, ki, vi = (x[lo:hi].transpose(0, 1) for x in (q, k, v))
-                outs.append(self._sdpa(qi, ki, vi, causal=True).transpose(0, 1))
+                qi, ki, vi = (x[lo:hi].transpose(0, 1)[None] for x in (q, k, v))
+                outs.append(self._sdpa(qi, ki, vi, causal=True)[0].transpose(0, 1))
             return torch.cat(outs, 0)
         r = torch.distributed.get_rank(self.cp_group)
         t_local = q.shape[0]
@@ -130,11 +139,11 @@ class SDPAttention(MegatronModule):
                 start = owner * t_local + llo + half * c
                 idx.append(torch.arange(start, start + c, device=q.device))
             idx = torch.cat(idx)
-            kd, vd = k_all[idx].transpose(0, 1), v_all[idx].transpose(0, 1)  # [ng, n, hn]
+            kd, vd = k_all[idx].transpose(0, 1)[None], v_all[idx].transpose(0, 1)[None]  # [1, ng, n, hn]
             qpos = cp_chunk_positions(n, cp, r, device=q.device)  # [n / cp]
             mask = torch.arange(n, device=q.device)[None, :] <= qpos[:, None]  # [n/cp, n]
-            qi = q[llo:lhi].transpose(0, 1)
-            outs.append(self._sdpa(qi, kd, vd, causal=False, mask=mask).transpose(0, 1))
+            qi = q[llo:lhi].transpose(0, 1)[None]
+            outs.append(self._sdpa(qi, kd, vd, causal=False, mask=mask)[0].transpose(0, 1))
         return torch.cat(outs, 0)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
