@@ -209,6 +209,10 @@ class RolloutConfig:
     """Device of the embedded engine: auto | cpu | cuda | cuda:N."""
     engine_batch_size: int = 256
     """Maximum sequences the embedded engine decodes at once."""
+    fast: Literal["auto", "on", "off"] = "auto"
+    """Fast decode path of the embedded engine (static KV cache, continuous refill, CUDA graphs;
+    megaforge/rollout/fast): auto = on CUDA devices for Llama / Qwen2 / Qwen3, on = always (CPU: no
+    graphs), off = the simple HF DynamicCache loop."""
     tensor_parallel: int = 1
     """Engine tensor-parallel size (sglang)."""
     num_engines: int = 1

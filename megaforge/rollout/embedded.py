@@ -8,9 +8,14 @@ decoding step (KV cache through transformers' DynamicCache, prompts left-padded)
 A row finishes on a stop token (kept in the output, like SGLang with ``no_stop_trim``), a stop
 string, ``max_new_tokens`` or an abort. Memory release/resume is tracked: generating while the
 weights are released is an error.
+
+``fast`` (``rollout.fast``): ``auto`` serves generate with :mod:`megaforge.rollout.fast` (static KV
+cache, continuous refill, CUDA graphs) on CUDA devices for supported models (Llama, Qwen2, Qwen3),
+``on`` forces it (also on CPU, without graphs: the tests' mode), ``off`` keeps this simple loop.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Iterable, Optional, Sequence
 
@@ -21,12 +26,16 @@ from megaforge.rollout.sampling import sample_tokens
 from megaforge.types import Completion, GenerateRequest
 
 
+log = logging.getLogger(__name__)
+
+
 class EngineStateError(RuntimeError):
     pass
 
 
 class EmbeddedEngine(Engine):
-    def __init__(self, model, tokenizer=None, max_batch: int = 256, pad_token_id: Optional[int] = None):
+    def __init__(self, model, tokenizer=None, max_batch: int = 256, pad_token_id: Optional[int] = None,
+                 fast: str = "auto", fast_options: Optional[dict] = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch = max_batch
@@ -41,6 +50,28 @@ class EmbeddedEngine(Engine):
         self._params = dict(model.state_dict(keep_vars=True))
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(0)
+        self._fast = self._select_fast(fast, fast_options or {})
+
+    def _select_fast(self, fast: str, options: dict):
+        """The FastDecoder serving generate, or None (the simple loop); see the module docstring."""
+        if fast not in ("auto", "on", "off"):
+            raise ValueError(f"rollout.fast {fast!r}: valid: auto, on, off")
+        if fast == "off" or (fast == "auto" and self.device.type != "cuda"):
+            return None
+        from megaforge.rollout.fast import FastDecoder, unsupported_reason
+
+        why = unsupported_reason(self.model)
+        if why is not None:
+            if fast == "on":
+                raise ValueError(f"rollout.fast=on: {why}")
+            log.info("embedded engine: simple decode loop (fast path unavailable: %s)", why)
+            return None
+        return FastDecoder(self, **options)
+
+    @property
+    def fast(self):
+        """The :class:`~megaforge.rollout.fast.FastDecoder` serving generate (None: the simple loop)."""
+        return self._fast
 
     # ------------------------------------------------------------------------------- construction
     @classmethod
@@ -49,7 +80,7 @@ class EmbeddedEngine(Engine):
 
         dev = resolve_device(device or cfg.rollout.device)
         model = load_hf_model(cfg.model, dev)
-        return cls(model, tokenizer, max_batch=cfg.rollout.engine_batch_size)
+        return cls(model, tokenizer, max_batch=cfg.rollout.engine_batch_size, fast=cfg.rollout.fast)
 
     # ----------------------------------------------------------------------------------- generate
     @property
@@ -63,6 +94,9 @@ class EmbeddedEngine(Engine):
             if not r.input_ids:
                 raise ValueError(f"request {i} ({r.rid!r}): empty input_ids")
         self._abort.clear()
+        if self._fast is not None:
+            with self._lock:
+                return self._fast.generate(requests)
         order = sorted(range(len(requests)), key=lambda i: len(requests[i].input_ids))
         out: list[Optional[Completion]] = [None] * len(requests)
         with self._lock:
@@ -173,6 +207,12 @@ class EmbeddedEngine(Engine):
     def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         tags = check_tags(tags)
         with self._lock:
+            if self._fast is not None:
+                if "kv_cache" in tags:
+                    self._fast.free_cache()  # also drops the graphs (they point into the cache)
+                if "cuda_graph" in tags or "weights" in tags:  # moved weights invalidate captured graphs
+                    self._fast.drop_graphs()
+                self._fast.graphs_released |= "cuda_graph" in tags
             if "weights" in tags and "weights" not in self._released and self.device.type == "cuda":
                 self.model.to("cpu")
             self._released |= set(tags)
@@ -185,6 +225,11 @@ class EmbeddedEngine(Engine):
             if "weights" in tags and "weights" in self._released and self.device.type == "cuda":
                 self.model.to(self.device)
                 self._params = dict(self.model.state_dict(keep_vars=True))
+            if self._fast is not None:
+                if "kv_cache" in tags:
+                    self._fast.restore_cache()
+                if "cuda_graph" in tags:
+                    self._fast.graphs_released = False  # graphs are captured again on first use
             self._released -= set(tags)
 
     @property

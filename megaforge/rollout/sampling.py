@@ -16,14 +16,21 @@ from typing import Optional
 import torch
 
 
-def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Scaled and truncated logits [B, V] (float32); removed tokens are -inf."""
+def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   need_k: Optional[bool] = None, need_p: Optional[bool] = None) -> torch.Tensor:
+    """Scaled and truncated logits [B, V] (float32); removed tokens are -inf.
+
+    ``need_k`` / ``need_p``: whether any row truncates by top-k / top-p; None reads it from the
+    tensors (a host sync). Callers that must not sync (CUDA graphs) pass them from the requests.
+    """
     z = logits.float()
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
     z = z / t[:, None]
     V = z.shape[-1]
-    need_k = bool(((top_k > 0) & (top_k < V)).any())
-    need_p = bool((top_p < 1.0).any())
+    if need_k is None:
+        need_k = bool(((top_k > 0) & (top_k < V)).any())
+    if need_p is None:
+        need_p = bool((top_p < 1.0).any())
     if not (need_k or need_p):
         return z
     sorted_z, order = torch.sort(z, dim=-1, descending=True)
@@ -78,24 +85,51 @@ def sample_tokens(
     Rows draw by inverse CDF from a uniform number: ``counter_uniform(seed, position)`` where
     ``seeds[b] >= 0`` (reproducible per request), else ``torch.rand`` with ``generator``.
     """
-    z = process_logits(logits, temperature, top_k, top_p)
-    logq = torch.log_softmax(z, dim=-1)
     greedy = temperature <= 0
-    if bool(greedy.all()):
-        tok = logits.argmax(-1)
-    else:
+    mode = "all" if bool(greedy.all()) else ("some" if bool(greedy.any()) else "none")
+    u = None
+    if mode != "all":
         B = logits.shape[0]
         u = torch.rand(B, generator=generator, device=logits.device, dtype=torch.float64)
         if seeds is not None:
             seeded = seeds >= 0
             if bool(seeded.any()):
                 u = torch.where(seeded, counter_uniform(seeds, positions), u)
+    V = logits.shape[-1]
+    need_k = bool(((top_k > 0) & (top_k < V)).any())
+    need_p = bool((top_p < 1.0).any())
+    return sample_from_uniform(logits, temperature, top_k, top_p, u, need_k, need_p, mode)
+
+
+def sample_from_uniform(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    u: Optional[torch.Tensor],
+    need_k: bool,
+    need_p: bool,
+    greedy: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_tokens` with no host synchronisation (safe inside a CUDA graph).
+
+    logits [B, V]; temperature, top_p float [B]; top_k long [B]; u float64 [B] in [0, 1) (unused
+    when every row is greedy). The caller fixes the stages: ``need_k`` / ``need_p`` (any row
+    truncates) and ``greedy``: "all" | "some" | "none" (rows with temperature <= 0).
+    Returns (tokens long [B], logprobs float32 [B]).
+    """
+    z = process_logits(logits, temperature, top_k, top_p, need_k=need_k, need_p=need_p)
+    logq = torch.log_softmax(z, dim=-1)
+    is_greedy = temperature <= 0
+    if greedy == "all":
+        tok = logits.argmax(-1)
+    else:
         cdf = logq.double().exp().cumsum(-1)
         tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp_max(cdf.shape[-1] - 1)
-        if bool(greedy.any()):
-            tok = torch.where(greedy, logits.argmax(-1), tok)
+        if greedy == "some":
+            tok = torch.where(is_greedy, logits.argmax(-1), tok)
     lp = logq.gather(-1, tok[:, None]).squeeze(-1)
-    if bool(greedy.any()):
+    if greedy != "none":
         lp_greedy = torch.log_softmax(logits.float(), -1).gather(-1, tok[:, None]).squeeze(-1)
-        lp = torch.where(greedy, lp_greedy, lp)
+        lp = torch.where(is_greedy, lp_greedy, lp)
     return tok, lp

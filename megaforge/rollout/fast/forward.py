@@ -1,0 +1,155 @@
+"""A compact forward of Llama / Qwen2 / Qwen3 over a static KV cache, running the HF model's own modules.
+
+The embeddings, norms (incl. Qwen3's q/k norms), projections (incl. Qwen2's qkv bias), MLPs, rotary
+embedding and LM head are the HF modules themselves, called directly: no weight is copied, so a
+weight update by HF name (``param.data.copy_``) is seen by the next step. Only the attention and
+the cache are ours. Shapes (H query heads, Hkv key/value heads, G = H / Hkv, D head dim, C hidden):
+
+    cache K, V per layer     [B_max, Hkv, L_max, D]   row b holds one sequence at positions 0..len-1
+    prefill(ids [U, T] right-padded, lengths [U], slots [U]) -> logits [U, V] of each last prompt token
+        causal SDPA over the prompt; K/V written to cache rows ``slots`` at positions 0..T-1
+    decode(tok [B], pos [B], Lb) -> logits [B, V]
+        K/V of ``tok`` scattered to (row b, position pos[b]); the G query heads of a KV head act as
+        G queries of one SDPA call: q [B, Hkv, G, D] against K[:B, :, :Lb], mask key j <= pos[b]
+
+Rows never shift: a sequence starts at cache position 0 whatever slot it occupies, so its rotary
+positions equal those of an unpadded HF forward.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = ("llama", "qwen2", "qwen3")
+
+
+def unsupported_reason(model) -> Optional[str]:
+    """Why :class:`StaticForward` cannot run ``model`` (None: it can)."""
+    cfg = getattr(model, "config", None)
+    mt = getattr(cfg, "model_type", None)
+    if mt not in SUPPORTED:
+        return f"model_type {mt!r} (the fast path supports {', '.join(SUPPORTED)})"
+    inner = getattr(model, "model", None)
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(inner, name):
+            return f"the model has no model.{name}"
+    if not hasattr(model, "lm_head"):
+        return "the model has no lm_head"
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return "sliding-window attention layers"
+    if getattr(cfg, "use_sliding_window", False):
+        return "use_sliding_window"
+    rope = getattr(inner.rotary_emb, "rope_type", "default")
+    if "dynamic" in rope or rope == "longrope":
+        return f"rope type {rope!r} (its frequencies depend on the sequence length)"
+    if getattr(cfg, "pretraining_tp", 1) not in (1, None):
+        return "pretraining_tp > 1"
+    return None
+
+
+class StaticKVCache:
+    """Per-layer K and V, each [B, Hkv, L, D] in the model dtype, preallocated and written in place."""
+
+    def __init__(self, n_layers: int, B: int, kv_heads: int, L: int, head_dim: int, dtype, device):
+        self.B, self.L = B, L
+        shape = (B, kv_heads, L, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
+        """K/V of rows ``src`` [n] (positions < length) into rows ``dst`` [n] (disjoint sets)."""
+        for t in self.k + self.v:
+            t[dst, :, :length] = t[src, :, :length]
+
+
+class StaticForward:
+    """The model's forward over a :class:`StaticKVCache` (see the module docstring)."""
+
+    def __init__(self, model):
+        why = unsupported_reason(model)
+        if why is not None:
+            raise ValueError(f"fast rollout path: unsupported model: {why}")
+        self.model = model
+        cfg = model.config
+        self.n_heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.groups = self.n_heads // self.kv_heads
+        self.n_layers = len(model.model.layers)
+        attn0 = model.model.layers[0].self_attn
+        self.apply_rope = sys.modules[type(attn0).__module__].apply_rotary_pos_emb
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.model.embed_tokens.weight.dtype
+
+    def new_cache(self, B: int, L: int, device) -> StaticKVCache:
+        return StaticKVCache(self.n_layers, B, self.kv_heads, L, self.head_dim, self.dtype, device)
+
+    def _qkv(self, attn, h: torch.Tensor):
+        """h [N, T, C] -> q [N, H, T, D], k, v [N, Hkv, T, D] (before rotary)."""
+        shape = (*h.shape[:-1], -1, self.head_dim)
+        q = attn.q_proj(h).view(shape)
+        k = attn.k_proj(h).view(shape)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        v = attn.v_proj(h).view(shape)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head of hidden states [N, C] -> logits [N, V]."""
+        return self.model.lm_head(self.model.model.norm(x))
+
+    @torch.no_grad()
+    def prefill(self, cache: StaticKVCache, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Prompts ids [U, T] (right-padded), lengths [U], cache rows slots [U] -> logits [U, V]."""
+        inner = self.model.model
+        U, T = ids.shape
+        x = inner.embed_tokens(ids)
+        pos = torch.arange(T, device=ids.device)[None, :].expand(U, T)
+        cos, sin = inner.rotary_emb(x, pos)
+        for li, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(x))
+            q, k = self.apply_rope(q, k, cos, sin)
+            cache.k[li][slots, :, :T] = k
+            cache.v[li][slots, :, :T] = v
+            if self.groups > 1:
+                k = k.repeat_interleave(self.groups, dim=1)
+                v = v.repeat_interleave(self.groups, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(U, T, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        last = x[torch.arange(U, device=ids.device), lengths - 1]
+        return self._head(last)
+
+    @torch.no_grad()
+    def decode(self, cache: StaticKVCache, tok: torch.Tensor, pos: torch.Tensor, Lb: int) -> torch.Tensor:
+        """One token per row: tok [B], pos [B] (its cache position), attention over positions < Lb
+        (Lb > max pos of the rows that matter) -> logits [B, V]. No host synchronisation."""
+        inner = self.model.model
+        B = tok.shape[0]
+        Hkv, G, D = self.kv_heads, self.groups, self.head_dim
+        x = inner.embed_tokens(tok[:, None])  # [B, 1, C]
+        cos, sin = inner.rotary_emb(x, pos[:, None])
+        mask = (torch.arange(Lb, device=tok.device)[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, Lb]
+        idx = pos.view(B, 1, 1, 1).expand(B, Hkv, 1, D)
+        for li, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(x))
+            q, k = self.apply_rope(q, k, cos, sin)
+            kc, vc = cache.k[li][:B], cache.v[li][:B]
+            kc.scatter_(2, idx, k)
+            vc.scatter_(2, idx, v)
+            o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G, D), kc[:, :, :Lb], vc[:, :, :Lb],
+                                               attn_mask=mask, scale=attn.scaling)  # [B, Hkv, G, D]
+            x = x + attn.o_proj(o.reshape(B, 1, Hkv * G * D))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self._head(x[:, 0])
