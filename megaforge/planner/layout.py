@@ -182,6 +182,9 @@ def check_layout(cfg, shape: ModelShape, hw: Hardware, mode: str) -> tuple[Optio
             err.append(Issue("rollout.engine", "=megatron is not available in this build (valid: embedded, embedded_server, sglang)"))
         if engine == "embedded":
             etp_r, n_eng = 1, 1
+            if getattr(r, "fast", "off") != "off":
+                warn.append(f"rollout.fast={r.fast}: the estimate models the embedded engine's simple DynamicCache "
+                            "loop; its fast path (static KV cache, CUDA graphs) is not modelled yet")
             if not colocated:
                 warn.append("rollout.num_gpus is ignored by the embedded engine (it runs in the trainer's rank-0 process)")
                 rollout_gpus, colocated = 0, True

@@ -24,10 +24,16 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from megaforge.convert.layouts import padded_vocab_size
-
 #: megatron's make_vocab_size_divisible_by in megaforge's backend (megaforge.trainer.megatron.model)
 VOCAB_DIVISIBLE_BY = 128
+
+
+def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron's rule, as :func:`megaforge.convert.layouts.padded_vocab_size` (kept equal by the
+    tests; not imported so that a dry run does not load torch): the smallest multiple of
+    ``divisible_by * tp`` that is >= ``vocab``."""
+    m = divisible_by * tp
+    return ((vocab + m - 1) // m) * m
 
 #: model types the planner can describe, and whether the megatron backend has a family for them
 KNOWN_TYPES = {"llama": True, "mistral": False, "qwen2": True, "qwen3": True, "qwen2_moe": False, "qwen3_moe": False}
