@@ -30,13 +30,16 @@ term: only q, k, v, the output and an fp32 log-sum-exp per head are kept). Per t
       + 3*p*Fs/t for a shared expert.
     Recompute: selective (megatron's core_attn) drops the attention output copy and the lse;
       full (uniform, 1 layer) keeps p*h/(t if SP) per layer plus one layer recomputed in backward.
-    CP with the torch spec also keeps the all-gathered K/V (2 copies of 2*p*kvd*c/t per token) and
-      SDPA's boolean + additive mask, (1 + p) * rows * (S/c) * S bytes per layer.
+    CP with the torch spec: SDPA's efficient kernel (the one taking masks) keeps the all-gathered
+      K/V of the whole sequence, expanded to the query heads under GQA (2*p*qd*c/t per local token;
+      2*p*kvd*c/t without GQA), and the boolean + additive mask, (1 + p) * rows * (S/c) * S bytes.
     1F1B pipeline: stage 0 holds min(PP, micro-batches) micro-batches of its L/PP layers.
 
-Loss (last stage), per token and local vocabulary column V/t: 26 bytes in an RL train step (fp32
-copy of the logits saved for backward, exp / entropy temporaries, the bf16 gradient; see
-megaforge.trainer.megatron.logprobs), 14 for SFT (no entropy) and for logprob passes.
+Loss (last stage), per token and local vocabulary column V/t (megaforge.trainer.megatron.logprobs):
+14 bytes (forward: bf16 logits + fp32 copy saved for backward + two fp32 exp temporaries; backward:
+the fp32 copy, p, the fp32 gradient and its bf16 cast), for SFT, logprob passes and RL steps whose
+entropy is detached (``algo.entropy_coef`` 0); 26 with an entropy bonus (three more fp32
+temporaries of the entropy gradient).
 
 Engines: SGLang holds ``mem_fraction * M`` (weights ``p*P/etp`` + KV pool) plus CUDA graphs
 (``0.5 GiB + max_bs*(4*V/etp + p*(4h + (qd + 2kvd)/etp + 3*F'/etp))``, ``F' = F`` or ``k*Fe``) and
@@ -60,7 +63,7 @@ ENGINE_RESERVE_GIB = 1.0
 SGLANG_GRAPH_BASE = 0.5 * GiB
 SGLANG_DEFAULT_MAX_BS = 256
 SGLANG_DEFAULT_CHUNK = 8192
-LOSS_BYTES_RL, LOSS_BYTES_FWD = 26, 14
+LOSS_BYTES_ENTROPY, LOSS_BYTES_FWD = 26, 14
 
 
 @dataclass
@@ -170,7 +173,7 @@ def layer_bytes(shape, p: int, spec: str, tp: int, sp: bool, recompute: str, moe
     return saved, full
 
 
-def activations(cfg, shape, lay, stage: int, seq: int, rows: int, n_micro: int, loss_bytes: int) -> list[Item]:
+def activations(cfg, shape, lay, stage: int, seq: int, rows: int, n_micro: int, loss_b: int) -> list[Item]:
     """Activation and loss items of one pipeline stage for micro-batches of ``rows`` rows of ``seq``
     tokens (forward + backward peak)."""
     p = dtype_bytes(cfg.model.dtype)
@@ -194,7 +197,7 @@ def activations(cfg, shape, lay, stage: int, seq: int, rows: int, n_micro: int, 
         items.append(Item("one layer recomputed in backward", s * full_max, "trainer", "full recompute"))
     if spec == "torch" and c > 1:
         mask = (1 + p) * rows * (seq_pad / c) * seq_pad * per_stage
-        kv = 2 * 2 * p * shape.kvd * c / lay.tp * s * per_stage
+        kv = 2 * p * (shape.qd if shape.heads != shape.kv_heads else shape.kvd) * c / lay.tp * s * per_stage
         items.append(Item("CP all-gathered K/V + attention masks", mask + kv, "trainer", "torch spec with context parallelism"))
     if spec == "hf":  # padded rows: a [b, 1, T, T] boolean mask per layer
         items.append(Item("padding masks", rows * seq * seq * per_stage * in_flight, "trainer", "b*T^2 B per layer"))
@@ -202,9 +205,14 @@ def activations(cfg, shape, lay, stage: int, seq: int, rows: int, n_micro: int, 
         vloc = (shape.padded_vocab(lay.tp) if lay.backend == "megatron" else shape.vocab) / lay.tp
         n = p if spec == "te" else 4 + p
         head = s * (n + p) * shape.hidden / (lay.tp if lay.sp else 1)
-        items.append(Item("logits / logprob buffers", s * vloc * loss_bytes + head, "trainer",
-                          f"{s:.0f} tokens x {vloc:.0f} vocab cols x {loss_bytes} B (vocab-parallel)"))
+        items.append(Item("logits / logprob buffers", s * vloc * loss_b + head, "trainer",
+                          f"{s:.0f} tokens x {vloc:.0f} vocab cols x {loss_b} B (vocab-parallel)"))
     return items
+
+
+def loss_bytes(cfg, mode: str) -> int:
+    """Bytes per token and local vocabulary column of the loss (see module docstring)."""
+    return LOSS_BYTES_ENTROPY if mode == "grpo" and cfg.algo.entropy_coef != 0 else LOSS_BYTES_FWD
 
 
 def micro_batches(cfg, lay, mode: str) -> tuple[int, int, int]:

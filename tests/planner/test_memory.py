@@ -219,3 +219,13 @@ def test_planner_rules_match_the_megatron_backend():
             assert shapes.padded_vocab_size(v, 128, tp) == layouts.padded_vocab_size(v, 128, tp)
     supported = {t for f in families.FAMILIES.values() for t in f.model_types}
     assert {t for t, ok in shapes.KNOWN_TYPES.items() if ok} == supported & set(shapes.KNOWN_TYPES)
+
+
+def test_entropy_bonus_costs_the_entropy_backward():
+    """14 B per token and vocab column with a detached entropy, 26 with an entropy bonus."""
+    base = plan(GSM8K, **H100x8)
+    bonus = plan(GSM8K, "--algo.entropy_coef", "0.01", **H100x8)
+    mb = base["micro_batch"]
+    cols = base["model"]["padded_vocab"]
+    diff = item(bonus, "train", "logits / logprob buffers") - item(base, "train", "logits / logprob buffers")
+    assert diff == pytest.approx(mb["tokens_per_rank"] * cols * (26 - 14) / 2**30, abs=2e-3)
