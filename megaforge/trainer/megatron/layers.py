@@ -114,36 +114,31 @@ class SDPAttention(MegatronModule):
         """[t_local, ...] -> [cp * t_local, ...] rank-major; backward reduce-scatters."""
         return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=self.cp_group)
 
-    def _packed(self, q, k, v, cu_padded: list[int]) -> torch.Tensor:
-        """Packed documents; q [t, np, hn], k/v [t, ng, hn] -> [t, np, hn]."""
+    def _attend(self, q, k, v, docs: list[tuple[int, int]]) -> torch.Tensor:
+        """Causal attention within each document; q [t, b, np, hn], k/v [t, b, ng, hn] ->
+        [t, b, np, hn]. ``docs`` are (start, end) in global (pre-CP) positions; under CP this
+        rank holds rows start/c .. end/c of each, in the load-balanced layout."""
         cp = _group_size(self.cp_group)
-        if cp == 1:
-            outs = []
-            for lo, hi in zip(cu_padded[:-1], cu_padded[1:]):
-                qi, ki, vi = (x[lo:hi].transpose(0, 1)[None] for x in (q, k, v))
-                outs.append(self._sdpa(qi, ki, vi, causal=True)[0].transpose(0, 1))
-            return torch.cat(outs, 0)
-        r = torch.distributed.get_rank(self.cp_group)
-        t_local = q.shape[0]
-        k_all, v_all = self._cp_gather(k), self._cp_gather(v)  # [cp * t_local, ng, hn]
+        to4 = lambda x: x.permute(1, 2, 0, 3)  # noqa: E731  [L, b, h, d] -> [b, h, L, d]
+        if cp > 1:
+            r = torch.distributed.get_rank(self.cp_group)
+            t_local = q.shape[0]
+            k_all, v_all = self._cp_gather(k), self._cp_gather(v)  # [cp * t_local, b, ng, hn]
         outs = []
-        for lo, hi in zip(cu_padded[:-1], cu_padded[1:]):
-            n = hi - lo  # padded global length of this document
-            llo, lhi = lo // cp, hi // cp
-            # rows of k_all holding the document in global order: chunk j lives on rank
-            # j (first half of its slot) for j < cp, else on rank 2cp-1-j (second half).
-            c = n // (2 * cp)
-            idx = []
-            for j in range(2 * cp):
-                owner, half = (j, 0) if j < cp else (2 * cp - 1 - j, 1)
-                start = owner * t_local + llo + half * c
-                idx.append(torch.arange(start, start + c, device=q.device))
-            idx = torch.cat(idx)
-            kd, vd = k_all[idx].transpose(0, 1)[None], v_all[idx].transpose(0, 1)[None]  # [1, ng, n, hn]
-            qpos = cp_chunk_positions(n, cp, r, device=q.device)  # [n / cp]
-            mask = torch.arange(n, device=q.device)[None, :] <= qpos[:, None]  # [n/cp, n]
-            qi = q[llo:lhi].transpose(0, 1)[None]
-            outs.append(self._sdpa(qi, kd, vd, causal=False, mask=mask)[0].transpose(0, 1))
+        for lo, hi in docs:
+            n, llo = hi - lo, lo // cp
+            qi = to4(q[llo:llo + n // cp])
+            if cp == 1:
+                o = self._sdpa(qi, to4(k[lo:hi]), to4(v[lo:hi]), causal=True)
+            else:
+                # the document's rows of the rank-major gather, put back in global order
+                rows = torch.cat([torch.arange(rr * t_local + llo, rr * t_local + llo + n // cp) for rr in range(cp)])
+                pos = torch.cat([cp_chunk_positions(n, cp, rr) for rr in range(cp)])
+                idx = rows[torch.argsort(pos)].to(q.device)
+                qpos = cp_chunk_positions(n, cp, r, device=q.device)
+                mask = torch.arange(n, device=q.device)[None, :] <= qpos[:, None]  # [n / cp, n]
+                o = self._sdpa(qi, to4(k_all[idx]), to4(v_all[idx]), causal=False, mask=mask)
+            outs.append(o.permute(2, 0, 1, 3))
         return torch.cat(outs, 0)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
@@ -155,26 +150,15 @@ class SDPAttention(MegatronModule):
             if cu is None:
                 t = packed_seq_params.cu_seqlens_q_padded
                 cu = (t if t is not None else packed_seq_params.cu_seqlens_q).tolist()
-            out = self._packed(query, key, value, [int(x) for x in cu])
+            cu = [int(x) for x in cu]
+            out = self._attend(query[:, None], key[:, None], value[:, None], list(zip(cu[:-1], cu[1:])))
             return out.reshape(out.shape[0], -1)
-        # sbhd: [s, b, h, d] -> [b, h, s, d]
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        s_local = q.shape[2]
-        cp = _group_size(self.cp_group)
-        if cp == 1:
-            mask = None if attention_mask is None else ~attention_mask
-            out = self._sdpa(q, k, v, causal=attention_mask is None, mask=mask)
-        else:
-            # each batch row is one sequence of cp * s_local tokens in the load-balanced layout
-            if attention_mask is not None:
+        s_local, b = query.shape[:2]
+        if attention_mask is not None:  # explicit mask (True = masked out), one CP rank only
+            if self.cp_group is not None and _group_size(self.cp_group) > 1:
                 raise ValueError("context parallelism with an explicit attention_mask is not supported")
-            kq = self._cp_gather(key)  # [cp * s_local, b, ng, hn]
-            n = cp * s_local
-            pos = torch.cat([cp_chunk_positions(n, cp, rr, device=q.device) for rr in range(cp)])
-            order = torch.argsort(pos)
-            kd = kq[order].permute(1, 2, 0, 3)
-            vd = self._cp_gather(value)[order].permute(1, 2, 0, 3)
-            qpos = cp_chunk_positions(n, cp, torch.distributed.get_rank(self.cp_group), device=q.device)
-            mask = torch.arange(n, device=q.device)[None, :] <= qpos[:, None]
-            out = self._sdpa(q, kd, vd, causal=False, mask=mask)
-        return out.permute(2, 0, 1, 3).reshape(s_local, q.shape[0], -1)
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+            out = self._sdpa(q, k, v, causal=False, mask=~attention_mask).permute(2, 0, 1, 3)
+        else:  # every batch row is one causal sequence of cp * s_local tokens
+            out = self._attend(query, key, value, [(0, _group_size(self.cp_group) * s_local)])
+        return out.reshape(s_local, b, -1)
