@@ -1,0 +1,271 @@
+#!/usr/bin/env python
+"""Rollout throughput: the embedded engine's fast path against HF ``generate`` (dynamic cache).
+
+Prints ONE JSON line on stdout (progress goes to stderr). For each model shape (random weights from a
+config dict, nothing downloaded) and batch size: B prompts of ``--prompt`` random tokens, ``--new``
+sampled tokens each (temperature 1, no top-k/top-p, no EOS: every row generates ``--new`` tokens),
+
+    hf:   model.generate(do_sample=True, top_k=0, min_new_tokens=max_new_tokens), default DynamicCache;
+          a short warm-up generate first (its time is ``warmup_s``), then the timed run
+    fast: EmbeddedEngine(fast="on"): a first full run (graph captures included: ``warmup_s``),
+          then the timed (warm) run
+
+tok/s = sampled tokens / wall time (``torch.cuda.synchronize()`` around each timed call); ``ratio`` =
+fast / hf. Every variant runs under ``--cap`` seconds (HF: ``max_time``; fast: an abort timer), and
+a variant that runs out of memory is skipped with a note. Full mode adds, per shape: the fast path at
+the largest batch with engine max_batch min(256, batch / 4) (continuous refill), eager steps (graphs off) at batch
+256, top-p 0.9 and greedy at batch 256, 8 samples per prompt (shared prefill), and the fast path's
+logprobs against a teacher-forced HF forward of its own samples.
+
+    python tools/bench_rollout.py                 # H200: 0.5B and 1.5B shapes, batch 64/256/1024
+    python tools/bench_rollout.py --quick         # batch 256 only, no extras
+    python tools/bench_rollout.py --tiny          # CPU: a tiny shape, exercises the code path
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+SHAPES = {
+    "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
+}
+T0 = time.time()
+
+
+def say(msg: str) -> None:
+    print(f"[bench_rollout {time.time() - T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def free(dev) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def build_model(shape: str, dev, dtype):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6, eos_token_id=None,
+                      bos_token_id=None, pad_token_id=0, **SHAPES[shape])
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def hf_run(model, prompts, new: int, cap: float) -> tuple[int, float]:
+    """(sampled tokens, wall seconds) of one HF generate over ``prompts`` [B, P]."""
+    dev = prompts.device
+    sync(dev)
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0,
+                             top_k=0, top_p=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
+                             max_time=cap)
+    sync(dev)
+    wall = time.perf_counter() - t
+    return (out.shape[1] - prompts.shape[1]) * prompts.shape[0], wall
+
+
+def fast_run(eng, reqs, cap: float) -> tuple[int, float, list]:
+    """(sampled tokens, wall seconds, completions) of one engine.generate, aborted after ``cap`` s."""
+    timer = threading.Timer(cap, eng.abort)
+    sync(eng.device)
+    t = time.perf_counter()
+    timer.start()
+    try:
+        comps = eng.generate(reqs)
+    finally:
+        timer.cancel()
+    sync(eng.device)
+    wall = time.perf_counter() - t
+    return sum(len(c.output_ids) for c in comps), wall, comps
+
+
+def requests(prompts, new: int, n_samples: int = 1, **sp):
+    from megaforge.types import GenerateRequest, SamplingParams
+
+    params = dict(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=new, stop_token_ids=[])
+    params.update(sp)
+    return [GenerateRequest(p, SamplingParams(**params), f"r{i}-{k}")
+            for i, p in enumerate(prompts.tolist()) for k in range(n_samples)]
+
+
+def variant(fn, dev) -> dict:
+    """Run one measurement; an out-of-memory error becomes a note."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - one failed variant must not lose the others' figures
+        free(dev)
+        if is_oom(e):
+            say(f"  skipped (OOM): {str(e).splitlines()[0][:160]}")
+            return {"skipped": "OOM: " + str(e).splitlines()[0][:200]}
+        say(f"  failed: {type(e).__name__}: {e}")
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def measure_hf(model, prompts, new, cap) -> dict:
+    w_tok, w_wall = hf_run(model, prompts, min(16, new), cap)
+    tok, wall = hf_run(model, prompts, new, cap)
+    return {"tok_s": round(tok / wall, 1), "wall_s": round(wall, 3), "tokens": tok, "warmup_s": round(w_wall, 3),
+            "warmup_tokens": w_tok, "capped": tok < prompts.shape[0] * new}
+
+
+def measure_fast(model, reqs, max_batch, cap, dev, **opts) -> dict:
+    from megaforge.rollout.embedded import EmbeddedEngine
+
+    eng = EmbeddedEngine(model, None, max_batch=max_batch, fast="on", fast_options=opts)
+    try:
+        c_tok, c_wall, _ = fast_run(eng, reqs, cap)
+        tok, wall, comps = fast_run(eng, reqs, cap)
+        st = dict(eng.fast.stats)
+        want = sum(r.sampling.max_new_tokens for r in reqs)
+        return {"tok_s": round(tok / wall, 1), "wall_s": round(wall, 3), "tokens": tok,
+                "warmup_s": round(c_wall, 3), "warmup_tok_s": round(c_tok / c_wall, 1), "capped": tok < want,
+                "graph_captures": st["graph_captures"], "graph_failures": st["graph_failures"],
+                "cache_gib": round(st["cache_bytes"] / 2 ** 30, 2), "_comps": comps}
+    finally:
+        eng.release_memory(["kv_cache", "cuda_graph"])
+        del eng
+        free(dev)
+
+
+def logprob_check(model, reqs, comps, rows: int = 8) -> dict:
+    """Max / mean |fast logprob - teacher-forced HF logprob| over ``rows`` samples (temperature 1)."""
+    diffs = []
+    for r, c in list(zip(reqs, comps))[:rows]:
+        seq = torch.tensor([r.input_ids + c.output_ids], device=model.device)
+        with torch.no_grad():
+            logits = model(seq).logits[0, len(r.input_ids) - 1:-1].float()
+        ref = torch.log_softmax(logits, -1).gather(-1, seq[0, len(r.input_ids):, None]).squeeze(-1)
+        diffs.append((ref - torch.tensor(c.output_logprobs, device=ref.device)).abs())
+    d = torch.cat(diffs)
+    return {"rows": len(diffs), "max_abs": round(d.max().item(), 5), "mean_abs": round(d.mean().item(), 6)}
+
+
+def bench_shape(shape, args, dev, dtype) -> dict:
+    say(f"{shape}: building random {dtype} model on {dev}")
+    model = build_model(shape, dev, dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    res = {"params_m": round(n_params / 1e6, 1), "batches": {}}
+    g = torch.Generator().manual_seed(1)
+    V = SHAPES[shape]["vocab_size"]
+    for B in args.batches:
+        prompts = torch.randint(3, V, (B, args.prompt), generator=g).to(dev)
+        reqs = requests(prompts, args.new)
+        row = {}
+        say(f"{shape} B={B}: HF generate (dynamic cache)")
+        row["hf"] = variant(lambda: measure_hf(model, prompts, args.new, args.cap), dev)
+        say(f"  hf: {row['hf'].get('tok_s')} tok/s")
+        say(f"{shape} B={B}: fast path")
+        row["fast"] = variant(lambda: measure_fast(model, reqs, B, args.cap, dev), dev)
+        comps = row["fast"].pop("_comps", None)
+        say(f"  fast: {row['fast'].get('tok_s')} tok/s (warm-up run {row['fast'].get('warmup_s')} s)")
+        if comps is not None and B == args.batches[0] and not args.quick:
+            row["fast_logprob_check"] = logprob_check(model, reqs, comps)
+        if "tok_s" in row["hf"] and "tok_s" in row["fast"]:
+            row["ratio"] = round(row["fast"]["tok_s"] / row["hf"]["tok_s"], 2)
+        res["batches"][str(B)] = row
+        del comps
+        free(dev)
+    if not args.quick:
+        ex = res["extras"] = {}
+        Bmax = max(args.batches)
+        mid = 256 if 256 in args.batches else args.batches[0]
+        g2 = torch.Generator().manual_seed(2)
+        pm = torch.randint(3, V, (mid, args.prompt), generator=g2).to(dev)
+        mb = max(1, min(256, Bmax // 4))
+        runs = {
+            f"refill_B{Bmax}_maxbatch{mb}": lambda: measure_fast(
+                model, requests(torch.randint(3, V, (Bmax, args.prompt), generator=g2).to(dev), args.new),
+                mb, args.cap, dev),
+            f"eager_steps_B{mid}": lambda: measure_fast(model, requests(pm, args.new), mid, args.cap, dev,
+                                                        graphs=False),
+            f"top_p0.9_B{mid}": lambda: measure_fast(model, requests(pm, args.new, top_p=0.9), mid, args.cap, dev),
+            f"greedy_B{mid}": lambda: measure_fast(model, requests(pm, args.new, temperature=0.0), mid, args.cap, dev),
+            f"n8_shared_prefill_B{mid}": lambda: measure_fast(
+                model, requests(pm[: max(1, mid // 8)], args.new, n_samples=8), mid, args.cap, dev),
+        }
+        if dev.type != "cuda":
+            runs.pop(f"eager_steps_B{mid}")
+        for name, fn in runs.items():
+            say(f"{shape}: extra {name}")
+            ex[name] = variant(fn, dev)
+            ex[name].pop("_comps", None)
+            say(f"  {name}: {ex[name].get('tok_s')} tok/s")
+    del model
+    free(dev)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="batch 256 only (tiny: 8), no extras")
+    ap.add_argument("--tiny", action="store_true", help="a tiny shape (runs on CPU)")
+    ap.add_argument("--shapes", default=None, help="comma-separated, default qwen2-0.5b,qwen2-1.5b")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes, default 64,256,1024")
+    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 128; tiny 16)")
+    ap.add_argument("--new", type=int, default=None, help="sampled tokens (default 256; tiny 32)")
+    ap.add_argument("--cap", type=float, default=60.0, help="seconds per measured run")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default bfloat16 (tiny on CPU: float32)")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    if args.tiny:
+        shapes = ["tiny"]
+        args.batches = [int(b) for b in (args.batches or ("8" if args.quick else "4,8,16")).split(",")]
+        args.prompt, args.new = args.prompt or 16, args.new or 32
+    else:
+        shapes = (args.shapes or "qwen2-0.5b,qwen2-1.5b").split(",")
+        args.batches = [int(b) for b in (args.batches or ("256" if args.quick else "64,256,1024")).split(",")]
+        args.prompt, args.new = args.prompt or 128, args.new or 256
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[
+        args.dtype or ("float32" if dev.type == "cpu" else "bfloat16")]
+    if dev.type == "cpu":
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+    import transformers
+
+    out = {"bench": "rollout", "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+           "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype).split(".")[-1],
+           "prompt_tokens": args.prompt, "sampled_tokens": args.new, "cap_s": args.cap, "shapes": {}}
+    for shape in shapes:
+        out["shapes"][shape] = bench_shape(shape, args, dev, dtype)
+    target = {}
+    for shape, r in out["shapes"].items():
+        row = r["batches"].get("256")
+        if row is not None and "ratio" in row:
+            target[shape] = {"ratio_B256": row["ratio"], "met_3x": row["ratio"] >= 3.0}
+    out["target_B256"] = target
+    out["total_s"] = round(time.time() - T0, 1)
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
