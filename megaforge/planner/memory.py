@@ -49,12 +49,19 @@ a prefill workspace (``chunk*p*(2h + (qd + 2kvd)/etp + 3*F'/etp) + 8*max_bs*V``)
 prompt position ``B*P*V*p`` with one layer's activations and the padding mask ``B*P^2``, and
 ``B*V*(p + 24)`` for sampling (fp32 / fp64 CDF buffers).
 
+Optimizer step: PyTorch's foreach Adam (megatron-core's fallback without Transformer Engine or Apex,
+and the torch backend's AdamW) allocates the square root of the second moment, one temporary per
+updated parameter (4 B, fp32 master params; ``p`` B for the torch backend), after the activations
+are freed: the train peak is state + max(activations + loss, that temporary). TE's fused Adam has
+none.
+
 These are what ``torch.cuda.max_memory_allocated`` counts; the verdict adds a reserve per process
 for the CUDA context, NCCL buffers and allocator slack (``--reserve_gib``, default 2 for the trainer,
 1 for a separate engine process).
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
 
@@ -207,6 +214,27 @@ def activations(cfg, shape, lay, stage: int, seq: int, rows: int, n_micro: int, 
         head = s * (n + p) * shape.hidden / (lay.tp if lay.sp else 1)
         items.append(Item("logits / logprob buffers", s * vloc * loss_b + head, "trainer",
                           f"{s:.0f} tokens x {vloc:.0f} vocab cols x {loss_b} B (vocab-parallel)"))
+    return items
+
+
+def work_items(cfg, shape, lay, stage: int, mode: str) -> list[Item]:
+    """Activations and loss buffers of a train (``grpo``) or SFT step, plus the optimizer step's
+    temporary where it exceeds them (see module docstring)."""
+    seq, rows, nm = micro_batches(cfg, lay, mode)
+    items = activations(cfg, shape, lay, stage, seq, rows, nm, loss_bytes(cfg, mode))
+    if lay.backend == "megatron":
+        if lay.spec == "te" or importlib.util.find_spec("transformer_engine") is not None:
+            return items  # TE's fused Adam: no temporaries
+        sp = shape.stage_params(lay.tp, lay.pp, stage, lay.ep, lay.etp)
+        dense = sp["dense"] + sp["embedding"] + sp["output"]
+        n = dense / (lay.dp * lay.cp) + sp["expert"] / lay.edp if cfg.trainer.distributed_optimizer else dense + sp["expert"]
+        step = 4.0 * n
+    else:
+        step = float(dtype_bytes(cfg.model.dtype) * shape.hf_params())
+    extra = step - sum(i.bytes for i in items)
+    if extra > 0:
+        items.append(Item("optimizer step temporaries (beyond the activations)", extra, "trainer",
+                          "PyTorch foreach Adam: sqrt of the second moment"))
     return items
 
 

@@ -47,11 +47,8 @@ def estimate(cfg, shape, lay, hw, mode: str, reserve_gib: float) -> tuple[list, 
         phases[name] = best
 
     if mode == "sft" or cfg.sft.max_steps > 0:
-        seq, rows, nm = M.micro_batches(cfg, lay, "sft")
-        worst("sft", lambda st: M.trainer_state(cfg, shape, lay, st)
-              + M.activations(cfg, shape, lay, st, seq, rows, nm, M.loss_bytes(cfg, "sft")), tres)
+        worst("sft", lambda st: M.trainer_state(cfg, shape, lay, st) + M.work_items(cfg, shape, lay, st, "sft"), tres)
     if rl:
-        seq, rows, nm = M.micro_batches(cfg, lay, "grpo")
 
         def residue(st):
             left = M.reference(cfg, shape, lay, st, mode)
@@ -62,14 +59,14 @@ def estimate(cfg, shape, lay, hw, mode: str, reserve_gib: float) -> tuple[list, 
         if lay.colocated:
             worst("rollout", lambda st: roll_items + residue(st), tres + eres, "engine GPU")
             worst("train", lambda st: M.trainer_state(cfg, shape, lay, st) + M.reference(cfg, shape, lay, st, mode)
-                  + M.activations(cfg, shape, lay, st, seq, rows, nm, M.loss_bytes(cfg, "grpo")) + engine_left, tres + eres)
+                  + M.work_items(cfg, shape, lay, st, "grpo") + engine_left, tres + eres)
             bucket_bytes = min(cfg.sync.bucket_mb * (1 << 20), M.dtype_bytes(cfg.model.dtype) * shape.hf_params())
             bucket = M.Item("weight buckets (2 x sync.bucket_mb)", 2.0 * bucket_bytes, "trainer", "a bucket in flight + its flat copy")
             worst("sync", lambda st: [roll_items[0]] + engine_left + [bucket] + residue(st), tres + eres)
         else:
             phases["rollout"] = M.Phase("rollout", roll_items, eres or tres, "rollout GPU")
             worst("train", lambda st: M.trainer_state(cfg, shape, lay, st) + M.reference(cfg, shape, lay, st, mode)
-                  + M.activations(cfg, shape, lay, st, seq, rows, nm, M.loss_bytes(cfg, "grpo")), tres, "trainer GPU")
+                  + M.work_items(cfg, shape, lay, st, "grpo"), tres, "trainer GPU")
     order = [n for n in ("sft", "rollout", "train", "sync") if n in phases]
     out = [phases[n] for n in order]
     for ph in out:

@@ -229,3 +229,18 @@ def test_entropy_bonus_costs_the_entropy_backward():
     cols = base["model"]["padded_vocab"]
     diff = item(bonus, "train", "logits / logprob buffers") - item(base, "train", "logits / logprob buffers")
     assert diff == pytest.approx(mb["tokens_per_rank"] * cols * (26 - 14) / 2**30, abs=2e-3)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("transformer_engine") is not None,
+                    reason="TE's fused Adam has no step temporaries")
+def test_optimizer_step_temporary_bounds_the_train_peak():
+    """Without TE the foreach Adam's sqrt buffer (4 B per updated param) is a second candidate for
+    the peak: train = state + max(activations + loss, 4 * P)."""
+    p = plan(GSM8K, "--trainer.recompute", "full", "--rollout.max_new_tokens", "256", "--rollout.num_engines", "1",
+             model_config=QWEN3, gpus_per_node=1, gpu="H200")
+    items = p["phases"]["train"]["items"]
+    work = sum(v for k, v in items.items() if k.startswith(("activations", "one layer", "logits")))
+    step = 4 * 1720574976 / 2**30
+    assert items["optimizer step temporaries (beyond the activations)"] == pytest.approx(step - work, abs=2e-3)
+    big = plan(GSM8K, model_config=QWEN3, gpus_per_node=8, gpu="H200")
+    assert not any("temporaries" in k for k in big["phases"]["train"]["items"])  # activations dominate
