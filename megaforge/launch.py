@@ -19,7 +19,8 @@ def main(mode: str, argv=None) -> None:
     if "--help" in argv or "-h" in argv:
         from megaforge import planner
 
-        print("dry run (plan only: no run directory, no weights):\n" + planner.__doc__.split("Launcher flags", 1)[1].strip() + "\n")
+        print("Dry run (the plan only: no run directory, no weights), launcher flags "
+              + planner.__doc__.split("Launcher flags", 1)[1].strip() + "\n")
     try:
         plan_opts, argv = split_argv(argv)  # --dry_run and its flags (megaforge.planner)
         cfg = load_config(argv)
