@@ -88,10 +88,13 @@ class FastDecoder:
     """Static-cache decoding for an :class:`EmbeddedEngine` (its model, tokenizer, pad id, abort flag).
 
     chunk: decode steps between host copies; graphs: CUDA graphs (None: on CUDA devices);
-    prefill_tokens: padded prompt tokens per prefill forward.
+    prefill_tokens: padded prompt tokens per prefill forward; memory_fraction: on CUDA, the slots
+    (their K/V rows plus the sampling buffers of a step) take at most this fraction of the free
+    device memory: fewer slots than requested means more refill rounds, not an out-of-memory error.
     """
 
-    def __init__(self, engine, chunk: int = 32, graphs: Optional[bool] = None, prefill_tokens: int = 32768):
+    def __init__(self, engine, chunk: int = 32, graphs: Optional[bool] = None, prefill_tokens: int = 32768,
+                 memory_fraction: float = 0.5):
         self.engine = engine
         self.fwd = StaticForward(engine.model)
         self.device = engine.device
@@ -100,6 +103,8 @@ class FastDecoder:
             raise ValueError("fast rollout path: CUDA graphs need a CUDA device")
         self.chunk = int(chunk)
         self.prefill_tokens = int(prefill_tokens)
+        self.memory_fraction = float(memory_fraction)
+        self._side = None
         self.vocab = engine.model.lm_head.weight.shape[0]
         self.cache = None
         self.slots: Optional[SlotState] = None
@@ -119,16 +124,29 @@ class FastDecoder:
         S = max(S_need, 4)
         if self._shape is not None:
             oB, oL, oS = self._shape
-            if self.cache is not None and oB >= B and oL >= L and oS >= S:
-                return
+            if self.cache is not None and oL >= L and oS >= S and (oB >= B or self._fit(B, L) <= oB):
+                return  # big enough (or as big as memory allows: refill does the rest)
             B, L, S = max(B, oB), max(L, oL), max(S, oS)
-        self._allocate(B, L, S)
+        self._allocate(self._fit(B, L), L, S)
+
+    def _fit(self, B: int, L: int) -> int:
+        """Slots (<= B) whose K/V rows of length L and per-step sampling buffers fit the memory budget
+        (free device memory, plus what this process's allocator holds unused, plus our own cache)."""
+        if self.device.type != "cuda":
+            return B
+        free = torch.cuda.mem_get_info(self.device)[0]
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        if self.cache is not None:
+            free += self.cache.nbytes
+        per_row = L * self.fwd.kv_bytes_per_token + 24 * self.vocab
+        fit = max(1, int(self.memory_fraction * free) // per_row)
+        if fit < B:
+            log.warning("fast rollout path: %d slots of %d tokens fit in %.0f%% of the free GPU memory (asked %d)",
+                        fit, L, 100 * self.memory_fraction, B)
+        return min(B, fit)
 
     def _allocate(self, B: int, L: int, S: int) -> None:
-        self.drop_graphs()
-        self.cache = self.slots = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.free_cache()
         self.cache = self.fwd.new_cache(B, L, self.device)
         self.slots = SlotState(B, S, self.chunk, self.device)
         self._shape = (B, L, S)
@@ -182,7 +200,9 @@ class FastDecoder:
             return
         # first use of this bucket: the real step runs eagerly on a side stream (warm-up), then the
         # same step is captured (capture records, it does not run)
-        side = torch.cuda.Stream(self.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self._step_body(Bb, Lb, flags)
@@ -191,7 +211,7 @@ class FastDecoder:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
+            with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
                 self._step_body(Bb, Lb, flags)
             self.graphs[key] = g
             self.stats["graph_captures"] += 1

@@ -90,6 +90,11 @@ class StaticForward:
     def dtype(self) -> torch.dtype:
         return self.model.model.embed_tokens.weight.dtype
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Cache bytes of one token of one row (K and V, every layer)."""
+        return 2 * self.n_layers * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
     def new_cache(self, B: int, L: int, device) -> StaticKVCache:
         return StaticKVCache(self.n_layers, B, self.kv_heads, L, self.head_dim, self.dtype, device)
 
