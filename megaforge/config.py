@@ -232,7 +232,21 @@ class RolloutConfig:
     startup_timeout_s: float = 600.0
     """Seconds an engine may take to become healthy."""
     request_timeout_s: float = 600.0
-    """Seconds one generation request may take."""
+    """Seconds one generation request may take (HTTP engines: one request carries an engine's whole
+    share of the step when there is no router). An engine that does not answer within it is hung: it is
+    restarted (see ``rollout.max_restarts``)."""
+    max_restarts: int = 3
+    """Engine fault tolerance (HTTP engines: embedded_server, sglang): restarts allowed per engine per
+    RL step. A dead or hung engine (process exited, connection refused or reset, no answer within
+    request_timeout_s or health_timeout_s) is restarted, re-synced to the served weight version from a
+    snapshot written by each weight update, its memory state restored and its unfinished requests
+    re-issued (each prompt gets its samples once). One more failure stops the run with an error naming
+    the engine and its log. 0: no restarts and no snapshot."""
+    health_timeout_s: float = 30.0
+    """Seconds an engine's /health_generate may take in the health check at the start of every step."""
+    snapshot_dir: str = ""
+    """Folder of the weight snapshot that re-syncs a restarted engine (empty: a temporary folder; a
+    folder under /dev/shm keeps it in RAM). With sync.transport disk the update's shards are the snapshot."""
     generate_fn: str = ""
     """Custom rollout function ``package.module:callable`` (multi-turn / agentic); empty: single turn."""
     max_turns: int = 4
@@ -478,6 +492,8 @@ class Config:
         need(self.rollout.batch_size >= 1, "rollout.batch_size", "must be >= 1")
         need(self.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
         need(0 < self.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+        need(self.rollout.max_restarts >= 0, "rollout.max_restarts", "must be >= 0")
+        need(self.rollout.health_timeout_s > 0, "rollout.health_timeout_s", "must be > 0")
         need(self.trainer.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
         need(self.trainer.mini_batches >= 1, "trainer.mini_batches", "must be >= 1")
         need(self.trainer.epochs >= 1, "trainer.epochs", "must be >= 1")

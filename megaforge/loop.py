@@ -327,6 +327,7 @@ class Run:
         group survives, the last round's groups train (their advantages are 0)."""
         cfg = self.cfg
         target, n = cfg.rollout.batch_size, cfg.grpo.n_samples
+        self.engine.ensure_healthy()  # a dead or hung engine is restarted and re-synced (rollout.max_restarts)
         if not cfg.algo.dynamic_sampling:
             generated = samples = self._generate(step, target, 0, m)
         else:
@@ -359,6 +360,7 @@ class Run:
             "response/length_frac": sum(s.finish_reason == "length" for s in generated) / len(generated),
             "response/empty_frac": float((lens == 0).float().mean()),
             "data/skipped_rows": float(self.data.skipped), "data/epoch": float(self.data.epoch),
+            **self.engine.health_metrics(),
         })
         for s in generated[: cfg.metrics.log_samples]:
             bar.write(f"[step {step}] reward={s.reward:.2f} | {s.prompt_text!r} -> {s.response_text!r}")

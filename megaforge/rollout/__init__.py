@@ -7,7 +7,7 @@ ENGINES = ("embedded", "embedded_server", "sglang")
 def preflight(cfg) -> None:
     """Checks that need no engine yet (run at start-up, before any SFT): e.g. sglang installed."""
     if cfg.rollout.engine == "sglang":
-        from megaforge.rollout.sglang import require_sglang
+        from megaforge.rollout.http_launch import require_sglang
 
         require_sglang(router=cfg.rollout.router and cfg.rollout.num_engines > 1)
 
@@ -20,7 +20,7 @@ def build_engine(cfg, tokenizer):
 
         return EmbeddedEngine.from_config(cfg, tokenizer)
     if kind in ("embedded_server", "sglang"):
-        from megaforge.rollout.sglang import build_http_engine
+        from megaforge.rollout.http_launch import build_http_engine
 
         return build_http_engine(cfg, tokenizer, kind)
     raise ValueError(f"rollout.engine {kind!r} is not available in this build; valid: {', '.join(ENGINES)}")

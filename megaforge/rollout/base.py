@@ -39,6 +39,15 @@ class Engine(ABC):
         """True when the engine can serve a generation."""
         return True
 
+    def ensure_healthy(self) -> None:
+        """Called by the loop at the start of every step (main rank): check the engine and bring a dead
+        or hung one back (restart, weights re-synced to the served version, memory state restored), or
+        raise naming it. Starts the step's restart budget. Default: nothing to check (in-process)."""
+
+    def health_metrics(self) -> dict:
+        """Health counters for the step's metrics (e.g. ``health/engine_restarts``); default none."""
+        return {}
+
     def abort(self) -> None:
         """Abort all in-flight requests (they finish with reason ``abort``)."""
 

@@ -4,13 +4,17 @@
 
 * its own process group (``start_new_session``), so stopping it stops everything it spawned;
 * ``PR_SET_PDEATHSIG = SIGKILL`` set in the child (``preexec_fn``, Linux): if the parent dies, even by
-  SIGKILL, the kernel kills the server. The signal follows the *thread* that started the child, so
-  start servers from the main thread (``build_engine`` does);
+  SIGKILL, the kernel kills the server. The signal follows the *thread* that started the child, so a
+  server started from another thread (a restart inside a background ``generate``) is spawned by a
+  process-long spawner thread, never by the short-lived caller;
 * stdout and stderr appended to its log file (``<run dir>/logs/engine_K.log``), after a header with
   the command line (API keys redacted);
 * a port chosen safely: the embedded server inherits a socket we bound and hold (``--sock-fd``), so no
   other process can take the port in between; SGLang gets a port picked by binding port 0, and is
   relaunched on a fresh port when its log says the address was in use;
+* restart (engine fault tolerance, :mod:`megaforge.rollout.recovery`): stop, a line saying why appended
+  to the same log, start again on the same port when it can be bound again (so a router in front keeps
+  its worker URL), else a fresh one;
 * readiness: ``GET /health_generate`` (``/health`` for the router) polled until HTTP 200; a server
   that exits, or is not ready within the timeout, raises :class:`ServerStartError` with its exit code
   and the tail of its log (and is killed).
@@ -77,12 +81,20 @@ def url_for(host: str, port: int) -> str:
     return f"http://[{h}]:{port}" if ":" in h else f"http://{h}:{port}"
 
 
-def bound_socket(host: str) -> socket.socket:
-    """A listening socket on a free port of ``host``, to hand to the embedded server (bind and hold)."""
+def bound_socket(host: str, port: int = 0) -> socket.socket:
+    """A listening socket on ``port`` (0: a free one) of ``host``, to hand to the embedded server (bind
+    and hold). SO_REUSEADDR, inherited by the accepted connections, lets a restarted server bind the
+    port again while a dead server's connections linger (FIN_WAIT, TIME_WAIT); Linux still refuses a
+    port another socket listens on."""
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
     s = socket.socket(fam, socket.SOCK_STREAM)
-    s.bind((host, 0))
-    s.listen(128)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
+        s.listen(128)
+    except OSError:
+        s.close()
+        raise
     return s
 
 
@@ -91,6 +103,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(fam, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def port_free(host: str, port: int) -> bool:
+    """True when ``port`` of ``host`` can be bound now (SO_REUSEADDR, as servers bind)."""
+    try:
+        bound_socket(host, port).close()
+        return True
+    except OSError:
+        return False
 
 
 def redact(cmd: list[str]) -> list[str]:
@@ -110,6 +131,24 @@ def tail(path: str, n: int = 40) -> str:
     except OSError as e:
         return f"<cannot read {path}: {e}>"
     return "\n".join(lines[-n:])
+
+
+_SPAWNER = None
+_SPAWNER_LOCK = threading.Lock()
+
+
+def _spawn(fn):
+    """``fn()`` (a Popen) on the main thread, or on a spawner thread that lives as long as the process:
+    PR_SET_PDEATHSIG fires when the thread that forked the child ends."""
+    global _SPAWNER
+    if threading.current_thread() is threading.main_thread():
+        return fn()
+    with _SPAWNER_LOCK:
+        if _SPAWNER is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="megaforge-spawner")
+    return _SPAWNER.submit(fn).result()
 
 
 _LIVE: list["ServerProcess"] = []
@@ -154,6 +193,8 @@ class ServerProcess:
         self.hold_socket, self.api_key, self.probe = hold_socket, api_key, probe
         self.proc: Optional[subprocess.Popen] = None
         self.port = 0
+        self.want_port = 0  # a restart asks for the previous port first
+        self.restarts = 0
 
     @property
     def url(self) -> str:
@@ -168,17 +209,19 @@ class ServerProcess:
 
     def start(self) -> "ServerProcess":
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
-        sock = bound_socket(self.host) if self.hold_socket else None
+        want, self.want_port = self.want_port, 0  # only the first attempt: a retry takes a fresh port
+        if want and not port_free(self.host, want):
+            want = 0
+        sock = bound_socket(self.host, want) if self.hold_socket else None
         try:
-            self.port = sock.getsockname()[1] if sock else free_port(self.host)
+            self.port = sock.getsockname()[1] if sock else (want or free_port(self.host))
             cmd = self.make_cmd(self.port, sock.fileno() if sock else None)
             with open(self.log_path, "ab") as log:
                 log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {self.name}: {' '.join(redact(cmd))}\n".encode())
                 log.flush()
-                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             env=self.env, start_new_session=True,
-                                             preexec_fn=_preexec(os.getpid()),
-                                             pass_fds=(sock.fileno(),) if sock else ())
+                self.proc = _spawn(lambda: subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+                    start_new_session=True, preexec_fn=_preexec(os.getpid()), pass_fds=(sock.fileno(),) if sock else ()))
         finally:
             if sock is not None:
                 sock.close()  # the child holds its own copy
@@ -250,10 +293,28 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             pass
 
-    def restart(self, timeout_s: float) -> "ServerProcess":
-        """Stop and start again (fresh port), waiting for readiness: the fault-tolerance hook."""
-        self.stop()
-        return self.start_ready(timeout_s)
+    def note(self, line: str) -> None:
+        """Append a line to the server's log (e.g. why it is restarted)."""
+        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {self.name}: {line}\n".encode())
+
+    def restart(self, timeout_s: float, grace_s: float = 10.0, reason: str = "", same_port: bool = True,
+                require_same_port: bool = False) -> "ServerProcess":
+        """Stop (SIGTERM, SIGKILL after ``grace_s``: a hung or stopped server too) and start again,
+        waiting for readiness; the log is appended to. ``same_port``: on the previous port when it can
+        be bound again, else a fresh one (``require_same_port``: else ServerStartError, e.g. when a
+        router holds the worker URL)."""
+        old = self.port
+        self.stop(grace_s)
+        self.restarts += 1
+        self.note(f"restart {self.restarts} (was pid {self.pid}, port {old}): {reason or 'requested'}")
+        if same_port and old:
+            if require_same_port and not port_free(self.host, old):
+                raise ServerStartError(f"{self.name}: port {old} of {self.host} is taken by another process; the "
+                                       f"restarted server must keep its URL (a router sends to it)")
+            self.want_port = old
+        return self.start_ready(timeout_s, attempts=1 if require_same_port else 3)
 
 
 def start_all(servers: list[ServerProcess], timeout_s: float) -> list[ServerProcess]:

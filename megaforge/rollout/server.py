@@ -2,6 +2,7 @@
 
     python -m megaforge.rollout.server --model DIR --port P [--host 127.0.0.1] [--api-key K]
         [--tokenizer DIR] [--device cpu] [--dtype float32] [--log-file F] [--weight-version V]
+        [--generate-delay S]
 
 Endpoints (request/answer fields as sglang 0.5.23; schemas in :mod:`megaforge.rollout.protocol`):
 ``/generate``, ``/update_weights_from_tensor``, ``/update_weights_from_disk``,
@@ -67,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-file", default=None)
     p.add_argument("--sock-fd", type=int, default=None, help="serve on this inherited, bound socket")
     p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds for weight-update group set-up")
+    p.add_argument("--generate-delay", type=float, default=0.0,
+                   help="seconds each /generate batch waits after it is accepted (it counts as running) before "
+                        "decoding starts: emulates a slow engine for timeout and fault-tolerance tests (default 0)")
     a = p.parse_args(argv)
     a.api_key = a.api_key or os.environ.get(API_KEY_ENV) or None
     return a
@@ -87,6 +91,7 @@ class Server:
         self.running: set[str] = set()
         self.aborted_rids: set[str] = set()
         self.epoch = 0
+        self.served = 0  # requests generated to completion (stop/length) since start
         self.unpaused = asyncio.Event()
         self.unpaused.set()
         self.started = time.time()
@@ -170,9 +175,13 @@ class Server:
         todo = [r for r, _, _ in items if r.rid not in self.aborted_rids]
         self.running.update(r.rid for r in todo)
         try:
-            done = {c.rid: c for c in self.engine.generate(todo)} if todo else {}
+            if self.args.generate_delay > 0:
+                time.sleep(self.args.generate_delay)
+            go = todo if epoch == self.epoch else []  # an abort_all during the delay aborts them
+            done = {c.rid: c for c in self.engine.generate(go)} if go else {}
         finally:
             self.running.difference_update(r.rid for r in todo)
+        self.served += sum(c.finish_reason != "abort" for c in done.values())
         self.aborted_rids.difference_update(r.rid for r, _, _ in items)
         return [done.get(r.rid) or Completion(r.rid, [], [], "abort", 0, "") for r, _, _ in items], version
 
@@ -282,7 +291,8 @@ class Server:
                 "released_memory": sorted(self.released), "running_requests": len(self.running),
                 "queued_requests": len(self.queued), "paused": not self.unpaused.is_set(),
                 "weight_update_session": self.session_open, "weight_update_groups": sorted(self.groups),
-                "startup_time": self.started, "version": __version__, "frontend": "megaforge-embedded"}
+                "startup_time": self.started, "version": __version__, "frontend": "megaforge-embedded",
+                "pid": os.getpid(), "served_requests": self.served}
 
 
 def load(args):

@@ -19,6 +19,9 @@ megaforge's embedded server (``rollout.engine: embedded_server``), through one c
 * ``release_memory`` / ``resume_memory`` send only tags whose state changes (SGLang fails on resuming
   a tag that was not released), and the engine refuses weight updates while ``weights`` is released.
 * ``weight_version`` asks every server (``/model_info``) and fails if they disagree.
+* fault tolerance (:mod:`megaforge.rollout.recovery`): a dead or hung engine is restarted, re-synced
+  from the weight snapshot (:mod:`megaforge.rollout.snapshot`, written by every update), its memory
+  state restored and its unfinished requests re-issued, ``rollout.max_restarts`` times per step.
 
 The sync methods run coroutines on a private event-loop thread; ``abort()`` is safe from any thread.
 """
@@ -29,7 +32,6 @@ import concurrent.futures
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -42,6 +44,8 @@ from megaforge.rollout import wire
 from megaforge.rollout.base import MEMORY_TAGS, Engine, check_tags
 from megaforge.rollout.client import SGLangClient
 from megaforge.rollout.protocol import completion_from_output
+from megaforge.rollout.recovery import ROUTER, EngineFailure, Recovery  # noqa: F401  (EngineFailure: re-export)
+from megaforge.rollout.snapshot import WeightSnapshot
 from megaforge.types import Completion, GenerateRequest
 
 TRANSPORTS = ("auto", "shm", "ipc", "nccl", "disk")
@@ -68,11 +72,15 @@ def _lookahead(it: Iterable):
     yield cur, True
 
 
-class HTTPEngine(Engine):
+class HTTPEngine(Recovery, Engine):
     def __init__(self, urls: Sequence[str], api_key: str = "", router_url: Optional[str] = None,
                  timeout_s: float = 600.0, transport: str = "auto", tp_sizes: Optional[Sequence[int]] = None,
                  processes: Sequence = (), model_dir: str = "", cleanup_dirs: Sequence[str] = (),
-                 max_concurrency: int = 256, group_name: str = "megaforge_weight_update"):
+                 max_concurrency: int = 256, group_name: str = "megaforge_weight_update",
+                 max_restarts: int = 0, snapshot_dir: str = "", health_timeout_s: float = 30.0,
+                 startup_timeout_s: float = 600.0):
+        """``max_restarts`` > 0 turns fault tolerance on (:mod:`megaforge.rollout.recovery`): every weight
+        update also writes the snapshot (under ``snapshot_dir``, a temporary folder when empty)."""
         if transport == "inproc":
             raise ValueError("sync.transport 'inproc' needs rollout.engine: embedded (these engines are other processes)")
         if transport not in TRANSPORTS:
@@ -87,6 +95,8 @@ class HTTPEngine(Engine):
         self.timeout_s = timeout_s
         self._released: set[str] = set()
         self._pg = None
+        self.snapshot = WeightSnapshot(snapshot_dir, model_dir) if max_restarts > 0 else None
+        self._init_recovery(max_restarts, health_timeout_s, startup_timeout_s)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="megaforge-engine-http", daemon=True)
         self._thread.start()
@@ -107,6 +117,8 @@ class HTTPEngine(Engine):
 
     # ----------------------------------------------------------------------------------- generate
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        """One completion per request, in order. Chunks whose engine failed are re-issued after the
+        engine's recovery, minus the requests already answered; answers are kept once per rid."""
         if not requests:
             return []
         if self._released & {"weights", "kv_cache"}:
@@ -117,14 +129,12 @@ class HTTPEngine(Engine):
             rid = r.rid if (r.rid and r.rid not in seen) else f"{r.rid or 'req'}-{uuid.uuid4().hex[:12]}"
             seen.add(rid)
             rids.append(rid)
+        where = {rid: i for i, rid in enumerate(rids)}
         if self.router is not None:
-            chunks = [[i] for i in range(len(requests))]
-            targets = [self.router] * len(chunks)
+            pending = [(ROUTER, [i]) for i in range(len(requests))]
         else:
-            n = len(self.clients)
-            size = -(-len(requests) // n)
-            chunks = [list(range(s, min(s + size, len(requests)))) for s in range(0, len(requests), size)]
-            targets = self.clients[: len(chunks)]
+            size = -(-len(requests) // len(self.clients))
+            pending = [(k, list(range(s, min(s + size, len(requests))))) for k, s in enumerate(range(0, len(requests), size))]
 
         async def one(client: SGLangClient, idx: list[int]):
             payload = {"input_ids": [requests[i].input_ids for i in idx],
@@ -134,43 +144,99 @@ class HTTPEngine(Engine):
             if not isinstance(outs, list) or len(outs) != len(idx):
                 raise ValueError(f"{client.url}/generate: expected {len(idx)} answers, got {type(outs).__name__} "
                                  f"{len(outs) if isinstance(outs, list) else ''}")
-            return outs
-
-        async def run():
-            return await asyncio.gather(*(one(c, idx) for c, idx in zip(targets, chunks)))
+            return [completion_from_output(o, f"{client.url}/generate") for o in outs]
 
         out: list[Optional[Completion]] = [None] * len(requests)
-        for (idx, outs), target in zip(zip(chunks, self._call(run())), targets):
-            for i, o in zip(idx, outs):
-                c = completion_from_output(o, f"{target.url}/generate")
-                c.rid = requests[i].rid
-                out[i] = c
+        while pending:
+            round_epochs = list(self._epochs)
+            epochs = [None if k == ROUTER else self._epochs[k] for k, _ in pending]
+            clients = [self.router if k == ROUTER else self.clients[k] for k, _ in pending]
+            results = self._call(_gather([one(c, idx) for c, (_, idx) in zip(clients, pending)], return_exceptions=True))
+            failed = []
+            for (k, idx), ep, res in zip(pending, epochs, results):
+                if isinstance(res, BaseException):
+                    if not isinstance(res, Exception) or not self._is_fault(k, res):
+                        raise res
+                    failed.append((k, idx, ep, res))
+                    continue
+                for i, c in zip(idx, res):
+                    i = where.get(c.rid, i)  # by rid (the server echoes it), else by position
+                    if out[i] is None:  # an answer is kept once
+                        c.rid = requests[i].rid
+                        out[i] = c
+            pending = []
+            router_failed = [err for k, _, _, err in failed if k == ROUTER]
+            if router_failed:  # once per round: which engine behind the router failed is found by health checks
+                self._recover_any(router_failed[0], round_epochs)
+            for k, idx, ep, err in failed:
+                if k != ROUTER:
+                    self._recover(k, err, ep)
+                left = [i for i in idx if out[i] is None]
+                if left:
+                    pending.append((k, left))
         return out  # type: ignore[return-value]
 
     # ------------------------------------------------------------------------------------ weights
     @property
     def weight_version(self) -> int:
-        versions = self._all(lambda c: c.get_weight_version())
+        versions = self._guarded_all(lambda c: c.get_weight_version())
         if len(set(versions)) != 1:
             raise EngineStateError("engines serve different weight versions: "
                                    + ", ".join(f"{c.url}={v}" for c, v in zip(self.clients, versions)))
         return versions[0]
 
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
+        """Every bucket reaches every engine and (fault tolerance on) the snapshot of ``version``; an
+        engine that fails meanwhile is restarted afterwards and loads the complete snapshot."""
         if "weights" in self._released:
             raise EngineStateError("update_weights called while the engine weights are released; resume 'weights' first")
-        if self.transport == "disk":
-            return self._update_from_disk(buckets, version)
-        self._all(lambda c: c.begin_weight_update())
+        if self.snapshot is not None:
+            self.snapshot.begin(version)
+        failed: dict[int, tuple] = {}  # engine -> (epoch, error) of a fault during this update
         try:
-            if self.transport == "nccl":
-                self._update_distributed(buckets, version)
+            if self.transport == "disk":
+                self._update_from_disk(buckets, version)
             else:
-                self._update_from_tensor(buckets, version)
-        finally:
-            self._all(lambda c: c.end_weight_update())
+                self._guarded_all(lambda c: c.begin_weight_update())
+                try:
+                    if self.transport == "nccl":
+                        self._update_distributed(buckets, version)
+                    else:
+                        self._update_from_tensor(buckets, version, failed)
+                finally:
+                    self._end_session(failed)
+            if self.snapshot is not None:
+                self.snapshot.commit()
+        except BaseException:
+            if self.snapshot is not None:
+                self.snapshot.abort()
+            raise
+        for k, (ep, err) in sorted(failed.items()):
+            self._recover(k, err, ep)  # loads the snapshot just committed
 
-    def _update_from_tensor(self, buckets, version: int) -> None:
+    def _send_all(self, make, failed: dict):
+        """Submit ``make(k, client)`` to every engine not in ``failed``; returns ``wait()``, which waits,
+        records the engines that failed with a fault in ``failed`` and raises any other error."""
+        ks = [k for k in range(len(self.clients)) if k not in failed]
+        epochs = [self._epochs[k] for k in ks]
+
+        async def run():
+            return await asyncio.gather(*(make(k, self.clients[k]) for k in ks), return_exceptions=True)
+
+        fut = self._submit(run())
+
+        def wait() -> None:
+            for k, ep, r in zip(ks, epochs, fut.result()):
+                if isinstance(r, BaseException):
+                    if not isinstance(r, Exception) or not self._is_fault(k, r):
+                        raise r
+                    failed[k] = (ep, r)
+        return wait
+
+    def _end_session(self, failed: dict) -> None:
+        self._send_all(lambda k, c: c.end_weight_update(), failed)()
+
+    def _update_from_tensor(self, buckets, version: int, failed: dict) -> None:
         inflight: Optional[tuple] = None
         sent = False
         for bucket, last in _lookahead(buckets):
@@ -178,22 +244,20 @@ class HTTPEngine(Engine):
                 raise ValueError("sync.transport 'ipc' needs CUDA tensors; the trainer's are on "
                                  f"{bucket[0][1].device} (use 'shm' or 'auto')")
             flat, metas = wire.flatten(bucket, to_cpu=self.transport == "shm")
-
-            async def send(flat=flat, metas=metas, last=last):
-                await asyncio.gather(*(c.update_weights_from_tensor(
-                    [wire.flattened_bucket_payload(flat, metas) for _ in range(tp)], load_format=wire.FLATTENED_BUCKET,
-                    flush_cache=last, weight_version=str(version) if last else None)
-                    for c, tp in zip(self.clients, self.tp_sizes)))
-
-            fut = self._submit(send())
+            fut = self._send_all(lambda k, c, flat=flat, metas=metas, last=last: c.update_weights_from_tensor(
+                [wire.flattened_bucket_payload(flat, metas) for _ in range(self.tp_sizes[k])],
+                load_format=wire.FLATTENED_BUCKET, flush_cache=last, weight_version=str(version) if last else None),
+                failed)
+            if self.snapshot is not None:  # written while the engines load the same bucket
+                self.snapshot.add_flat(flat, metas)
             if inflight is not None:
-                inflight[0].result()
+                inflight[0]()
             inflight = (fut, flat)  # the buffer stays alive until its request is answered
             sent = True
         if inflight is not None:
-            inflight[0].result()
+            inflight[0]()
         if not sent:
-            self._all(lambda c: c.update_weight_version(str(version)))
+            self._send_all(lambda k, c: c.update_weight_version(str(version)), failed)()
 
     def _ensure_group(self, device: torch.device) -> None:
         if self._pg is not None:
@@ -247,8 +311,18 @@ class HTTPEngine(Engine):
                 time.sleep(0.002)
             work.wait()
             fut.result()
+            if self.snapshot is not None:
+                self.snapshot.add_flat(flat.cpu(), metas)
 
     def _update_from_disk(self, buckets, version: int) -> None:
+        """Shards in a folder, loaded by every engine; with fault tolerance on, the folder is the
+        snapshot (committed first, so a recovered engine loads it too)."""
+        if self.snapshot is not None:
+            for bucket in buckets:
+                self.snapshot.add_named(bucket)
+            d = self.snapshot.commit()
+            self._guarded_all(lambda c: c.update_weights_from_disk(d, weight_version=str(version)))
+            return
         from safetensors.torch import save_file
 
         d = tempfile.mkdtemp(prefix="megaforge-weights-")
@@ -269,13 +343,13 @@ class HTTPEngine(Engine):
     def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         todo = [t for t in check_tags(tags) if t not in self._released]
         if todo:
-            self._all(lambda c: c.release_memory_occupation(todo))
+            self._guarded_all(lambda c: c.release_memory_occupation(todo))
             self._released |= set(todo)
 
     def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         todo = [t for t in check_tags(tags) if t in self._released]
         if todo:
-            self._all(lambda c: c.resume_memory_occupation(todo))
+            self._guarded_all(lambda c: c.resume_memory_occupation(todo))
             self._released -= set(todo)
 
     @property
@@ -286,15 +360,18 @@ class HTTPEngine(Engine):
     def health(self) -> bool:
         return all(self._all(lambda c: c.health_generate()))
 
-    def restart_server(self, k: int, timeout_s: float = 600.0) -> None:
-        """Restart engine ``k`` (one this engine launched), e.g. after a failed health check. It comes
-        back with its initial weights and version 0, memory resident: the caller re-syncs weights."""
-        proc = next((p for p in self.processes if p.name == f"engine_{k}"), None)
+    def restart_server(self, k: int, timeout_s: float = 600.0, reason: str = "", restore_memory: bool = True) -> None:
+        """Restart engine ``k`` (one this engine launched). It comes back with its initial weights and
+        version 0 (``restore_memory``: in the engines' memory state); the recovery path
+        (:mod:`megaforge.rollout.recovery`) re-syncs its weights from the snapshot, then its memory."""
+        proc = self._proc(k)
         if proc is None:
             raise ValueError(f"engine {k} was not launched by this HTTPEngine; it cannot restart it")
         old = self.clients[k]
-        proc.restart(timeout_s)
-        self._call(old.close())
+        try:
+            proc.restart(timeout_s, grace_s=3.0, reason=reason, require_same_port=self.router is not None)
+        finally:
+            self._call(old.close())
         self.clients[k] = SGLangClient(proc.url, old.api_key, old.timeout_s, old.max_concurrency)
         if self._pg is not None:  # the group lost a member: dropped everywhere, rebuilt on the next update
             from megaforge.rollout import weight_group
@@ -303,7 +380,7 @@ class HTTPEngine(Engine):
             self._call(_gather([c.destroy_weights_update_group(self.group_name) for c in others], return_exceptions=True))
             weight_group.destroy(self._pg)
             self._pg = None
-        if self._released:  # keep one memory state across engines
+        if self._released and restore_memory:  # keep one memory state across engines
             self._call(self.clients[k].release_memory_occupation(sorted(self._released)))
 
     def abort(self) -> None:
@@ -337,136 +414,17 @@ class HTTPEngine(Engine):
                 p.stop()
             for d in self.cleanup_dirs:
                 shutil.rmtree(d, ignore_errors=True)
+            if self.snapshot is not None:
+                self.snapshot.close()
 
 
 
-# ------------------------------------------------------------------------------------- launching
-SGLANG_TESTED = {"sglang": "0.5.23", "sglang-router": "0.3.2"}
+_MOVED = ("SGLANG_TESTED", "require_sglang", "gpu_assignment", "build_http_engine")
 
 
-def require_sglang(router: bool = False) -> None:
-    """Fail early, naming the extra to install, when the sglang packages are missing."""
-    import importlib.metadata
-    import importlib.util
-    import warnings
+def __getattr__(name):  # the launching code lives in megaforge.rollout.http_launch
+    if name in _MOVED:
+        from megaforge.rollout import http_launch
 
-    from megaforge.configtree import ConfigError
-
-    need = [("sglang", "sglang")] + ([("sglang-router", "sglang_router")] if router else [])
-    missing = [pkg for pkg, mod in need if importlib.util.find_spec(mod) is None]
-    if missing:
-        pins = ", ".join(f"{k}=={v}" for k, v in SGLANG_TESTED.items())
-        raise ConfigError(f"rollout.engine 'sglang'{' with rollout.router' if router else ''} needs {', '.join(missing)}, "
-                          f"which is not installed: pip install 'megaforge[sglang]' (tested with {pins})")
-    for pkg, _ in need:
-        v = importlib.metadata.version(pkg)
-        if v != SGLANG_TESTED[pkg]:
-            warnings.warn(f"{pkg} {v} is installed; megaforge is tested with {pkg}=={SGLANG_TESTED[pkg]}")
-
-
-def gpu_assignment(num_engines: int, tp: int, num_gpus: int, local_world: int, visible: Optional[list[int]]) -> list[list[int]]:
-    """GPU ids (as the parent sees them, mapped through its CUDA_VISIBLE_DEVICES) of each engine.
-
-    Colocated (``num_gpus == 0``): engines share the trainer's GPUs, engine k on GPUs
-    ``[k*tp, (k+1)*tp)``. Disaggregated: the last ``num_gpus`` GPUs of the node are the rollout GPUs
-    (the placement :mod:`megaforge.planner.layout` reports); they must not overlap the trainer's
-    ``local_world`` ones. All engines run on this (the main rank's) node.
-    """
-    need = num_engines * tp
-    if num_gpus and need > num_gpus:
-        raise ValueError(f"rollout.num_engines x rollout.tensor_parallel = {need} GPUs > rollout.num_gpus = {num_gpus}")
-    base = 0 if num_gpus == 0 else (len(visible) - num_gpus if visible is not None else local_world)
-    if num_gpus and base < local_world:
-        raise ValueError(f"rollout.num_gpus = {num_gpus} rollout GPUs and {local_world} trainer processes do not fit "
-                         f"the {len(visible) if visible is not None else '?'} GPUs of this node")
-    if visible is not None and base + need > len(visible):
-        raise ValueError(f"rollout engines need GPUs {base}..{base + need - 1} but only {len(visible)} are visible")
-    ids = visible if visible is not None else list(range(base + need))
-    return [ids[base + k * tp: base + (k + 1) * tp] for k in range(num_engines)]
-
-
-def _visible_gpus() -> Optional[list[int]]:
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None and env.strip():
-        return [int(x) for x in env.split(",") if x.strip()]
-    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else None
-
-
-def _model_dir(cfg) -> tuple[str, list[str]]:
-    """The policy's initial weights as a folder the servers can load (a random init is written out)."""
-    if cfg.model.path:
-        return cfg.model.path, []
-    from megaforge.hf import load_hf_model
-
-    d = tempfile.mkdtemp(prefix="megaforge-engine-init-")
-    load_hf_model(cfg.model, torch.device("cpu")).save_pretrained(d)
-    return d, [d]
-
-
-def build_http_engine(cfg, tokenizer, kind: str) -> HTTPEngine:
-    """Launch ``rollout.num_engines`` servers of ``kind`` (``embedded_server`` | ``sglang``), wait until
-    they are ready, optionally put the router in front; logs in ``<run dir>/logs/engine_K.log``."""
-    from megaforge.hf import resolve_device
-    from megaforge.rollout.launcher import ServerProcess, child_env, start_all
-    from megaforge.rollout.server import API_KEY_ENV, is_loopback, new_api_key
-
-    r = cfg.rollout
-    if kind == "sglang":
-        require_sglang(router=r.router and r.num_engines > 1)
-    elif r.tensor_parallel != 1:
-        raise ValueError("rollout.tensor_parallel: the embedded server runs TP 1 (use rollout.num_engines)")
-    elif r.router and r.num_engines > 1:
-        require_sglang(router=True)
-    api_key = r.api_key or ("" if is_loopback(r.host) else new_api_key())
-    model_dir, cleanup = _model_dir(cfg)
-    tok_dir = cfg.model.tokenizer or cfg.model.path or ""
-    local = lambda p: os.path.abspath(p) if p and os.path.exists(p) else p  # noqa: E731  (hub ids stay)
-    model_dir, tok_dir = local(model_dir), local(tok_dir)
-    logs = os.path.join(cfg.run_dir, "logs")
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    device = resolve_device(r.device) if kind == "embedded_server" else torch.device("cuda")
-    gpus = gpu_assignment(r.num_engines, r.tensor_parallel, r.num_gpus, local_world, _visible_gpus()) \
-        if device.type == "cuda" else [None] * r.num_engines
-    servers = []
-    for k in range(r.num_engines):
-        if kind == "embedded_server":
-            def cmd(port, fd, k=k):
-                c = [sys.executable, "-m", "megaforge.rollout.server", "--model", model_dir, "--host", r.host,
-                     "--port", str(port), "--sock-fd", str(fd), "--device", "cuda" if device.type == "cuda" else "cpu",
-                     "--dtype", cfg.model.dtype, "--attn-implementation", cfg.model.attn_implementation,
-                     "--max-batch", str(r.engine_batch_size), "--weight-version", "0"]
-                return c + (["--tokenizer", tok_dir] if tok_dir else []) + list(r.extra_args)
-            env = child_env(gpus[k], {API_KEY_ENV: api_key} if api_key else None)
-        else:
-            def cmd(port, fd, k=k):
-                c = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", r.host,
-                     "--port", str(port), "--tp-size", str(r.tensor_parallel), "--mem-fraction-static", str(r.mem_fraction),
-                     "--dtype", cfg.model.dtype, "--weight-version", "0", "--random-seed", str(cfg.seed)]
-                c += ["--tokenizer-path", tok_dir] if tok_dir else []
-                c += ["--enable-memory-saver"] if r.num_gpus == 0 else []
-                c += ["--api-key", api_key] if api_key else []
-                return c + list(r.extra_args)
-            env = child_env(gpus[k])
-        servers.append(ServerProcess(f"engine_{k}", cmd, os.path.join(logs, f"engine_{k}.log"), host=r.host, env=env,
-                                     hold_socket=kind == "embedded_server", api_key=api_key))
-    try:
-        start_all(servers, r.startup_timeout_s)
-        router_url = None
-        if r.router and r.num_engines > 1:
-            urls = [s.url for s in servers]
-            router = ServerProcess("router", lambda port, fd: [
-                sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", "127.0.0.1",
-                "--port", str(port)] + (["--api-key", api_key] if api_key else []),
-                os.path.join(logs, "router.log"), env=child_env(), api_key=api_key, probe="/health")
-            router.start_ready(r.startup_timeout_s)
-            servers.append(router)
-            router_url = router.url
-    except BaseException:
-        for s in servers:
-            s.stop(grace_s=3.0)
-        for d in cleanup:
-            shutil.rmtree(d, ignore_errors=True)
-        raise
-    engines = [s for s in servers if s.name.startswith("engine_")]
-    return HTTPEngine([s.url for s in engines], api_key, router_url, r.request_timeout_s, cfg.sync.transport,
-                      [r.tensor_parallel] * len(engines), servers, model_dir, cleanup)
+        return getattr(http_launch, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
