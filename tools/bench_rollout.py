@@ -9,9 +9,11 @@ sampled tokens each (temperature 1, no top-k/top-p, no EOS: every row generates 
           a short warm-up generate first (its time is ``warmup_s``), then the timed run
     fast: EmbeddedEngine(fast="on"): a first full run (graph captures included: ``warmup_s``),
           then the timed (warm) run
+    fast_compiled: the same with the per-layer pieces compiled (fast_options compile="inductor";
+          ``warmup_s`` includes the compilation; skipped by --no-compile)
 
 tok/s = sampled tokens / wall time (``torch.cuda.synchronize()`` around each timed call); ``ratio`` =
-fast / hf. Every variant runs under ``--cap`` seconds (HF: ``max_time``; fast: an abort timer), and
+fast / hf (``ratio_compiled``: fast_compiled / hf). Every variant runs under ``--cap`` seconds (HF: ``max_time``; fast: an abort timer), and
 a variant that runs out of memory is skipped with a note. Full mode adds, per shape: the fast path at
 the largest batch with engine max_batch min(256, batch / 4) (continuous refill), eager steps (graphs off) at batch
 256, top-p 0.9 and greedy at batch 256, 8 samples per prompt (shared prefill), and the fast path's
@@ -187,10 +189,18 @@ def bench_shape(shape, args, dev, dtype) -> dict:
         row["fast"] = variant(lambda: measure_fast(model, reqs, B, args.cap, dev), dev)
         comps = row["fast"].pop("_comps", None)
         say(f"  fast: {row['fast'].get('tok_s')} tok/s (warm-up run {row['fast'].get('warmup_s')} s)")
+        if args.compile:
+            say(f"{shape} B={B}: fast path, compiled ({args.compile})")
+            row["fast_compiled"] = variant(lambda: measure_fast(model, reqs, B, args.cap, dev, compile=args.compile), dev)
+            row["fast_compiled"].pop("_comps", None)
+            say(f"  fast_compiled: {row['fast_compiled'].get('tok_s')} tok/s "
+                f"(warm-up run {row['fast_compiled'].get('warmup_s')} s)")
         if comps is not None and B == args.batches[0] and not args.quick:
             row["fast_logprob_check"] = logprob_check(model, reqs, comps)
         if "tok_s" in row["hf"] and "tok_s" in row["fast"]:
             row["ratio"] = round(row["fast"]["tok_s"] / row["hf"]["tok_s"], 2)
+        if "tok_s" in row["hf"] and "tok_s" in row.get("fast_compiled", {}):
+            row["ratio_compiled"] = round(row["fast_compiled"]["tok_s"] / row["hf"]["tok_s"], 2)
         res["batches"][str(B)] = row
         del comps
         free(dev)
@@ -235,8 +245,12 @@ def main(argv=None) -> int:
     ap.add_argument("--cap", type=float, default=60.0, help="seconds per measured run")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default bfloat16 (tiny on CPU: float32)")
+    ap.add_argument("--compile", default=None, help="torch.compile backend of the fast_compiled rows "
+                    "(default: inductor on CUDA, none on CPU)")
+    ap.add_argument("--no-compile", action="store_true", help="no fast_compiled rows")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
+    args.compile = None if args.no_compile else (args.compile or ("inductor" if dev.type == "cuda" else None))
     if args.tiny:
         shapes = ["tiny"]
         args.batches = [int(b) for b in (args.batches or ("8" if args.quick else "4,8,16")).split(",")]
@@ -260,7 +274,8 @@ def main(argv=None) -> int:
     for shape, r in out["shapes"].items():
         row = r["batches"].get("256")
         if row is not None and "ratio" in row:
-            target[shape] = {"ratio_B256": row["ratio"], "met_3x": row["ratio"] >= 3.0}
+            target[shape] = {"ratio_B256": row["ratio"], "met_3x": row["ratio"] >= 3.0,
+                             "ratio_compiled_B256": row.get("ratio_compiled")}
     out["target_B256"] = target
     out["total_s"] = round(time.time() - T0, 1)
     print(json.dumps(out), flush=True)

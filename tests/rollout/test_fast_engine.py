@@ -249,6 +249,19 @@ def test_weight_updates_by_name_reach_the_fast_path(models):
     assert all(o.weight_version == 2 for o in after)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_layer_pieces_equal_the_modules(models, family):
+    """The functional per-layer pieces (what torch.compile gets; backend "eager" here: dynamo traces
+    them, no code generation) give the module path's tokens and logprobs."""
+    model = models[family]
+    reqs = [GenerateRequest(p, SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=9, seed=i))
+            for i, p in enumerate(_prompts(5))]
+    ref = _fast(model, max_batch=3).generate(reqs)
+    eng = _fast(model, max_batch=3, compile="eager")
+    assert eng.fast.fwd.compiled is not None
+    _same(eng.generate(reqs), ref, atol=1e-6)
+
+
 def test_selection_and_config(models, tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -14,6 +14,11 @@ the cache are ours. Shapes (H query heads, Hkv key/value heads, G = H / Hkv, D h
 
 Rows never shift: a sequence starts at cache position 0 whatever slot it occupies, so its rotary
 positions equal those of an unpadded HF forward.
+
+``compile``: a torch.compile backend (GPU: "inductor") for the decode step's per-layer pieces around
+the attention (norm, q/k/v, q/k norm, rotary; o-projection, residuals, norm, MLP), written as
+functions of the layer's parameter tensors, read at each call (one compiled graph serves every layer
+and batch size; the graphs capture the compiled kernels). None: the HF modules themselves.
 """
 from __future__ import annotations
 
@@ -69,10 +74,64 @@ class StaticKVCache:
             t[dst, :, :length] = t[src, :, :length]
 
 
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm (normalise in float32, cast back, scale) of x [..., C] with weight w [C]."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return w * x32.to(x.dtype)
+
+
+def _layer_pieces(fwd: "StaticForward"):
+    """(pre, post, pre_args, post_args): the decode step's per-layer work as functions of tensors.
+
+    pre(x [N, T, C], cos, sin [N, T, D], *pre_args(layer)) -> q [N, H, T, D], k, v [N, Hkv, T, D]
+    post(x [N, T, C], o [N, T, H*D], *post_args(layer)) -> x [N, T, C]
+    """
+    layers = fwd.model.model.layers
+    eps = {float(m.variance_epsilon) for ly in layers for m in (ly.input_layernorm, ly.post_attention_layernorm)}
+    attn0 = layers[0].self_attn
+    qk_norm = hasattr(attn0, "q_norm")
+    if qk_norm:
+        eps |= {float(m.variance_epsilon) for ly in layers for m in (ly.self_attn.q_norm, ly.self_attn.k_norm)}
+    if len(eps) != 1:
+        raise ValueError(f"fast rollout path: compile needs one RMSNorm epsilon, the model has {sorted(eps)}")
+    eps_v = eps.pop()
+    act, rope, D = layers[0].mlp.act_fn, fwd.apply_rope, fwd.head_dim
+
+    def pre(x, cos, sin, ln_w, q_w, q_b, k_w, k_b, v_w, v_b, qn_w, kn_w):
+        N, T = x.shape[0], x.shape[1]
+        h = _rms(x, ln_w, eps_v)
+        q = F.linear(h, q_w, q_b).view(N, T, -1, D)
+        k = F.linear(h, k_w, k_b).view(N, T, -1, D)
+        v = F.linear(h, v_w, v_b).view(N, T, -1, D)
+        if qk_norm:
+            q, k = _rms(q, qn_w, eps_v), _rms(k, kn_w, eps_v)
+        q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q, k, v.transpose(1, 2)
+
+    def post(x, o, o_w, o_b, ln_w, g_w, g_b, u_w, u_b, d_w, d_b):
+        x = x + F.linear(o, o_w, o_b)
+        h = _rms(x, ln_w, eps_v)
+        return x + F.linear(act(F.linear(h, g_w, g_b)) * F.linear(h, u_w, u_b), d_w, d_b)
+
+    def pre_args(ly):
+        a = ly.self_attn
+        return (ly.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
+                a.v_proj.weight, a.v_proj.bias, a.q_norm.weight if qk_norm else None,
+                a.k_norm.weight if qk_norm else None)
+
+    def post_args(ly):
+        a, m = ly.self_attn, ly.mlp
+        return (a.o_proj.weight, a.o_proj.bias, ly.post_attention_layernorm.weight, m.gate_proj.weight,
+                m.gate_proj.bias, m.up_proj.weight, m.up_proj.bias, m.down_proj.weight, m.down_proj.bias)
+
+    return pre, post, pre_args, post_args
+
+
 class StaticForward:
     """The model's forward over a :class:`StaticKVCache` (see the module docstring)."""
 
-    def __init__(self, model):
+    def __init__(self, model, compile: Optional[str] = None):
         why = unsupported_reason(model)
         if why is not None:
             raise ValueError(f"fast rollout path: unsupported model: {why}")
@@ -85,6 +144,11 @@ class StaticForward:
         self.n_layers = len(model.model.layers)
         attn0 = model.model.layers[0].self_attn
         self.apply_rope = sys.modules[type(attn0).__module__].apply_rotary_pos_emb
+        self.compiled = None
+        if compile:
+            pre, post, pre_args, post_args = _layer_pieces(self)
+            self.compiled = (torch.compile(pre, backend=compile, dynamic=True, fullgraph=True),
+                             torch.compile(post, backend=compile, dynamic=True, fullgraph=True), pre_args, post_args)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -148,13 +212,20 @@ class StaticForward:
         idx = pos.view(B, 1, 1, 1).expand(B, Hkv, 1, D)
         for li, layer in enumerate(inner.layers):
             attn = layer.self_attn
-            q, k, v = self._qkv(attn, layer.input_layernorm(x))
-            q, k = self.apply_rope(q, k, cos, sin)
+            if self.compiled is not None:
+                q, k, v = self.compiled[0](x, cos, sin, *self.compiled[2](layer))
+            else:
+                q, k, v = self._qkv(attn, layer.input_layernorm(x))
+                q, k = self.apply_rope(q, k, cos, sin)
             kc, vc = cache.k[li][:B], cache.v[li][:B]
             kc.scatter_(2, idx, k)
             vc.scatter_(2, idx, v)
             o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G, D), kc[:, :, :Lb], vc[:, :, :Lb],
                                                attn_mask=mask, scale=attn.scaling)  # [B, Hkv, G, D]
-            x = x + attn.o_proj(o.reshape(B, 1, Hkv * G * D))
+            o = o.reshape(B, 1, Hkv * G * D)
+            if self.compiled is not None:
+                x = self.compiled[1](x, o, *self.compiled[3](layer))
+                continue
+            x = x + attn.o_proj(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self._head(x[:, 0])
