@@ -32,7 +32,7 @@ from megaforge.config import Config, save_config
 from megaforge.data.batch import samples_to_batch, set_denominators, sft_batch
 from megaforge.data.prompts import PromptSource
 from megaforge.metrics import MetricsLogger, Progress
-from megaforge.rollout.manager import completions_to_samples, make_requests, sampling_params, score, stop_token_ids
+from megaforge.rollout.manager import generate_samples, sampling_params, score, stop_token_ids
 
 
 class RunError(RuntimeError):
@@ -251,6 +251,9 @@ class Run:
         # the engine starts from the trainer's weights (after SFT or resume)
         self._sync_weights({})
         self.stop_ids = stop_token_ids(self.tokenizer, cfg.model.path) if dist.is_main() else []
+        from megaforge.loop_offpolicy import build_driver
+
+        self.driver = build_driver(self)  # off_policy / partial rollouts / sync.interval > 1; else None
         logger = MetricsLogger(cfg, self.run_dir, resume_step=self.state["rl_step"] if self.resumed_from else None) \
             if dist.is_main() else None
         bar = Progress(cfg.max_steps, self.state["rl_step"], "grpo", cfg.metrics.progress and dist.is_main())
@@ -259,7 +262,7 @@ class Run:
             while self.state["rl_step"] < cfg.max_steps:
                 step = self.state["rl_step"] + 1
                 try:
-                    m = self.rl_step(step, bar)
+                    m = (self.driver.step if self.driver is not None else self.rl_step)(step, bar)
                 except InputError as e:  # met before the trainer changed: the last step's state is whole
                     self._save_rl()
                     raise InputError(f"{e}\nRL step {step - 1} is checkpointed: fix the input and continue "
@@ -268,7 +271,7 @@ class Run:
                 self.state["skipped_steps"] += int(m.get("skipped", 0.0) > 0)
                 m["health/skipped_steps"] = float(self.state["skipped_steps"])
                 self.state["rl_step"] = step
-                if self.data is not None:
+                if self.data is not None and self.driver is None:  # the driver keeps it at rollout boundaries
                     self.state["data"] = self.data.state_dict()
                 if logger is not None:
                     logger.log(step, m)
@@ -289,12 +292,16 @@ class Run:
             bar.close()
             if logger is not None:
                 logger.close()
+            if self.driver is not None:
+                self.driver.close()
             if self.rewards is not None:
                 self.rewards.close()
             if self.engine is not None:
                 self.engine.shutdown()
 
     def _save_rl(self) -> None:
+        if getattr(self, "driver", None) is not None:
+            self.driver.before_save()  # drains the rollout in flight into the saved state
         self.state = dist.broadcast_object(self.state)
         self._save(self.state["rl_step"])
 
@@ -302,11 +309,17 @@ class Run:
         """``n_prompts`` prompts x grpo.n_samples scored samples (group ids from ``offset``), with DAPO's
         overlong shaping added to the rewards when ``algo.overlong_buffer`` > 0."""
         cfg = self.cfg
+        if self.driver is not None and self.driver.partial is not None:  # rounds that carry unfinished samples
+            return self.driver.partial.generate(step, n_prompts, offset, m)
         with timed(m, "time/rollout"):
             rows = self.data.next_batch(n_prompts)
-            reqs = make_requests(rows, cfg.grpo.n_samples, sampling_params(cfg, self.stop_ids), cfg.seed, step, offset)
-            comps = self.engine.generate(reqs)
-        samples = completions_to_samples(rows, cfg.grpo.n_samples, comps, self.tokenizer, offset)
+            samples = generate_samples(self.engine, rows, cfg.grpo.n_samples, sampling_params(cfg, self.stop_ids),
+                                       cfg.seed, step, offset, self.tokenizer, cfg)
+        return self._score(samples, m)
+
+    def _score(self, samples: list, m: dict) -> list:
+        """Rewards (plus DAPO's overlong shaping) of finished samples; metrics added to ``m``."""
+        cfg = self.cfg
         with timed(m, "time/reward"):
             for k, v in score(samples, self.rewards).items():  # counts add up, means average over rounds
                 m[k] = m.get(k, 0.0) + (v if k in ("reward/errors", "reward/timeouts") else v * len(samples))
@@ -348,7 +361,7 @@ class Run:
                 samples = last
             keep = first_groups(torch.tensor([s.group_id for s in samples]), target)
             samples = [s for s, k in zip(samples, keep.tolist()) if k]
-        for k in [k for k in m if k.startswith("reward/") and k not in ("reward/errors", "reward/timeouts")]:
+        for k in [k for k in m if k.startswith(("reward/", "episode/")) and k not in ("reward/errors", "reward/timeouts")]:
             m[k] /= len(generated)
         if self.rewards.last_error and (m["reward/errors"] or m["reward/timeouts"]):
             bar.write(f"[megaforge] step {step}: {self.rewards.last_error}")
@@ -384,8 +397,19 @@ class Run:
         m: dict = {}
         t0 = time.perf_counter()
         batch, m = on_main(lambda: (self._rollout(step, m, bar), m))
+        self._train_batch(batch, m)
+        self._sync_weights(m)
+        m["weight_version"] = float(self.trainer.version)
+        m["time/step"] = time.perf_counter() - t0
+        m["throughput/tokens_per_s"] = float(batch.lengths.sum()) / max(m["time/step"], 1e-9)
+        m.setdefault("kl", 0.0)
+        return m
+
+    def _train_batch(self, batch, m: dict, colocated: bool = True) -> None:
+        """Reference / old logprobs, values, advantages and the optimizer step(s) on ``batch``."""
+        cfg = self.cfg
         # colocated choreography: engine memory out, trainer state in
-        if self.engine is not None:
+        if self.engine is not None and colocated:
             self.engine.release_memory(["weights", "kv_cache"])
         with timed(m, "time/onload"):
             self.trainer.onload()
@@ -401,12 +425,6 @@ class Run:
             m.update(self.trainer.train_step(batch))
         with timed(m, "time/offload"):
             self.trainer.offload()
-        self._sync_weights(m)
-        m["weight_version"] = float(self.trainer.version)
-        m["time/step"] = time.perf_counter() - t0
-        m["throughput/tokens_per_s"] = float(batch.lengths.sum()) / max(m["time/step"], 1e-9)
-        m.setdefault("kl", 0.0)
-        return m
 
     def _sync_weights(self, m: dict) -> None:
         from megaforge.sync import push_weights

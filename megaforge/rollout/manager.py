@@ -1,4 +1,8 @@
-"""From prompts to scored samples: request fan-out (n per prompt), seeds, decoding, rewards."""
+"""From prompts to scored samples: request fan-out (n per prompt), seeds, decoding, rewards.
+
+:func:`generate_samples` is the one entry the loop uses: single-turn generation, or the configured
+``rollout.generate_fn`` (multi-turn / agentic rollouts, :mod:`megaforge.rollout.multiturn`).
+"""
 from __future__ import annotations
 
 import hashlib
@@ -60,10 +64,32 @@ def completions_to_samples(rows, n: int, completions, tokenizer, group_offset: i
     return samples
 
 
+def generate_samples(engine, rows, n: int, base: SamplingParams, seed: int, step: int, group_offset: int,
+                     tokenizer, cfg) -> list[Sample]:
+    """``len(rows) * n`` unscored samples, row-major (sample k is the ``k % n``-th of row ``k // n``,
+    group ``group_offset + k // n``). With ``cfg.rollout.generate_fn`` set, that function builds them
+    from the same seeded first-turn requests (see :func:`megaforge.rollout.multiturn.load_generate_fn`)."""
+    reqs = make_requests(rows, n, base, seed, step, group_offset)
+    if not cfg.rollout.generate_fn:
+        return completions_to_samples(rows, n, engine.generate(reqs), tokenizer, group_offset)
+    from megaforge.rollout.multiturn import call_generate_fn
+
+    return call_generate_fn(cfg, engine, reqs, rows, n, tokenizer, group_offset)
+
+
 def score(samples: list[Sample], reward_manager) -> dict:
+    """Each sample's reward: the configured reward functions on the whole response text (for a
+    multi-turn episode: every turn and tool result), plus the environment's episode reward
+    ``metadata["env_reward"]`` when a rollout function set one (logged as ``reward/env``)."""
     rewards, metrics = reward_manager.score([s.prompt_text for s in samples],
                                             [s.response_text for s in samples],
                                             [s.label for s in samples])
-    for s, r in zip(samples, rewards):
-        s.reward = r
+    env = [float(s.metadata.get("env_reward", 0.0)) for s in samples]
+    for s, r, e in zip(samples, rewards, env):
+        s.reward = r + e
+    if any("env_reward" in s.metadata for s in samples):
+        metrics["reward/env"] = sum(env) / max(len(env), 1)
+    names = sorted({k for s in samples for k in s.metadata.get("episode", {})})
+    for k in names:  # multi-turn episode statistics, e.g. episode/tool_calls
+        metrics[f"episode/{k}"] = sum(float(s.metadata.get("episode", {}).get(k, 0.0)) for s in samples) / len(samples)
     return metrics
