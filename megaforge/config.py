@@ -418,6 +418,65 @@ class CheckpointConfig:
 
 
 @dataclass
+class LaunchConfig:
+    dist_timeout_s: float = 600.0
+    """torch.distributed collective timeout in seconds: a collective still waiting after this fails
+    (megaforge.cluster). Rank failures are caught sooner by the watchdog below."""
+    heartbeat_s: float = 1.0
+    """Watchdog period (seconds): each rank bumps its heartbeat in the rendezvous store and reads the
+    failure flag and the other ranks' heartbeats (multi-process runs only)."""
+    peer_timeout_s: float = 120.0
+    """A rank whose heartbeat has not changed for this long (or a store unreachable this long) counts
+    as dead: every other rank stops its engine servers and exits."""
+    abort_grace_s: float = 5.0
+    """After another rank reported a failure, this rank gets this long to exit on its own (e.g. when
+    it raised the same error) before the watchdog ends it."""
+
+
+@dataclass
+class SlurmConfig:
+    cluster: Literal["slurm", "local"] = "slurm"
+    """Where launchers/slurm.py submits: slurm (sbatch through submitit) or local (submitit's local
+    executor on this machine, one node: CI)."""
+    nodes: int = 1
+    """Nodes of the job (one submitit task per node, each running torchrun)."""
+    gpus_per_node: int = 8
+    """GPUs per node (torchrun processes per node = gpus_per_node - rollout.num_gpus / nodes); on a
+    CPU run (trainer.device cpu) the number of gloo processes per node."""
+    partition: str = ""
+    """SLURM partition (sbatch --partition); empty: the cluster's default."""
+    account: str = ""
+    """SLURM account (sbatch --account); empty: the user's default."""
+    qos: str = ""
+    """SLURM quality of service (sbatch --qos); empty: none."""
+    time: str = "24:00:00"
+    """Time limit: [D-]HH:MM:SS, HH:MM or minutes. SIGUSR2 arrives signal_delay_s before it."""
+    cpus_per_task: int = 0
+    """CPUs per node (one task per node); 0: leave to SLURM."""
+    mem_gb: int = 0
+    """Memory per node in GB; 0: leave to SLURM."""
+    constraint: str = ""
+    """sbatch --constraint (node features); empty: none."""
+    job_name: str = ""
+    """Job name; empty: megaforge-<run_name>."""
+    sbatch: dict = field(default_factory=dict)
+    """Extra sbatch options, e.g. {exclusive: true, reservation: r1, mail-type: END}: each becomes
+    #SBATCH --key=value (a true value: --key)."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run before the task on every node (module load, source venv/bin/activate)."""
+    signal_delay_s: int = 180
+    """SIGUSR2 this many seconds before the time limit: the run finishes its step, checkpoints and
+    requeues itself (give it time for one step plus a checkpoint)."""
+    stop_grace_s: int = 150
+    """After the preemption signal, how long the node's ranks get to finish the step and checkpoint
+    before they are killed (keep it below signal_delay_s)."""
+    max_requeues: int = 10
+    """Time-outs after which the job is not requeued again (submitit's max_num_timeout)."""
+    master_port: int = 0
+    """torchrun's rendezvous port; 0: derived from the job id (20000-59999)."""
+
+
+@dataclass
 class Config:
     output_dir: str = "runs"
     """Runs are written to ``<output_dir>/<run_name>/``."""
@@ -461,6 +520,10 @@ class Config:
     """Metric sinks and progress display."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """Distributed timeouts and the rank watchdog (megaforge.cluster)."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    """SLURM / submitit job (launchers/slurm.py)."""
 
     @property
     def run_dir(self) -> str:
@@ -523,6 +586,18 @@ class Config:
         need(r.max_turns >= 1, "rollout.max_turns", "must be >= 1")
         need(r.max_tool_tokens >= 1, "rollout.max_tool_tokens", "must be >= 1")
 
+    def _validate_launch(self, need) -> None:
+        la, sl = self.launch, self.slurm
+        need(la.dist_timeout_s > 0, "launch.dist_timeout_s", "must be > 0")
+        need(la.heartbeat_s > 0, "launch.heartbeat_s", "must be > 0")
+        need(la.peer_timeout_s > 2 * la.heartbeat_s, "launch.peer_timeout_s", "must be > 2 x launch.heartbeat_s")
+        need(la.abort_grace_s >= 0, "launch.abort_grace_s", "must be >= 0")
+        need(sl.nodes >= 1, "slurm.nodes", "must be >= 1")
+        need(sl.gpus_per_node >= 1, "slurm.gpus_per_node", "must be >= 1")
+        need(sl.signal_delay_s >= 0 and sl.stop_grace_s >= 0, "slurm.signal_delay_s", "and slurm.stop_grace_s must be >= 0")
+        need(sl.max_requeues >= 0, "slurm.max_requeues", "must be >= 0")
+        need(0 <= sl.master_port < 65536, "slurm.master_port", "must be a port number (0: derived from the job id)")
+
     def validate(self) -> None:
         def need(cond: bool, key: str, msg: str):
             if not cond:
@@ -555,6 +630,7 @@ class Config:
         need(self.sync.interval >= 1, "sync.interval", "must be >= 1")
         self._validate_loop(need)
         need(self.checkpoint.keep_last_n >= 1, "checkpoint.keep_last_n", "must be >= 1")
+        self._validate_launch(need)
         need(bool(self.model.path or self.model.config), "model.path", "set model.path (or model.config for a random init)")
         need(bool(self.data.path) or self.max_steps == 0, "data.path", "set the RL prompt data")
         need(self.run_name not in ("", ".", "..") and "/" not in self.run_name, "run_name", "must be a plain folder name")
