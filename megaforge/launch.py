@@ -32,9 +32,11 @@ def main(mode: str, argv=None) -> None:
 
         path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), "")
         raise SystemExit(dry_run(cfg, mode, plan_opts, path))
+    from megaforge import cluster, placement
     from megaforge.hf import DeviceError
     from megaforge.loop import RunError, RunStopped, run_grpo, run_sft
 
+    together = False  # the run ended the same way on every rank (done, or a shared stop)
     try:
         if mode == "grpo":
             run_grpo(cfg)
@@ -42,14 +44,23 @@ def main(mode: str, argv=None) -> None:
             run_sft(cfg)
         else:
             raise ValueError(f"unknown launcher mode {mode!r}")
+        together = True
     except RunStopped as e:
+        together = True
         print(f"megaforge: {e}", file=sys.stderr)
         raise SystemExit(143)
     except (ConfigError, DataError, RunError, DeviceError) as e:
+        cluster.report_failure(e)  # the other ranks exit within launch.abort_grace_s (megaforge.cluster)
         print(f"megaforge: error: {e}", file=sys.stderr)
         raise SystemExit(1)
+    except BaseException as e:
+        cluster.report_failure(e)
+        raise
     finally:
         from megaforge import dist
 
+        if together:
+            cluster.finish()
+        placement.shutdown_node_engines(barrier=together)  # engine servers this node's leader started
         if dist.initialized():
             dist.dist.destroy_process_group()

@@ -88,7 +88,9 @@ class Run:
 
         self.cfg, self.mode = cfg, mode
         self.run_dir = cfg.run_dir
-        dist.init_from_env(resolve_device(cfg.trainer.device).type)
+        from megaforge.cluster import init_distributed
+
+        init_distributed(cfg, resolve_device(cfg.trainer.device).type)  # launch.dist_timeout_s, rank watchdog
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(cfg.seed)
@@ -161,11 +163,9 @@ class Run:
         _log(f"resumed from {path} (sft step {self.state['sft_step']}, rl step {self.state['rl_step']})")
 
     def _build_engine(self):
-        if not dist.is_main():
-            return None
-        from megaforge.rollout import build_engine
+        from megaforge.placement import build_engines
 
-        return build_engine(self.cfg, self.tokenizer)
+        return build_engines(self.cfg, self.tokenizer)  # rank 0's engine; node leaders start their node's servers
 
     def _save(self, step: int, phase: str = "rl") -> None:
         path = checkpoint.save(os.path.join(self.run_dir, "checkpoints"), step, self.trainer,

@@ -71,13 +71,18 @@ def _model_dir(cfg) -> tuple[str, list[str]]:
     from megaforge.hf import load_hf_model
 
     d = tempfile.mkdtemp(prefix="megaforge-engine-init-")
-    load_hf_model(cfg.model, torch.device("cpu")).save_pretrained(d)
+    model = load_hf_model(cfg.model, torch.device("cpu"))
+    model.should_save_on_this_rank = lambda is_main_process: True  # transformers writes on dist rank 0 only; every node leader needs its copy
+    model.save_pretrained(d)
     return d, [d]
 
 
-def build_http_engine(cfg, tokenizer, kind: str) -> HTTPEngine:
+def build_http_engine(cfg, tokenizer, kind: str, node=None) -> Optional[HTTPEngine]:
     """Launch ``rollout.num_engines`` servers of ``kind`` (``embedded_server`` | ``sglang``), wait until
-    they are ready, optionally put the router in front; logs in ``<run dir>/logs/engine_K.log``."""
+    they are ready, optionally put the router in front; logs in ``<run dir>/logs/engine_K.log``.
+    ``node`` (:class:`megaforge.placement.NodeEngines`, multi-node jobs): launch only this node's
+    engines (``node.engine_ids`` on ``node.gpus``); the URLs of all nodes' engines are gathered and
+    rank 0 gets the engine, other node leaders None (``node`` keeps their servers)."""
     from megaforge.hf import resolve_device
     from megaforge.rollout.launcher import ServerProcess, child_env, start_all
     from megaforge.rollout.server import API_KEY_ENV, is_loopback, new_api_key
@@ -90,6 +95,8 @@ def build_http_engine(cfg, tokenizer, kind: str) -> HTTPEngine:
     elif r.router and r.num_engines > 1:
         require_sglang(router=True)
     api_key = r.api_key or ("" if is_loopback(r.host) else new_api_key())
+    if node is not None:
+        api_key = node.share(api_key)  # rank 0's key on every node
     model_dir, cleanup = _model_dir(cfg)
     tok_dir = cfg.model.tokenizer or cfg.model.path or ""
     local = lambda p: os.path.abspath(p) if p and os.path.exists(p) else p  # noqa: E731  (hub ids stay)
@@ -97,10 +104,12 @@ def build_http_engine(cfg, tokenizer, kind: str) -> HTTPEngine:
     logs = os.path.join(cfg.run_dir, "logs")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     device = resolve_device(r.device) if kind == "embedded_server" else torch.device("cuda")
-    gpus = gpu_assignment(r.num_engines, r.tensor_parallel, r.num_gpus, local_world, _visible_gpus()) \
-        if device.type == "cuda" else [None] * r.num_engines
+    ids = list(range(r.num_engines)) if node is None else node.engine_ids
+    gpus = (gpu_assignment(r.num_engines, r.tensor_parallel, r.num_gpus, local_world, _visible_gpus()) if node is None
+            else node.gpus) if device.type == "cuda" else [None] * len(ids)
+    gpus = dict(zip(ids, gpus))
     servers = []
-    for k in range(r.num_engines):
+    for k in ids:
         if kind == "embedded_server":
             def cmd(port, fd, k=k):
                 c = [sys.executable, "-m", "megaforge.rollout.server", "--model", model_dir, "--host", r.host,
@@ -123,9 +132,11 @@ def build_http_engine(cfg, tokenizer, kind: str) -> HTTPEngine:
                                      hold_socket=kind == "embedded_server", api_key=api_key))
     try:
         start_all(servers, r.startup_timeout_s)
+        urls = [s.url for s in servers] if node is None else node.gather(servers, cleanup)
+        if urls is None:
+            return None  # a node leader other than rank 0: node stops its servers at the end
         router_url = None
         if r.router and r.num_engines > 1:
-            urls = [s.url for s in servers]
             router = ServerProcess("router", lambda port, fd: [
                 sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", "127.0.0.1",
                 "--port", str(port)] + (["--api-key", api_key] if api_key else []),
@@ -139,8 +150,7 @@ def build_http_engine(cfg, tokenizer, kind: str) -> HTTPEngine:
         for d in cleanup:
             shutil.rmtree(d, ignore_errors=True)
         raise
-    engines = [s for s in servers if s.name.startswith("engine_")]
-    return HTTPEngine([s.url for s in engines], api_key, router_url, r.request_timeout_s, cfg.sync.transport,
-                      [r.tensor_parallel] * len(engines), servers, model_dir, cleanup, max_restarts=r.max_restarts,
+    return HTTPEngine(urls, api_key, router_url, r.request_timeout_s, cfg.sync.transport,
+                      [r.tensor_parallel] * len(urls), servers, model_dir, cleanup, max_restarts=r.max_restarts,
                       snapshot_dir=r.snapshot_dir, health_timeout_s=r.health_timeout_s,
                       startup_timeout_s=r.startup_timeout_s)

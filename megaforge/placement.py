@@ -1,0 +1,189 @@
+"""Rollout engines over the nodes of a torchrun job: which node starts which engine on which GPUs
+(the dry-run planner's placement, :func:`megaforge.planner.layout.placement`, applied at run time),
+and how the main rank reaches them.
+
+Rules (the planner's, for ``N`` nodes of ``G`` GPUs, ``G = LOCAL_WORLD_SIZE + rollout.num_gpus / N``):
+
+* colocated (``rollout.num_gpus == 0``): engine ``k`` (TP ``t``) takes GPUs ``[k*t, (k+1)*t)``
+  counted node-major over all GPUs, i.e. the same GPUs as trainer ranks ``k*t .. (k+1)*t - 1``;
+* disaggregated: every node gives its last ``rollout.num_gpus / N`` GPUs to engines, the first
+  ``LOCAL_WORLD_SIZE`` to trainer ranks;
+* ``rollout.engine: embedded`` lives in the rank-0 process.
+
+One process per node starts that node's engine servers: its local rank 0 (the *node leader*). The
+API key is chosen on rank 0 and broadcast; the servers' URLs are gathered on every rank
+(``all_gather_object``) and rank 0 builds the one :class:`megaforge.rollout.sglang.HTTPEngine` over
+all of them (engine order = engine id). One node (the common case) keeps the single-process path:
+rank 0 starts every engine (:func:`megaforge.rollout.build_engine`).
+
+Across hosts: servers must listen on an address rank 0 reaches (``rollout.host 0.0.0.0``: the URL
+then carries this node's address, ``MEGAFORGE_NODE_ADDR`` or the host name's address), and weights
+travel by ``sync.transport nccl`` (``disk`` on a shared file system); shared-memory transports need
+one host. Engines of other nodes are health-checked by rank 0 but restarted only by their own node,
+i.e. not by rank 0's fault tolerance (their failure fails the step). Their servers stop when the run
+ends (after a barrier, so rank 0's engine shut down first), when their leader exits (``atexit``), or
+with their leader (PDEATHSIG).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from typing import Optional
+
+from megaforge import dist
+from megaforge.cluster import ProcessPlace, place_from_env
+from megaforge.configtree import ConfigError
+
+HTTP_ENGINES = ("embedded_server", "sglang")
+_WILDCARD = ("0.0.0.0", "::", "")
+_NODE: Optional["NodeEngines"] = None  # this process's share of a multi-node engine launch
+
+
+def hardware(cfg, place: ProcessPlace):
+    """The planner's Hardware of this job: N nodes x (local ranks + rollout GPUs per node)."""
+    from megaforge.planner.layout import Hardware
+
+    per_node = cfg.rollout.num_gpus // place.nodes if cfg.rollout.num_gpus else 0
+    return Hardware(place.nodes, place.local_world + per_node, "runtime", 0.0)
+
+
+def engine_slots(cfg, place: ProcessPlace) -> dict[int, list[tuple[int, list[int]]]]:
+    """{node: [(engine id, node-local GPU indices in TP-rank order), ...]} from the planner's placement.
+    Raises ConfigError with the planner's messages when the layout cannot work."""
+    from megaforge.planner.layout import check_layout, placement
+    from megaforge.planner.shapes import ShapeError, read_shape
+
+    try:
+        shape = read_shape(cfg.model)
+    except ShapeError as e:
+        raise ConfigError(f"engine placement needs the model's shape: {e}") from None
+    hw = hardware(cfg, place)
+    lay, errs, _ = check_layout(cfg, shape, hw, "grpo")
+    if lay is None:
+        raise ConfigError("engine placement over " + f"{hw.nodes} node(s) x {hw.gpus_per_node} GPUs: "
+                          + "; ".join(str(e) for e in errs))
+    if lay.world != place.world:
+        raise ConfigError(f"the layout has {lay.world} trainer ranks but torchrun started {place.world}: "
+                          f"rollout.num_gpus={cfg.rollout.num_gpus} over {place.nodes} node(s)")
+    slots: dict[int, dict[int, list[tuple[int, int]]]] = {}
+    for row in placement(lay, hw):
+        e = row.get("engine")
+        if e is not None and not e.get("in_process"):
+            slots.setdefault(row["node"], {}).setdefault(e["id"], []).append((e["tp_rank"], row["gpu"]))
+    return {n: sorted((k, [g for _, g in sorted(v)]) for k, v in per.items()) for n, per in slots.items()}
+
+
+def node_address() -> str:
+    """The address other nodes use for servers of this node bound to a wildcard address."""
+    if os.environ.get("MEGAFORGE_NODE_ADDR"):
+        return os.environ["MEGAFORGE_NODE_ADDR"]
+    name = socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return name
+
+
+class NodeEngines:
+    """This process's part in a multi-node engine launch, handed to
+    :func:`megaforge.rollout.http_launch.build_http_engine` (``node=``) on node leaders; every other
+    rank makes the same two collective calls (:meth:`share`, :meth:`gather`) with nothing to add."""
+
+    def __init__(self, cfg, place: ProcessPlace, slots: dict):
+        self.cfg, self.place = cfg, place
+        mine = slots.get(place.node, []) if place.node_leader else []
+        self.engine_ids = [k for k, _ in mine]
+        visible = _visible_gpus()
+        self.gpus = [[visible[g] if visible is not None else g for g in gs] for _, gs in mine]
+        self.servers: list = []
+        self.cleanup: list[str] = []
+
+    def share(self, api_key: str) -> str:
+        """Rank 0's API key on every rank (one key for every engine)."""
+        return dist.broadcast_object(api_key)
+
+    def _url(self, server) -> str:
+        host = self.cfg.rollout.host
+        if host in _WILDCARD:
+            addr = node_address()
+            return f"http://[{addr}]:{server.port}" if ":" in addr else f"http://{addr}:{server.port}"
+        return server.url
+
+    def gather(self, servers: list, cleanup: list[str] = ()) -> Optional[list[str]]:
+        """Every engine's URL in engine-id order on rank 0 (None on other ranks). ``servers``: the
+        started servers of this node (in ``engine_ids`` order); they stay this object's to stop."""
+        self.servers, self.cleanup = list(servers), list(cleanup)
+        mine = [(k, self._url(s)) for k, s in zip(self.engine_ids, self.servers)]
+        box: list = [None] * dist.world()
+        dist.dist.all_gather_object(box, (self.place.node, socket.gethostname(), mine))
+        main_host = box[0][1]
+        urls = sorted((k, u, h, n) for n, h, part in box for k, u in part)
+        r = self.cfg
+        remote = sorted({h for _, _, h, _ in urls if h != main_host})
+        if remote and r.rollout.host not in _WILDCARD and _loopback(r.rollout.host):
+            raise ConfigError(f"rollout.host {r.rollout.host} is a loopback address but engines run on other hosts "
+                              f"({', '.join(remote)}): set rollout.host 0.0.0.0 so rank 0 reaches them")
+        if remote and r.sync.transport in ("auto", "shm", "ipc"):
+            raise ConfigError(f"sync.transport {r.sync.transport}: engines on other hosts ({', '.join(remote)}) cannot "
+                              f"map this host's memory; use sync.transport nccl (or disk on a shared file system)")
+        if [k for k, *_ in urls] != list(range(r.rollout.num_engines)):
+            raise ConfigError(f"engines started: {[k for k, *_ in urls]}, expected 0..{r.rollout.num_engines - 1}")
+        if dist.is_main():
+            self.servers, self.cleanup = [], []  # rank 0's HTTPEngine owns its node's servers
+            print("[megaforge] engines: " + ", ".join(f"engine_{k} {u} (node {n}, {h})" for k, u, h, n in urls), flush=True)
+            return [u for _, u, _, _ in urls]
+        return None
+
+    def shutdown(self) -> None:
+        for s in reversed(self.servers):
+            s.stop()
+        self.servers = []
+        for d in self.cleanup:
+            shutil.rmtree(d, ignore_errors=True)
+        self.cleanup = []
+
+
+def _loopback(host: str) -> bool:
+    from megaforge.rollout.server import is_loopback
+
+    return is_loopback(host)
+
+
+def _visible_gpus() -> Optional[list[int]]:
+    from megaforge.rollout.http_launch import _visible_gpus as visible
+
+    return visible()
+
+
+def build_engines(cfg, tokenizer):
+    """Called on every rank by the loop: the engine rank 0 drives (None on other ranks). Node leaders
+    of a multi-node job start their node's HTTP engine servers (see the module docstring)."""
+    global _NODE
+    place = place_from_env()
+    if place.nodes == 1 or cfg.rollout.engine not in HTTP_ENGINES:
+        if not dist.is_main():
+            return None
+        from megaforge.rollout import build_engine
+
+        return build_engine(cfg, tokenizer)
+    _NODE = NodeEngines(cfg, place, engine_slots(cfg, place))
+    if place.node_leader and (_NODE.engine_ids or dist.is_main()):
+        from megaforge.rollout.http_launch import build_http_engine
+
+        return build_http_engine(cfg, tokenizer, cfg.rollout.engine, node=_NODE)
+    _NODE.share("")
+    _NODE.gather([])
+    return None
+
+
+def shutdown_node_engines(barrier: bool) -> None:
+    """End of run: stop the servers this node's leader started for rank 0. ``barrier``: every rank
+    got here together (the run finished or stopped), so wait until rank 0 shut its engine down."""
+    global _NODE
+    node, _NODE = _NODE, None
+    if node is None:
+        return
+    if barrier and dist.initialized():
+        dist.barrier()
+    node.shutdown()
