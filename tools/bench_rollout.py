@@ -14,10 +14,10 @@ sampled tokens each (temperature 1, no top-k/top-p, no EOS: every row generates 
 
 tok/s = sampled tokens / wall time (``torch.cuda.synchronize()`` around each timed call); ``ratio`` =
 fast / hf (``ratio_compiled``: fast_compiled / hf). Every variant runs under ``--cap`` seconds (HF: ``max_time``; fast: an abort timer), and
-a variant that runs out of memory is skipped with a note. Full mode adds, per shape: the fast path at
-the largest batch with engine max_batch min(256, batch / 4) (continuous refill), eager steps (graphs off) at batch
-256, top-p 0.9 and greedy at batch 256, 8 samples per prompt (shared prefill), and the fast path's
-logprobs against a teacher-forced HF forward of its own samples.
+a variant that runs out of memory is skipped with a note. Full mode adds, per shape: the fast path
+at the largest batch with engine max_batch min(256, batch / 4) (continuous refill), eager steps
+(graphs off), top-p 0.9, greedy and 8 samples per prompt (shared prefill) at batch 256, and the fast
+path's logprobs against a teacher-forced HF forward of its own samples (smallest batch).
 
     python tools/bench_rollout.py                 # H200: 0.5B and 1.5B shapes, batch 64/256/1024
     python tools/bench_rollout.py --quick         # batch 256 only, no extras
@@ -229,9 +229,7 @@ def bench_shape(shape, args, dev, dtype) -> dict:
             ex[name] = variant(fn, dev)
             ex[name].pop("_comps", None)
             say(f"  {name}: {ex[name].get('tok_s')} tok/s")
-    del model
-    free(dev)
-    return res
+    return res  # the model goes with this frame; main() frees the device memory
 
 
 def main(argv=None) -> int:
@@ -270,6 +268,7 @@ def main(argv=None) -> int:
            "prompt_tokens": args.prompt, "sampled_tokens": args.new, "cap_s": args.cap, "shapes": {}}
     for shape in shapes:
         out["shapes"][shape] = bench_shape(shape, args, dev, dtype)
+        free(dev)
     target = {}
     for shape, r in out["shapes"].items():
         row = r["batches"].get("256")
