@@ -7,12 +7,25 @@ written last, ``manifest.json`` (sha256 and size of every file). A checkpoint is
 ``.tmp-step_000012`` and renamed when complete, so a crash never leaves a half checkpoint under a
 real name. :func:`latest_valid` skips (and names) any checkpoint whose manifest is missing or whose
 files do not match it, falling back to the previous one.
+
+Loading is safe against a crafted checkpoint (a matching manifest proves integrity, not origin):
+before the trainer reads anything, :func:`check_loadable` opens every ``*.pt`` file with
+``torch.load(weights_only=True)`` (memory-mapped: the tensors are not read), so it holds tensors and
+plain containers only, whichever backend reads it later (megatron-core's own ``torch.load`` calls
+pass no ``weights_only``); unpickles every ``*.metadata`` file (torch.distributed.checkpoint's, which
+torch reads with plain ``pickle.load``) with an allowlist of torch's checkpoint metadata classes;
+and refuses to run when ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` would turn those defaults off. A refused
+file raises :class:`CheckpointRefused` naming it and the refused global; nothing in it is run.
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
+import importlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -157,8 +170,63 @@ def _restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class CheckpointRefused(RuntimeError):
+    """A checkpoint file holds pickled objects outside the allowlist (code, arbitrary classes)."""
+
+
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
+_SAFE_GLOBALS = {("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "bool", "str",
+                                           "bytes", "bytearray", "complex", "slice", "object")} | {
+    ("collections", "OrderedDict"), ("copyreg", "_reconstructor"), ("copyreg", "__newobj__"),
+    ("copyreg", "__newobj_ex__"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """torch.distributed.checkpoint metadata only: its dataclasses and enums, torch dtypes/layouts/sizes."""
+
+    def find_class(self, module, name):
+        if (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        if module in _DCP_MODULES:
+            obj = getattr(importlib.import_module(module), name, None)
+            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+                return obj
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in checkpoint metadata")
+
+
+def check_loadable(path: str) -> None:
+    """Refuse (:class:`CheckpointRefused`) a checkpoint whose pickles name anything but tensors, plain
+    containers and checkpoint metadata; see the module docstring."""
+    if os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true"):
+        raise CheckpointRefused("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set: torch.load calls without weights_only "
+                                f"(megatron-core's) would unpickle arbitrary objects from {path}; unset it to resume")
+    for rel in _files(path):
+        f = os.path.join(path, rel)
+        try:
+            if rel.endswith(".pt"):
+                try:
+                    torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError as e:  # a file torch cannot memory-map (old format): read it whole
+                    if "mmap" not in str(e):
+                        raise
+                    torch.load(f, map_location="cpu", weights_only=True)
+            elif rel.endswith(".metadata"):
+                with open(f, "rb") as fh:
+                    _MetadataUnpickler(fh).load()
+        except pickle.UnpicklingError as e:
+            m = re.search(r"(?:Unsupported global: GLOBAL |global )(\S+)", str(e))
+            what = f"global {m.group(1)}" if m else str(e).strip().splitlines()[0]
+            raise CheckpointRefused(f"checkpoint file {f} was refused: its pickle names {what}, which is not a "
+                                    f"tensor, a plain container or checkpoint metadata (weights_only=True); it was "
+                                    f"not loaded and nothing in it ran") from None
+
+
 def load(path: str, trainer) -> dict:
     """Collective: restore the trainer and this rank's RNG; returns the loop state."""
+    check_loadable(path)
     trainer.load(os.path.join(path, "trainer"))
     rng_file = os.path.join(path, f"rng_rank{dist.rank()}.pt")
     if os.path.exists(rng_file):
