@@ -13,8 +13,10 @@ sampled tokens each (temperature 1, no top-k/top-p, no EOS: every row generates 
           ``warmup_s`` includes the compilation; skipped by --no-compile)
 
 tok/s = sampled tokens / wall time (``torch.cuda.synchronize()`` around each timed call); ``ratio`` =
-fast / hf (``ratio_compiled``: fast_compiled / hf). Every variant runs under ``--cap`` seconds (HF: ``max_time``; fast: an abort timer), and
-a variant that runs out of memory is skipped with a note. Full mode adds, per shape: the fast path
+fast / hf (``ratio_compiled``: fast_compiled / hf). Every variant runs under ``--cap`` seconds (HF:
+``max_time``; fast: an abort timer), a variant that runs out of memory is skipped with a note, and
+so is every variant not started within ``--budget`` seconds (batch 256 of every shape runs first).
+Full mode adds, per shape: the fast path
 at the largest batch with engine max_batch min(256, batch / 4) (continuous refill), eager steps
 (graphs off), top-p 0.9, greedy and 8 samples per prompt (shared prefill) at batch 256, and the fast
 path's logprobs against a teacher-forced HF forward of its own samples (smallest batch).
@@ -171,65 +173,76 @@ def logprob_check(model, reqs, comps, rows: int = 8) -> dict:
     return {"rows": len(diffs), "max_abs": round(d.max().item(), 5), "mean_abs": round(d.mean().item(), 6)}
 
 
-def bench_shape(shape, args, dev, dtype) -> dict:
-    say(f"{shape}: building random {dtype} model on {dev}")
-    model = build_model(shape, dev, dtype)
-    n_params = sum(p.numel() for p in model.parameters())
-    res = {"params_m": round(n_params / 1e6, 1), "batches": {}}
-    g = torch.Generator().manual_seed(1)
+def over_budget(args) -> bool:
+    return time.time() - T0 > args.budget
+
+
+def skipped_budget(args) -> dict:
+    say("  skipped: time budget spent")
+    return {"skipped": f"time budget (--budget {args.budget:.0f} s) spent"}
+
+
+def batch_row(shape, model, B, args, dev) -> dict:
+    """HF, fast and fast_compiled at batch B (same prompts), with their ratios."""
     V = SHAPES[shape]["vocab_size"]
-    for B in args.batches:
-        prompts = torch.randint(3, V, (B, args.prompt), generator=g).to(dev)
-        reqs = requests(prompts, args.new)
-        row = {}
-        say(f"{shape} B={B}: HF generate (dynamic cache)")
-        row["hf"] = variant(lambda: measure_hf(model, prompts, args.new, args.cap), dev)
-        say(f"  hf: {row['hf'].get('tok_s')} tok/s")
-        say(f"{shape} B={B}: fast path")
-        row["fast"] = variant(lambda: measure_fast(model, reqs, B, args.cap, dev), dev)
-        comps = row["fast"].pop("_comps", None)
-        say(f"  fast: {row['fast'].get('tok_s')} tok/s (warm-up run {row['fast'].get('warmup_s')} s)")
-        if args.compile:
-            say(f"{shape} B={B}: fast path, compiled ({args.compile})")
-            row["fast_compiled"] = variant(lambda: measure_fast(model, reqs, B, args.cap, dev, compile=args.compile), dev)
-            row["fast_compiled"].pop("_comps", None)
-            say(f"  fast_compiled: {row['fast_compiled'].get('tok_s')} tok/s "
-                f"(warm-up run {row['fast_compiled'].get('warmup_s')} s)")
-        if comps is not None and B == args.batches[0] and not args.quick:
-            row["fast_logprob_check"] = logprob_check(model, reqs, comps)
-        if "tok_s" in row["hf"] and "tok_s" in row["fast"]:
-            row["ratio"] = round(row["fast"]["tok_s"] / row["hf"]["tok_s"], 2)
-        if "tok_s" in row["hf"] and "tok_s" in row.get("fast_compiled", {}):
-            row["ratio_compiled"] = round(row["fast_compiled"]["tok_s"] / row["hf"]["tok_s"], 2)
-        res["batches"][str(B)] = row
-        del comps
-        free(dev)
-    if not args.quick:
-        ex = res["extras"] = {}
-        Bmax = max(args.batches)
-        mid = 256 if 256 in args.batches else args.batches[0]
-        g2 = torch.Generator().manual_seed(2)
-        pm = torch.randint(3, V, (mid, args.prompt), generator=g2).to(dev)
-        mb = max(1, min(256, Bmax // 4))
-        runs = {
-            f"refill_B{Bmax}_maxbatch{mb}": lambda: measure_fast(
-                model, requests(torch.randint(3, V, (Bmax, args.prompt), generator=g2).to(dev), args.new),
-                mb, args.cap, dev),
-            f"eager_steps_B{mid}": lambda: measure_fast(model, requests(pm, args.new), mid, args.cap, dev,
-                                                        graphs=False),
-            f"top_p0.9_B{mid}": lambda: measure_fast(model, requests(pm, args.new, top_p=0.9), mid, args.cap, dev),
-            f"greedy_B{mid}": lambda: measure_fast(model, requests(pm, args.new, temperature=0.0), mid, args.cap, dev),
-            f"n8_shared_prefill_B{mid}": lambda: measure_fast(
-                model, requests(pm[: max(1, mid // 8)], args.new, n_samples=8), mid, args.cap, dev),
-        }
-        if dev.type != "cuda":
-            runs.pop(f"eager_steps_B{mid}")
-        for name, fn in runs.items():
-            say(f"{shape}: extra {name}")
-            ex[name] = variant(fn, dev)
-            ex[name].pop("_comps", None)
-            say(f"  {name}: {ex[name].get('tok_s')} tok/s")
-    return res  # the model goes with this frame; main() frees the device memory
+    prompts = torch.randint(3, V, (B, args.prompt), generator=torch.Generator().manual_seed(B)).to(dev)
+    reqs = requests(prompts, args.new)
+    row = {}
+    if over_budget(args):
+        return skipped_budget(args)
+    say(f"{shape} B={B}: HF generate (dynamic cache)")
+    row["hf"] = variant(lambda: measure_hf(model, prompts, args.new, args.cap), dev)
+    say(f"  hf: {row['hf'].get('tok_s')} tok/s")
+    say(f"{shape} B={B}: fast path")
+    row["fast"] = variant(lambda: measure_fast(model, reqs, B, args.cap, dev), dev)
+    comps = row["fast"].pop("_comps", None)
+    say(f"  fast: {row['fast'].get('tok_s')} tok/s (warm-up run {row['fast'].get('warmup_s')} s)")
+    if comps is not None and B == min(args.batches) and not args.quick:
+        row["fast_logprob_check"] = logprob_check(model, reqs, comps)
+    del comps
+    free(dev)
+    if args.compile:
+        say(f"{shape} B={B}: fast path, compiled ({args.compile})")
+        row["fast_compiled"] = (skipped_budget(args) if over_budget(args) else
+                                variant(lambda: measure_fast(model, reqs, B, args.cap, dev, compile=args.compile), dev))
+        row["fast_compiled"].pop("_comps", None)
+        say(f"  fast_compiled: {row['fast_compiled'].get('tok_s')} tok/s "
+            f"(warm-up run {row['fast_compiled'].get('warmup_s')} s)")
+    if "tok_s" in row["hf"] and "tok_s" in row["fast"]:
+        row["ratio"] = round(row["fast"]["tok_s"] / row["hf"]["tok_s"], 2)
+    if "tok_s" in row["hf"] and "tok_s" in row.get("fast_compiled", {}):
+        row["ratio_compiled"] = round(row["fast_compiled"]["tok_s"] / row["hf"]["tok_s"], 2)
+    free(dev)
+    return row
+
+
+def extra_rows(shape, model, args, dev) -> dict:
+    """Refill, eager steps, top-p, greedy and shared-prefill runs of the fast path."""
+    ex = {}
+    V = SHAPES[shape]["vocab_size"]
+    Bmax = max(args.batches)
+    mid = 256 if 256 in args.batches else args.batches[0]
+    g2 = torch.Generator().manual_seed(2)
+    pm = torch.randint(3, V, (mid, args.prompt), generator=g2).to(dev)
+    mb = max(1, min(256, Bmax // 4))
+    runs = {
+        f"refill_B{Bmax}_maxbatch{mb}": lambda: measure_fast(
+            model, requests(torch.randint(3, V, (Bmax, args.prompt), generator=g2).to(dev), args.new),
+            mb, args.cap, dev),
+        f"top_p0.9_B{mid}": lambda: measure_fast(model, requests(pm, args.new, top_p=0.9), mid, args.cap, dev),
+        f"greedy_B{mid}": lambda: measure_fast(model, requests(pm, args.new, temperature=0.0), mid, args.cap, dev),
+        f"n8_shared_prefill_B{mid}": lambda: measure_fast(
+            model, requests(pm[: max(1, mid // 8)], args.new, n_samples=8), mid, args.cap, dev),
+    }
+    if dev.type == "cuda":
+        runs[f"eager_steps_B{mid}"] = lambda: measure_fast(model, requests(pm, args.new), mid, args.cap, dev,
+                                                           graphs=False)
+    for name, fn in runs.items():
+        say(f"{shape}: extra {name}")
+        ex[name] = skipped_budget(args) if over_budget(args) else variant(fn, dev)
+        ex[name].pop("_comps", None)
+        say(f"  {name}: {ex[name].get('tok_s')} tok/s")
+    return ex
 
 
 def main(argv=None) -> int:
@@ -240,7 +253,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes, default 64,256,1024")
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 128; tiny 16)")
     ap.add_argument("--new", type=int, default=None, help="sampled tokens (default 256; tiny 32)")
-    ap.add_argument("--cap", type=float, default=60.0, help="seconds per measured run")
+    ap.add_argument("--cap", type=float, default=45.0, help="seconds per measured run")
+    ap.add_argument("--budget", type=float, default=400.0,
+                    help="seconds for the whole run: variants not started by then are skipped with a note")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default bfloat16 (tiny on CPU: float32)")
     ap.add_argument("--compile", default=None, help="torch.compile backend of the fast_compiled rows "
@@ -265,10 +280,23 @@ def main(argv=None) -> int:
 
     out = {"bench": "rollout", "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype).split(".")[-1],
-           "prompt_tokens": args.prompt, "sampled_tokens": args.new, "cap_s": args.cap, "shapes": {}}
+           "prompt_tokens": args.prompt, "sampled_tokens": args.new, "cap_s": args.cap, "budget_s": args.budget,
+           "shapes": {}}
+    models = {}
     for shape in shapes:
-        out["shapes"][shape] = bench_shape(shape, args, dev, dtype)
-        free(dev)
+        say(f"{shape}: building random {dtype} model on {dev}")
+        models[shape] = build_model(shape, dev, dtype)
+        n_params = sum(p.numel() for p in models[shape].parameters())
+        out["shapes"][shape] = {"params_m": round(n_params / 1e6, 1), "batches": {}}
+    # batch 256 (the target) of every shape first, then the other batches, then the extras
+    for B in sorted(args.batches, key=lambda b: (b != 256, args.batches.index(b))):
+        for shape in shapes:
+            out["shapes"][shape]["batches"][str(B)] = batch_row(shape, models[shape], B, args, dev)
+    if not args.quick:
+        for shape in shapes:
+            out["shapes"][shape]["extras"] = extra_rows(shape, models[shape], args, dev)
+    del models
+    free(dev)
     target = {}
     for shape, r in out["shapes"].items():
         row = r["batches"].get("256")
