@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 128; tiny 16)")
     ap.add_argument("--new", type=int, default=None, help="sampled tokens (default 256; tiny 32)")
     ap.add_argument("--cap", type=float, default=45.0, help="seconds per measured run")
-    ap.add_argument("--budget", type=float, default=400.0,
+    ap.add_argument("--budget", type=float, default=360.0,
                     help="seconds for the whole run: variants not started by then are skipped with a note")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default bfloat16 (tiny on CPU: float32)")
