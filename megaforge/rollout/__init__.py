@@ -5,11 +5,75 @@ ENGINES = ("embedded", "embedded_server", "sglang")
 
 
 def preflight(cfg) -> None:
-    """Checks that need no engine yet (run at start-up, before any SFT): e.g. sglang installed."""
+    """Checks that need no engine yet (run at start-up, before any SFT or run directory): sglang
+    installed, prompt + response within the model's context, the engines' GPUs present."""
     if cfg.rollout.engine == "sglang":
         from megaforge.rollout.http_launch import require_sglang
 
         require_sglang(router=cfg.rollout.router and cfg.rollout.num_engines > 1)
+    check_context(cfg)
+    check_engine_gpus(cfg)
+
+
+def context_limit(hf_cfg) -> int:
+    """Positions the model serves: ``max_position_embeddings``, or the RoPE-scaled length (YaRN etc.)."""
+    limit = int(getattr(hf_cfg, "max_position_embeddings", 0) or 0)
+    rs = getattr(hf_cfg, "rope_scaling", None) or {}
+    if isinstance(rs, dict) and rs.get("factor") and rs.get("original_max_position_embeddings"):
+        limit = max(limit, int(rs["original_max_position_embeddings"] * rs["factor"]))
+    return limit
+
+
+def check_context(cfg) -> None:
+    """``data.max_prompt_len`` + ``rollout.max_new_tokens`` must fit the model's context (longer prompts
+    are already refused row by row against data.max_prompt_len)."""
+    from megaforge.configtree import ConfigError
+    from megaforge.hf import hf_config
+
+    try:
+        hf = hf_config(cfg.model)
+    except (OSError, ValueError):
+        return  # an unreadable model is reported where it is loaded, with its own message
+    limit = context_limit(hf)
+    need = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    if limit and need > limit:
+        src = cfg.model.path or cfg.model.config
+        raise ConfigError(f"config keys 'data.max_prompt_len' ({cfg.data.max_prompt_len}) + 'rollout.max_new_tokens' "
+                          f"({cfg.rollout.max_new_tokens}) = {need} tokens exceed the model's context of {limit} "
+                          f"(max_position_embeddings of {src}): a prompt of the allowed length would not get a full "
+                          f"response; lower one of them")
+
+
+def check_engine_gpus(cfg) -> None:
+    """The GPUs the engines are configured to use exist on this node (rollout.device, rollout.num_gpus,
+    rollout.num_engines x rollout.tensor_parallel); multi-node placement is checked by the planner."""
+    import os
+
+    from megaforge.configtree import ConfigError
+    from megaforge.hf import DeviceError, resolve_device
+
+    r = cfg.rollout
+    if r.engine in ("embedded", "embedded_server"):
+        try:
+            dev = resolve_device(r.device)
+        except DeviceError as e:
+            raise ConfigError(f"config key 'rollout.device': {e}") from None
+        if r.engine == "embedded" or dev.type != "cuda":
+            return
+    if int(os.environ.get("WORLD_SIZE", "1")) != int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        return
+    from megaforge.rollout.http_launch import _visible_gpus, gpu_assignment
+
+    visible = _visible_gpus()
+    if not visible:
+        raise ConfigError(f"config key 'rollout.engine': {r.engine!r} runs its engines on CUDA GPUs and none is "
+                          f"visible here (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
+    try:
+        gpu_assignment(r.num_engines, r.tensor_parallel, r.num_gpus, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                       visible)
+    except ValueError as e:
+        raise ConfigError(f"config keys 'rollout.num_engines' / 'rollout.tensor_parallel' / 'rollout.num_gpus': "
+                          f"{e}") from None
 
 
 def build_engine(cfg, tokenizer):
