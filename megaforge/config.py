@@ -450,7 +450,8 @@ class SlurmConfig:
     qos: str = ""
     """SLURM quality of service (sbatch --qos); empty: none."""
     time: str = "24:00:00"
-    """Time limit: [D-]HH:MM:SS, HH:MM or minutes. SIGUSR2 arrives signal_delay_s before it."""
+    """Time limit: [D-]HH:MM:SS, HH:MM or minutes (quote it in YAML: "24:00:00"). SIGUSR2 arrives
+    signal_delay_s before it."""
     cpus_per_task: int = 0
     """CPUs per node (one task per node); 0: leave to SLURM."""
     mem_gb: int = 0
