@@ -133,8 +133,9 @@ class Recovery:
                 return
             proc = self._proc(k)
             if proc is None:
-                raise EngineFailure(f"{self._name(k)} failed ({_why(cause)}); it was not launched by megaforge, so it "
-                                    f"cannot be restarted", f"engine_{k}")
+                raise EngineFailure(f"{self._name(k)} failed ({_why(cause)}); it was not launched by this process (an "
+                                    f"engine given by URL, or on another node), so it cannot be restarted from here",
+                                    f"engine_{k}")
             while True:
                 if self._step_restarts[k] >= self.max_restarts:
                     from megaforge.rollout.launcher import tail

@@ -384,10 +384,14 @@ class HTTPEngine(Recovery, Engine):
             self._call(self.clients[k].release_memory_occupation(sorted(self._released)))
 
     def abort(self) -> None:
-        self._all(lambda c: c.abort_request(abort_all=True))
+        """Abort on every engine; a dead or hung one has nothing to abort (the next call restarts it)."""
+        res = self._call(_gather([c.abort_request(abort_all=True) for c in self.clients], return_exceptions=True))
+        for k, r in enumerate(res):
+            if isinstance(r, BaseException) and (not isinstance(r, Exception) or not self._is_fault(k, r)):
+                raise r
 
     def flush_cache(self) -> None:
-        self._all(lambda c: c.flush_cache())
+        self._guarded_all(lambda c: c.flush_cache())
 
     def shutdown(self) -> None:
         if self._closed:
