@@ -139,7 +139,7 @@ def timed(fn, warmup: int, steps: int, device) -> float:
     for _ in range(steps):
         fn()
     sync()
-    dt = torch.tensor([(time.perf_counter() - t0) / steps])
+    dt = torch.tensor([(time.perf_counter() - t0) / steps], device=device)  # NCCL reduces device tensors
     dist.all_reduce(dt, op=dist.ReduceOp.MAX)
     return float(dt)
 

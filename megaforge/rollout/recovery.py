@@ -159,6 +159,8 @@ class Recovery:
         self.restart_server(k, self.startup_timeout_s, reason=reason, restore_memory=False)
         c = self.clients[k]
         want = 0
+        if self.snapshot is not None:
+            self.snapshot.wait()  # the writes of the last update
         if self.snapshot is not None and self.snapshot.path is not None:
             want = self.snapshot.version
             self._call(c.update_weights_from_disk(self.snapshot.path, weight_version=str(want)))

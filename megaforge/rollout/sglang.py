@@ -205,8 +205,8 @@ class HTTPEngine(Recovery, Engine):
                         self._update_from_tensor(buckets, version, failed)
                 finally:
                     self._end_session(failed)
-            if self.snapshot is not None:
-                self.snapshot.commit()
+                if self.snapshot is not None:  # written in the background unless a failed engine needs it now
+                    self.snapshot.commit(wait=bool(failed))
         except BaseException:
             if self.snapshot is not None:
                 self.snapshot.abort()

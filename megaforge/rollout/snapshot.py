@@ -25,6 +25,7 @@ import shutil
 import struct
 import tempfile
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -60,9 +61,15 @@ def write_flat(path: str, flat: torch.Tensor, metas) -> None:
 
 
 class WeightSnapshot:
-    """Versions of the served weights under ``root`` (a fresh temporary folder when empty)."""
+    """Versions of the served weights under ``root`` (a fresh temporary folder when empty).
 
-    def __init__(self, root: str = "", model_dir: str = ""):
+    ``background``: flat buckets (:meth:`add_flat`) and the commit of a tensor update are written by
+    one writer thread, so the update does not wait for the disk; a bucket's buffer is kept (CUDA
+    buffers are first copied to host memory: the sender reuses them) until written. :meth:`wait`
+    returns when everything is written (and raises a write error); a restart waits for it before
+    reading :attr:`path`, and the next :meth:`begin` too."""
+
+    def __init__(self, root: str = "", model_dir: str = "", background: bool = True):
         self.owned = not root
         self.root = tempfile.mkdtemp(prefix="megaforge-engine-weights-") if self.owned else os.path.abspath(root)
         os.makedirs(self.root, exist_ok=True)
@@ -72,6 +79,20 @@ class WeightSnapshot:
         self._staging: Optional[str] = None
         self._version = 0
         self._files: list[str] = []
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megaforge-snapshot") if background else None
+        self._pending: list = []
+
+    def _run(self, fn, *args) -> None:
+        if self._pool is None:
+            fn(*args)
+        else:
+            self._pending.append(self._pool.submit(fn, *args))
+
+    def wait(self) -> None:
+        """Until every write so far is done; the first write error is raised."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
 
     # ------------------------------------------------------------------------------------ writing
     def begin(self, version: int) -> str:
@@ -88,40 +109,60 @@ class WeightSnapshot:
         return os.path.join(self._staging, name)
 
     def add_flat(self, flat: torch.Tensor, metas) -> None:
-        write_flat(self.next_file(), flat, metas)
+        if flat.device.type != "cpu":
+            flat = flat.to("cpu")
+        self._run(write_flat, self.next_file(), flat, list(metas))
 
     def add_named(self, named) -> None:
+        """Written now (the disk transport's engines read the files right after)."""
         from safetensors.torch import save_file
 
+        self.wait()
         save_file({n: t.detach().contiguous().cpu() for n, t in named}, self.next_file())
 
-    def commit(self) -> str:
-        """Complete the version being written; the previous one is deleted."""
+    def commit(self, wait: bool = True) -> Optional[str]:
+        """Complete the version being written (the previous one is then deleted); with ``wait``, the
+        path of the complete snapshot, else the commit is queued behind the bucket writes."""
         if self._staging is None:
             raise RuntimeError("snapshot: commit() without begin()")
+        staging, files, version, self._staging = self._staging, list(self._files), self._version, None
+        self._run(self._commit, staging, files, version)
+        if wait:
+            self.wait()
+            return self.path
+        return None
+
+    def _commit(self, staging: str, files: list[str], version: int) -> None:
         for f in ("config.json", "generation_config.json"):
             src = os.path.join(self.model_dir, f) if self.model_dir else ""
             if src and os.path.exists(src):
-                shutil.copy(src, self._staging)
-        with open(os.path.join(self._staging, "snapshot.json"), "w") as f:
-            json.dump({"version": self._version, "files": self._files}, f)
-        final = os.path.join(self.root, f"v{self._version}")
+                shutil.copy(src, staging)
+        with open(os.path.join(staging, "snapshot.json"), "w") as f:
+            json.dump({"version": version, "files": files}, f)
+        final = os.path.join(self.root, f"v{version}")
         if os.path.exists(final):
             shutil.rmtree(final)
-        os.rename(self._staging, final)
-        old, self.path, self.version, self._staging = self.path, final, self._version, None
+        os.rename(staging, final)
+        old, self.path, self.version = self.path, final, version
         if old and old != final:
             shutil.rmtree(old, ignore_errors=True)
-        return final
 
     def abort(self) -> None:
-        """Drop a version that was not completed (the previous complete one stays)."""
-        if self._staging is not None:
-            shutil.rmtree(self._staging, ignore_errors=True)
-            self._staging = None
+        """Drop a version that was not completed (the previous complete one stays); waits for writes."""
+        try:
+            self.wait()
+        finally:
+            if self._staging is not None:
+                shutil.rmtree(self._staging, ignore_errors=True)
+                self._staging = None
 
     def close(self) -> None:
-        self.abort()
+        try:
+            self.abort()
+        except Exception:  # noqa: BLE001  (closing: a failed write no longer matters)
+            pass
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         if self.owned:
             shutil.rmtree(self.root, ignore_errors=True)
         elif self.path:
