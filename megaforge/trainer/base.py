@@ -67,11 +67,13 @@ class Trainer(ABC):
     def export_hf(self, path: str) -> None:
         """A Hugging Face model directory (safetensors + config) loadable by transformers."""
 
-    def offload(self) -> None:
-        """Move trainer state off the accelerator (colocated mode). No-op by default."""
+    def offload(self, tags=None) -> None:
+        """Move trainer state off the accelerator (colocated mode; ``memory.offload``): ``tags`` of
+        ``weights`` (what :meth:`iter_hf_buckets` reads) and ``state`` (gradients, optimizer, reference),
+        all when None; tags already offloaded are skipped. No-op by default."""
 
-    def onload(self) -> None:
-        """Bring trainer state back. No-op by default."""
+    def onload(self, tags=None) -> None:
+        """Bring ``tags`` (all when None) back; tags not offloaded are skipped. No-op by default."""
 
     @property
     def is_engine_feeder(self) -> bool:

@@ -17,6 +17,8 @@ import torch
 from megaforge import dist
 from megaforge.algorithms import LossParams, policy_objective
 from megaforge.hf import hf_state_names, load_hf_model, resolve_device
+from megaforge.memory import build_offloader, onloaded
+from megaforge.memory.state import torch_entries
 from megaforge.trainer.base import HFBucket, Trainer
 from megaforge.trainer.logprobs import token_logprobs
 from megaforge.trainer.optim import lr_at
@@ -42,6 +44,8 @@ class TorchTrainer(Trainer):
         self.version = 0
         self.reset_optimizer(cfg.trainer.lr, cfg.max_steps * cfg.trainer.mini_batches * cfg.trainer.epochs,
                              cfg.trainer.warmup_steps, cfg.trainer.lr_schedule, cfg.trainer.min_lr)
+        # memory.offload: pinned host buffers / torch_memory_saver (megaforge.memory); None: resident
+        self._mem = build_offloader(cfg.memory.offload, self.device, lambda tags: torch_entries(self, tags))
 
     # ------------------------------------------------------------------------------- optimizer
     def reset_optimizer(self, lr, total_steps, warmup_steps=0, schedule="constant", min_lr=0.0):
@@ -111,6 +115,7 @@ class TorchTrainer(Trainer):
         local_lp = torch.cat(parts) if parts else torch.zeros((0, batch.tokens.shape[1]))
         return dist.all_gather_rows(local_lp, batch.batch_size)
 
+    @onloaded
     def init_critic(self) -> None:
         """A fresh critic (PPO / gae): copy of the current policy backbone (or critic.path), zero head."""
         from megaforge.trainer.critic import TorchCritic
@@ -123,6 +128,7 @@ class TorchTrainer(Trainer):
             raise RuntimeError("compute_values: no critic (init_critic not called; see critic.enabled)")
         return self.critic.compute_values(batch)
 
+    @onloaded
     def snapshot_reference(self) -> None:
         dev = self.device if self.cfg.trainer.ref_device == "same" else resolve_device(self.cfg.trainer.ref_device)
         self.ref = copy.deepcopy(self.model).to(dev).eval()
@@ -236,28 +242,17 @@ class TorchTrainer(Trainer):
         if bucket:
             yield bucket
 
-    def offload(self) -> None:
-        if self.device.type == "cuda":
-            self.model.to("cpu")
-            if self.critic is not None:
-                self.critic.to("cpu")
-            for st in self.opt.state.values():
-                for k, v in st.items():
-                    if torch.is_tensor(v):
-                        st[k] = v.to("cpu")
-            torch.cuda.empty_cache()
+    def offload(self, tags=None) -> None:
+        """``tags`` of ("weights", "state") (all by default) to host memory (megaforge.memory)."""
+        if self._mem is not None:
+            self._mem.offload(tags)
 
-    def onload(self) -> None:
-        if self.device.type == "cuda":
-            self.model.to(self.device)
-            if self.critic is not None:
-                self.critic.to(self.device)
-            for st in self.opt.state.values():
-                for k, v in st.items():
-                    if torch.is_tensor(v) and k != "step":
-                        st[k] = v.to(self.device)
+    def onload(self, tags=None) -> None:
+        if self._mem is not None:
+            self._mem.onload(tags)
 
     # ------------------------------------------------------------------------------ checkpoint
+    @onloaded
     def save(self, path: str) -> None:
         if dist.is_main():
             os.makedirs(path, exist_ok=True)
@@ -271,6 +266,7 @@ class TorchTrainer(Trainer):
             torch.save(state, os.path.join(path, "trainer.pt"))
         dist.barrier()
 
+    @onloaded
     def load(self, path: str) -> None:
         f = os.path.join(path, "trainer.pt")
         state = torch.load(f, map_location="cpu", weights_only=True)
@@ -290,6 +286,7 @@ class TorchTrainer(Trainer):
             self.critic.load_state_dict(state["critic"])
         self._set_lr()
 
+    @onloaded
     def export_hf(self, path: str) -> None:
         if dist.is_main():
             tmp = path.rstrip("/") + ".tmp"

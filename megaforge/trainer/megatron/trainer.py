@@ -36,6 +36,7 @@ import torch.distributed as dist
 from megaforge.algorithms import LossParams, policy_objective
 from megaforge.dist import all_gather_rows, shard_range
 from megaforge.hf import DTYPES
+from megaforge.memory import build_offloader, onloaded
 from megaforge.convert import families
 from megaforge.trainer.base import HFBucket, Trainer
 from megaforge.trainer.megatron import cpu_compat, parallel
@@ -87,6 +88,10 @@ class MegatronTrainer(Trainer):
         self.ref = None
         self.version = 0
         self.reset_optimizer(t.lr, cfg.max_steps * t.mini_batches * t.epochs, t.warmup_steps, t.lr_schedule, t.min_lr)
+        from megaforge.memory.state import megatron_entries
+
+        # memory.offload: DDP buffers, optimizer state, reference to pinned host buffers (megaforge.memory)
+        self._mem = build_offloader(cfg.memory.offload, self.device, lambda tags: megatron_entries(self, tags))
 
     # ------------------------------------------------------------------------------ groups
     @staticmethod
@@ -288,6 +293,7 @@ class MegatronTrainer(Trainer):
             result[f] = self._from_last_stage(full, (B, T), dtype).cpu()
         return result
 
+    @onloaded
     def snapshot_reference(self) -> None:
         """Frozen copy of the current policy weights (same layout, no optimizer); on the CPU when
         ``trainer.ref_device: cpu`` (moved to the device only while it computes)."""
@@ -386,34 +392,33 @@ class MegatronTrainer(Trainer):
 
         return iter_hf_buckets(self.bm, max_bytes)
 
+    @onloaded
     def export_hf(self, path: str) -> None:
         from megaforge.trainer.megatron.hf_export import export_hf
 
         export_hf(self.bm, self.hf_config, path, self.tokenizer, self.cfg.model.path)
 
+    @onloaded
     def save(self, path: str) -> None:
         from megaforge.trainer.megatron.checkpoint import save
 
         save(self, path)
 
+    @onloaded
     def load(self, path: str) -> None:
         from megaforge.trainer.megatron.checkpoint import load
 
         load(self, path)
         self._set_lr()
 
-    def offload(self) -> None:
-        from megaforge.trainer.megatron.checkpoint import move_state
+    def offload(self, tags=None) -> None:
+        """``tags`` of ("weights", "state") (all by default) to host memory (megaforge.memory)."""
+        if self._mem is not None:
+            self._mem.offload(tags)
 
-        if self.device.type == "cuda":
-            move_state(self, "cpu")
-            torch.cuda.empty_cache()
-
-    def onload(self) -> None:
-        from megaforge.trainer.megatron.checkpoint import move_state
-
-        if self.device.type == "cuda":
-            move_state(self, self.device)
+    def onload(self, tags=None) -> None:
+        if self._mem is not None:
+            self._mem.onload(tags)
 
     def close(self) -> None:
         """Release megatron's parallel state (the process group stays); the trainer is unusable after."""

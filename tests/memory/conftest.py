@@ -1,0 +1,5 @@
+"""Fixtures of the offload tests (helpers in mem_helpers.py)."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
