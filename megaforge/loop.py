@@ -9,9 +9,9 @@ One synchronous RL step (DESIGN.md, "One RL step"):
     batch.ref_logprobs = trainer.compute_logprobs(batch, "ref")         when a reference is used
     batch.advantages   = ADVANTAGES[algo.advantage](rewards, groups, ...)
     metrics  = trainer.train_step(batch)
-    trainer.offload(); engine.resume_memory(weights)
+    trainer.offload(state); engine.resume_memory(weights)               weights stay on the device
     engine.update_weights(trainer.iter_hf_buckets(sync.bucket_mb))       every rank iterates
-    engine.resume_memory(kv_cache, cuda_graph)
+    trainer.offload(weights); engine.resume_memory(kv_cache, cuda_graph)
     log metrics; checkpoint / HF export when due
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from contextlib import contextmanager
 
 import torch
 
-from megaforge import checkpoint, dist
+from megaforge import checkpoint, dist, memory
 from megaforge.algorithms import (ADVANTAGES, KL_ESTIMATORS, AdvantageInputs, first_groups, nonzero_variance_groups,
                                   overlong_penalty, value_targets)
 from megaforge.config import Config, save_config
@@ -396,8 +396,11 @@ class Run:
         cfg = self.cfg
         m: dict = {}
         t0 = time.perf_counter()
-        batch, m = on_main(lambda: (self._rollout(step, m, bar), m))
-        self._train_batch(batch, m)
+        peaks: dict = {}
+        with memory.phase(peaks, "rollout"):
+            batch, m = on_main(lambda: (self._rollout(step, m, bar), m))
+        m.update(peaks)
+        self._train_batch(batch, m, keep_weights=True)  # the sync right after reads them on the device
         self._sync_weights(m)
         m["weight_version"] = float(self.trainer.version)
         m["time/step"] = time.perf_counter() - t0
@@ -405,12 +408,21 @@ class Run:
         m.setdefault("kl", 0.0)
         return m
 
-    def _train_batch(self, batch, m: dict, colocated: bool = True) -> None:
-        """Reference / old logprobs, values, advantages and the optimizer step(s) on ``batch``."""
-        cfg = self.cfg
-        # colocated choreography: engine memory out, trainer state in
+    def _train_batch(self, batch, m: dict, colocated: bool = True, keep_weights: bool = False) -> None:
+        """Reference / old logprobs, values, advantages and the optimizer step(s) on ``batch``. Colocated
+        choreography (megaforge.memory): engine memory out, trainer state in, train, trainer state out
+        (the weights stay on the device with ``keep_weights``: a weight sync follows)."""
         if self.engine is not None and colocated:
-            self.engine.release_memory(["weights", "kv_cache"])
+            with timed(m, "time/release"):
+                self.engine.release_memory(["weights", "kv_cache"])
+        outside = memory.outside_torch_gib()  # contexts, communicators, what the engine did not free
+        if outside is not None:
+            m["memory/outside_torch_gib"] = outside
+        with memory.phase(m, "train"):
+            self._train_on_device(batch, m, keep_weights)
+
+    def _train_on_device(self, batch, m: dict, keep_weights: bool) -> None:
+        cfg = self.cfg
         with timed(m, "time/onload"):
             self.trainer.onload()
         with timed(m, "time/train"):
@@ -424,18 +436,30 @@ class Run:
             set_denominators(batch)
             m.update(self.trainer.train_step(batch))
         with timed(m, "time/offload"):
-            self.trainer.offload()
+            self.trainer.offload(["state"] if keep_weights else None)
 
     def _sync_weights(self, m: dict) -> None:
+        """Trainer state out (weights on the device), engine weights in, weights streamed, trainer weights
+        out and caches released, engine KV cache and CUDA graphs in (megaforge.memory, DESIGN.md)."""
         from megaforge.sync import push_weights
 
+        with memory.phase(m, "sync"):
+            with timed(m, "time/offload"):
+                self.trainer.offload(["state"])  # already out after a step: nothing to do
+            with timed(m, "time/onload"):
+                self.trainer.onload(["weights"])  # already in after a step: nothing to do
+            if self.engine is not None:
+                with timed(m, "time/resume"):
+                    self.engine.resume_memory(["weights"])
+            with timed(m, "time/sync"):
+                push_weights(self.trainer, self.engine, self.cfg.sync.bucket_mb << 20, self.trainer.version,
+                             check_equal=self.cfg.sync.check_equal)
+            with timed(m, "time/offload"):
+                self.trainer.offload(["weights"])
+                memory.release_cached()  # IPC blocks and torch's cache back before the engine allocates
         if self.engine is not None:
-            self.engine.resume_memory(["weights"])
-        with timed(m, "time/sync"):
-            push_weights(self.trainer, self.engine, self.cfg.sync.bucket_mb << 20, self.trainer.version,
-                         check_equal=self.cfg.sync.check_equal)
-        if self.engine is not None:
-            self.engine.resume_memory(["kv_cache", "cuda_graph"])
+            with timed(m, "time/resume"):
+                self.engine.resume_memory(["kv_cache", "cuda_graph"])
 
 
 def run_grpo(cfg: Config) -> Run:

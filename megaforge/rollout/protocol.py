@@ -176,6 +176,9 @@ SCHEMAS: dict[str, dict[str, tuple[Check, Any]]] = {
     "/abort_request": {"rid": (opt(t_str), ""), "abort_all": (t_bool, False)},
     "/pause_generation": {**_RID, "mode": (choice("abort", "retract", "in_place"), "abort")},
     "/continue_generation": {**_RID, "torch_empty_cache": (t_bool, True)},
+    # sync.check_equal: /get_weights_by_name as sglang 0.5.23; /get_weights_checksum is megaforge's
+    "/get_weights_by_name": {**_RID, "name": (t_str, REQUIRED), "truncate_size": (t_int, 100)},
+    "/get_weights_checksum": {**_RID, "names": (opt(list_of(t_str)), None), "hash": (t_bool, True)},
 }
 
 

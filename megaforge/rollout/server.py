@@ -10,7 +10,8 @@ Endpoints (request/answer fields as sglang 0.5.23; schemas in :mod:`megaforge.ro
 ``/begin_weight_update``, ``/end_weight_update``, ``/update_weight_version``,
 ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/flush_cache``, ``/pause_generation``,
 ``/continue_generation``, ``/abort_request``, ``/health``, ``/health_generate``, ``/get_weight_version``,
-``/model_info`` (= ``/get_model_info``), ``/server_info`` (= ``/get_server_info``).
+``/model_info`` (= ``/get_model_info``), ``/server_info`` (= ``/get_server_info``), ``/get_weights_by_name``;
+megaforge's own ``/get_weights_checksum`` (per-tensor sha256, for ``sync.check_equal``).
 
 Checked state, as SGLang: tensor and distributed weight updates run inside a
 ``/begin_weight_update`` .. ``/end_weight_update`` session; memory tags are released and resumed

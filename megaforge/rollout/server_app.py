@@ -293,6 +293,38 @@ def build_app(srv, api_key) -> web.Application:
     async def weight_version(request):
         return web.json_response({"weight_version": srv.version})
 
+    async def weights_checksum(request):
+        """megaforge's sync.check_equal: per-tensor dtype, shape and sha256 (megaforge.sync.check)."""
+        from megaforge.sync.check import dtype_name, tensor_digest
+
+        b = await body(request)
+        check_weights_resident("get_weights_checksum")
+
+        def job():
+            w = srv.engine.named_weights()
+            missing = [n for n in (b["names"] or []) if n not in w]
+            if missing:
+                raise P.FieldError("names", f"the engine's model has no tensor {missing[0]!r} ({len(missing)} unknown)")
+            return {n: {"dtype": dtype_name(w[n].dtype), "shape": list(w[n].shape),
+                        "sha256": tensor_digest(w[n]) if b["hash"] else None} for n in (b["names"] or sorted(w))}
+
+        return web.json_response({"success": True, "algorithm": "sha256(dtype|shape|bytes)", "tensors": await srv.run(job)})
+
+    async def weights_by_name(request):
+        """SGLang's /get_weights_by_name: the first ``truncate_size`` rows (values of a 1-D tensor) as float32."""
+        b = await body(request)
+        check_weights_resident("get_weights_by_name")
+
+        def job():
+            t = srv.engine.named_weights().get(b["name"])
+            return None if t is None else t.detach().float().cpu()[: b["truncate_size"]].tolist()
+
+        out = await srv.run(job)
+        if out is None:
+            return web.json_response({"error": {"message": f"Get parameter by name failed: no tensor {b['name']!r}"}},
+                                     status=400)
+        return web.json_response(out)
+
     async def model_info(request):
         return web.json_response(srv.info())
 
@@ -309,7 +341,8 @@ def build_app(srv, api_key) -> web.Application:
         app.router.add_post(path, h)
     app.router.add_put("/generate", generate)
     for path, h in (("/release_memory_occupation", release), ("/resume_memory_occupation", resume),
-                    ("/flush_cache", flush_cache)):
+                    ("/flush_cache", flush_cache), ("/get_weights_checksum", weights_checksum),
+                    ("/get_weights_by_name", weights_by_name)):
         app.router.add_get(path, h)
         app.router.add_post(path, h)
     for path, h in (("/health", health), ("/health_generate", health_generate), ("/get_weight_version", weight_version),
@@ -320,5 +353,10 @@ def build_app(srv, api_key) -> web.Application:
 
 
 def _load(engine, named) -> None:
-    """Load ``[(name, tensor)]`` into the engine (its lock held), keeping its served version."""
+    """Load ``[(name, tensor)]`` into the engine (its lock held), keeping its served version. On CUDA the
+    copies are finished before the answer: the sender may rewrite a CUDA-IPC buffer once answered."""
     engine.update_weights([named], engine.weight_version)
+    if engine.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(engine.device)

@@ -237,27 +237,49 @@ class HTTPEngine(Recovery, Engine):
         self._send_all(lambda k, c: c.end_weight_update(), failed)()
 
     def _update_from_tensor(self, buckets, version: int, failed: dict) -> None:
+        """CUDA buckets (ipc) go through two reused device buffers (megaforge.sync.buffers: a buffer is
+        rewritten only after the engines confirmed the load of the bucket it carried), with
+        generation paused around the update; CPU buckets (shm) through fresh shared-memory buffers."""
+        from megaforge.sync.buffers import BucketBuffers
+
         inflight: Optional[tuple] = None
         sent = False
-        for bucket, last in _lookahead(buckets):
-            if self.transport == "ipc" and not bucket[0][1].is_cuda:
-                raise ValueError("sync.transport 'ipc' needs CUDA tensors; the trainer's are on "
-                                 f"{bucket[0][1].device} (use 'shm' or 'auto')")
-            flat, metas = wire.flatten(bucket, to_cpu=self.transport == "shm")
-            fut = self._send_all(lambda k, c, flat=flat, metas=metas, last=last: c.update_weights_from_tensor(
-                [wire.flattened_bucket_payload(flat, metas) for _ in range(self.tp_sizes[k])],
-                load_format=wire.FLATTENED_BUCKET, flush_cache=last, weight_version=str(version) if last else None),
-                failed)
-            if self.snapshot is not None:  # written while the engines load the same bucket
-                self.snapshot.add_flat(flat, metas)
+        pool: Optional[BucketBuffers] = None
+        try:
+            for bucket, last in _lookahead(buckets):
+                cuda = bucket[0][1].is_cuda and self.transport != "shm"
+                if self.transport == "ipc" and not cuda:
+                    raise ValueError("sync.transport 'ipc' needs CUDA tensors; the trainer's are on "
+                                     f"{bucket[0][1].device} (use 'shm' or 'auto')")
+                if cuda and pool is None:
+                    self._send_all(lambda k, c: c.pause_generation("abort"), failed)()
+                    pool = BucketBuffers(bucket[0][1].device)
+                if cuda:
+                    flat, metas, slot = pool.flatten(bucket)
+                else:
+                    flat, metas = wire.flatten(bucket, to_cpu=self.transport == "shm")
+                fut = self._send_all(lambda k, c, flat=flat, metas=metas, last=last: c.update_weights_from_tensor(
+                    [wire.flattened_bucket_payload(flat, metas) for _ in range(self.tp_sizes[k])],
+                    load_format=wire.FLATTENED_BUCKET, flush_cache=last, weight_version=str(version) if last else None),
+                    failed)
+                if cuda:
+                    pool.sent(slot, fut)
+                if self.snapshot is not None:  # written while the engines load the same bucket
+                    self.snapshot.add_flat(flat, metas)
+                if inflight is not None:
+                    inflight[0]()
+                inflight = (fut, flat)  # the buffer stays alive until its request is answered
+                sent = True
             if inflight is not None:
                 inflight[0]()
-            inflight = (fut, flat)  # the buffer stays alive until its request is answered
-            sent = True
-        if inflight is not None:
-            inflight[0]()
-        if not sent:
-            self._send_all(lambda k, c: c.update_weight_version(str(version)), failed)()
+            if not sent:
+                self._send_all(lambda k, c: c.update_weight_version(str(version)), failed)()
+        finally:
+            if pool is not None:
+                try:
+                    pool.close()
+                finally:
+                    self._send_all(lambda k, c: c.continue_generation(), failed)()
 
     def _ensure_group(self, device: torch.device) -> None:
         if self._pg is not None:
@@ -337,7 +359,12 @@ class HTTPEngine(Recovery, Engine):
             shutil.rmtree(d, ignore_errors=True)
 
     def named_weights(self):
-        raise NotImplementedError("sync.check_equal reads the engine's tensors in-process: it needs rollout.engine: embedded")
+        raise NotImplementedError("an HTTP engine's tensors live in its server; sync.check_equal reads them through "
+                                  "query() (megaforge.sync.check)")
+
+    def query(self, method: str, endpoint: str, payload=None) -> list:
+        """One answer per server to ``method endpoint`` (e.g. /get_weights_checksum for sync.check_equal)."""
+        return self._guarded_all(lambda c: c.request(method, endpoint, payload))
 
     # ------------------------------------------------------------------------------------- memory
     def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:

@@ -3,22 +3,33 @@
 :func:`push_weights` is the collective every trainer rank calls: all ranks drive the trainer's HF
 bucket iterator (gathering TP shards / PP stages is collective), and the feeding rank hands each
 bucket to the engine, which loads it and then serves version ``version``.
+
+Transports (``sync.transport``; the engine implements them, :mod:`megaforge.rollout.sglang` for
+HTTP engines): ``ipc`` (colocated: CUDA buckets flattened into one of two reused device buffers
+(:class:`~megaforge.sync.buffers.BucketBuffers`), shared by CUDA IPC in SGLang's
+``flattened_bucket`` format, a buffer reused only after the engine confirmed its load, generation
+paused and the cache flushed around the update); ``shm`` (CPU buffers in shared memory); ``nccl``
+(separate GPUs: one broadcast per bucket in a weight-update group while the HTTP call announces
+names, dtypes and shapes); ``disk`` (safetensors shards, then ``/update_weights_from_disk``);
+``auto`` (ipc for CUDA tensors, shm for CPU ones). The in-process embedded engine loads the
+trainer's tensors directly.
+
+Bucket bound: every bucket holds at most ``max_bytes`` bytes, except a single tensor larger than
+that, which is a bucket of its own; a trainer producing anything else fails the sync.
+
+``check_equal``: the engine's tensors are compared with the trainer's after the update
+(:mod:`megaforge.sync.check`), for in-process and HTTP engines.
 """
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-
-
-class WeightMismatchError(RuntimeError):
-    pass
+from megaforge.sync.check import WeightMismatchError, check_engine_weights, make_check, tensor_digest  # noqa: F401
 
 
 def push_weights(trainer, engine, max_bytes: int, version: int, check_equal: bool = False) -> dict:
-    """Stream the trainer's weights into ``engine`` (None on ranks without one). Returns stats."""
-    stats = {"buckets": 0, "bytes": 0, "tensors": 0}
-    checked: dict[str, torch.Tensor] = {}
+    """Stream the trainer's weights into ``engine`` (None on ranks without one). Returns stats:
+    ``buckets``, ``bytes``, ``tensors``, ``max_bucket_bytes`` (and ``checked`` with check_equal)."""
+    stats = {"buckets": 0, "bytes": 0, "tensors": 0, "max_bucket_bytes": 0}
+    check = make_check(engine) if check_equal else None
 
     def buckets():
         for bucket in trainer.iter_hf_buckets(max_bytes):
@@ -30,9 +41,10 @@ def push_weights(trainer, engine, max_bytes: int, version: int, check_equal: boo
             stats["buckets"] += 1
             stats["bytes"] += size
             stats["tensors"] += len(bucket)
-            if check_equal:
+            stats["max_bucket_bytes"] = max(stats["max_bucket_bytes"], size)
+            if check is not None:
                 for n, t in bucket:
-                    checked[n] = t.detach().to("cpu", copy=True)
+                    check.record(n, t)
             yield bucket
 
     if engine is None:
@@ -42,20 +54,6 @@ def push_weights(trainer, engine, max_bytes: int, version: int, check_equal: boo
     engine.update_weights(buckets(), version)
     if engine.weight_version != version:
         raise WeightMismatchError(f"engine reports weight version {engine.weight_version} after update to {version}")
-    if check_equal:
-        compare_weights(checked, engine.named_weights())
+    if check is not None:
+        stats["checked"] = check.verify()
     return stats
-
-
-def compare_weights(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor], atol: float = 0.0) -> None:
-    """Fail loudly, naming the first differing tensor, when the engine's weights are not the trainer's."""
-    for name, t in expected.items():
-        if name not in actual:
-            raise WeightMismatchError(f"sync.check_equal: engine has no tensor {name!r}")
-        a = actual[name].detach().to("cpu", t.dtype)
-        if a.shape != t.shape:
-            raise WeightMismatchError(f"sync.check_equal: {name!r} shape {tuple(a.shape)} on the engine, "
-                                      f"{tuple(t.shape)} on the trainer")
-        diff = (a.float() - t.float()).abs().max().item() if t.numel() else 0.0
-        if diff > atol:
-            raise WeightMismatchError(f"sync.check_equal: {name!r} differs by {diff:.3g} after the update")
