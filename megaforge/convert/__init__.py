@@ -2,7 +2,13 @@
 
 * :mod:`~megaforge.convert.layouts`: tensor layouts (fused qkv, gate/up, padded vocabulary) and
   their TP split / merge, registered by name.
-* :mod:`~megaforge.convert.families`: per-family tables (Llama, Qwen2, Qwen3) and HF config ->
-  :class:`~megaforge.convert.families.ModelDesc`.
+* :mod:`~megaforge.convert.families`: per-family tables (Llama, Qwen2, Qwen3, Qwen3-MoE with
+  experts / expert parallelism) and HF config -> :class:`~megaforge.convert.families.ModelDesc`.
 * :mod:`~megaforge.convert.mapping`: apply a table row to tensors; :class:`HFSource` reads HF weights.
+* :mod:`~megaforge.convert.hf_writer`: HF safetensors directories (sharded + index) written
+  atomically; shared by both trainer backends and the tools.
+* :mod:`~megaforge.convert.launch`: conversion layouts and the CLIs' rank launcher.
+
+The Megatron side (live bucket iterator, offline conversion) is in
+:mod:`megaforge.trainer.megatron.hf_export` and :mod:`megaforge.trainer.megatron.convert`.
 """

@@ -67,16 +67,41 @@ class HFSource:
     def names(self) -> list[str]:
         return list(self.state_dict if self.state_dict is not None else self._index)
 
+    def missing_files(self) -> dict[str, list[str]]:
+        """{shard file named by the index but absent: [tensor names it should hold]}."""
+        out: dict[str, list[str]] = {}
+        if self.state_dict is None:
+            for name, f in self._index.items():
+                if not os.path.exists(f):
+                    out.setdefault(f, []).append(name)
+        return out
+
+    def _handle(self, name: str):
+        if name not in self._index:
+            raise KeyError(f"HF tensor {name!r} is not in {self.path}")
+        file = self._index[name]
+        if file not in self._handles:
+            if not os.path.exists(file):
+                raise FileNotFoundError(f"HF shard {file} (holding {name}) is missing from {self.path}")
+            from safetensors import safe_open
+
+            self._handles[file] = safe_open(file, "pt")
+        return self._handles[file]
+
+    def meta(self, name: str) -> tuple[tuple, torch.dtype]:
+        """(shape, dtype) of an HF tensor without reading its data."""
+        if self.state_dict is not None:
+            t = self(name)
+            return tuple(t.shape), t.dtype
+        sl = self._handle(name).get_slice(name)
+        dt = sl.get_dtype()
+        dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+                  "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32}
+        return tuple(sl.get_shape()), dtypes.get(dt, dt)
+
     def __call__(self, name: str) -> torch.Tensor:
         if self.state_dict is not None:
             if name not in self.state_dict:
                 raise KeyError(f"HF tensor {name!r} is not in the state dict")
             return self.state_dict[name]
-        if name not in self._index:
-            raise KeyError(f"HF tensor {name!r} is not in {self.path}")
-        file = self._index[name]
-        if file not in self._handles:
-            from safetensors import safe_open
-
-            self._handles[file] = safe_open(file, "pt")
-        return self._handles[file].get_tensor(name)
+        return self._handle(name).get_tensor(name)

@@ -1,8 +1,19 @@
 """Megatron dist-checkpointing of the trainer (``torch_dist`` format), and offload / onload.
 
 A checkpoint directory holds the policy's sharded state, optionally the optimizer's (fully
-reshardable: saved at one TP x PP x DP layout, loadable at another) and the frozen reference
-model, plus ``megaforge_trainer.json`` (weight version, LR-schedule position, what was saved).
+reshardable: saved at one TP x PP x DP x EP layout, loadable at another) and the frozen reference
+model, plus ``megaforge_trainer.json`` (weight version, LR-schedule position, what was saved, family,
+layer spec, layout, dtype) and ``hf_config/`` (the HF ``config.json``, generation config and
+tokenizer files, so ``tools/convert_megatron_to_hf.py`` needs nothing else). A *weights-only*
+checkpoint (``tools/convert_hf_to_megatron.py``) has ``"sched": null`` and no optimizer / reference.
+
+Keys are megatron's layer-stacked ShardedTensor keys (e.g. ``decoder.layers.self_attention.
+linear_qkv.weight`` of global shape [L, (nq + 2 nkv) d, H]; experts ``decoder.layers.mlp.experts.
+experts.linear_fc1.weight`` [L, E, 2 F_e, H]). A checkpoint written under one layer spec loads
+under the other: the two norm keys that differ are renamed (:func:`model_sharded_state_dict`).
+Before loading, every requested tensor is checked against the checkpoint's metadata and files
+(:func:`check_model_against`), so a wrong family / shape / config or a missing shard file fails
+with the tensor's name and both shapes instead of deep inside torch.distributed.checkpoint.
 
 megatron's writer normally hands results back through a ``multiprocessing`` Manager started with
 the *spawn* method, which re-imports the entry script and hangs a script without an
@@ -15,12 +26,14 @@ import contextlib
 import json
 import os
 import queue
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 _STRATEGY = ("torch_dist", 1)
 _META = "megaforge_trainer.json"
+HF_CONFIG_DIR = "hf_config"
 _OPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
                  "chained_optim_avoid_prefix": True}
 
@@ -39,10 +52,10 @@ def _ensure_adam_state(optimizer) -> None:
                                       "exp_avg_sq": torch.zeros_like(p)}
 
 
-def _sharded(tr, with_optimizer: bool, with_ref: bool, loading: bool) -> dict:
+def _sharded(tr, with_optimizer: bool, with_ref: bool, loading: bool, saved_spec: Optional[str] = None) -> dict:
     # a fresh metadata dict each time: megatron caches the current DP group in it (in place)
     md = dict(_OPT_METADATA)
-    model_sd = tr.bm.model.sharded_state_dict(metadata=md)
+    model_sd = model_sharded_state_dict(tr.bm, saved_spec, md)
     sd = {"model": model_sd}
     if with_optimizer:
         _ensure_adam_state(tr.optimizer)
@@ -52,27 +65,50 @@ def _sharded(tr, with_optimizer: bool, with_ref: bool, loading: bool) -> dict:
     return sd
 
 
-def save(tr, path: str) -> None:
-    """Collective save into directory ``path`` (created; must be empty or absent)."""
+def layout_of() -> dict:
+    """The current megatron layout (written into the checkpoint metadata)."""
+    from megatron.core import parallel_state as ps
+
+    return {"tensor_parallel": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
+            "context_parallel": ps.get_context_parallel_world_size(),
+            "expert_parallel": ps.get_expert_model_parallel_world_size(),
+            "expert_tensor_parallel": ps.get_expert_tensor_parallel_world_size()}
+
+
+def write_sharded(sharded_state_dict: dict, path: str, meta: dict, hf_config=None, tokenizer=None,
+                  model_path: str = "") -> None:
+    """Collective torch_dist save of ``sharded_state_dict`` into ``path`` (created), then rank 0
+    writes ``hf_config/`` and, last, ``megaforge_trainer.json`` (its presence marks a complete
+    checkpoint)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    with_opt = bool(tr.cfg.checkpoint.save_optimizer)
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
     filesystem_async._results_queue = queue.Queue()  # synchronous save: no spawn-method Manager
-    dist_checkpointing.save(_sharded(tr, with_opt, tr.ref is not None, loading=False), path,
-                            sharded_strategy=_STRATEGY)
+    dist_checkpointing.save(sharded_state_dict, path, sharded_strategy=_STRATEGY)
     if dist.get_rank() == 0:
-        meta = {"version": tr.version, "sched": tr.sched, "optimizer": with_opt, "ref": tr.ref is not None,
-                "layout": {k: getattr(tr.cfg.trainer, k) for k in
-                           ("tensor_parallel", "pipeline_parallel", "context_parallel")},
-                "family": tr.family.name, "layer_spec": tr.spec}
+        if hf_config is not None:
+            from megaforge.convert.hf_writer import write_hf_metadata
+
+            os.makedirs(os.path.join(path, HF_CONFIG_DIR), exist_ok=True)
+            write_hf_metadata(os.path.join(path, HF_CONFIG_DIR), hf_config, None, tokenizer, model_path)
         with open(os.path.join(path, _META + ".tmp"), "w") as f:
             json.dump(meta, f, indent=1)
         os.replace(os.path.join(path, _META + ".tmp"), os.path.join(path, _META))
     dist.barrier()
+
+
+def save(tr, path: str) -> None:
+    """Collective save into directory ``path`` (created; must be empty or absent)."""
+    with_opt = bool(tr.cfg.checkpoint.save_optimizer)
+    meta = {"version": tr.version, "sched": tr.sched, "optimizer": with_opt, "ref": tr.ref is not None,
+            "layout": layout_of(), "family": tr.family.name, "layer_spec": tr.spec,
+            "dtype": str(tr.dtype).removeprefix("torch.")}
+    write_sharded(_sharded(tr, with_opt, tr.ref is not None, loading=False), path, meta,
+                  tr.hf_config, tr.tokenizer, tr.cfg.model.path)
 
 
 @contextlib.contextmanager
@@ -114,20 +150,34 @@ def _unshare_adam_steps(optimizer) -> None:
                 st["step"] = st["step"].clone()
 
 
-def load(tr, path: str) -> None:
-    """Collective load of what :func:`save` wrote, into the current layout (resharding as needed)."""
-    from megatron.core import dist_checkpointing
-
+def read_meta(path: str) -> dict:
     meta_file = os.path.join(path, _META)
     if not os.path.exists(meta_file):
         raise FileNotFoundError(f"{meta_file} is missing: not a complete megaforge megatron checkpoint")
     with open(meta_file) as f:
-        meta = json.load(f)
+        return json.load(f)
+
+
+def load(tr, path: str) -> None:
+    """Collective load of what :func:`save` (or the HF -> Megatron converter) wrote, into the
+    current layout (resharding as needed)."""
+    from megatron.core import dist_checkpointing
+
+    meta = read_meta(path)
     if meta["family"] != tr.family.name:
         raise ValueError(f"{path}: checkpoint of family {meta['family']!r}, trainer is {tr.family.name!r}")
+    saved_spec = meta.get("layer_spec", tr.spec)
+    if not meta["optimizer"] and not meta["ref"]:  # weights only (e.g. the HF converter's)
+        load_model(tr.bm, path, saved_spec)
+        tr.optimizer.reload_model_params()  # fp32 main copies of bf16 / fp16 weights
+        tr.version = int(meta["version"])
+        if meta["sched"] is not None:
+            tr.sched = dict(meta["sched"])
+        return
+    check_model_against(tr.bm, path, saved_spec, repad_vocab=False)
     if meta["ref"] and tr.ref is None:
         tr.snapshot_reference()  # allocate; overwritten below
-    sd = _sharded(tr, meta["optimizer"], meta["ref"], loading=True)
+    sd = _sharded(tr, meta["optimizer"], meta["ref"], loading=True, saved_spec=saved_spec)
     state = dist_checkpointing.load(sd, path, sharded_strategy=_STRATEGY)
     tr.bm.model.load_state_dict(state["model"], strict=True)
     if meta["optimizer"]:
@@ -137,7 +187,143 @@ def load(tr, path: str) -> None:
     if meta["ref"]:
         tr.ref.load_state_dict({k.removeprefix("ref."): v for k, v in state["ref"].items()}, strict=True)
     tr.version = int(meta["version"])
-    tr.sched = dict(meta["sched"])
+    if meta["sched"] is not None:  # weights-only checkpoints keep the trainer's fresh schedule
+        tr.sched = dict(meta["sched"])
+
+
+# ------------------------------------------------------------------ model-only access / checks
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def model_sharded_state_dict(bm, saved_spec: Optional[str] = None, metadata: Optional[dict] = None) -> dict:
+    """The model's sharded state dict with keys as a checkpoint written under layer spec
+    ``saved_spec`` (default: the model's own) names them. megatron's local spec already stores
+    the norms under TE's names; only MoE layers' pre-MLP norm differs
+    (:func:`megaforge.convert.families.checkpoint_key_to_spec`). TE's ``_extra_state`` objects are
+    not requested from a ``torch`` checkpoint (which has none)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from megaforge.convert.families import checkpoint_key_to_spec
+
+    sd = bm.model.sharded_state_dict(metadata=metadata if metadata is not None else dict(_OPT_METADATA))
+    saved_spec = saved_spec or bm.spec
+    if saved_spec == bm.spec:
+        return sd
+    if saved_spec == "torch":
+        sd = {k: v for k, v in sd.items() if not (isinstance(v, ShardedObject) and k.endswith("_extra_state"))}
+    for v in nested_values(sd):
+        if getattr(v, "key", None) is not None:
+            v.key = checkpoint_key_to_spec(v.key, bm.spec, saved_spec, bm.desc.is_moe_layer)
+    return sd
+
+
+def _storage_files(path: str) -> dict[str, set]:
+    """{data file name: {tensor keys with data in it}} from torch.distributed.checkpoint's metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(path).read_metadata()
+    files: dict[str, set] = {}
+    for idx, info in (md.storage_data or {}).items():
+        files.setdefault(info.relative_path, set()).add(idx.fqn)
+    return files
+
+
+def check_model_against(bm, path: str, saved_spec: Optional[str] = None, repad_vocab: bool = True) -> None:
+    """Raise ValueError unless every tensor this rank would load exists in checkpoint ``path`` with
+    the same global shape and every data file holding checkpoint tensors is present. The padded
+    vocabulary rows may differ (megatron pads to a multiple of 128 x TP, so checkpoints of
+    different TP sizes differ) when ``repad_vocab`` (:func:`load_model` re-pads). Collective: all
+    ranks fail together, with every rank's findings (tensor names and both shapes)."""
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+
+    errors = []
+    try:
+        ckpt = load_tensors_metadata(path, sharded_strategy=None)
+    except Exception as e:  # unreadable metadata
+        ckpt = None
+        errors.append(f"{path}: cannot read the checkpoint metadata ({type(e).__name__}: {e})")
+    if ckpt is not None:
+        sd, _, _ = load_preprocess(model_sharded_state_dict(bm, saved_spec))  # factories built
+        seen = set()
+        for v in nested_values(sd):
+            if not isinstance(v, ShardedTensor) or v.key in seen:
+                continue
+            seen.add(v.key)
+            want = tuple(v.global_shape)
+            if v.key not in ckpt:
+                errors.append(f"tensor {v.key}: missing from the checkpoint (the model expects shape {want}); "
+                              "the checkpoint holds another family, layer spec or config")
+                continue
+            got = tuple(ckpt[v.key].global_shape)
+            if got == want:
+                continue
+            if (repad_vocab and v.key in VOCAB_KEYS and got[1:] == want[1:] and got[0] >= bm.desc.vocab):
+                continue  # same vocabulary, another TP's padding
+            errors.append(f"tensor {v.key}: checkpoint shape {got}, model (from the config) shape {want}")
+        if dist.get_rank() == 0:
+            for fname, keys in sorted(_storage_files(path).items()):
+                f = os.path.join(path, fname)
+                if not os.path.exists(f):
+                    ks = sorted(keys)
+                    errors.append(f"missing shard file {f} (holds data of {len(ks)} tensors: "
+                                  f"{', '.join(ks[:4])}{' ...' if len(ks) > 4 else ''})")
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, errors)
+    found = sorted({e for errs in everyone for e in errs})
+    if found:
+        raise ValueError(f"{path} does not match the model ({len(found)} problems):\n  " + "\n  ".join(found[:20]))
+
+
+def _repad_vocab(sd: dict, path: str) -> dict:
+    """Where the checkpoint's padded vocabulary Vc differs from the model's Vp, request the rows
+    of this TP rank's shard [a, b) that exist in the checkpoint as fragments of g = gcd(Vc, Vp/tp)
+    rows of the checkpoint's (Vc, H) tensor (a regular grid torch_dist can read), into a zeroed
+    buffer; rows >= Vc stay zero (padding: every real row is < V <= Vc). Returns {state-dict key:
+    (buffer, fragments)} for :func:`load_model` to put back."""
+    import math
+
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    ckpt = load_tensors_metadata(path)
+    out = {}
+    for k, v in list(sd.items()):
+        if not isinstance(v, ShardedTensor) or v.key not in VOCAB_KEYS or v.key not in ckpt:
+            continue
+        vc = ckpt[v.key].global_shape[0]
+        vp = v.global_shape[0]
+        if vc == vp:
+            continue
+        rows = v.data.shape[0]
+        a = v.global_offset[0]
+        g = math.gcd(vc, rows)
+        buf = torch.zeros_like(v.data)
+        frags = {}
+        for j in range(a // g, min(a + rows, vc) // g):
+            frags[f"rows{j}"] = ShardedTensor.from_rank_offsets(
+                v.key, buf[j * g - a:(j + 1) * g - a], (0, j, vc // g), replica_id=v.replica_id)
+        sd[k] = frags
+        out[k] = buf
+    return out
+
+
+def load_model(bm, path: str, saved_spec: Optional[str] = None) -> None:
+    """Collective load of the model weights only (any checkpoint of :func:`save` / the converter,
+    at any layout; optimizer and reference state ignored) into ``bm`` at the current layout, after
+    :func:`check_model_against`; vocabulary padding of another TP size is re-padded."""
+    from megatron.core import dist_checkpointing
+
+    check_model_against(bm, path, saved_spec)
+    sd = model_sharded_state_dict(bm, saved_spec)
+    repadded = _repad_vocab(sd, path)
+    state = dist_checkpointing.load(sd, path, sharded_strategy=_STRATEGY, validate_access_integrity=not repadded)
+    for k, buf in repadded.items():
+        state[k] = buf
+    bm.model.load_state_dict(state, strict=True)
 
 
 # ---------------------------------------------------------------------------------- offload

@@ -10,7 +10,11 @@ megatron-core assumes CUDA in a few places; :func:`apply` patches exactly those 
 4. a ``TorchFunctionMode`` maps ``device="cuda"``, ``.cuda()`` and ``.to("cuda")`` to CPU and drops
    ``pin_memory`` (pipeline schedules, FP32Optimizer, rotary under CP); ``Tensor.type()`` names are
    reported as ``torch.cuda.*Tensor`` where the DistributedOptimizer checks them;
-5. a stand-in for ``torch.cuda.Event`` (inference paths).
+5. a stand-in for ``torch.cuda.Event`` (inference paths);
+6. stand-ins for ``torch.cuda.Stream`` / ``current_stream`` / ``stream(...)`` (the MoE ``alltoall``
+   token dispatcher copies routing counts to the host on a side stream; on CPU everything is
+   synchronous, so streams are no-ops); the dispatcher's all-to-all split sizes stay CPU tensors
+   (on GPU they become numpy arrays), which ``all_to_all_single`` rejects: the mode passes lists.
 
 The patches are process-wide and idempotent; nothing here runs when the trainer's device is CUDA.
 """
@@ -97,6 +101,33 @@ class _FakeEvent:
         return (end.t - self.t) * 1000.0
 
 
+class _FakeStream:
+    """``torch.cuda.Stream`` stand-in: CPU work is synchronous, so every method is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        event = event or _FakeEvent()
+        event.record()
+        return event
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+_DEFAULT_STREAM = _FakeStream()
+
+
 def _is_cuda(dev) -> bool:
     if isinstance(dev, torch.device):
         return dev.type == "cuda"
@@ -112,6 +143,9 @@ class CudaToCpuMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.distributed.all_to_all_single:
+            kwargs = {k: (v.tolist() if torch.is_tensor(v) and k.endswith("split_sizes") else v)
+                      for k, v in kwargs.items()}
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.pin_memory or func is torch.Tensor.is_pinned:
@@ -148,7 +182,7 @@ def model_parallel_cpu_manual_seed(seed: int) -> None:
 
 
 def apply() -> None:
-    """Install the five patches (idempotent). Call before building megatron modules on CPU."""
+    """Install the six patches (idempotent). Call before building megatron modules on CPU."""
     global _APPLIED
     if _APPLIED:
         return
@@ -164,6 +198,10 @@ def apply() -> None:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.Event = _FakeEvent
+    # 6. streams
+    torch.cuda.Stream = _FakeStream
+    torch.cuda.current_stream = lambda *a, **k: _DEFAULT_STREAM
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     # 4. device rewriting for the rest of the process.
     CudaToCpuMode().__enter__()
     _APPLIED = True

@@ -40,31 +40,85 @@ def resolve_spec(setting: str) -> str:
 
 
 def layer_spec(spec: str, desc: ModelDesc, config):
-    """Transformer-layer spec (or block submodules) for GPTModel.
+    """Transformer-block submodules for GPTModel: one layer spec per local layer.
 
     ``torch``: megatron-core local layers with megaforge's RMSNorm (sequence parallel capable) and
-    SDPA core attention (packed sequences, context parallel). ``te``: megatron's TE spec.
+    SDPA core attention (packed sequences, context parallel). ``te``: megatron's TE spec. MoE layers
+    (``desc.is_moe_layer``) get megatron's MoE layer (TopKRouter + SequentialMLP experts, no grouped
+    GEMM: parameter names ``mlp.router.weight``, ``mlp.experts.local_experts.{e}.linear_fc1/2``).
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
     )
-
-    if spec == "te":
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=desc.qk_norm)
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from megaforge.trainer.megatron.layers import RMSNorm, SDPAttention
 
-    ls = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=desc.qk_norm)
-    sub = ls.submodules
-    sub.input_layernorm = RMSNorm
-    sub.pre_mlp_layernorm = RMSNorm
-    att = sub.self_attention.submodules
-    att.core_attention = SDPAttention
-    if desc.qk_norm:
-        att.q_layernorm = RMSNorm
-        att.k_layernorm = RMSNorm
-    return TransformerBlockSubmodules(layer_specs=[ls] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+    def one(moe: bool):
+        kw = dict(num_experts=desc.num_experts, moe_grouped_gemm=False) if moe else {}
+        if spec == "te":
+            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=desc.qk_norm, **kw)
+        ls = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=desc.qk_norm, **kw)
+        sub = ls.submodules
+        sub.input_layernorm = RMSNorm
+        sub.pre_mlp_layernorm = RMSNorm
+        att = sub.self_attention.submodules
+        att.core_attention = SDPAttention
+        if desc.qk_norm:
+            att.q_layernorm = RMSNorm
+            att.k_layernorm = RMSNorm
+        return ls
+
+    if spec == "te" and not desc.is_moe:
+        return one(False)  # GPTModel adds TE's final norm
+    offset = get_transformer_layer_offset(config)
+    specs = [one(desc.is_moe_layer(offset + j)) for j in range(get_num_layers_to_build(config))]
+    if spec == "te":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TENorm)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)
+
+
+def _fix_moe_without_te() -> None:
+    """megatron-core 0.16.1 bug: without Transformer Engine, ``moe_utils`` never defines
+    ``te_general_gemm`` (and the fused ops), yet the router's gating GEMM tests
+    ``te_general_gemm is not None``: NameError. Define the missing names as None (the plain-torch
+    branches are then taken)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if getattr(moe_utils, "HAVE_TE", True):
+        return
+    for n in ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+              "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+              "fused_topk_with_score_function", "fused_unpermute"):
+        if not hasattr(moe_utils, n):
+            setattr(moe_utils, n, None)
+
+
+def moe_kwargs(desc: ModelDesc, on_cpu: bool) -> dict:
+    """TransformerConfig MoE settings equivalent to HF Qwen3-MoE routing.
+
+    HF: p = softmax(router logits) over all E experts, top-k of p, divided by their sum when
+    ``norm_topk_prob``. megatron: ``moe_router_pre_softmax=False`` takes the top-k *logits* and
+    softmaxes over those k only, which equals HF's renormalised top-k probabilities (softmax is
+    monotonic and shift-invariant); ``moe_router_pre_softmax=True`` softmaxes over all experts and
+    keeps the top-k unnormalised (HF with ``norm_topk_prob=False``). No top-k scaling factor, no
+    auxiliary / z loss (RL fine-tuning), no token dropping, router in the model dtype (as HF).
+    Token dispatcher: ``alltoall`` (set for every model: megatron rejects its default ``allgather``
+    with variable sequence lengths, which the trainer's packed batches need); it runs on CPU / gloo
+    with cpu_compat's stream stand-ins and split-size lists.
+    """
+    if not desc.is_moe:
+        return {}
+    _fix_moe_without_te()
+    return dict(
+        num_moe_experts=desc.num_experts, moe_ffn_hidden_size=desc.moe_ffn, moe_router_topk=desc.topk,
+        moe_router_pre_softmax=not desc.norm_topk_prob, moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
+        moe_layer_freq=[int(m) for m in desc.moe_layers], moe_grouped_gemm=False,
+    )
 
 
 def transformer_config(desc: ModelDesc, tcfg, dtype: torch.dtype, on_cpu: bool, spec: str):
@@ -76,6 +130,10 @@ def transformer_config(desc: ModelDesc, tcfg, dtype: torch.dtype, on_cpu: bool, 
     """
     from megatron.core.transformer import TransformerConfig
 
+    if tcfg.expert_parallel > 1 and not desc.is_moe:
+        raise ValueError(f"trainer.expert_parallel={tcfg.expert_parallel} needs a mixture-of-experts model ({desc.family} has no experts)")
+    if desc.is_moe and desc.num_experts % tcfg.expert_parallel:
+        raise ValueError(f"num_experts={desc.num_experts} is not divisible by trainer.expert_parallel={tcfg.expert_parallel}")
     if desc.num_layers % tcfg.pipeline_parallel:
         raise ValueError(f"num_hidden_layers={desc.num_layers} is not divisible by trainer.pipeline_parallel={tcfg.pipeline_parallel}")
     for what, n in (("num_attention_heads", desc.num_heads), ("num_key_value_heads", desc.num_kv_heads)):
@@ -105,11 +163,12 @@ def transformer_config(desc: ModelDesc, tcfg, dtype: torch.dtype, on_cpu: bool, 
         tensor_model_parallel_size=tcfg.tensor_parallel, pipeline_model_parallel_size=tcfg.pipeline_parallel,
         context_parallel_size=tcfg.context_parallel, sequence_parallel=tcfg.sequence_parallel,
         expert_model_parallel_size=tcfg.expert_parallel,
+        expert_tensor_parallel_size=getattr(tcfg, "expert_tensor_parallel", None),
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=on_cpu, perform_initialization=True,  # (also sets the TP attributes)
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
         calculate_per_token_loss=True, deallocate_pipeline_outputs=True,
-        **kw,
+        **moe_kwargs(desc, on_cpu), **kw,
     )
 
 
@@ -158,37 +217,61 @@ def build_model(desc: ModelDesc, family, config, spec: str, device: torch.device
     return BuiltModel(model, desc, family, desc.dims(padded), spec, get_transformer_layer_offset(config))
 
 
+def local_name(bm: BuiltModel, pm: ParamMap, ep: int, ep_rank: int):
+    """This rank's module name of table row ``pm`` (layer renumbered within the stage, expert
+    renumbered within the EP rank, layer-spec renames), or None when another stage / EP rank
+    holds it."""
+    name = pm.megatron
+    if pm.layer is not None:
+        j = pm.layer - bm.layer_offset
+        if not 0 <= j < len(bm.model.decoder.layers):
+            return None
+        name = name.replace(f"decoder.layers.{pm.layer}.", f"decoder.layers.{j}.", 1)
+    if pm.expert is not None:
+        n_local = bm.desc.num_experts // ep
+        k = pm.expert - ep_rank * n_local
+        if not 0 <= k < n_local:
+            return None
+        name = name.replace(f"local_experts.{pm.expert}.", f"local_experts.{k}.", 1)
+    moe_layer = pm.layer is not None and bm.desc.is_moe_layer(pm.layer)
+    return families.spec_name(name, bm.spec, moe_layer)
+
+
 def local_param_maps(bm: BuiltModel) -> dict[str, ParamMap]:
-    """This stage's Megatron parameter name -> the table row it comes from (layers renumbered
-    locally; rows whose parameter lives on another stage are left out)."""
+    """This rank's Megatron parameter name -> the table row it comes from (rows whose parameter
+    lives on another pipeline stage or expert-parallel rank are left out)."""
+    from megatron.core import parallel_state as ps
+
+    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     out = {}
-    n_local = len(bm.model.decoder.layers)
     present = {n for n, _ in bm.model.named_parameters()}
     for pm in bm.family.param_maps(bm.desc):
-        name = pm.megatron
-        if pm.layer is not None:
-            j = pm.layer - bm.layer_offset
-            if not 0 <= j < n_local:
-                continue
-            name = name.replace(f"decoder.layers.{pm.layer}.", f"decoder.layers.{j}.", 1)
-        name = families.spec_name(name, bm.spec)
-        if name in present:
+        name = local_name(bm, pm, ep, ep_rank)
+        if name is not None and name in present:
             out[name] = pm
     return out
 
 
-@torch.no_grad()
-def load_weights(bm: BuiltModel, source: HFSource) -> None:
-    """Copy HF tensors into every parameter of this stage (TP shard of this rank)."""
+def shard_group(pm: ParamMap) -> tuple[int, int]:
+    """(size, rank) of the tensor-parallel group that shards row ``pm``: the expert-TP group for
+    expert weights, the TP group otherwise."""
     from megatron.core import parallel_state as ps
 
-    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    if pm.expert is not None:
+        return ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+
+
+@torch.no_grad()
+def load_weights(bm: BuiltModel, source: HFSource) -> None:
+    """Copy HF tensors into every parameter of this rank (its stage, TP / expert-TP shard, experts)."""
     maps = local_param_maps(bm)
     params = dict(bm.model.named_parameters())
     missing = [n for n in params if n not in maps]
     if missing:
         raise KeyError(f"Megatron parameters without an HF source (family {bm.family.name}, spec {bm.spec}): {missing}")
     for name, p in params.items():
+        tp, rank = shard_group(maps[name])
         shard = to_megatron_shard(maps[name], source, bm.dims, tp, rank)
         if tuple(shard.shape) != tuple(p.shape):
             raise ValueError(

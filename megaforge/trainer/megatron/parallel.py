@@ -38,8 +38,9 @@ def init_distributed(device: torch.device) -> None:
                             init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
-def init_model_parallel(tp: int, pp: int, cp: int, ep: int = 1) -> None:
-    """(Re)initialise megatron's parallel_state for this layout."""
+def init_model_parallel(tp: int, pp: int, cp: int, ep: int = 1, etp: int | None = None) -> None:
+    """(Re)initialise megatron's parallel_state for this layout. Experts: EP ranks x expert-TP
+    ``etp`` (None: = TP, megatron's default) x expert-DP (the rest) x PP."""
     from megatron.core import parallel_state as ps
 
     world = dist.get_world_size()
@@ -48,9 +49,15 @@ def init_model_parallel(tp: int, pp: int, cp: int, ep: int = 1) -> None:
             f"world size {world} is not divisible by tensor_parallel x pipeline_parallel x "
             f"context_parallel = {tp} x {pp} x {cp}"
         )
+    etp = tp if etp is None else etp
+    if world % (etp * ep * pp):
+        raise ValueError(
+            f"world size {world} is not divisible by expert_tensor_parallel x expert_parallel x "
+            f"pipeline_parallel = {etp} x {ep} x {pp}"
+        )
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-        expert_model_parallel_size=ep,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
     )
