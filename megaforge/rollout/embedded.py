@@ -214,7 +214,7 @@ class EmbeddedEngine(Engine):
                     self._fast.drop_graphs()
                 self._fast.graphs_released |= "cuda_graph" in tags
             if "weights" in tags and "weights" not in self._released and self.device.type == "cuda":
-                self.model.to("cpu")
+                self._weights_memory().offload(["weights"])  # to pinned host buffers allocated once
             self._released |= set(tags)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -223,14 +223,27 @@ class EmbeddedEngine(Engine):
         tags = check_tags(tags)
         with self._lock:
             if "weights" in tags and "weights" in self._released and self.device.type == "cuda":
-                self.model.to(self.device)
-                self._params = dict(self.model.state_dict(keep_vars=True))
+                self._weights_memory().onload(["weights"])  # the same tensor objects: _params stays valid
             if self._fast is not None:
                 if "kv_cache" in tags:
                     self._fast.restore_cache()
                 if "cuda_graph" in tags:
                     self._fast.graphs_released = False  # graphs are captured again on first use
             self._released -= set(tags)
+
+    def _weights_memory(self):
+        """The model's parameters and buffers through megaforge.memory's copy engine (pinned host
+        buffers allocated at the first release, chunked copies on a side stream; tensor identities
+        kept, so the fast path's references and ``_params`` stay valid)."""
+        if getattr(self, "_wmem", None) is None:
+            from megaforge.memory.offload import Entry, PinnedOffloader
+
+            def entries(tags):
+                seen = {id(t): t for t in list(self.model.parameters()) + list(self.model.buffers())}
+                return [Entry(t, "weights") for t in seen.values() if t.device == self.device]
+
+            self._wmem = PinnedOffloader(entries, self.device)
+        return self._wmem
 
     @property
     def released(self) -> set[str]:

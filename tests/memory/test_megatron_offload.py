@@ -35,7 +35,8 @@ def test_megatron_offload_two_ranks(tmp_path):
                 assert ck["main_params"] > 0, "fp32 main parameters of bf16 weights are offloaded"
             for key in ("state_freed", "weights_kept", "all_freed", "ids", "values"):
                 assert ck[key] == [True] * 3, (dtype, r, key, ck[key])
-            assert min(ck["hf_while_state_out"]) > 0
+            if r == 0:  # (iter_hf_buckets hands tensors to rank 0 only)
+                assert min(ck["hf_while_state_out"]) > 0, "HF weights readable while the state is out"
             assert len(set(a["host_allocs"])) == 1, f"host buffers re-allocated: {a['host_allocs']}"
             assert a["metrics"] == b["metrics"], dtype
             assert a["weights"].keys() == b["weights"].keys()
