@@ -39,7 +39,8 @@ own time) and ``time/step`` (wall time of the step).
 Checkpoints, graceful stop and exact resume: before a checkpoint the rollout in flight is *drained*
 (waited for) and saved with the checkpoint (tokens, rollout logprobs, versions, rewards, metrics), as
 is the partial-rollout pool; the data position saved is the one after that rollout. A resumed run
-trains exactly that batch next, so it reproduces the uninterrupted run whenever the engine's weights
+trains exactly that batch next and keeps the saved push schedule, so it reproduces the uninterrupted
+run (tests/loop/test_offpolicy_loop.py, with partial rollouts in flight) whenever the engine's weights
 at the checkpoint were the trainer's, i.e. when the checkpoint step is a multiple of sync.interval
 (always for interval 1; with stale_policy correct also when no forced push is pending). Otherwise the
 resumed engine starts from the trainer's newer weights, which the run logs.
@@ -108,9 +109,12 @@ class AsyncDriver:
         if self.partial is not None and st.get("pool"):
             self.partial.load_state_dict(st["pool"])
         saved_engine = st.get("engine_version")
-        if saved_engine is not None and saved_engine != self.engine_version and self.main:
-            print(f"[megaforge] resume: the engine served weight version {saved_engine} at the checkpoint; it now "
-                  f"starts from the trainer's {self.engine_version} (rollouts differ from an uninterrupted run)", flush=True)
+        if saved_engine is not None:
+            if saved_engine != self.engine_version and self.main:
+                print(f"[megaforge] resume: the engine served weight version {saved_engine} at the checkpoint; it now "
+                      f"starts from the trainer's {self.engine_version} (rollouts differ from an uninterrupted run)",
+                      flush=True)
+            self.engine_version = int(saved_engine)  # the push schedule continues as in the uninterrupted run
 
     # ------------------------------------------------------------------------------------ rollouts
     def _produce(self, step: int, train_version: int, bar) -> dict:
