@@ -376,19 +376,25 @@ class LoopConfig:
 @dataclass
 class SyncConfig:
     transport: Literal["auto", "inproc", "ipc", "nccl", "disk", "shm"] = "auto"
-    """Trainer -> engine weight transport."""
+    """Trainer -> engine weight transport (megaforge.sync): ipc (colocated GPUs: CUDA IPC of flattened
+    buckets through two reused device buffers), nccl (engines on other GPUs: a weight-update group,
+    one broadcast per bucket), disk (safetensors + update_weights_from_disk), shm (CPU shared memory),
+    auto (ipc for CUDA tensors, shm for CPU ones)."""
     bucket_mb: int = 512
-    """Maximum bytes of one weight bucket."""
+    """Maximum MiB of one weight bucket (a single larger tensor is a bucket of its own)."""
     interval: int = 1
     """Sync weights every this many steps."""
     check_equal: bool = False
-    """After each update, compare the engine's weights with the trainer's and fail on mismatch."""
+    """After each update, compare the engine's weights with the trainer's (per-tensor sha256 in the
+    engine's dtype; SGLang: first rows through /get_weights_by_name) and fail naming the tensor."""
 
 
 @dataclass
 class MemoryConfig:
     offload: Literal["none", "pinned", "tms"] = "none"
-    """Offload trainer state while the engines generate (colocated GPU runs)."""
+    """Trainer state off the GPU while the engines generate (colocated runs; megaforge.memory): pinned
+    (host buffers allocated once, chunked copies on a side stream), tms (torch_memory_saver
+    pause/resume; pip install torch-memory-saver), none (resident). A CPU trainer: nothing to do."""
 
 
 @dataclass

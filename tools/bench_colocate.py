@@ -260,7 +260,8 @@ def phase_nccl(a, run, res, model_dir, out, dev):
         phase_sync(a, run, res, eng, "nccl", 1001)
         res["nccl"].update(first_update_with_group_setup_s=round(first, 3),
                            outside_torch_gib_before=None if before is None else round(before, 3),
-                           outside_torch_gib_after_group=None if after is None else round(after, 3))
+                           outside_torch_gib_after_group=None if after is None else round(after, 3),
+                           communicator_gib=None if before is None else round(after - before, 3))
     finally:
         eng.shutdown()
 

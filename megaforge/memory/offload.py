@@ -112,6 +112,8 @@ class PinnedOffloader:
                  pin: Optional[bool] = None):
         self.entries_fn = entries_fn
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": this process's current GPU
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.cuda = self.device.type == "cuda"
         self.pin = self.cuda if pin is None else pin
         self.chunk_bytes = int(chunk_bytes)

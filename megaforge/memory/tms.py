@@ -47,8 +47,8 @@ class TmsOffloader:
     def __init__(self, entries_fn: Callable[[Sequence[str]], list], device, hook_mode: str = "torch"):
         self.tms = load_tms(hook_mode)
         self.entries_fn = entries_fn
-        self.device = torch.device(device)
         self.pinned = PinnedOffloader(entries_fn, device)
+        self.device = self.pinned.device
         self.managed: dict[str, tuple] = {}  # tag -> signature of its tensors when they entered the pool
         self.paused: set[str] = set()
         self.stats = {"migrations": 0}
