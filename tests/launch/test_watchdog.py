@@ -10,10 +10,16 @@ import torch.distributed as tdist
 from megaforge.cluster import Watchdog, place_from_env
 
 
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture
 def store():
-    from conftest import free_port
-
     port = free_port()
     master = tdist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                             timeout=datetime.timedelta(seconds=10))
