@@ -60,6 +60,8 @@ def check_engine_gpus(cfg) -> None:
             raise ConfigError(f"config key 'rollout.device': {e}") from None
         if r.engine == "embedded" or dev.type != "cuda":
             return
+    elif r.engine != "sglang":
+        return  # not an engine of this build: build_engine says so
     if int(os.environ.get("WORLD_SIZE", "1")) != int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
         return
     from megaforge.rollout.http_launch import _visible_gpus, gpu_assignment
