@@ -234,23 +234,20 @@ class PinnedOffloader:
 
     def onload(self, tags: Optional[Iterable[str]] = None, alloc_ctx=None) -> dict:
         """Re-allocate the tags' device storage and copy the host buffers back (``keep=False``
-        chunks are zeroed). ``alloc_ctx``: a context manager the device allocations run in (the
-        torch_memory_saver region of :mod:`megaforge.memory.tms`). Returns {"bytes", "seconds"}."""
+        chunks are zeroed). ``alloc_ctx``: a factory of the context manager each device allocation runs
+        in (the torch_memory_saver region of :mod:`megaforge.memory.tms`). Returns {"bytes", "seconds"}."""
         t0 = time.perf_counter()
         plans = [(tag, self.plans[tag]) for tag in (tags or TAGS) if tag in self.plans and self.plans[tag].offloaded]
-        fresh = []
-        with (alloc_ctx if alloc_ctx is not None else _NullCtx()):
-            for _, plan in plans:
-                for c in plan.chunks:
+        fresh, nbytes = [], 0
+        for _, plan in plans:
+            for c in plan.chunks:  # chunk k+1 is allocated while chunk k is copied
+                with (alloc_ctx() if alloc_ctx is not None else _NullCtx()):
                     if c.coalesced:
                         c.device_storage().resize_(c.nbytes)
                     else:
                         c.device_buf = torch.empty(c.nbytes, dtype=torch.uint8, device=self.device)
                         fresh.append(c)
-        nbytes = 0
-        with self._copy_ctx():
-            for _, plan in plans:
-                for c in plan.chunks:
+                with self._copy_ctx():  # (the copy stream waits for the allocation's stream)
                     dst = c.device_buf if not c.fixed else _storage_bytes(c.device_storage(), self.device)
                     if c.keep:
                         dst.copy_(c.host, non_blocking=True)

@@ -94,7 +94,7 @@ class TmsOffloader:
                 self.paused.discard(tag)
                 nbytes += self._bytes(tag)
             elif self.pinned.offloaded(tag):
-                region = self.tms.region(tag=self.tms_tag(tag), enable_cpu_backup=True)
+                region = lambda tag=tag: self.tms.region(tag=self.tms_tag(tag), enable_cpu_backup=True)  # noqa: E731
                 nbytes += self.pinned.onload([tag], alloc_ctx=region)["bytes"]
                 self.managed[tag] = _signature(list(self.entries_fn([tag])))
                 self.pinned._drop(tag)  # the pool keeps its own CPU backup from now on

@@ -216,3 +216,27 @@ def test_tms_missing_names_the_package():
 
     with pytest.raises(ImportError, match="pip install torch-memory-saver"):
         TmsOffloader(lambda tags: [], "cpu")
+
+
+def test_onload_allocates_every_chunk_inside_the_given_context():
+    """The hook torch_memory_saver's migration uses: each device allocation of an onload runs inside a
+    fresh context from ``alloc_ctx`` (here: one that records the bytes allocated inside it)."""
+    import contextlib
+
+    rig = Rig()
+    off = PinnedOffloader(rig.entries, "cpu", chunk_bytes=2048)
+    off.offload()
+    inside = []
+
+    @contextlib.contextmanager
+    def region():
+        before = {id(c.device_buf) for p in off.plans.values() for c in p.chunks if c.device_buf is not None}
+        yield
+        after = [c for p in off.plans.values() for c in p.chunks if c.device_buf is not None and id(c.device_buf) not in before]
+        inside.append(sum(c.nbytes for c in after))
+
+    off.onload(alloc_ctx=region)
+    chunks = [c for p in off.plans.values() for c in p.chunks]
+    assert len(inside) == len(chunks)  # one context per chunk
+    assert sum(inside) == sum(c.nbytes for c in chunks if not c.fixed)  # every new chunk buffer made inside one
+    assert torch.equal(rig.views[0].reshape(-1), rig.buf[:100])
