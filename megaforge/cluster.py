@@ -22,8 +22,9 @@ Failure of any rank ends every rank within a bounded time:
   Counters, not wall-clock stamps, so node clocks need not agree: staleness is measured on the
   observer's monotonic clock.
 
-Bound: a rank that raises ends the others within ``abort_grace_s + heartbeat_s`` (+ engine stop,
-at most 5 s + 5 s); a rank that vanishes, within ``peer_timeout_s + heartbeat_s``. Independently,
+Bound: a rank that raises ends the others within ``abort_grace_s + heartbeat_s``, plus the time to
+stop their engine servers (SIGTERM, SIGKILL after 5 s); a rank that vanishes, within
+``peer_timeout_s + heartbeat_s`` plus the same. Independently,
 torchrun's agent ends the other ranks of the failed rank's node (SIGTERM, SIGKILL 30 s later), and
 collectives time out after ``launch.dist_timeout_s``. The keys carry ``TORCHELASTIC_RESTART_COUNT``
 so a torchrun ``--max_restarts`` round never sees the previous round's failure.

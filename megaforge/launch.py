@@ -59,8 +59,8 @@ def main(mode: str, argv=None) -> None:
     finally:
         from megaforge import dist
 
-        if together:
-            cluster.finish()
         placement.shutdown_node_engines(barrier=together)  # engine servers this node's leader started
+        if together:
+            cluster.finish()  # after the barrier above, which the watchdog still guards
         if dist.initialized():
             dist.dist.destroy_process_group()

@@ -27,9 +27,11 @@ A point is ``gpus`` GPUs (CPU: gloo processes) with TP/PP/CP ``tp/pp/cp``, ``eng
 of TP ``engine_tp`` and ``rollout_gpus`` GPUs of their own (0: colocated); it runs as
 ``torchrun --nproc_per_node gpus-rollout_gpus launchers/<launcher>.py --config ... <args>
 --trainer.tensor_parallel tp ... --rollout.num_engines engines ...`` in ``<out>/runs/<name>`` (one node;
-``--via slurm``/``local`` submits it through launchers/slurm.py instead). Points the dry run rejects
-are listed with the reason and not run. Scaling efficiency = (tokens/s per GPU) / (tokens/s per GPU of
-the point with the fewest GPUs); speedup = tokens/s / tokens/s of that point.
+``--via slurm``/``local`` submits it through launchers/slurm.py instead; ``--runs_dir`` puts the run
+directories elsewhere; a finished point's checkpoints are deleted unless ``--keep_checkpoints``).
+Points the dry run rejects are listed with the reason and not run. Scaling efficiency = (tokens/s per
+GPU) / (tokens/s per GPU of the point with the fewest GPUs); speedup = tokens/s / tokens/s of that
+point. Tokens per step = throughput/tokens_per_s x time/step (the trained batch: prompts + responses).
 """
 from __future__ import annotations
 
@@ -109,13 +111,13 @@ def nodes_of(spec: dict, p: dict) -> tuple[int, int]:
     return nodes, p["gpus"] // nodes
 
 
-def point_argv(spec: dict, p: dict, out: str) -> list[str]:
+def point_argv(spec: dict, p: dict, runs: str) -> list[str]:
     argv = ["--config", spec["config"], *[str(a) for a in spec.get("args", [])],
             "--trainer.tensor_parallel", str(p["tp"]), "--trainer.pipeline_parallel", str(p["pp"]),
             "--trainer.context_parallel", str(p["cp"]), "--rollout.num_engines", str(p["engines"]),
             "--rollout.tensor_parallel", str(p["engine_tp"]), "--rollout.num_gpus", str(p["rollout_gpus"]),
             *[str(a) for a in p.get("args", [])]]
-    return argv + ["--output_dir", os.path.join(out, "runs"), "--run_name", point_name(p)]
+    return argv + ["--output_dir", runs, "--run_name", point_name(p)]
 
 
 def plan_point(spec: dict, p: dict, argv: list[str]) -> dict:
@@ -363,16 +365,19 @@ def main(argv=None) -> int:
     ap.add_argument("--collect_only", action="store_true")
     ap.add_argument("--plan_only", action="store_true")
     ap.add_argument("--rerun", action="store_true", help="run points whose run directory already has metrics again")
+    ap.add_argument("--runs_dir", default="", help="where the points' run directories go (default <out>/runs)")
+    ap.add_argument("--keep_checkpoints", action="store_true", help="keep each finished point's checkpoints (default: deleted)")
     a = ap.parse_args(argv)
     spec = load_spec(a.spec)
     out = os.path.abspath(a.out)
-    os.makedirs(os.path.join(out, "runs"), exist_ok=True)
+    runs = os.path.abspath(a.runs_dir or os.path.join(out, "runs"))
+    os.makedirs(runs, exist_ok=True)
     rows, plans = [], {}
     for p in expand(spec):
         name = point_name(p)
-        argv_p = point_argv(spec, p, out)
+        argv_p = point_argv(spec, p, runs)
         plan = plans[name] = plan_point(spec, p, argv_p)
-        run_dir = os.path.join(out, "runs", name)
+        run_dir = os.path.join(runs, name)
         if not plan.get("ok"):
             reason = "; ".join(e["message"] for e in plan.get("errors", [])) or "a phase does not fit in GPU memory"
             rows.append({"name": name, **p, "status": "skipped", "reason": f"dry run: {reason}"})
@@ -389,8 +394,13 @@ def main(argv=None) -> int:
 
                     shutil.rmtree(run_dir)
                 print(f"[study] {name}: running ({a.via})", flush=True)
-                status = run_local(spec, p, argv_p, os.path.join(out, "runs", name + ".log")) if a.via == "torchrun" \
+                status = run_local(spec, p, argv_p, os.path.join(runs, name + ".log")) if a.via == "torchrun" \
                     else submit(spec, p, argv_p, a.via, shlex.split(a.slurm_args))
+                if not a.keep_checkpoints and status == "ok":
+                    import shutil
+
+                    for sub in ("checkpoints", "hf"):  # the study needs metrics and logs, not weights
+                        shutil.rmtree(os.path.join(run_dir, sub), ignore_errors=True)
         row = collect(spec, p, plan, run_dir)
         row["status"] = status if not status.startswith("ok") or row.get("tokens_per_s") else "ok (no metrics)"
         rows.append(row)
@@ -399,7 +409,12 @@ def main(argv=None) -> int:
     add_efficiency(rows)
     write_table(rows, os.path.join(out, "scaling"), COLUMNS)
     loo, proj, coef = cost_model(spec, rows, plans, out)
-    files = plots(rows, loo, proj, out) if any(r.get("tokens_per_s") for r in rows) else []
+    files = []
+    if any(r.get("tokens_per_s") for r in rows):
+        try:
+            files = plots(rows, loo, proj, out)
+        except ImportError as e:  # tables are written; plot later with --collect_only where matplotlib is
+            print(f"[study] no plots: {e} (pip install matplotlib, then --collect_only)", flush=True)
     with open(os.path.join(out, "study.json"), "w") as f:
         json.dump({"spec": spec, "rows": rows, "cost_model": {"coefficients": coef, "leave_one_out": loo, "projection": proj},
                    "plots": files}, f, indent=1, default=str)

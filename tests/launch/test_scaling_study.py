@@ -42,6 +42,8 @@ def test_cpu_study_writes_table_plots_and_cost_model(tmp_path):
     skipped = by["g2_tp2_pp1_cp1_e1"]
     assert skipped["status"] == "skipped" and "trainer.tensor_parallel=2 needs trainer.backend megatron" in skipped["reason"]
     assert not (out / "runs" / "g2_tp2_pp1_cp1_e1").exists()
+    assert (out / "runs" / "g2_tp1_pp1_cp1_e1" / "metrics.jsonl").exists()
+    assert not (out / "runs" / "g2_tp1_pp1_cp1_e1" / "checkpoints").exists()  # weights are not kept by default
     md = (out / "scaling.md").read_text()
     assert md.startswith("| " + " | ".join(COLUMNS)) and "g2_tp1_pp1_cp1_e1" in md
     for name in ("throughput.png", "step_breakdown.png", "scaling_efficiency.png", "cost_model.png"):
