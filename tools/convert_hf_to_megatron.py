@@ -52,6 +52,11 @@ def layout(args):
 
 
 def rank_main(args) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"megatron\.")  # Apex / TE absent, deprecations
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
+    warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*")
     import torch
     import torch.distributed as dist
 
@@ -77,16 +82,11 @@ def main(argv=None) -> int:
     if not args.overwrite and os.path.isdir(args.out) and os.listdir(args.out):
         print(f"error: {os.path.abspath(args.out)} exists and is not empty (pass --overwrite)", file=sys.stderr)
         return 2
-    from megaforge.convert.hf_writer import leftovers
-    import shutil
-
-    def clean():
-        parent = os.path.dirname(os.path.abspath(args.out.rstrip("/")))
-        for f in leftovers(args.out):
-            shutil.rmtree(os.path.join(parent, f), ignore_errors=True)
+    from megaforge.convert.launch import remove_leftovers
 
     n = layout(args).world()
-    return spawn(os.path.abspath(__file__), sys.argv[1:] if argv is None else list(argv), n, on_failure=clean)
+    return spawn(os.path.abspath(__file__), sys.argv[1:] if argv is None else list(argv), n,
+                 on_failure=lambda: remove_leftovers(args.out))
 
 
 if __name__ == "__main__":

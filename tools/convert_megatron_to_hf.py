@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,6 +69,11 @@ def layout(args):
 
 
 def rank_main(args) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"megatron\.")  # Apex / TE absent, deprecations
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
+    warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*")
     import torch
     import torch.distributed as dist
 
@@ -88,8 +92,7 @@ def rank_main(args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from megaforge.convert.hf_writer import leftovers
-    from megaforge.convert.launch import in_rank, spawn
+    from megaforge.convert.launch import in_rank, missing_checkpoint_files, remove_leftovers, spawn
 
     if in_rank():
         rank_main(args)
@@ -101,14 +104,12 @@ def main(argv=None) -> int:
     if not args.overwrite and os.path.isdir(args.out) and os.listdir(args.out):
         print(f"error: {os.path.abspath(args.out)} exists and is not empty (pass --overwrite)", file=sys.stderr)
         return 2
-
-    def clean():
-        parent = os.path.dirname(os.path.abspath(args.out.rstrip("/")))
-        for f in leftovers(args.out):
-            shutil.rmtree(os.path.join(parent, f), ignore_errors=True)
-
+    missing = missing_checkpoint_files(args.ckpt)  # fail before starting any rank
+    if missing:
+        print(f"error: {os.path.abspath(args.ckpt)} is incomplete:\n  " + "\n  ".join(missing), file=sys.stderr)
+        return 1
     return spawn(os.path.abspath(__file__), sys.argv[1:] if argv is None else list(argv), layout(args).world(),
-                 on_failure=clean)
+                 on_failure=lambda: remove_leftovers(args.out))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from megaforge.convert.launch import leftovers  # noqa: F401  (re-exported)
+
 #: transformers' v4 default shard size ("5GB"); the torch backend and the tools use it too
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
@@ -80,15 +82,6 @@ def atomic_output_dir(out: str, overwrite: bool = True) -> Iterator[str]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def leftovers(out: str) -> list[str]:
-    """Temporary folders of :func:`atomic_output_dir` for ``out`` still present in its parent."""
-    out = os.path.abspath(out.rstrip("/"))
-    parent, name = os.path.split(out)
-    if not os.path.isdir(parent):
-        return []
-    return sorted(f for f in os.listdir(parent) if f.startswith(f".{name}.tmp-") or f.startswith(f".{name}.old-"))
 
 
 def write_hf_metadata(path: str, hf_config, dtype: Optional[torch.dtype] = None, tokenizer=None,

@@ -37,6 +37,42 @@ class Layout:
         return self.pp * math.lcm(self.tp, etp * self.ep)
 
 
+def leftovers(out: str) -> list[str]:
+    """Temporary folders of an interrupted write into ``out`` (``.NAME.tmp-*`` / ``.NAME.old-*``
+    next to it, see :func:`megaforge.convert.hf_writer.atomic_output_dir`)."""
+    out = os.path.abspath(out.rstrip("/"))
+    parent, name = os.path.split(out)
+    if not os.path.isdir(parent):
+        return []
+    return sorted(f for f in os.listdir(parent) if f.startswith(f".{name}.tmp-") or f.startswith(f".{name}.old-"))
+
+
+def remove_leftovers(out: str) -> None:
+    import shutil
+
+    parent = os.path.dirname(os.path.abspath(out.rstrip("/")))
+    for f in leftovers(out):
+        shutil.rmtree(os.path.join(parent, f), ignore_errors=True)
+
+
+def missing_checkpoint_files(ckpt: str) -> list[str]:
+    """Data files that a torch_dist checkpoint's ``.metadata`` names but that are absent, each with
+    a few of the tensors stored in it (a cheap check the CLI runs before starting any rank)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(ckpt).read_metadata()
+    files: dict[str, set] = {}
+    for idx, info in (md.storage_data or {}).items():
+        files.setdefault(info.relative_path, set()).add(idx.fqn)
+    out = []
+    for f, keys in sorted(files.items()):
+        if not os.path.exists(os.path.join(ckpt, f)):
+            ks = sorted(keys)
+            out.append(f"missing shard file {os.path.join(ckpt, f)} (holds data of {len(ks)} tensors: "
+                       f"{', '.join(ks[:4])}{' ...' if len(ks) > 4 else ''})")
+    return out
+
+
 def in_rank() -> bool:
     """True inside a rank (torchrun or :func:`spawn`), False in a plain CLI process."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ

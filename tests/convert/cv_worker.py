@@ -10,7 +10,7 @@ Scenario ``roundtrip`` (spec keys ``runs``, ``errors``, ``trainer``):
   with small shards (``model.safetensors.index.json``), optionally with a dtype cast.
 * ``errors``: conversions that must fail (message recorded, leftovers listed).
 * ``trainer``: a MegatronTrainer at a layout loads a converted checkpoint, computes logprobs of a
-  fixed batch, streams and exports its weights.
+  fixed batch, streams and exports its weights, then takes one RL step (metrics, new weights).
 
 Results go to OUTDIR/SCENARIO.rank{R}.pt.
 """
@@ -118,6 +118,8 @@ def scenario_trainer(spec, res, outdir):
     res["trainer_lp"] = tr.compute_logprobs(batch)
     res["trainer_stream"] = stream(tr.bm, spec["bucket_bytes"])
     tr.export_hf(spec["export"])
+    res["trainer_metrics"] = tr.train_step(batch)
+    res["trainer_after"] = stream(tr.bm, 1 << 30)
     tr.close()
     res["timings"]["trainer"] = time.time() - t0
 

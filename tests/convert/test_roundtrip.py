@@ -88,7 +88,7 @@ def results(tiny_hf, tmp_path_factory):
          "out": os.path.join(root, "out_e6"), "layout": {"tp": 2}},
         {"name": "out_not_empty", "kind": "hf_to_megatron", "hf": tiny_hf["qwen2"], "out": nonempty},
     ]
-    trainer = {"model": tiny_hf["qwen3_moe_other"], "ckpt": ck("qwen3_moe"), "layout": {"tp": 2, "ep": 2},
+    trainer = {"model": tiny_hf["qwen3_moe_other"], "ckpt": ck("qwen3_moe"), "layout": {"tp": 2, "ep": 2, "sp": True},
                "vocab": 509, "bucket_bytes": BUCKET, "export": os.path.join(root, "hf_trainer_export")}
     spec = {"runs": runs, "errors": errors, "trainer": trainer, "break_ckpt": [ck("llama_tied"), os.path.join(root, "ckpt_broken")]}
     res = run_worker("roundtrip", 4, spec, root)
@@ -187,7 +187,7 @@ def test_bucket_iterator_streams_every_tensor_once_within_limits(results):
 
 
 def test_trainer_loads_converted_moe_checkpoint_and_matches_transformers(results):
-    """A MegatronTrainer built from *other* weights at TP=2 x EP=2 (expert-TP 2) loads the
+    """A MegatronTrainer built from *other* weights at TP=2 x EP=2 (expert-TP 2, sequence parallel) loads the
     Qwen3-MoE checkpoint converted at TP=2 x PP=2 x EP=2 (expert-TP 1): its logprobs equal
     transformers' Qwen3MoeForCausalLM (fp32, <= 1e-5), its live export is bit-identical."""
     import mt_helpers
@@ -203,6 +203,45 @@ def test_trainer_loads_converted_moe_checkpoint_and_matches_transformers(results
     assert (other - ref).abs().max().item() > 1e-2, "the two MoE models should differ"
     _assert_same_tensors(hf_state(os.path.join(results["root"], "hf_trainer_export")),
                          hf_state(tiny["qwen3_moe"]), "trainer export")
+
+
+def test_moe_rl_step_with_expert_parallelism_matches_torch_backend(results):
+    """One RL step of the MoE trainer (TP=2 + SP x EP=2, distributed optimizer) after loading the
+    converted checkpoint equals the torch backend's step on the HF model: loss metrics, gradient
+    norm and updated weights (transformers keeps experts fused, [E, 2 F_e, H] / [E, H, F_e])."""
+    import mt_helpers
+
+    r = results["res"][0]
+    mt_helpers.VOCAB = 509
+    ref_m, ref_w = mt_helpers.torch_backend_reference(results["tiny"]["qwen3_moe"], mt_helpers.make_batch(), ["rl"])
+    for k in ("loss", "pg_loss", "entropy", "grad_norm"):
+        if k in ref_m[0]:
+            assert abs(r["trainer_metrics"][k] - ref_m[0][k]) <= 1e-5 * max(1.0, abs(ref_m[0][k])), \
+                f"{k}: megatron {r['trainer_metrics'][k]} vs torch {ref_m[0][k]}"
+    got = {n: t for b in r["trainer_after"]["buckets"] for n, t in b}
+    want = {}
+    for k, v in ref_w[0].items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            for e in range(v.shape[0]):
+                gate, up = v[e].chunk(2, 0)
+                want[k.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate
+                want[k.replace("gate_up_proj", f"{e}.up_proj.weight")] = up
+        elif k.endswith("mlp.experts.down_proj"):
+            for e in range(v.shape[0]):
+                want[k.replace("down_proj", f"{e}.down_proj.weight")] = v[e]
+        else:
+            want[k] = v
+    assert set(got) == set(want)
+    worst = max(((got[k] - want[k]).abs().max().item(), k) for k in want)
+    assert worst[0] <= 1e-5, f"after the step, {worst[1]} differs by {worst[0]:.3g}"
+    moved = max((got[k] - results_state(results)[k]).abs().max().item() for k in got if ".experts." in k)
+    assert moved > 1e-5, "the expert weights did not move"
+
+
+def results_state(results, _cache={}):
+    if "moe" not in _cache:
+        _cache["moe"] = hf_state(results["tiny"]["qwen3_moe"])
+    return _cache["moe"]
 
 
 def test_errors_name_the_tensor_and_leave_nothing(results):

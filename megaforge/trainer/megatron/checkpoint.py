@@ -218,17 +218,6 @@ def model_sharded_state_dict(bm, saved_spec: Optional[str] = None, metadata: Opt
     return sd
 
 
-def _storage_files(path: str) -> dict[str, set]:
-    """{data file name: {tensor keys with data in it}} from torch.distributed.checkpoint's metadata."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    md = FileSystemReader(path).read_metadata()
-    files: dict[str, set] = {}
-    for idx, info in (md.storage_data or {}).items():
-        files.setdefault(info.relative_path, set()).add(idx.fqn)
-    return files
-
-
 def check_model_against(bm, path: str, saved_spec: Optional[str] = None, repad_vocab: bool = True) -> None:
     """Raise ValueError unless every tensor this rank would load exists in checkpoint ``path`` with
     the same global shape and every data file holding checkpoint tensors is present. The padded
@@ -265,12 +254,9 @@ def check_model_against(bm, path: str, saved_spec: Optional[str] = None, repad_v
                 continue  # same vocabulary, another TP's padding
             errors.append(f"tensor {v.key}: checkpoint shape {got}, model (from the config) shape {want}")
         if dist.get_rank() == 0:
-            for fname, keys in sorted(_storage_files(path).items()):
-                f = os.path.join(path, fname)
-                if not os.path.exists(f):
-                    ks = sorted(keys)
-                    errors.append(f"missing shard file {f} (holds data of {len(ks)} tensors: "
-                                  f"{', '.join(ks[:4])}{' ...' if len(ks) > 4 else ''})")
+            from megaforge.convert.launch import missing_checkpoint_files
+
+            errors += missing_checkpoint_files(path)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, errors)
     found = sorted({e for errs in everyone for e in errs})

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megaforge.convert import families
-from megaforge.convert.hf_writer import DEFAULT_MAX_SHARD_BYTES, leftovers, make_tmp_dir
+from megaforge.convert.hf_writer import DEFAULT_MAX_SHARD_BYTES, make_tmp_dir
 from megaforge.convert.launch import Layout
 from megaforge.convert.mapping import HFSource, hf_shapes
 from megaforge.trainer.megatron import checkpoint as mckpt
@@ -215,10 +215,3 @@ def open_checkpoint(ckpt: str, hf_config_dir: Optional[str] = None, layout: Opti
     bm = build(hf_config, layout, saved_dtype(ckpt, meta), dev, spec)
     mckpt.load_model(bm, ckpt, meta.get("layer_spec", "torch"))
     return bm, hf_config, cfg_dir
-
-
-def cleanup(out: str) -> None:
-    """Remove temporary folders a failed conversion into ``out`` may have left."""
-    parent = os.path.dirname(os.path.abspath(out.rstrip("/")))
-    for f in leftovers(out):
-        shutil.rmtree(os.path.join(parent, f), ignore_errors=True)

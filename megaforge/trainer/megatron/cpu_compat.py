@@ -14,7 +14,10 @@ megatron-core assumes CUDA in a few places; :func:`apply` patches exactly those 
 6. stand-ins for ``torch.cuda.Stream`` / ``current_stream`` / ``stream(...)`` (the MoE ``alltoall``
    token dispatcher copies routing counts to the host on a side stream; on CPU everything is
    synchronous, so streams are no-ops); the dispatcher's all-to-all split sizes stay CPU tensors
-   (on GPU they become numpy arrays), which ``all_to_all_single`` rejects: the mode passes lists.
+   (on GPU they become numpy arrays), which ``all_to_all_single`` rejects: the mode passes lists;
+7. uneven ``all_gather`` / ``reduce_scatter`` (tensor lists of different lengths: the MoE
+   dispatcher's expert-TP gather under sequence parallelism), which gloo rejects, run padded to
+   the longest piece.
 
 The patches are process-wide and idempotent; nothing here runs when the trainer's device is CUDA.
 """
@@ -101,6 +104,38 @@ class _FakeEvent:
         return (end.t - self.t) * 1000.0
 
 
+def _uneven_all_gather(out_list, tensor, group=None, async_op=False):
+    """``all_gather`` into pieces of different first-dim lengths, by padding to the longest."""
+    import torch.distributed as dist
+
+    rows = max(t.shape[0] for t in out_list)
+    padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    bufs = [torch.empty_like(padded) for _ in out_list]
+    dist.all_gather(bufs, padded, group=group)
+    for o, b in zip(out_list, bufs):
+        o.copy_(b[: o.shape[0]])
+
+
+def _uneven_reduce_scatter(output, in_list, op=None, group=None, async_op=False):
+    """``reduce_scatter`` of pieces of different first-dim lengths: all-reduce the padded pieces,
+    keep this rank's."""
+    import torch.distributed as dist
+
+    rows = max(t.shape[0] for t in in_list)
+    stacked = in_list[0].new_zeros((len(in_list), rows, *in_list[0].shape[1:]))
+    for i, t in enumerate(in_list):
+        stacked[i, : t.shape[0]] = t
+    dist.all_reduce(stacked, op=op or dist.ReduceOp.SUM, group=group)
+    output.copy_(stacked[dist.get_rank(group), : output.shape[0]])
+
+
+def _bind(names, args, kwargs) -> dict:
+    out = dict(zip(names, args))
+    out.update(kwargs)
+    return out
+
+
 class _FakeStream:
     """``torch.cuda.Stream`` stand-in: CPU work is synchronous, so every method is a no-op."""
 
@@ -143,6 +178,14 @@ class CudaToCpuMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.distributed.all_gather:
+            a = _bind(("tensor_list", "tensor", "group", "async_op"), args, kwargs)
+            if len({tuple(t.shape) for t in a["tensor_list"]}) > 1:
+                return _uneven_all_gather(a["tensor_list"], a["tensor"], a.get("group"))
+        if func is torch.distributed.reduce_scatter:
+            a = _bind(("output", "input_list", "op", "group", "async_op"), args, kwargs)
+            if len({tuple(t.shape) for t in a["input_list"]}) > 1:
+                return _uneven_reduce_scatter(a["output"], a["input_list"], a.get("op"), a.get("group"))
         if func is torch.distributed.all_to_all_single:
             kwargs = {k: (v.tolist() if torch.is_tensor(v) and k.endswith("split_sizes") else v)
                       for k, v in kwargs.items()}
@@ -182,7 +225,7 @@ def model_parallel_cpu_manual_seed(seed: int) -> None:
 
 
 def apply() -> None:
-    """Install the six patches (idempotent). Call before building megatron modules on CPU."""
+    """Install the seven patches (idempotent). Call before building megatron modules on CPU."""
     global _APPLIED
     if _APPLIED:
         return

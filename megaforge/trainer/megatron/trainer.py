@@ -70,6 +70,9 @@ class MegatronTrainer(Trainer):
         self.hf_config, source = mmodel.hf_source(cfg.model)
         self.family = families.family_of(self.hf_config)
         self.desc = self.family.describe(self.hf_config)
+        if self.desc.is_moe and t.tensor_parallel > 1 and not t.sequence_parallel:
+            raise ValueError("a mixture-of-experts model with trainer.tensor_parallel > 1 needs trainer.sequence_parallel: "
+                             "true (megatron-core refuses to train MoE layers under TP without it)")
         self.spec = mmodel.resolve_spec(t.layer_spec)
         self.tconfig = mmodel.transformer_config(self.desc, t, self.dtype, self.device.type == "cpu", self.spec)
         self.bm = mmodel.build_model(self.desc, self.family, self.tconfig, self.spec, self.device)
