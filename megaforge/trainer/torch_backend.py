@@ -286,15 +286,21 @@ class TorchTrainer(Trainer):
             self.critic.load_state_dict(state["critic"])
         self._set_lr()
 
+    #: largest safetensors shard of :meth:`export_hf` (bigger models get model-0000i-of-N + index)
+    export_max_shard_bytes: int = 5 * 10**9
+
     @onloaded
     def export_hf(self, path: str) -> None:
+        """transformers' ``save_pretrained`` (it splits fused MoE experts back into the per-expert
+        tensors of Hub checkpoints), sharded with an index above ``export_max_shard_bytes``, plus
+        the tokenizer; written to a temporary folder next to ``path`` and renamed, removed on
+        failure (:func:`megaforge.convert.hf_writer.atomic_output_dir`, shared with the megatron
+        backend's writer)."""
         if dist.is_main():
-            tmp = path.rstrip("/") + ".tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            self.model.save_pretrained(tmp, safe_serialization=True)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(tmp)
-            if os.path.exists(path):
-                shutil.rmtree(path)
-            os.replace(tmp, path)
+            from megaforge.convert.hf_writer import atomic_output_dir
+
+            with atomic_output_dir(path) as tmp:
+                self.model.save_pretrained(tmp, safe_serialization=True, max_shard_size=self.export_max_shard_bytes)
+                if self.tokenizer is not None:
+                    self.tokenizer.save_pretrained(tmp)
         dist.barrier()
