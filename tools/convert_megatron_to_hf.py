@@ -104,6 +104,13 @@ def main(argv=None) -> int:
     if not args.overwrite and os.path.isdir(args.out) and os.listdir(args.out):
         print(f"error: {os.path.abspath(args.out)} exists and is not empty (pass --overwrite)", file=sys.stderr)
         return 2
+    from megaforge.checkpoint import CheckpointRefused, check_loadable
+
+    try:
+        check_loadable(args.ckpt)  # only tensors and checkpoint metadata in its pickles
+    except CheckpointRefused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     missing = missing_checkpoint_files(args.ckpt)  # fail before starting any rank
     if missing:
         print(f"error: {os.path.abspath(args.ckpt)} is incomplete:\n  " + "\n  ".join(missing), file=sys.stderr)

@@ -54,3 +54,16 @@ def test_cli_missing_shard_fails_naming_it_and_leaves_nothing(ckpt, tmp_path):
     assert p.returncode != 0
     assert "missing shard file" in p.stderr and "__1_0.distcp" in p.stderr, p.stderr[-3000:]
     assert not out.exists() and not [f for f in os.listdir(tmp_path) if f.startswith(".hf.")]
+
+
+def test_bench_convert_tiny_reports_one_json_line(tmp_path):
+    """tools/bench_convert.py --tiny (CPU, Qwen3-MoE, 50 kB buckets) streams the whole model."""
+    p = _run("bench_convert.py", "--tiny")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1, p.stdout[-2000:]
+    rep = json.loads(lines[0])
+    # float32 HF bytes = 4 x the Megatron parameters less the 2 x 3 padded vocabulary rows (509 -> 512)
+    assert rep["family"] == "qwen3_moe" and rep["hf_bytes"] == 4 * (rep["params_rank0"] - 2 * 3 * 64)
+    assert rep["buckets"] > 5
+    assert rep["iter_gbps"] > 0 and rep["copy_gbps"] > 0

@@ -1,8 +1,10 @@
 """The Megatron-Core trainer backend: ``MegatronTrainer`` (see :mod:`.trainer`).
 
-Modules: :mod:`.model` (GPTModel from an HF config, weight loading), :mod:`.layers` (the ``torch``
-layer spec's RMSNorm and SDPA attention with packing and context parallelism), :mod:`.packing`,
-:mod:`.logprobs` (vocab-parallel logprobs / entropy), :mod:`.checkpoint`, :mod:`.hf_export`,
+Modules: :mod:`.model` (GPTModel from an HF config — dense or MoE with expert parallelism —, weight
+loading), :mod:`.layers` (the ``torch`` layer spec's RMSNorm and SDPA attention with packing and
+context parallelism), :mod:`.packing`, :mod:`.logprobs` (vocab-parallel logprobs / entropy),
+:mod:`.checkpoint` (dist checkpoints, model-only loads with checks), :mod:`.hf_export` (streaming HF
+buckets, HF export), :mod:`.convert` (offline HF <-> dist-checkpoint conversion),
 :mod:`.cpu_compat` (patches applied only on CPU).
 """
 from megaforge.trainer.megatron.trainer import MegatronTrainer  # noqa: F401

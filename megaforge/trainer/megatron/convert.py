@@ -203,8 +203,13 @@ def megatron_to_hf(ckpt: str, out: str, hf_config_dir: Optional[str] = None, dty
 def open_checkpoint(ckpt: str, hf_config_dir: Optional[str] = None, layout: Optional[Layout] = None,
                     device: str = "cpu", spec: str = "torch"):
     """Collective: (this rank's model holding the checkpoint's weights at ``layout`` — default:
-    as saved —, HF config, its folder). Checks family, shapes and shard files first."""
+    as saved —, HF config, its folder). Checks family, shapes and shard files first, and refuses
+    pickles other than tensors / checkpoint metadata (:func:`megaforge.checkpoint.check_loadable`:
+    megatron-core reads ``common.pt`` without ``weights_only``)."""
+    from megaforge.checkpoint import check_loadable
+
     meta = mckpt.read_meta(ckpt)
+    check_loadable(ckpt)
     hf_config, cfg_dir = resolve_hf_config(ckpt, hf_config_dir)
     family = families.family_of(hf_config)
     if family.name != meta["family"]:

@@ -48,7 +48,10 @@ def _groups(pm):
 
 def row_owners(bm) -> tuple[list, dict]:
     """(exported rows in table order, {megatron name: (shard shape, dtype name, owner rank)}) —
-    identical on every rank. Collective (one ``all_gather_object`` over the world)."""
+    identical on every rank. Collective (one ``all_gather_object`` over the world) the first time;
+    cached on ``bm`` after."""
+    if bm.export_plan is not None:
+        return bm.export_plan
     rows = [pm for pm in bm.family.param_maps(bm.desc) if pm.export]
     params = dict(bm.model.named_parameters())
     local = {pm.megatron: name for name, pm in local_param_maps(bm).items()}
@@ -72,6 +75,7 @@ def row_owners(bm) -> tuple[list, dict]:
     missing = [pm.megatron for pm in rows if pm.megatron not in owners]
     if missing:
         raise RuntimeError(f"no rank holds {missing[:5]}{' ...' if len(missing) > 5 else ''} (layout bug)")
+    bm.export_plan = (rows, owners)
     return rows, owners
 
 

@@ -8,6 +8,8 @@ zero and never scored (see :mod:`megaforge.trainer.megatron.logprobs`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -194,6 +196,8 @@ class BuiltModel:
     dims: Dims
     spec: str
     layer_offset: int
+    #: the bucket iterator's row owners (computed once: shapes and placement never change)
+    export_plan: Optional[tuple] = None
 
 
 def build_model(desc: ModelDesc, family, config, spec: str, device: torch.device) -> BuiltModel:

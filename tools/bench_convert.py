@@ -1,0 +1,143 @@
+"""Throughput of the HF bucket iterator (Megatron shards -> HF tensors on global rank 0) beside a
+plain device-to-device copy of the same bytes.
+
+    python tools/bench_convert.py --hf-config configs/models/qwen3-1.7b                    # 1 GPU, TP=1
+    torchrun --nproc_per_node 2 tools/bench_convert.py --hf-config configs/models/qwen3-1.7b --tp 2
+    python tools/bench_convert.py --tiny                                                   # CPU smoke run
+
+The model is the GPTModel of an HF config (``--hf-config``: a directory with ``config.json``; the
+repo's ``configs/models/qwen3-1.7b`` is Qwen3-1.7B, 2.0 B parameters with the untied embedding)
+built at the layout (``--tp``, ``--pp``; remaining ranks data-parallel) in ``--dtype`` with
+uninitialised weights (values do not matter for bandwidth). One pass of
+:func:`megaforge.trainer.megatron.hf_export.iter_hf_buckets` gathers every TP shard, converts it to
+HF layout (fused qkv split per group, gate/up halves, vocabulary unpadded) and, for rows owned by
+another rank, sends it to rank 0, bucketed at ``--bucket-mb``; rank 0 consumes each bucket (the
+tensors stay on the device, as a weight update to a colocated engine would read them). Timed over
+``--repeats`` passes after ``--warmup`` (the first pass also exchanges the shard table).
+
+Baseline: ``dst.copy_(src)`` of one device buffer holding the same number of bytes on rank 0.
+Prints one JSON line (rank 0): bytes, seconds and GB/s (10^9 B/s) of both, their ratio, layout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hf-config", "--hf_config", dest="hf_config", default="configs/models/qwen3-1.7b",
+                   help="directory with an HF config.json")
+    p.add_argument("--tiny", action="store_true", help="tiny Qwen3-MoE config on CPU (smoke run)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--etp", type=int, default=None, help="expert tensor parallel (default: --tp)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--bucket-mb", "--bucket_mb", dest="bucket_mb", type=float, default=512.0)
+    p.add_argument("--layer_spec", default="auto", choices=["auto", "te", "torch"])
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args(argv)
+    if a.tiny:
+        a.device, a.dtype, a.layer_spec, a.bucket_mb, a.repeats = "cpu", "float32", "torch", 0.05, 2
+    return a
+
+
+def tiny_config():
+    import transformers
+
+    return transformers.Qwen3MoeConfig(
+        vocab_size=509, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128, tie_word_embeddings=False)
+
+
+def sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    from megaforge.convert.launch import Layout
+    from megaforge.trainer.megatron import convert as mconvert
+    from megaforge.trainer.megatron import model as mmodel
+    from megaforge.trainer.megatron.hf_export import iter_hf_buckets
+
+    if args.tiny:
+        hf_config = tiny_config()
+    else:
+        import transformers
+
+        hf_config = transformers.AutoConfig.from_pretrained(args.hf_config)
+    layout = Layout(args.tp, args.pp, args.ep, args.etp)
+    device = mconvert.setup(layout, args.device)
+    dtype = getattr(torch, args.dtype)
+    bm = mconvert.build(hf_config, layout, dtype, device, mmodel.resolve_spec(args.layer_spec))
+    n_params = sum(p.numel() for p in bm.model.parameters())
+    limit = int(args.bucket_mb * (1 << 20))
+    rank0 = dist.get_rank() == 0
+
+    def one_pass():
+        nbytes, buckets, largest = 0, 0, 0
+        for bucket in iter_hf_buckets(bm, limit):
+            buckets += 1
+            size = sum(t.numel() * t.element_size() for _, t in bucket)
+            nbytes += size
+            largest = max(largest, size)
+        sync(device)
+        return nbytes, buckets, largest
+
+    for _ in range(args.warmup):
+        one_pass()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(args.repeats):
+        nbytes, buckets, largest = one_pass()
+    dist.barrier()
+    iter_s = (time.perf_counter() - t0) / args.repeats
+
+    out = None
+    if rank0:
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(args.repeats):
+            dst.copy_(src)
+        sync(device)
+        copy_s = (time.perf_counter() - t0) / args.repeats
+        out = {
+            "model": "tiny-qwen3-moe" if args.tiny else os.path.basename(os.path.abspath(args.hf_config)),
+            "family": bm.family.name, "dtype": args.dtype, "device": str(device.type),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "world": dist.get_world_size(), "tp": args.tp, "pp": args.pp, "ep": args.ep, "etp": args.etp or args.tp, "layer_spec": bm.spec,
+            "params_rank0": n_params, "hf_bytes": nbytes, "bucket_mb": args.bucket_mb, "buckets": buckets,
+            "largest_bucket_bytes": largest,
+            "iter_s": round(iter_s, 6), "iter_gbps": round(nbytes / iter_s / 1e9, 3),
+            "copy_s": round(copy_s, 6), "copy_gbps": round(nbytes / copy_s / 1e9, 3),
+            "iter_vs_copy": round(copy_s / iter_s, 4),
+        }
+        print(json.dumps(out), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
