@@ -72,6 +72,15 @@ def scenario_roundtrip(spec, res, outdir):
                       dtype=getattr(torch, ex["dtype"]) if ex.get("dtype") else None)
             res[key]["out"] = out
             timings[f"{name} megatron->hf {lay_name(ex.get('layout', {}))}"] = time.time() - t0
+    if spec.get("te_copy"):  # the MoE checkpoint re-keyed as the TE layer spec writes it, read back
+        from megaforge.trainer.megatron import checkpoint as mckpt
+
+        src, dst = spec["te_copy"]
+        bm, cfg, cfg_dir = open_checkpoint(src)
+        meta = dict(mckpt.read_meta(src), layer_spec="te")
+        mckpt.write_sharded(mckpt.model_sharded_state_dict(bm, "te"), dst, meta, cfg, None, cfg_dir)
+        bm, _, _ = open_checkpoint(dst)
+        res["te_stream"] = stream(bm, 1 << 30)
     if spec.get("break_ckpt"):  # a copy of a checkpoint with one data file removed
         src, dst = spec["break_ckpt"]
         if dist.get_rank() == 0:

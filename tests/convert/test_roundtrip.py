@@ -90,7 +90,8 @@ def results(tiny_hf, tmp_path_factory):
     ]
     trainer = {"model": tiny_hf["qwen3_moe_other"], "ckpt": ck("qwen3_moe"), "layout": {"tp": 2, "ep": 2, "sp": True},
                "vocab": 509, "bucket_bytes": BUCKET, "export": os.path.join(root, "hf_trainer_export")}
-    spec = {"runs": runs, "errors": errors, "trainer": trainer, "break_ckpt": [ck("llama_tied"), os.path.join(root, "ckpt_broken")]}
+    spec = {"runs": runs, "errors": errors, "trainer": trainer, "break_ckpt": [ck("llama_tied"), os.path.join(root, "ckpt_broken")],
+            "te_copy": [ck("qwen3_moe"), os.path.join(root, "ckpt_moe_te")]}
     res = run_worker("roundtrip", 4, spec, root)
     return {"res": res, "runs": runs, "root": root, "err": err, "tiny": tiny_hf}
 
@@ -184,6 +185,20 @@ def test_bucket_iterator_streams_every_tensor_once_within_limits(results):
         assert len(st["buckets"]) > 5
         for o in others:
             assert len(o["buckets"]) == len(st["buckets"]) and all(b == [] for b in o["buckets"])
+
+
+def test_moe_checkpoint_of_the_te_layer_spec_loads_under_torch(results):
+    """TE keeps a MoE layer's pre-MLP norm as ``pre_mlp_layernorm.weight`` (megatron's local spec
+    writes ``mlp.linear_fc1.layer_norm_weight`` for every layer): a checkpoint keyed the TE way
+    (written from the torch model with the keys renamed) loads back under the torch spec."""
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+
+    keys = set(load_tensors_metadata(os.path.join(results["root"], "ckpt_moe_te")))
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" in keys
+    assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" not in keys
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in keys  # dense layer: same under both
+    got = {n: t for b in results["res"][0]["te_stream"]["buckets"] for n, t in b}
+    _assert_same_tensors(got, hf_state(results["tiny"]["qwen3_moe"]), "te-keyed checkpoint")
 
 
 def test_trainer_loads_converted_moe_checkpoint_and_matches_transformers(results):
