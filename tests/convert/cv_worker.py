@@ -10,7 +10,8 @@ Scenario ``roundtrip`` (spec keys ``runs``, ``errors``, ``trainer``):
   with small shards (``model.safetensors.index.json``), optionally with a dtype cast.
 * ``errors``: conversions that must fail (message recorded, leftovers listed).
 * ``trainer``: a MegatronTrainer at a layout loads a converted checkpoint, computes logprobs of a
-  fixed batch, streams and exports its weights, then takes one RL step (metrics, new weights).
+  fixed batch, streams and exports its weights, then takes one RL step (metrics, new weights),
+  saves a training checkpoint (optimizer, reference) and converts that to HF at another layout.
 
 Results go to OUTDIR/SCENARIO.rank{R}.pt.
 """
@@ -78,7 +79,7 @@ def scenario_roundtrip(spec, res, outdir):
         src, dst = spec["te_copy"]
         bm, cfg, cfg_dir = open_checkpoint(src)
         meta = dict(mckpt.read_meta(src), layer_spec="te")
-        mckpt.write_sharded(mckpt.model_sharded_state_dict(bm, "te"), dst, meta, cfg, None, cfg_dir)
+        mckpt.write_sharded({"model": mckpt.model_sharded_state_dict(bm, "te")}, dst, meta, cfg, None, cfg_dir)
         bm, _, _ = open_checkpoint(dst)
         res["te_stream"] = stream(bm, 1 << 30)
     if spec.get("break_ckpt"):  # a copy of a checkpoint with one data file removed
@@ -110,6 +111,9 @@ def scenario_roundtrip(spec, res, outdir):
         scenario_trainer(spec["trainer"], res, outdir)
 
 
+SHARD = 60_000
+
+
 def scenario_trainer(spec, res, outdir):
     import mt_helpers
     from mt_helpers import make_batch, trainer_cfg
@@ -129,7 +133,12 @@ def scenario_trainer(spec, res, outdir):
     tr.export_hf(spec["export"])
     res["trainer_metrics"] = tr.train_step(batch)
     res["trainer_after"] = stream(tr.bm, 1 << 30)
+    tr.snapshot_reference()
+    tr.save(spec["saved"])  # a training checkpoint: optimizer state and reference model included
     tr.close()
+    from megaforge.trainer.megatron.convert import megatron_to_hf
+
+    megatron_to_hf(spec["saved"], spec["saved_export"], layout=lay({"tp": 1, "pp": 2, "ep": 2}), max_shard_bytes=SHARD)
     res["timings"]["trainer"] = time.time() - t0
 
 

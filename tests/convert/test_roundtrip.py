@@ -89,7 +89,9 @@ def results(tiny_hf, tmp_path_factory):
         {"name": "out_not_empty", "kind": "hf_to_megatron", "hf": tiny_hf["qwen2"], "out": nonempty},
     ]
     trainer = {"model": tiny_hf["qwen3_moe_other"], "ckpt": ck("qwen3_moe"), "layout": {"tp": 2, "ep": 2, "sp": True},
-               "vocab": 509, "bucket_bytes": BUCKET, "export": os.path.join(root, "hf_trainer_export")}
+               "vocab": 509, "bucket_bytes": BUCKET, "export": os.path.join(root, "hf_trainer_export"),
+               "saved": os.path.join(root, "run", "checkpoints", "step_000001", "trainer"),
+               "saved_export": os.path.join(root, "hf_from_training_ckpt")}
     spec = {"runs": runs, "errors": errors, "trainer": trainer, "break_ckpt": [ck("llama_tied"), os.path.join(root, "ckpt_broken")],
             "te_copy": [ck("qwen3_moe"), os.path.join(root, "ckpt_moe_te")]}
     res = run_worker("roundtrip", 4, spec, root)
@@ -251,6 +253,11 @@ def test_moe_rl_step_with_expert_parallelism_matches_torch_backend(results):
     assert worst[0] <= 1e-5, f"after the step, {worst[1]} differs by {worst[0]:.3g}"
     moved = max((got[k] - results_state(results)[k]).abs().max().item() for k in got if ".experts." in k)
     assert moved > 1e-5, "the expert weights did not move"
+    # the training checkpoint (TP=2 x EP=2 + optimizer + reference) converted at PP=2 x EP=2
+    out = os.path.join(results["root"], "hf_from_training_ckpt")
+    _assert_same_tensors(hf_state(out), got, "HF export of the training checkpoint")
+    assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))
+    load_hf_checked(out)
 
 
 def results_state(results, _cache={}):

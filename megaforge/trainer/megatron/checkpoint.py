@@ -78,7 +78,8 @@ def layout_of() -> dict:
 
 def write_sharded(sharded_state_dict: dict, path: str, meta: dict, hf_config=None, tokenizer=None,
                   model_path: str = "") -> None:
-    """Collective torch_dist save of ``sharded_state_dict`` into ``path`` (created), then rank 0
+    """Collective torch_dist save of ``sharded_state_dict`` (``{"model": ..., ["optimizer": ...,
+    "ref": ...]}``, the trainer's nesting, which common.pt keeps) into ``path`` (created), then rank 0
     writes ``hf_config/`` and, last, ``megaforge_trainer.json`` (its presence marks a complete
     checkpoint)."""
     from megatron.core import dist_checkpointing
@@ -306,7 +307,8 @@ def load_model(bm, path: str, saved_spec: Optional[str] = None) -> None:
     check_model_against(bm, path, saved_spec)
     sd = model_sharded_state_dict(bm, saved_spec)
     repadded = _repad_vocab(sd, path)
-    state = dist_checkpointing.load(sd, path, sharded_strategy=_STRATEGY, validate_access_integrity=not repadded)
+    state = dist_checkpointing.load({"model": sd}, path, sharded_strategy=_STRATEGY,
+                                    validate_access_integrity=not repadded)["model"]
     for k, buf in repadded.items():
         state[k] = buf
     bm.model.load_state_dict(state, strict=True)

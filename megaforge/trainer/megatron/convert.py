@@ -145,7 +145,7 @@ def hf_to_megatron(hf_dir: str, out: str, layout: Layout, dtype: Optional[torch.
                 "family": bm.family.name, "layer_spec": spec, "dtype": str(model_dtype).removeprefix("torch."),
                 "source": os.path.abspath(hf_dir)}
         hf_config.dtype = model_dtype
-        mckpt.write_sharded(mckpt.model_sharded_state_dict(bm), tmp, meta, hf_config, None, hf_dir)
+        mckpt.write_sharded({"model": mckpt.model_sharded_state_dict(bm)}, tmp, meta, hf_config, None, hf_dir)
         if dist.get_rank() == 0:
             if os.path.exists(out):
                 shutil.rmtree(out)

@@ -188,6 +188,20 @@ def _rope_kwargs(desc: ModelDesc) -> dict:
     raise NotImplementedError(f"rope scaling type {kind!r} is not supported by the megatron backend")
 
 
+def config_without_hooks(config):
+    """A shallow copy of a TransformerConfig without the trainer's hooks (DDP ``no_sync``, grad
+    finalisation / scaling: bound methods holding process groups). For models that never train
+    (the reference): megatron's SequentialMLP deep-copies its config when the expert FFN size
+    differs from the dense one, and process groups cannot be copied."""
+    import copy
+
+    out = copy.copy(config)
+    for k in ("no_sync_func", "finalize_model_grads_func", "grad_scale_func", "param_sync_func", "grad_sync_func"):
+        if hasattr(out, k):
+            setattr(out, k, None)
+    return out
+
+
 @dataclass
 class BuiltModel:
     model: torch.nn.Module  # GPTModel (this stage), on its device

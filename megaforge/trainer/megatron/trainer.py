@@ -301,7 +301,8 @@ class MegatronTrainer(Trainer):
         """Frozen copy of the current policy weights (same layout, no optimizer); on the CPU when
         ``trainer.ref_device: cpu`` (moved to the device only while it computes)."""
         if self.ref is None:
-            self.ref = mmodel.build_model(self.desc, self.family, self.tconfig, self.spec, self.device).model
+            self.ref = mmodel.build_model(self.desc, self.family, mmodel.config_without_hooks(self.tconfig),
+                                          self.spec, self.device).model
             for p in self.ref.parameters():
                 p.requires_grad_(False)
         with torch.no_grad():
