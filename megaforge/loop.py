@@ -13,6 +13,10 @@ One synchronous RL step (DESIGN.md, "One RL step"):
     engine.update_weights(trainer.iter_hf_buckets(sync.bucket_mb))       every rank iterates
     trainer.offload(weights); engine.resume_memory(kv_cache, cuda_graph)
     log metrics; checkpoint / HF export when due
+
+``loop.mode: off_policy`` (rollout of step N+1 overlapping training of step N), partial rollouts and
+``sync.interval > 1`` run their steps through :mod:`megaforge.loop_offpolicy` (``Run.driver``), which
+reuses ``_rollout`` and ``_train_batch``; multi-turn rollouts come in through ``rollout.generate_fn``.
 """
 from __future__ import annotations
 
