@@ -110,7 +110,8 @@ class AsyncDriver:
             self.partial.load_state_dict(st["pool"])
         saved_engine = st.get("engine_version")
         if saved_engine is not None:
-            if saved_engine != self.engine_version and self.main:
+            pushes_next = run.state["rl_step"] % self.M == 0  # the uninterrupted run pushes before its next rollout
+            if saved_engine != self.engine_version and not pushes_next and self.main:
                 print(f"[megaforge] resume: the engine served weight version {saved_engine} at the checkpoint; it now "
                       f"starts from the trainer's {self.engine_version} (rollouts differ from an uninterrupted run)",
                       flush=True)
