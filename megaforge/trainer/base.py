@@ -79,3 +79,33 @@ class Trainer(ABC):
     def is_engine_feeder(self) -> bool:
         """True on the rank that talks to rollout engines (global rank 0 by default)."""
         return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+class StepMetrics:
+    """Averages per-optimizer-step metrics over the mini-batches x epochs of one ``train_step``.
+
+    ``skipped`` is the number of optimizer steps skipped for a non-finite gradient (summed, not
+    averaged); ``empty_minibatches`` counts mini-batches with no trained token (every response empty,
+    e.g. all requests aborted), for which no optimizer step runs at all: a zero gradient would still
+    move the weights through Adam's momentum.
+    """
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+        self.steps = 0
+        self.empty = 0
+
+    def add(self, step: dict[str, float]) -> None:
+        for k, v in step.items():
+            self.totals[k] = self.totals.get(k, 0.0) + v
+        self.steps += 1
+
+    def add_empty(self) -> None:
+        self.empty += 1
+
+    def result(self) -> dict[str, float]:
+        out = {k: v / self.steps for k, v in self.totals.items()} if self.steps else {}
+        out["skipped"] = self.totals.get("skipped", 0.0)
+        out["empty_minibatches"] = float(self.empty)
+        return out
+

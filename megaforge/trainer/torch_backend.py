@@ -19,7 +19,7 @@ from megaforge.algorithms import LossParams, policy_objective
 from megaforge.hf import hf_state_names, load_hf_model, resolve_device
 from megaforge.memory import build_offloader, onloaded
 from megaforge.memory.state import torch_entries
-from megaforge.trainer.base import HFBucket, Trainer
+from megaforge.trainer.base import HFBucket, StepMetrics, Trainer
 from megaforge.trainer.logprobs import token_logprobs
 from megaforge.trainer.optim import lr_at
 from megaforge.types import TrainBatch
@@ -154,11 +154,13 @@ class TorchTrainer(Trainer):
     def _run(self, batch: TrainBatch, loss_fn) -> dict[str, float]:
         """Mini-batches x epochs of optimizer steps; ``loss_fn(mb) -> (loss, metrics)``."""
         self.module.train()
-        totals: dict[str, float] = {}
-        steps = 0
+        acc = StepMetrics()
         scale = float(dist.world())
         for _ in range(self.cfg.trainer.epochs):
             for mini in self._mini_batches(batch):
+                if mini.num_tokens == 0:  # the same on every rank: all skip together
+                    acc.add_empty()
+                    continue
                 lo, hi = dist.shard_range(mini.batch_size)
                 local = mini.select(slice(lo, hi))
                 if local.batch_size == 0:
@@ -178,12 +180,8 @@ class TorchTrainer(Trainer):
                 vec = dist.all_reduce_sum(torch.stack([torch.as_tensor(sums[k]) for k in keys])) if keys else None
                 step_metrics = {k: float(vec[i]) for i, k in enumerate(keys)} if keys else {}
                 step_metrics.update(self._optimizer_step())
-                for k, v in step_metrics.items():
-                    totals[k] = totals.get(k, 0.0) + v
-                steps += 1
-        out = {k: v / steps for k, v in totals.items()}
-        out["skipped"] = totals.get("skipped", 0.0)
-        return out
+                acc.add(step_metrics)
+        return acc.result()
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         need_entropy = True

@@ -38,7 +38,7 @@ from megaforge.dist import all_gather_rows, shard_range
 from megaforge.hf import DTYPES
 from megaforge.memory import build_offloader, onloaded
 from megaforge.convert import families
-from megaforge.trainer.base import HFBucket, Trainer
+from megaforge.trainer.base import HFBucket, StepMetrics, Trainer
 from megaforge.trainer.megatron import cpu_compat, parallel
 from megaforge.trainer.megatron import model as mmodel
 from megaforge.trainer.megatron.logprobs import vocab_parallel_argmax, vocab_parallel_logprobs
@@ -346,12 +346,12 @@ class MegatronTrainer(Trainer):
         """Mini-batches x epochs optimizer steps; ``loss_fn(mb, logits) -> (loss, metrics)``."""
         ps = self._ps()
         self.ddp.train()
-        totals: dict[str, float] = {}
-        steps = 0
+        acc = StepMetrics()
         for _ in range(self.cfg.trainer.epochs):
             for mini in self._mini_batches(batch):
-                if mini.num_tokens == 0:
-                    raise ValueError("a mini-batch has no trained tokens (loss_mask is all zero)")
+                if mini.num_tokens == 0:  # the same on every rank: all skip together
+                    acc.add_empty()
+                    continue
                 self.ddp.zero_grad_buffer()
                 self.optimizer.zero_grad()
                 mbs = self._micro_batches(self._dp_rows(mini))
@@ -364,12 +364,8 @@ class MegatronTrainer(Trainer):
                 vec = self._from_last_stage(vec, (len(keys),))
                 step = {k: float(v) for k, v in zip(keys, vec.tolist())}
                 step.update(self._optimizer_step())
-                for k, v in step.items():
-                    totals[k] = totals.get(k, 0.0) + v
-                steps += 1
-        out = {k: v / steps for k, v in totals.items()}
-        out["skipped"] = totals.get("skipped", 0.0)
-        return out
+                acc.add(step)
+        return acc.result()
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         coef = self.params.entropy_coef
