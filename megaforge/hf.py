@@ -76,7 +76,10 @@ def load_hf_model(model_cfg, device: torch.device, dtype: Optional[torch.dtype] 
     else:
         config = hf_config(model_cfg)
         config._attn_implementation = model_cfg.attn_implementation
-        with torch.random.fork_rng(devices=[]):
+        # initialised where it will live: a 2B model's random init takes minutes on one CPU core and
+        # well under a second on a GPU (the values are seeded per device type)
+        devices = [device.index or 0] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.device(device):
             torch.manual_seed(model_cfg.init_seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.to(device)
