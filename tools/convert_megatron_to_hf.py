@@ -69,11 +69,9 @@ def layout(args):
 
 
 def rank_main(args) -> None:
-    import warnings
+    from megaforge.convert.launch import quiet_rank_warnings
 
-    warnings.filterwarnings("ignore", module=r"megatron\.")  # Apex / TE absent, deprecations
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
-    warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*")
+    quiet_rank_warnings()
     import torch
     import torch.distributed as dist
 

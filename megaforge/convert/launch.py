@@ -126,6 +126,16 @@ def spawn(script: str, argv: list[str], nprocs: int, on_failure: Optional[Callab
     return code
 
 
+def quiet_rank_warnings() -> None:
+    """In a converter rank: silence megatron's import-time notices (Apex / TE absent, deprecations)
+    and torch.distributed.checkpoint's ShardedTensor deprecation, which every rank would print."""
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
+    warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*")
+
+
 def exit_on_sigterm() -> None:
     """In a rank: turn SIGTERM (a peer failed; torchrun or :func:`spawn` stops us) into SystemExit,
     so ``finally`` / ``except`` clean-ups run."""

@@ -36,7 +36,7 @@ def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
     return ((vocab + m - 1) // m) * m
 
 #: model types the planner can describe, and whether the megatron backend has a family for them
-KNOWN_TYPES = {"llama": True, "mistral": False, "qwen2": True, "qwen3": True, "qwen2_moe": False, "qwen3_moe": False}
+KNOWN_TYPES = {"llama": True, "mistral": False, "qwen2": True, "qwen3": True, "qwen2_moe": False, "qwen3_moe": True}
 
 
 class ShapeError(ValueError):

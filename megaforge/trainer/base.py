@@ -67,13 +67,20 @@ class Trainer(ABC):
     def export_hf(self, path: str) -> None:
         """A Hugging Face model directory (safetensors + config) loadable by transformers."""
 
+    #: the backend's megaforge.memory offloader (None: nothing to move, e.g. on CPU)
+    _mem = None
+
     def offload(self, tags=None) -> None:
         """Move trainer state off the accelerator (colocated mode; ``memory.offload``): ``tags`` of
         ``weights`` (what :meth:`iter_hf_buckets` reads) and ``state`` (gradients, optimizer, reference),
-        all when None; tags already offloaded are skipped. No-op by default."""
+        all when None; tags already offloaded are skipped. No-op without an offloader."""
+        if self._mem is not None:
+            self._mem.offload(tags)
 
     def onload(self, tags=None) -> None:
-        """Bring ``tags`` (all when None) back; tags not offloaded are skipped. No-op by default."""
+        """Bring ``tags`` (all when None) back; tags not offloaded are skipped."""
+        if self._mem is not None:
+            self._mem.onload(tags)
 
     @property
     def is_engine_feeder(self) -> bool:

@@ -240,15 +240,6 @@ class TorchTrainer(Trainer):
         if bucket:
             yield bucket
 
-    def offload(self, tags=None) -> None:
-        """``tags`` of ("weights", "state") (all by default) to host memory (megaforge.memory)."""
-        if self._mem is not None:
-            self._mem.offload(tags)
-
-    def onload(self, tags=None) -> None:
-        if self._mem is not None:
-            self._mem.onload(tags)
-
     # ------------------------------------------------------------------------------ checkpoint
     @onloaded
     def save(self, path: str) -> None:

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "megatron"))
 WORKER = os.path.join(HERE, "cv_worker.py")
 TOKENIZER = os.path.join(ROOT, "assets", "tiny-tokenizer")
 
-from mt_helpers import run_ranks, tails  # noqa: E402
+from mt_helpers import run_workers  # noqa: E402
 
 MODELS = {
     "llama_tied": dict(kind="llama", vocab=509, tied=True, dtype="float32", seed=11),
@@ -75,17 +75,7 @@ def make_model(path: str, kind: str, vocab: int, tied: bool, dtype: str, seed: i
 
 def run_worker(scenario: str, nprocs: int, spec: dict, workdir, timeout: float = 400.0) -> list:
     """``cv_worker.py scenario`` on ``nprocs`` gloo ranks; each rank's result object."""
-    import json
-
-    workdir = str(workdir)
-    os.makedirs(workdir, exist_ok=True)
-    spec_file = os.path.join(workdir, f"{scenario}.json")
-    with open(spec_file, "w") as f:
-        json.dump(spec, f)
-    codes, logs = run_ranks([WORKER, scenario, spec_file, workdir], nprocs, workdir, scenario, timeout)
-    if any(codes):
-        raise AssertionError(f"{scenario} on {nprocs} ranks: exit codes {codes}\n" + tails(logs))
-    return [torch.load(os.path.join(workdir, f"{scenario}.rank{r}.pt"), weights_only=False) for r in range(nprocs)]
+    return run_workers(scenario, nprocs, spec, workdir, timeout, worker=WORKER)
 
 
 def hf_state(path: str) -> dict:

@@ -115,14 +115,12 @@ SHARD = 60_000
 
 
 def scenario_trainer(spec, res, outdir):
-    import mt_helpers
     from mt_helpers import make_batch, trainer_cfg
 
     from megaforge.trainer.megatron import MegatronTrainer
 
     t0 = time.time()
-    mt_helpers.VOCAB = spec["vocab"]
-    batch = make_batch()
+    batch = make_batch(vocab=spec["vocab"])
     layout = spec["layout"]
     cfg = trainer_cfg(spec["model"], layout=layout, micro_batch_size=batch.batch_size)
     cfg.trainer.expert_parallel = layout.get("ep", 1)

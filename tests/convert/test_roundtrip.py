@@ -211,8 +211,7 @@ def test_trainer_loads_converted_moe_checkpoint_and_matches_transformers(results
 
     tiny = results["tiny"]
     r = results["res"][0]
-    mt_helpers.VOCAB = 509
-    batch = mt_helpers.make_batch()
+    batch = mt_helpers.make_batch(vocab=509)  # never the module's VOCAB: tests/megatron reads it
     ref = mt_helpers.hf_logprobs(tiny["qwen3_moe"], batch, temperature=0.8)
     other = mt_helpers.hf_logprobs(tiny["qwen3_moe_other"], batch, temperature=0.8)
     d = (r["trainer_lp"] - ref).abs().max().item()
@@ -229,8 +228,7 @@ def test_moe_rl_step_with_expert_parallelism_matches_torch_backend(results):
     import mt_helpers
 
     r = results["res"][0]
-    mt_helpers.VOCAB = 509
-    ref_m, ref_w = mt_helpers.torch_backend_reference(results["tiny"]["qwen3_moe"], mt_helpers.make_batch(), ["rl"])
+    ref_m, ref_w = mt_helpers.torch_backend_reference(results["tiny"]["qwen3_moe"], mt_helpers.make_batch(vocab=509), ["rl"])
     for k in ("loss", "pg_loss", "entropy", "grad_norm"):
         if k in ref_m[0]:
             assert abs(r["trainer_metrics"][k] - ref_m[0][k]) <= 1e-5 * max(1.0, abs(ref_m[0][k])), \

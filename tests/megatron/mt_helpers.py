@@ -78,14 +78,14 @@ def tails(logs: list[str], n: int = 40) -> str:
     return "\n".join(f"--- rank {r} ---\n" + "\n".join(t.splitlines()[-n:]) for r, t in enumerate(logs))
 
 
-def run_workers(scenario: str, nprocs: int, spec: dict, workdir, timeout: float = 300.0) -> list:
-    """Run ``worker.py scenario`` on ``nprocs`` ranks; returns each rank's result object."""
+def run_workers(scenario: str, nprocs: int, spec: dict, workdir, timeout: float = 300.0, worker: str = WORKER) -> list:
+    """Run ``worker scenario`` (default ``worker.py``) on ``nprocs`` ranks; returns each rank's result object."""
     workdir = str(workdir)
     os.makedirs(workdir, exist_ok=True)
     spec_file = os.path.join(workdir, f"{scenario}.json")
     with open(spec_file, "w") as f:
         json.dump(spec, f)
-    codes, logs = run_ranks([WORKER, scenario, spec_file, workdir], nprocs, workdir, scenario, timeout)
+    codes, logs = run_ranks([worker, scenario, spec_file, workdir], nprocs, workdir, scenario, timeout)
     if any(codes):
         raise AssertionError(f"{scenario} on {nprocs} ranks: exit codes {codes}\n" + tails(logs))
     return [torch.load(os.path.join(workdir, f"{scenario}.rank{r}.pt"), weights_only=False) for r in range(nprocs)]
@@ -116,14 +116,14 @@ def make_tiny(kind: str, path: str, tied: bool = False) -> str:
 MODELS = {"llama_tied": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
 
 
-def make_batch(B: int = 5, T: int = 20, seed: int = 0, lengths=(20, 7, 13, 3, 17)):
-    """A right-padded RL TrainBatch: prompt of 2..4 tokens, the rest trained; random advantages,
-    rollout / old logprobs near plausible values."""
+def make_batch(B: int = 5, T: int = 20, seed: int = 0, lengths=(20, 7, 13, 3, 17), vocab: int = VOCAB):
+    """A right-padded RL TrainBatch of token ids below ``vocab``: prompt of 2..4 tokens, the rest
+    trained; random advantages, rollout / old logprobs near plausible values."""
     from megaforge.types import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.tensor(lengths[:B])
-    tokens = torch.randint(0, VOCAB, (B, T), generator=g)
+    tokens = torch.randint(0, vocab, (B, T), generator=g)
     t = torch.arange(T)[None]
     tokens = torch.where(t < lengths[:, None], tokens, 0)
     prompt = torch.randint(1, 4, (B,), generator=g).clamp(max=lengths - 1)

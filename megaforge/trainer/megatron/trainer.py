@@ -411,15 +411,6 @@ class MegatronTrainer(Trainer):
         load(self, path)
         self._set_lr()
 
-    def offload(self, tags=None) -> None:
-        """``tags`` of ("weights", "state") (all by default) to host memory (megaforge.memory)."""
-        if self._mem is not None:
-            self._mem.offload(tags)
-
-    def onload(self, tags=None) -> None:
-        if self._mem is not None:
-            self._mem.onload(tags)
-
     def close(self) -> None:
         """Release megatron's parallel state (the process group stays); the trainer is unusable after."""
         self._ps().destroy_model_parallel()
