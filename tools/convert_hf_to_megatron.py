@@ -25,8 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-          "fp32": "float32", "float32": "float32"}
+from megaforge.convert.launch import DTYPES  # noqa: E402  (after the sys.path line)
 
 
 def parse_args(argv=None):

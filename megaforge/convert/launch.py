@@ -20,6 +20,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+#: the CLIs' --dtype names -> torch dtype attribute names
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+          "fp32": "float32", "float32": "float32"}
+
 
 @dataclass
 class Layout:

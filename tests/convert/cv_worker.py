@@ -146,10 +146,9 @@ def main():
         spec = json.load(f)
     res = {}
     {"roundtrip": scenario_roundtrip}[scenario](spec, res, outdir)
-    rank = int(os.environ["RANK"])
-    torch.save(res, os.path.join(outdir, f"{scenario}.rank{rank}.pt"))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    from mt_helpers import save_rank_result
+
+    save_rank_result(res, outdir, scenario)
 
 
 if __name__ == "__main__":

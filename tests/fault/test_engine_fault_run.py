@@ -12,6 +12,8 @@ import time
 import urllib.request
 
 import pytest
+from run_helpers import lines
+from run_helpers import stable as _stable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
@@ -22,7 +24,7 @@ ARGS = ["--config", DEMO, "--sft.max_steps", "0", "--rollout.batch_size", "2", "
         "--rollout.engine", "embedded_server", "--rollout.device", "cpu",
         # each /generate waits 1.5 s before decoding: the test kills the server inside that window
         "--rollout.extra_args", "['--generate-delay', '1.5']"]
-VOLATILE = ("time/", "throughput/", "health/engine_restarts")
+VOLATILE = ("time/", "throughput/", "health/engine_restarts")  # restarts differ by design
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -36,15 +38,8 @@ def env():
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.path.dirname(__file__))
 
 
-def lines(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(l) for l in f if l.strip()]
-
-
 def stable(recs):
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in recs]
+    return _stable(recs, VOLATILE)
 
 
 def server_info(run):

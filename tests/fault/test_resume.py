@@ -1,20 +1,18 @@
 """Exact resume: a run stopped by SIGTERM (or killed with SIGKILL) anywhere and resumed with --resume
 writes the same metrics.jsonl values as an uninterrupted run; corrupt checkpoints are skipped."""
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from run_helpers import lines, stable, stop_when
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
 ARGS = ["--config", DEMO, "--sft.max_steps", "6", "--sft.batch_size", "8", "--rollout.batch_size", "4",
         "--grpo.n_samples", "4", "--rollout.max_new_tokens", "12", "--max_steps", "6", "--grpo.beta", "0.01",
         "--metrics.progress", "false", "--metrics.tensorboard", "false", "--deterministic", "true"]
-VOLATILE = ("time/", "throughput/")
 
 
 def cmd(out, name, *extra):
@@ -25,36 +23,12 @@ def env():
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 
 
-def lines(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(l) for l in f if l.strip()]
-
-
-def stable(recs):
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in recs]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ref"))
     subprocess.run(cmd(out, "r"), env=env(), check=True, capture_output=True, timeout=300)
     run = os.path.join(out, "r")
     return lines(os.path.join(run, "metrics.jsonl")), lines(os.path.join(run, "sft_metrics.jsonl"))
-
-
-def stop_when(proc, path, n, sig):
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if len(lines(path)) >= n:
-            proc.send_signal(sig)
-            return proc.wait(timeout=120)
-        if proc.poll() is not None:
-            raise AssertionError(f"run ended before {path} had {n} lines: {proc.stderr.read()[-2000:]}")
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError("timed out")
 
 
 @pytest.mark.parametrize("where,n", [("metrics.jsonl", 2), ("sft_metrics.jsonl", 3)])

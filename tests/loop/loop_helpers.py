@@ -1,18 +1,17 @@
 """Launcher runs of the CPU demo for the loop tests (tiny settings, one process, CPU)."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import time
+
+from run_helpers import lines, stable, stop_when  # noqa: F401  (re-exported to the loop tests)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
 TINY = ["--config", DEMO, "--sft.max_steps", "3", "--sft.batch_size", "8", "--rollout.batch_size", "4",
         "--grpo.n_samples", "4", "--rollout.max_new_tokens", "12", "--metrics.progress", "false",
         "--metrics.tensorboard", "false", "--metrics.log_samples", "0"]
-VOLATILE = ("time/", "throughput/")
 
 
 def env() -> dict:
@@ -28,28 +27,3 @@ def launch(out: str, name: str, *extra, timeout: int = 600) -> list[dict]:
     p = subprocess.run(cmd(out, name, *extra), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return lines(os.path.join(out, name, "metrics.jsonl"))
-
-
-def lines(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(l) for l in f if l.strip()]
-
-
-def stable(recs: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in recs]
-
-
-def stop_when(proc, path: str, n: int, sig) -> int:
-    """Send ``sig`` once ``path`` has ``n`` lines; the process's exit status."""
-    deadline = time.time() + 400
-    while time.time() < deadline:
-        if len(lines(path)) >= n:
-            proc.send_signal(sig)
-            return proc.wait(timeout=300)
-        if proc.poll() is not None:
-            raise AssertionError(f"run ended before {path} had {n} lines: {proc.stderr.read()[-3000:]}")
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError("timed out")

@@ -91,6 +91,15 @@ def run_workers(scenario: str, nprocs: int, spec: dict, workdir, timeout: float 
     return [torch.load(os.path.join(workdir, f"{scenario}.rank{r}.pt"), weights_only=False) for r in range(nprocs)]
 
 
+def save_rank_result(res, outdir: str, name: str) -> None:
+    """In a worker rank: save ``res`` as ``<outdir>/<name>.rank<RANK>.pt`` (what :func:`run_workers`
+    reads), wait for the other ranks and leave the process group."""
+    rank = int(os.environ["RANK"])
+    torch.save(res, os.path.join(outdir, f"{name}.rank{rank}.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def make_tiny(kind: str, path: str, tied: bool = False) -> str:
     """A 4-layer random HF model of family ``kind`` (tests/conftest.make_tiny_model, vocabulary
     250, Qwen3 with head_dim 24 != hidden / heads), norms and biases perturbed so they matter."""

@@ -16,7 +16,6 @@ import os
 import sys
 import time
 
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,10 +91,9 @@ def main():
         spec = json.load(f)
     res = {}
     {"logprobs": scenario_logprobs, "train": scenario_train}[scenario](spec, res)
-    rank = int(os.environ["RANK"])
-    torch.save(res, os.path.join(outdir, f"{scenario}.rank{rank}.pt"))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    from mt_helpers import save_rank_result
+
+    save_rank_result(res, outdir, scenario)
 
 
 if __name__ == "__main__":

@@ -81,10 +81,9 @@ def main():
     for dtype in ("float32", "bfloat16"):
         for offload in (False, True):
             res[(dtype, offload)] = run(model_dir, dtype, offload)
-    rank = int(os.environ["RANK"])
-    torch.save(res, os.path.join(outdir, f"offload.rank{rank}.pt"))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    from mt_helpers import save_rank_result
+
+    save_rank_result(res, outdir, "offload")
 
 
 if __name__ == "__main__":
