@@ -163,7 +163,8 @@ class CriticConfig:
     """Train a critic; null: exactly when algo.advantage is gae."""
     path: str = ""
     """Hugging Face model directory of the critic's backbone; empty: a copy of the policy at RL start
-    (after the SFT warm start). The value head starts at zero."""
+    (after the SFT warm start; the only choice of trainer.backend megatron, where the critic is a
+    second GPTModel at the policy's layout). The value head starts at zero."""
     lr: float = 1e-5
     """Critic learning rate (constant, AdamW with the trainer's betas / eps / weight decay)."""
     value_clip: Optional[float] = 0.2

@@ -13,7 +13,8 @@ megatron backend: DDP's contiguous buffers (``ddp.buffers`` + expert buffers): `
 (weights, kept) and ``grad_data`` (state, not kept: zero between steps) are fixed (the parameters
 and ``main_grad`` are views of them); the optimizer's parameters that live outside those buffers
 (fp32 main copies of bf16 parameters, distributed or not) and its state tensors; the reference
-model's parameters (``trainer.ref_device`` not ``cpu``).
+model's parameters (``trainer.ref_device`` not ``cpu``); the critic's DDP buffers (weights and
+gradients, both ``state``) and optimizer tensors the same way.
 """
 from __future__ import annotations
 
@@ -68,17 +69,24 @@ def _megatron_optimizers(opt) -> list:
 def megatron_entries(tr, tags: Sequence[str]) -> list[Entry]:
     """Entries of a :class:`megaforge.trainer.megatron.trainer.MegatronTrainer`."""
     dev, out = tr.device, []
-    buffers = list(tr.ddp.buffers) + list(getattr(tr.ddp, "expert_parallel_buffers", []) or [])
-    if "weights" in tags:
-        out += [Entry(b.param_data, "weights", keep=True, movable=False) for b in buffers if b.param_data is not None]
+    models = [(tr.ddp, tr.optimizer)]
+    if getattr(tr, "critic", None) is not None:  # the PPO critic: its weights are trainer state, not the policy's
+        models.append((tr.critic.ddp, tr.critic.optimizer))
+    for k, (ddp, optimizer) in enumerate(models):
+        buffers = list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []) or [])
+        if "weights" in tags and k == 0:
+            out += [Entry(b.param_data, "weights", keep=True, movable=False) for b in buffers if b.param_data is not None]
+        if "state" in tags and k > 0:
+            out += [Entry(b.param_data, "state", keep=True, movable=False) for b in buffers if b.param_data is not None]
+        if "state" in tags:
+            out += [Entry(b.grad_data, "state", keep=False, movable=False) for b in buffers if b.grad_data is not None]
+            in_buffer = {b.param_data.untyped_storage()._cdata for b in buffers if b.param_data is not None}
+            for o in _megatron_optimizers(optimizer):
+                inner = o.optimizer
+                for group in inner.param_groups:
+                    out += [Entry(p, "state") for p in group["params"] if p.untyped_storage()._cdata not in in_buffer]
+                out += [Entry(t, "state") for t in _optimizer_tensors(inner)]
     if "state" in tags:
-        out += [Entry(b.grad_data, "state", keep=False, movable=False) for b in buffers if b.grad_data is not None]
-        in_buffer = {b.param_data.untyped_storage()._cdata for b in buffers if b.param_data is not None}
-        for o in _megatron_optimizers(tr.optimizer):
-            inner = o.optimizer
-            for group in inner.param_groups:
-                out += [Entry(p, "state") for p in group["params"] if p.untyped_storage()._cdata not in in_buffer]
-            out += [Entry(t, "state") for t in _optimizer_tensors(inner)]
         if tr.ref is not None and tr.cfg.trainer.ref_device != "cpu":
             out += [Entry(p, "state") for p in tr.ref.parameters()]
     seen, uniq = set(), []

@@ -85,12 +85,63 @@ def scenario_train(spec, res):
     tr.close()
 
 
+def critic_batch():
+    """make_batch() with V_old = 0 and seeded returns (the critic's targets)."""
+    import torch
+
+    from mt_helpers import make_batch
+
+    batch = make_batch()
+    g = torch.Generator().manual_seed(1)
+    batch.values = torch.zeros(batch.tokens.shape)
+    batch.returns = torch.randn(batch.tokens.shape, generator=g) * batch.loss_mask
+    return batch
+
+
+def critic_cfg(path: str, backend: str = "megatron", layout=None, **kw):
+    """trainer_cfg with a PPO critic (critic.lr 1e-2: values move visibly in three updates)."""
+    from mt_helpers import trainer_cfg
+
+    cfg = trainer_cfg(path, backend, layout, **kw)
+    cfg.critic.lr = 1e-2
+    return cfg
+
+
+def critic_steps(tr, batch, n: int) -> tuple[list, list]:
+    """``n`` critic updates, each on the batch with V_old = the current values; (metrics, values)."""
+    metrics, values = [], []
+    for _ in range(n):
+        batch.values = tr.compute_values(batch)
+        metrics.append(tr.critic.train_step(batch))
+        values.append(tr.compute_values(batch))
+    return metrics, values
+
+
+def scenario_critic(spec, res):
+    from megaforge.trainer.megatron import MegatronTrainer
+
+    batch = critic_batch()
+    kw = spec.get("trainer", {})
+    tr = MegatronTrainer(critic_cfg(spec["model"], layout=spec["layout1"], **kw))
+    tr.init_critic()
+    res["values0"] = tr.compute_values(batch)
+    res["metrics1"], res["values1"] = critic_steps(tr, batch, spec["steps1"])
+    res["lp1"] = tr.compute_logprobs(batch)
+    tr.save(spec["ckpt"])
+    tr.close()
+    tr = MegatronTrainer(critic_cfg(spec["model"], layout=spec["layout2"], **kw))
+    tr.load(spec["ckpt"])  # restores the critic (weights, Adam state)
+    res["values_loaded"] = tr.compute_values(batch)
+    res["metrics2"], res["values2"] = critic_steps(tr, batch, spec["steps2"])
+    tr.close()
+
+
 def main():
     scenario, spec_file, outdir = sys.argv[1:4]
     with open(spec_file) as f:
         spec = json.load(f)
     res = {}
-    {"logprobs": scenario_logprobs, "train": scenario_train}[scenario](spec, res)
+    {"logprobs": scenario_logprobs, "train": scenario_train, "critic": scenario_critic}[scenario](spec, res)
     from mt_helpers import save_rank_result
 
     save_rank_result(res, outdir, scenario)

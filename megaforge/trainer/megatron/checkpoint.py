@@ -52,7 +52,8 @@ def _ensure_adam_state(optimizer) -> None:
                                       "exp_avg_sq": torch.zeros_like(p)}
 
 
-def _sharded(tr, with_optimizer: bool, with_ref: bool, loading: bool, saved_spec: Optional[str] = None) -> dict:
+def _sharded(tr, with_optimizer: bool, with_ref: bool, loading: bool, saved_spec: Optional[str] = None,
+             with_critic: bool = False) -> dict:
     # a fresh metadata dict each time: megatron caches the current DP group in it (in place)
     md = dict(_OPT_METADATA)
     model_sd = model_sharded_state_dict(tr.bm, saved_spec, md)
@@ -62,6 +63,12 @@ def _sharded(tr, with_optimizer: bool, with_ref: bool, loading: bool, saved_spec
         sd["optimizer"] = tr.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=md)
     if with_ref:
         sd["ref"] = tr.ref.sharded_state_dict(prefix="ref.", metadata=md)
+    if with_critic:  # the PPO critic (megaforge.trainer.megatron.critic) and its optimizer
+        critic_sd = tr.critic.bm.model.sharded_state_dict(prefix="critic.", metadata=md)
+        sd["critic"] = critic_sd
+        if with_optimizer:
+            _ensure_adam_state(tr.critic.optimizer)
+            sd["critic_optimizer"] = tr.critic.optimizer.sharded_state_dict(critic_sd, is_loading=loading, metadata=md)
     return sd
 
 
@@ -105,10 +112,12 @@ def write_sharded(sharded_state_dict: dict, path: str, meta: dict, hf_config=Non
 def save(tr, path: str) -> None:
     """Collective save into directory ``path`` (created; must be empty or absent)."""
     with_opt = bool(tr.cfg.checkpoint.save_optimizer)
+    critic = getattr(tr, "critic", None)
     meta = {"version": tr.version, "sched": tr.sched, "optimizer": with_opt, "ref": tr.ref is not None,
+            "critic": critic is not None, "critic_steps": critic.steps if critic is not None else 0,
             "layout": layout_of(), "family": tr.family.name, "layer_spec": tr.spec,
             "dtype": str(tr.dtype).removeprefix("torch.")}
-    write_sharded(_sharded(tr, with_opt, tr.ref is not None, loading=False), path, meta,
+    write_sharded(_sharded(tr, with_opt, tr.ref is not None, loading=False, with_critic=critic is not None), path, meta,
                   tr.hf_config, tr.tokenizer, tr.cfg.model.path)
 
 
@@ -168,7 +177,8 @@ def load(tr, path: str) -> None:
     if meta["family"] != tr.family.name:
         raise ValueError(f"{path}: checkpoint of family {meta['family']!r}, trainer is {tr.family.name!r}")
     saved_spec = meta.get("layer_spec", tr.spec)
-    if not meta["optimizer"] and not meta["ref"]:  # weights only (e.g. the HF converter's)
+    with_critic = bool(meta.get("critic", False))
+    if not meta["optimizer"] and not meta["ref"] and not with_critic:  # weights only (e.g. the HF converter's)
         load_model(tr.bm, path, saved_spec)
         tr.optimizer.reload_model_params()  # fp32 main copies of bf16 / fp16 weights
         tr.version = int(meta["version"])
@@ -178,7 +188,9 @@ def load(tr, path: str) -> None:
     check_model_against(tr.bm, path, saved_spec, repad_vocab=False)
     if meta["ref"] and tr.ref is None:
         tr.snapshot_reference()  # allocate; overwritten below
-    sd = _sharded(tr, meta["optimizer"], meta["ref"], loading=True, saved_spec=saved_spec)
+    if with_critic and tr.critic is None:
+        tr.init_critic()  # allocate; overwritten below
+    sd = _sharded(tr, meta["optimizer"], meta["ref"], loading=True, saved_spec=saved_spec, with_critic=with_critic)
     state = dist_checkpointing.load(sd, path, sharded_strategy=_STRATEGY)
     tr.bm.model.load_state_dict(state["model"], strict=True)
     if meta["optimizer"]:
@@ -187,6 +199,15 @@ def load(tr, path: str) -> None:
         _unshare_adam_steps(tr.optimizer)
     if meta["ref"]:
         tr.ref.load_state_dict({k.removeprefix("ref."): v for k, v in state["ref"].items()}, strict=True)
+    if with_critic:
+        tr.critic.bm.model.load_state_dict({k.removeprefix("critic."): v for k, v in state["critic"].items()}, strict=True)
+        if meta["optimizer"]:
+            with _step_tolerant_reshardable_load():
+                tr.critic.optimizer.load_state_dict(state["critic_optimizer"])
+            _unshare_adam_steps(tr.critic.optimizer)
+        else:
+            tr.critic.optimizer.reload_model_params()
+        tr.critic.steps = int(meta.get("critic_steps", 0))
     tr.version = int(meta["version"])
     if meta["sched"] is not None:  # weights-only checkpoints keep the trainer's fresh schedule
         tr.sched = dict(meta["sched"])

@@ -89,6 +89,7 @@ class MegatronTrainer(Trainer):
         self.params = LossParams.from_config(cfg)
         self.temperature = cfg.grpo.temperature
         self.ref = None
+        self.critic = None  # megaforge.trainer.megatron.critic.MegatronCritic when the run trains one (PPO)
         self.version = 0
         self.reset_optimizer(t.lr, cfg.max_steps * t.mini_batches * t.epochs, t.warmup_steps, t.lr_schedule, t.min_lr)
         from megaforge.memory.state import megatron_entries
@@ -148,21 +149,10 @@ class MegatronTrainer(Trainer):
     def _optimizer_step(self) -> dict[str, float]:
         """Clip by the global gradient norm and step; a non-finite norm skips the step
         (``skipped``: the loop counts consecutive skips against ``trainer.max_bad_steps``)."""
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
-        opt = self.optimizer
         lr = self._set_lr()
-        found_inf = opt.prepare_grads()
-        norm = float(opt.get_grad_norm())
-        if found_inf or not math.isfinite(norm):
-            opt.zero_grad()
+        norm, stepped = clipped_step(self.optimizer, self.cfg.trainer.grad_clip)
+        if not stepped:
             return {"grad_norm": norm, "lr": lr, "skipped": 1.0}
-        clip = self.cfg.trainer.grad_clip
-        for o in getattr(opt, "chained_optimizers", [opt]):
-            params = o.get_parameters()
-            if clip > 0 and params:
-                clip_grad_by_total_norm_fp32(params, max_norm=clip, total_norm=norm)
-        opt.step_with_ready_grads()
         self.sched["step"] += 1
         self.version += 1
         return {"grad_norm": norm, "lr": lr, "skipped": 0.0}
@@ -265,7 +255,6 @@ class MegatronTrainer(Trainer):
         unknown = set(fields) - {"logprobs", "argmax"}
         if unknown:
             raise ValueError(f"forward_rows: unknown fields {sorted(unknown)}; valid: logprobs, argmax")
-        ps = self._ps()
         B, T = batch.tokens.shape
         module.eval()
         with self._ref_on_device(module):
@@ -282,19 +271,21 @@ class MegatronTrainer(Trainer):
                 return logits.sum() * 0.0, out
 
             out = self._schedule(module, mbs, loss_fn, forward_only=True)
-        result = {}
-        for f in fields:
-            dtype = torch.long if f == "argmax" else torch.float32
-            full = None
-            if self._last_stage():
-                rows = torch.zeros(local.batch_size, T, dtype=dtype, device=self.device)
-                i = 0
-                for d in out:
-                    rows[i:i + d[f].shape[0], : d[f].shape[1]] = d[f]
-                    i += d[f].shape[0]
-                full = all_gather_rows(rows, B, ps.get_data_parallel_group())
-            result[f] = self._from_last_stage(full, (B, T), dtype).cpu()
-        return result
+        return {f: self._gather_rows(out, f, local.batch_size, B, T, torch.long if f == "argmax" else torch.float32)
+                for f in fields}
+
+    def _gather_rows(self, out: list, field: str, n_local: int, B: int, T: int, dtype) -> torch.Tensor:
+        """The [B, T] tensor (CPU, every rank) of per-micro-batch [b, <=T] values ``out[i][field]``
+        computed on the last stage for this DP rank's ``n_local`` rows."""
+        full = None
+        if self._last_stage():
+            rows = torch.zeros(n_local, T, dtype=dtype, device=self.device)
+            i = 0
+            for d in out:
+                rows[i:i + d[field].shape[0], : d[field].shape[1]] = d[field]
+                i += d[field].shape[0]
+            full = all_gather_rows(rows, B, self._ps().get_data_parallel_group())
+        return self._from_last_stage(full, (B, T), dtype).cpu()
 
     @onloaded
     def snapshot_reference(self) -> None:
@@ -342,20 +333,23 @@ class MegatronTrainer(Trainer):
             out.append(mini)
         return out
 
-    def _run(self, batch: TrainBatch, loss_fn) -> dict[str, float]:
-        """Mini-batches x epochs optimizer steps; ``loss_fn(mb, logits) -> (loss, metrics)``."""
+    def _run(self, batch: TrainBatch, loss_fn, ddp=None, optimizer=None, step_fn=None) -> dict[str, float]:
+        """Mini-batches x epochs optimizer steps; ``loss_fn(mb, logits) -> (loss, metrics)``. The
+        policy's by default; the critic passes its own DDP module, optimizer and step function."""
         ps = self._ps()
-        self.ddp.train()
+        ddp, optimizer = ddp or self.ddp, optimizer or self.optimizer
+        step_fn = step_fn or self._optimizer_step
+        ddp.train()
         acc = StepMetrics()
         for _ in range(self.cfg.trainer.epochs):
             for mini in self._mini_batches(batch):
                 if mini.num_tokens == 0:  # the same on every rank: all skip together
                     acc.add_empty()
                     continue
-                self.ddp.zero_grad_buffer()
-                self.optimizer.zero_grad()
+                ddp.zero_grad_buffer()
+                optimizer.zero_grad()
                 mbs = self._micro_batches(self._dp_rows(mini))
-                out = self._schedule(self.ddp, mbs, loss_fn, forward_only=False)
+                out = self._schedule(ddp, mbs, loss_fn, forward_only=False)
                 keys = self._obj_from_last_stage(sorted(out[0]) if self._last_stage() else None)
                 vec = None
                 if self._last_stage():
@@ -363,7 +357,7 @@ class MegatronTrainer(Trainer):
                     dist.all_reduce(vec, group=ps.get_data_parallel_group())
                 vec = self._from_last_stage(vec, (len(keys),))
                 step = {k: float(v) for k, v in zip(keys, vec.tolist())}
-                step.update(self._optimizer_step())
+                step.update(step_fn())
                 acc.add(step)
         return acc.result()
 
@@ -376,7 +370,24 @@ class MegatronTrainer(Trainer):
                 ent = ent.detach()
             return policy_objective(lp, mb.batch, self.params, ent)
 
-        return self._run(batch, loss_fn)
+        out = self._run(batch, loss_fn)
+        if self.critic is not None and batch.returns is not None:
+            out.update(self.critic.train_step(batch))
+        return out
+
+    def init_critic(self) -> None:
+        """A fresh critic (PPO / gae): the policy's current backbone with a zero value head
+        (:mod:`megaforge.trainer.megatron.critic`), at the policy's layout."""
+        from megaforge.trainer.megatron.critic import MegatronCritic
+
+        self.critic = MegatronCritic(self)
+
+    @torch.no_grad()
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """Token-aligned values [B, T] (float32, CPU, every rank); see TorchCritic for the alignment."""
+        if self.critic is None:
+            raise RuntimeError("compute_values: no critic (init_critic not called; see critic.enabled)")
+        return self.critic.compute_values(batch)
 
     def sft_step(self, batch: TrainBatch) -> dict[str, float]:
         def loss_fn(mb: _MicroBatch, logits):
@@ -414,6 +425,25 @@ class MegatronTrainer(Trainer):
     def close(self) -> None:
         """Release megatron's parallel state (the process group stays); the trainer is unusable after."""
         self._ps().destroy_model_parallel()
+
+
+def clipped_step(opt, clip: float) -> tuple[float, bool]:
+    """One step of megatron optimizer ``opt`` on ready gradients, clipped to global norm ``clip``
+    (0: no clipping). A non-finite norm (or fp16 overflow) zeroes the gradients and skips the step.
+    Returns (grad norm, whether the step was taken)."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    found_inf = opt.prepare_grads()
+    norm = float(opt.get_grad_norm())
+    if found_inf or not math.isfinite(norm):
+        opt.zero_grad()
+        return norm, False
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        params = o.get_parameters()
+        if clip > 0 and params:
+            clip_grad_by_total_norm_fp32(params, max_norm=clip, total_norm=norm)
+    opt.step_with_ready_grads()
+    return norm, True
 
 
 def _loss_wrapper(loss_fn, mb: _MicroBatch, logits):

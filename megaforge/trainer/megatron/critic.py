@@ -1,0 +1,133 @@
+"""The PPO critic of the Megatron backend: the policy's GPTModel backbone with a value head.
+
+Same semantics as :class:`megaforge.trainer.critic.TorchCritic`: token-aligned values
+``values[b, t] = V(tokens[b, :t])`` read from the final hidden state at position ``t - 1`` (0 at
+``t = 0`` and on padding), the clipped value loss of :mod:`megaforge.algorithms.value` on
+``batch.returns`` with ``batch.values`` as V_old, the same mini-batches x epochs as the policy, its
+own Adam(W) at the constant ``critic.lr`` with the trainer's gradient clip and weight decay.
+
+Model: a second GPTModel at the policy's layout (TP x PP x CP x DP, same layer spec), untied, whose
+``output_layer`` is a :class:`ValueHead`: a [H -> 1] linear layer, zero at the start (first values
+are 0), *replicated* over the TP ranks. Under sequence parallelism its input (this rank's share of
+the sequence) is all-gathered first; every TP rank then computes the same values, so the gather's
+backward only splits the gradient (no reduction) and the head's gradient is already complete on
+each rank (megatron counts a replicated parameter once in the gradient norm). The backbone starts
+as a copy of the policy's current weights (after the SFT warm start). ``critic.path`` (another
+backbone) is a torch-backend option.
+
+Calling it: collective like the trainer; the trainer's ``train_step`` runs :meth:`train_step` after
+the policy's update when the batch has returns; checkpoints hold the critic and its optimizer under
+``critic.`` / ``critic_optimizer`` keys (:mod:`megaforge.trainer.megatron.checkpoint`).
+"""
+from __future__ import annotations
+
+import torch
+
+from megaforge.algorithms.value import value_objective
+from megaforge.types import TrainBatch
+
+
+def _value_head_class():
+    from megatron.core.transformer.module import MegatronModule
+
+    class ValueHead(MegatronModule):
+        """Drop-in for GPTModel's ``output_layer``: hidden [s_local, b, H] -> (values [s, b, 1], None)."""
+
+        def __init__(self, config, hidden: int):
+            super().__init__(config)
+            self.sequence_parallel = bool(config.sequence_parallel)
+            # named like the output layer's (megatron's state dict hooks look for output_layer.weight)
+            self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=config.params_dtype))
+            self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype))
+
+        def forward(self, hidden, weight=None, runtime_gather_output=None):
+            from megatron.core import parallel_state as ps
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            if self.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
+                hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+            return torch.nn.functional.linear(hidden, self.weight, self.bias), None
+
+    return ValueHead
+
+
+class MegatronCritic:
+    def __init__(self, tr):
+        import dataclasses
+
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from megaforge.trainer.megatron import model as mmodel
+
+        cfg, t = tr.cfg, tr.cfg.trainer
+        if cfg.critic.path:
+            raise ValueError("critic.path: trainer.backend megatron starts the critic from the policy's backbone; "
+                             "leave critic.path empty (or use trainer.backend torch for another backbone)")
+        self.tr, self.cfg = tr, cfg
+        self.tconfig = mmodel.config_without_hooks(tr.tconfig)
+        desc = dataclasses.replace(tr.desc, tied=False)  # the output layer is replaced: nothing to tie
+        self.bm = mmodel.build_model(desc, tr.family, self.tconfig, tr.spec, tr.device)
+        model = self.bm.model
+        if model.post_process:
+            model.output_layer = _value_head_class()(self.tconfig, desc.hidden).to(tr.device)
+        src = dict(tr.bm.model.named_parameters())
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.startswith("output_layer."):
+                    continue
+                if name not in src or src[name].shape != p.shape:
+                    raise RuntimeError(f"critic: policy has no parameter {name} of shape {tuple(p.shape)}")
+                p.copy_(src[name])
+        self.ddp = DistributedDataParallel(
+            config=self.tconfig, module=model,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                     use_distributed_optimizer=t.distributed_optimizer))
+        self.tconfig.no_sync_func = self.ddp.no_sync
+        self.tconfig.finalize_model_grads_func = tr._finalize_grads
+        oc = OptimizerConfig(
+            optimizer="adam", lr=cfg.critic.lr, weight_decay=t.weight_decay, adam_beta1=t.betas[0],
+            adam_beta2=t.betas[1], adam_eps=t.eps, clip_grad=t.grad_clip, bf16=tr.dtype == torch.bfloat16,
+            fp16=tr.dtype == torch.float16, params_dtype=tr.dtype, use_distributed_optimizer=t.distributed_optimizer)
+        self.optimizer = get_megatron_optimizer(oc, [self.ddp], config_overrides={})
+        self.tconfig.grad_scale_func = self.optimizer.scale_loss
+        self.steps = 0
+
+    def _values(self, logits: torch.Tensor, mb) -> torch.Tensor:
+        """Token-aligned values [b, T] (float32) from the head's output [1, t_local, 1]."""
+        return mb.packed.to_rows(self.tr._cp_gather(logits[0, :, 0].float()))
+
+    @torch.no_grad()
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """Values [B, T] on CPU (float32), the whole batch's on every rank."""
+        tr = self.tr
+        B, T = batch.tokens.shape
+        self.ddp.eval()
+        local = tr._dp_rows(batch)
+        out = tr._schedule(self.ddp, tr._micro_batches(local),
+                           lambda mb, v: (v.sum() * 0.0, {"values": self._values(v, mb)}), forward_only=True)
+        return tr._gather_rows(out, "values", local.batch_size, B, T, torch.float32)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Value-loss updates on ``batch`` (needs ``values`` = V_old and ``returns``)."""
+        if batch.values is None or batch.returns is None:
+            raise ValueError("critic.train_step: the batch needs values (V_old) and returns")
+        clip = self.cfg.critic.value_clip
+
+        def loss_fn(mb, v):
+            b = mb.batch
+            return value_objective(self._values(v, mb), b.values, b.returns, b.loss_mask, b.num_tokens, clip)
+
+        out = self.tr._run(batch, loss_fn, self.ddp, self.optimizer, self._optimizer_step)
+        return {("critic/grad_norm" if k == "grad_norm" else k): v for k, v in out.items()
+                if k.startswith("critic/") or k == "grad_norm"}
+
+    def _optimizer_step(self) -> dict[str, float]:
+        from megaforge.trainer.megatron.trainer import clipped_step
+
+        for g in self.optimizer.param_groups:  # constant critic.lr; decay on every parameter, as the policy
+            g["lr"] = self.cfg.critic.lr
+            g["weight_decay"] = self.cfg.trainer.weight_decay
+        norm, stepped = clipped_step(self.optimizer, self.cfg.trainer.grad_clip)
+        self.steps += int(stepped)
+        return {"grad_norm": norm}
