@@ -67,7 +67,7 @@ class MegatronTrainer(Trainer):
         parallel.init_model_parallel(t.tensor_parallel, t.pipeline_parallel, t.context_parallel, t.expert_parallel)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
         self.dtype = DTYPES[cfg.model.dtype]
-        self.hf_config, source = mmodel.hf_source(cfg.model)
+        self.hf_config, source = mmodel.hf_source(cfg.model, self.device)
         self.family = families.family_of(self.hf_config)
         self.desc = self.family.describe(self.hf_config)
         if self.desc.is_moe and t.tensor_parallel > 1 and not t.sequence_parallel:
