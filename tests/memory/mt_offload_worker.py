@@ -4,7 +4,8 @@
 
 For model dtype float32 and bfloat16 (fp32 main parameters in the optimizer), with the distributed
 optimizer: a resident trainer and one whose DDP buffers, optimizer state and reference model go
-through the copy engine (CPU-emulated) between three RL steps, in the loop's order. Records, per
+through the copy engine (CPU-emulated) between three RL steps (policy and PPO critic), in the
+loop's order. Records, per
 variant: HF weights and metrics after the steps, and the checks of every offload/onload (storages
 freed, identities kept, values restored, gradient buffers zero, host buffers not re-allocated).
 """
@@ -35,15 +36,18 @@ def run(model_dir: str, dtype: str, offload: bool) -> dict:
     cfg.model.dtype = dtype
     tr = MegatronTrainer(cfg)
     tr.snapshot_reference()
+    tr.init_critic()  # its DDP buffers and optimizer are trainer state too
     if offload:
         tr._mem = PinnedOffloader(lambda tags: megatron_entries(tr, tags), "cpu", chunk_bytes=64 << 10)
     batch = make_batch()
+    returns = torch.randn(batch.tokens.shape, generator=torch.Generator().manual_seed(1)) * batch.loss_mask
     out = {"metrics": [], "checks": {}, "host_allocs": []}
     ck = out["checks"]
     for step in range(3):
         tr.onload()
         b = copy.deepcopy(batch)
         b.ref_logprobs = tr.compute_logprobs(b, "ref")
+        b.values, b.returns = tr.compute_values(b), returns
         out["metrics"].append(tr.train_step(b))
         if not offload:
             continue
@@ -53,7 +57,7 @@ def run(model_dir: str, dtype: str, offload: bool) -> dict:
                         for p in g["params"]}
         ck["main_params"] = sum(1 for e in ents if e.tag == "state" and id(e.tensor) in group_params)
         vals = {id(e.tensor): (e, e.tensor.detach().clone()) for e in ents}
-        pids = [id(p) for p in tr.ddp.parameters()] + [id(p) for p in tr.ref.parameters()]
+        pids = [id(p) for m in (tr.ddp, tr.ref, tr.critic.ddp) for p in m.parameters()]
         tr.offload(["state"])
         ck.setdefault("state_freed", []).append(all(nbytes(e.tensor) == 0 for e in ents if e.tag == "state"))
         ck.setdefault("weights_kept", []).append(all(nbytes(e.tensor) > 0 for e in ents if e.tag == "weights"))
@@ -62,7 +66,7 @@ def run(model_dir: str, dtype: str, offload: bool) -> dict:
         ck.setdefault("all_freed", []).append(all(nbytes(p) == 0 for p in tr.ddp.parameters())
                                               and all(nbytes(e.tensor) == 0 for e in ents))
         tr.onload()
-        ck.setdefault("ids", []).append(pids == [id(p) for p in tr.ddp.parameters()] + [id(p) for p in tr.ref.parameters()])
+        ck.setdefault("ids", []).append(pids == [id(p) for m in (tr.ddp, tr.ref, tr.critic.ddp) for p in m.parameters()])
         ok = True
         for e, v in vals.values():
             ok &= torch.equal(e.tensor, v) if e.keep else bool((e.tensor == 0).all())
@@ -70,6 +74,7 @@ def run(model_dir: str, dtype: str, offload: bool) -> dict:
         tr.offload()  # as after the loop's sync: everything out until the next step
         out["host_allocs"].append(tr._mem.stats["host_allocs"])
     tr.onload()
+    out["critic_values"] = tr.compute_values(batch)
     out["weights"] = {n: t.detach().float().cpu().clone() for bk in tr.iter_hf_buckets(1 << 30) for n, t in bk}
     tr.close()
     return out

@@ -1,8 +1,8 @@
 """Megatron backend offload through the copy engine (CPU-emulated) on 2 data-parallel ranks with the
 distributed optimizer (sharded fp32 main parameters and Adam state), float32 and bfloat16: DDP param
 buffers (fixed, kept), grad buffers (fixed, zero after onload), main parameters and optimizer state
-(movable), the reference model; a trainer that offloads between steps ends bit-identical to one
-that never does."""
+(movable), the reference model, the PPO critic's buffers and optimizer; a trainer that offloads
+between steps ends bit-identical to one that never does (policy weights, metrics, critic values)."""
 from __future__ import annotations
 
 import os
@@ -30,7 +30,9 @@ def test_megatron_offload_two_ranks(tmp_path):
         for dtype in ("float32", "bfloat16"):
             a, b = res[(dtype, True)], res[(dtype, False)]
             ck = a["checks"]
-            assert ck["kinds"] == [("state", False, False), ("state", True, True), ("weights", True, False)], ck["kinds"]
+            # (state, kept, fixed): gradient buffers; critic weight buffers; optimizer / reference tensors
+            assert ck["kinds"] == [("state", False, False), ("state", True, False), ("state", True, True),
+                                   ("weights", True, False)], ck["kinds"]
             if dtype == "bfloat16":
                 assert ck["main_params"] > 0, "fp32 main parameters of bf16 weights are offloaded"
             for key in ("state_freed", "weights_kept", "all_freed", "ids", "values"):
@@ -39,6 +41,8 @@ def test_megatron_offload_two_ranks(tmp_path):
                 assert min(ck["hf_while_state_out"]) > 0, "HF weights readable while the state is out"
             assert len(set(a["host_allocs"])) == 1, f"host buffers re-allocated: {a['host_allocs']}"
             assert a["metrics"] == b["metrics"], dtype
+            assert all(m["critic/grad_norm"] > 0 for m in a["metrics"]), "the critic trained in every step"
+            assert torch.equal(a["critic_values"], b["critic_values"]), dtype
             assert a["weights"].keys() == b["weights"].keys()
             for n in b["weights"]:
                 assert torch.equal(a["weights"][n], b["weights"][n]), (dtype, n)
