@@ -118,17 +118,11 @@ def trainer_state(cfg, shape, lay, stage: int) -> list[Item]:
     p = dtype_bytes(cfg.model.dtype)
     if lay.backend == "megatron":
         sp = shape.stage_params(lay.tp, lay.pp, stage, lay.ep, lay.etp)
-        dense = sp["dense"] + sp["embedding"] + sp["output"]
-        n = dense + sp["expert"]
-        per = 12 if p == 2 else 8
-        if cfg.trainer.distributed_optimizer:
-            opt = per * (dense / (lay.dp * lay.cp) + sp["expert"] / lay.edp)
-            how = f"{per} B/param over DP*CP={lay.dp * lay.cp}" + (f", experts over EDP={lay.edp}" if sp["expert"] else "")
-        else:
-            opt, how = per * n, f"{per} B/param, not distributed"
-        return [Item("trainer weights", p * n, "trainer", f"{n / 1e9:.3f} B params x {p} B"),
-                Item("gradients (fp32 main grad)", 4.0 * n, "trainer", "4 B/param"),
-                Item("optimizer (Adam)", opt, "trainer", how)]
+        items = _megatron_state(cfg, lay, p, sp["dense"] + sp["embedding"] + sp["output"], sp["expert"], "")
+        if cfg.critic_enabled and cfg.max_steps > 0:  # a second GPTModel, the output layer replaced by a value head
+            head = (shape.hidden + 1) if stage == lay.pp - 1 else 0
+            items += _megatron_state(cfg, lay, p, sp["dense"] + sp["embedding"] + head, sp["expert"], "critic ")
+        return items
     n = shape.hf_params()
     items = [Item("trainer weights", p * n, "trainer", f"{n / 1e9:.3f} B params x {p} B"),
              Item("gradients", p * n, "trainer", f"{p} B/param")]
@@ -139,6 +133,21 @@ def trainer_state(cfg, shape, lay, stage: int) -> list[Item]:
         nc = n - (0 if shape.tied else shape.vocab * shape.hidden) + shape.hidden + 1
         items.append(Item("critic (weights+grads+AdamW)", 4.0 * p * nc, "trainer", "4 x p B/param of the backbone"))
     return items
+
+
+def _megatron_state(cfg, lay, p: int, dense: float, expert: float, prefix: str) -> list[Item]:
+    """Weights, fp32 main gradients and Adam state (12 B/param with bf16 weights: fp32 main
+    copy + 2 moments; 8 B with fp32) of ``dense`` + ``expert`` parameters on one rank."""
+    n = dense + expert
+    per = 12 if p == 2 else 8
+    if cfg.trainer.distributed_optimizer:
+        opt = per * (dense / (lay.dp * lay.cp) + expert / lay.edp)
+        how = f"{per} B/param over DP*CP={lay.dp * lay.cp}" + (f", experts over EDP={lay.edp}" if expert else "")
+    else:
+        opt, how = per * n, f"{per} B/param, not distributed"
+    return [Item((prefix or "trainer ") + "weights", p * n, "trainer", f"{n / 1e9:.3f} B params x {p} B"),
+            Item(prefix + "gradients (fp32 main grad)", 4.0 * n, "trainer", "4 B/param"),
+            Item(prefix + "optimizer (Adam)", opt, "trainer", how)]
 
 
 def reference(cfg, shape, lay, stage: int, mode: str) -> list[Item]:

@@ -85,6 +85,18 @@ def test_trainer_state_bytes_by_hand(tmp_path):
         "trainer weights": 4 * P, "gradients (fp32 main grad)": 4 * P, "optimizer (Adam)": 8 * P / 2}
 
 
+def test_megatron_critic_state_by_hand(tmp_path):
+    """PPO (algo.advantage gae) on the megatron backend: a second model of the same layout whose
+    output layer (1024*64/2 at TP 2) is a replicated value head (64 weights + 1 bias)."""
+    cfg, shape, lay = tiny_layout(tmp_path, "--trainer.tensor_parallel", "2", "--algo.advantage", "gae",
+                                  "--max_steps", "1", "--data.path", "x.jsonl", mode="grpo")
+    P, C = 102720, 102720 - 32768 + 65
+    items = {i.name: i.bytes for i in M.trainer_state(cfg, shape, lay, 0)}
+    assert items == {"trainer weights": 2 * P, "gradients (fp32 main grad)": 4 * P, "optimizer (Adam)": 12 * P / 2,
+                     "critic weights": 2 * C, "critic gradients (fp32 main grad)": 4 * C,
+                     "critic optimizer (Adam)": 12 * C / 2}
+
+
 def test_torch_backend_state_by_hand(tmp_path):
     cfg, shape, lay = tiny_layout(tmp_path, "--trainer.backend", "torch")
     P = 2 * 1000 * 64 + 64 + 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64 + 128 + 3 * 64 * 128)
