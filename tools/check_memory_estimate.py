@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -146,6 +147,15 @@ def compare(pred: float, meas):
     return {"predicted_gib": round(pred, 3), "measured_gib": round(meas, 3), "rel_error": round((pred - meas) / meas, 4)}
 
 
+def progress(msg: str, t0: list = [time.time()]) -> None:  # noqa: B006 (the tool's start time)
+    """A stage line on stderr (rank 0 / no group yet), with seconds since start: a run cut by a
+    time limit still shows how far it got."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[check_memory_estimate {time.time() - t0[0]:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     device = "cpu" if a.cpu_smoke else "cuda"
@@ -158,6 +168,7 @@ def main(argv=None) -> int:
     from megaforge.trainer.megatron import MegatronTrainer
 
     cfg = build_config(a, device)
+    progress(f"building the megatron trainer ({a.model_config}, tp={a.tp} pp={a.pp} cp={a.cp})")
     tr = MegatronTrainer(cfg)  # joins torchrun's group (or a one-process one)
     world, rank = dist.get_world_size(), dist.get_rank()
     if device == "cuda":
@@ -179,11 +190,13 @@ def main(argv=None) -> int:
             batch.ref_logprobs = tr.compute_logprobs(batch, "ref")
         return tr.train_step(batch)
 
+    progress("warm-up train step")
     train_phase()  # warm-up: Adam moments allocated
     measured = {}
     if not a.no_rollout:
         if a.offload != "none":
             tr.offload()
+        progress(f"rollout phase: {a.prompts} x {a.n_samples} sequences of {a.new_tokens} new tokens")
         with Peak(tr.device) as pk:
             engine = None
             if rank == 0:
@@ -199,6 +212,7 @@ def main(argv=None) -> int:
             tr.onload()
         if device == "cuda":
             torch.cuda.empty_cache()
+    progress("train phase")
     with Peak(tr.device) as pk:
         metrics = train_phase()
     measured["train"] = pk.gib

@@ -51,22 +51,16 @@ def layout(args):
 
 
 def rank_main(args) -> None:
-    from megaforge.convert.launch import quiet_rank_warnings
+    from megaforge.convert.launch import rank_done, rank_setup
 
-    quiet_rank_warnings()
+    rank_setup()
     import torch
-    import torch.distributed as dist
 
-    from megaforge.convert.launch import exit_on_sigterm
     from megaforge.trainer.megatron.convert import hf_to_megatron
 
-    exit_on_sigterm()
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     hf_to_megatron(args.hf, args.out, layout(args), dtype, args.device, args.layer_spec, args.overwrite)
-    if dist.get_rank() == 0:
-        print(f"wrote {os.path.abspath(args.out)} (tp={args.tp} pp={args.pp} ep={args.ep} "
-              f"etp={args.etp or args.tp})", flush=True)
-    dist.destroy_process_group()
+    rank_done(f"wrote {os.path.abspath(args.out)} (tp={args.tp} pp={args.pp} ep={args.ep} etp={args.etp or args.tp})")
 
 
 def main(argv=None) -> int:

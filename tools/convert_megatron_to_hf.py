@@ -68,23 +68,18 @@ def layout(args):
 
 
 def rank_main(args) -> None:
-    from megaforge.convert.launch import quiet_rank_warnings
+    from megaforge.convert.launch import rank_done, rank_setup
 
-    quiet_rank_warnings()
+    rank_setup()
     import torch
-    import torch.distributed as dist
 
     from megaforge.convert.hf_writer import parse_size
-    from megaforge.convert.launch import exit_on_sigterm
     from megaforge.trainer.megatron.convert import megatron_to_hf
 
-    exit_on_sigterm()
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     megatron_to_hf(args.ckpt, args.out, args.hf_config, dtype, layout(args), parse_size(args.max_shard_size),
                    parse_size(args.bucket_size), args.device, "torch", args.overwrite)
-    if dist.get_rank() == 0:
-        print(f"wrote {os.path.abspath(args.out)}", flush=True)
-    dist.destroy_process_group()
+    rank_done(f"wrote {os.path.abspath(args.out)}")
 
 
 def main(argv=None) -> int:

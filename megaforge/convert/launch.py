@@ -130,17 +130,23 @@ def spawn(script: str, argv: list[str], nprocs: int, on_failure: Optional[Callab
     return code
 
 
-def quiet_rank_warnings() -> None:
-    """In a converter rank: silence megatron's import-time notices (Apex / TE absent, deprecations)
-    and torch.distributed.checkpoint's ShardedTensor deprecation, which every rank would print."""
+def rank_setup() -> None:
+    """At the start of a converter rank: silence megatron's import-time notices (Apex / TE absent,
+    deprecations) and torch.distributed.checkpoint's ShardedTensor deprecation, which every rank
+    would print; turn SIGTERM (a peer failed; torchrun or :func:`spawn` stops us) into SystemExit,
+    so ``finally`` / ``except`` clean-ups run."""
     import warnings
 
     warnings.filterwarnings("ignore", module=r"megatron\.")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
     warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*")
-
-
-def exit_on_sigterm() -> None:
-    """In a rank: turn SIGTERM (a peer failed; torchrun or :func:`spawn` stops us) into SystemExit,
-    so ``finally`` / ``except`` clean-ups run."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def rank_done(message: str) -> None:
+    """At the end of a converter rank: rank 0 prints ``message``; every rank leaves the group."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+    dist.destroy_process_group()
