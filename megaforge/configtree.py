@@ -211,6 +211,23 @@ def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
     return path, overrides
 
 
+def flag_value(argv: list[str], i: int, name: str, eq: str, val: str, is_bool: bool,
+               error: type[Exception] = ConfigError) -> tuple[Any, int]:
+    """The value of launcher flag ``--name`` found at ``argv[i]`` (``eq``/``val``: the partition of
+    ``--name=value``), and the index of the last token it used. A bool flag stands alone or takes a
+    following ``true`` / ``false``; any other flag needs a value (``--name=v`` or ``--name v``,
+    where ``v`` does not start with ``--``), else ``error`` is raised naming the flag."""
+    if is_bool:
+        if not eq and i + 1 < len(argv) and argv[i + 1].lower() in ("true", "false"):
+            val, i = argv[i + 1], i + 1
+        return (val or "true").lower() == "true", i
+    if not eq:
+        if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+            raise error(f"--{name} needs a value")
+        val, i = argv[i + 1], i + 1
+    return val, i
+
+
 def set_dotted(tree: dict, key: str, value: Any) -> None:
     parts = key.split(".")
     node = tree

@@ -46,6 +46,8 @@ from typing import Optional
 
 import submitit
 
+from megaforge.configtree import flag_value
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: launcher flag -> (config key, type); flags without a config key are the launcher's own
 FLAGS = {"nodes": ("slurm.nodes", int), "gpus_per_node": ("slurm.gpus_per_node", int),
@@ -75,19 +77,11 @@ def split_flags(argv: list[str]) -> tuple[dict, list[str]]:
             i += 1
             continue
         key, kind = FLAGS[name]
-        if kind is bool:
-            if not eq and i + 1 < len(argv) and argv[i + 1].lower() in ("true", "false"):
-                val, i = argv[i + 1], i + 1
-            own[name] = (val or "true").lower() == "true"
+        val, i = flag_value(argv, i, name, eq, val, kind is bool, LaunchError)
+        if key is None:
+            own[name] = val
         else:
-            if not eq:
-                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                    raise LaunchError(f"--{name} needs a value")
-                val, i = argv[i + 1], i + 1
-            if key is None:
-                own[name] = val
-            else:
-                rest += [f"--{key}", json.dumps(val) if kind is str else val]
+            rest += [f"--{key}", json.dumps(val) if kind is str else val]
         i += 1
     if own.get("launcher", "grpo") not in ("grpo", "sft"):
         raise LaunchError(f"--launcher {own['launcher']!r}: expected grpo or sft")

@@ -76,9 +76,9 @@ def megatron_entries(tr, tags: Sequence[str]) -> list[Entry]:
         buffers = list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []) or [])
         if "weights" in tags and k == 0:
             out += [Entry(b.param_data, "weights", keep=True, movable=False) for b in buffers if b.param_data is not None]
-        if "state" in tags and k > 0:
-            out += [Entry(b.param_data, "state", keep=True, movable=False) for b in buffers if b.param_data is not None]
         if "state" in tags:
+            if k > 0:  # the critic's weights
+                out += [Entry(b.param_data, "state", keep=True, movable=False) for b in buffers if b.param_data is not None]
             out += [Entry(b.grad_data, "state", keep=False, movable=False) for b in buffers if b.grad_data is not None]
             in_buffer = {b.param_data.untyped_storage()._cdata for b in buffers if b.param_data is not None}
             for o in _megatron_optimizers(optimizer):

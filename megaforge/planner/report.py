@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
+from megaforge.configtree import flag_value
 from megaforge.planner import memory as M
 from megaforge.planner.layout import Hardware, check_layout, default_gpus, placement, resolve_gpu
 from megaforge.planner.phases import NOFIT, estimate, knobs
@@ -37,15 +38,10 @@ def split_argv(argv: list[str]) -> tuple[dict, list[str]]:
             i += 1
             continue
         kind = FLAGS[name]
+        val, i = flag_value(argv, i, name, eq, val, kind is bool, FlagError)
         if kind is bool:
-            if not eq and i + 1 < len(argv) and argv[i + 1].lower() in ("true", "false"):
-                val, i = argv[i + 1], i + 1
-            opts[name] = (val or "true").lower() == "true"
+            opts[name] = val
         else:
-            if not eq:
-                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                    raise FlagError(f"--{name} needs a value")
-                val, i = argv[i + 1], i + 1
             try:
                 opts[name] = kind(val)
             except ValueError:

@@ -112,7 +112,7 @@ def write_sharded(sharded_state_dict: dict, path: str, meta: dict, hf_config=Non
 def save(tr, path: str) -> None:
     """Collective save into directory ``path`` (created; must be empty or absent)."""
     with_opt = bool(tr.cfg.checkpoint.save_optimizer)
-    critic = getattr(tr, "critic", None)
+    critic = tr.critic
     meta = {"version": tr.version, "sched": tr.sched, "optimizer": with_opt, "ref": tr.ref is not None,
             "critic": critic is not None, "critic_steps": critic.steps if critic is not None else 0,
             "layout": layout_of(), "family": tr.family.name, "layer_spec": tr.spec,

@@ -55,10 +55,8 @@ class MegatronCritic:
     def __init__(self, tr):
         import dataclasses
 
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
         from megaforge.trainer.megatron import model as mmodel
+        from megaforge.trainer.megatron.trainer import adam_optimizer, wrap_ddp
 
         cfg, t = tr.cfg, tr.cfg.trainer
         if cfg.critic.path:
@@ -79,17 +77,10 @@ class MegatronCritic:
                 if name not in src or src[name].shape != p.shape:
                     raise RuntimeError(f"critic: policy has no parameter {name} of shape {tuple(p.shape)}")
                 p.copy_(src[name])
-        self.ddp = DistributedDataParallel(
-            config=self.tconfig, module=model,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                     use_distributed_optimizer=t.distributed_optimizer))
+        self.ddp = wrap_ddp(self.tconfig, model, t.distributed_optimizer)
         self.tconfig.no_sync_func = self.ddp.no_sync
         self.tconfig.finalize_model_grads_func = tr._finalize_grads
-        oc = OptimizerConfig(
-            optimizer="adam", lr=cfg.critic.lr, weight_decay=t.weight_decay, adam_beta1=t.betas[0],
-            adam_beta2=t.betas[1], adam_eps=t.eps, clip_grad=t.grad_clip, bf16=tr.dtype == torch.bfloat16,
-            fp16=tr.dtype == torch.float16, params_dtype=tr.dtype, use_distributed_optimizer=t.distributed_optimizer)
-        self.optimizer = get_megatron_optimizer(oc, [self.ddp], config_overrides={})
+        self.optimizer = adam_optimizer(t, self.ddp, tr.dtype, cfg.critic.lr)
         self.tconfig.grad_scale_func = self.optimizer.scale_loss
         self.steps = 0
 
@@ -123,11 +114,9 @@ class MegatronCritic:
                 if k.startswith("critic/") or k == "grad_norm"}
 
     def _optimizer_step(self) -> dict[str, float]:
-        from megaforge.trainer.megatron.trainer import clipped_step
+        from megaforge.trainer.megatron.trainer import clipped_step, set_lr_and_decay
 
-        for g in self.optimizer.param_groups:  # constant critic.lr; decay on every parameter, as the policy
-            g["lr"] = self.cfg.critic.lr
-            g["weight_decay"] = self.cfg.trainer.weight_decay
+        set_lr_and_decay(self.optimizer, self.cfg.critic.lr, self.cfg.trainer.weight_decay)  # constant critic.lr
         norm, stepped = clipped_step(self.optimizer, self.cfg.trainer.grad_clip)
         self.steps += int(stepped)
         return {"grad_norm": norm}

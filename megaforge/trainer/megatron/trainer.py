@@ -56,7 +56,6 @@ class _MicroBatch:
 class MegatronTrainer(Trainer):
     def __init__(self, cfg, tokenizer=None):
         from megatron.core import tensor_parallel
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         self.cfg, self.tokenizer = cfg, tokenizer
         t = cfg.trainer
@@ -77,13 +76,7 @@ class MegatronTrainer(Trainer):
         self.tconfig = mmodel.transformer_config(self.desc, t, self.dtype, self.device.type == "cpu", self.spec)
         self.bm = mmodel.build_model(self.desc, self.family, self.tconfig, self.spec, self.device)
         mmodel.load_weights(self.bm, source)
-        self.ddp = DistributedDataParallel(
-            config=self.tconfig, module=self.bm.model,
-            ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                use_distributed_optimizer=t.distributed_optimizer,
-            ),
-        )
+        self.ddp = wrap_ddp(self.tconfig, self.bm.model, t.distributed_optimizer)
         self.tconfig.no_sync_func = self.ddp.no_sync
         self.tconfig.finalize_model_grads_func = self._finalize_grads
         self.params = LossParams.from_config(cfg)
@@ -124,16 +117,7 @@ class MegatronTrainer(Trainer):
     def reset_optimizer(self, lr, total_steps, warmup_steps=0, schedule="constant", min_lr=0.0):
         """Fresh Adam(W) state (megatron optimizer, distributed when configured) and LR schedule
         :func:`megaforge.trainer.optim.lr_at`. Weight decay applies to every parameter."""
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        t = self.cfg.trainer
-        oc = OptimizerConfig(
-            optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=t.weight_decay, adam_beta1=t.betas[0],
-            adam_beta2=t.betas[1], adam_eps=t.eps, clip_grad=t.grad_clip, bf16=self.dtype == torch.bfloat16,
-            fp16=self.dtype == torch.float16, params_dtype=self.dtype,
-            use_distributed_optimizer=t.distributed_optimizer,
-        )
-        self.optimizer = get_megatron_optimizer(oc, [self.ddp], config_overrides={})
+        self.optimizer = adam_optimizer(self.cfg.trainer, self.ddp, self.dtype, lr, min_lr)
         self.tconfig.grad_scale_func = self.optimizer.scale_loss
         self.sched = dict(peak=lr, total=total_steps, warmup=warmup_steps, schedule=schedule, min_lr=min_lr, step=0)
         self._set_lr()
@@ -141,9 +125,7 @@ class MegatronTrainer(Trainer):
     def _set_lr(self) -> float:
         s = self.sched
         lr = lr_at(s["step"], s["peak"], s["total"], s["warmup"], s["schedule"], s["min_lr"])
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr * g.get("lr_mult", 1.0)
-            g["weight_decay"] = self.cfg.trainer.weight_decay * g.get("wd_mult", 1.0)
+        set_lr_and_decay(self.optimizer, lr, self.cfg.trainer.weight_decay)
         return lr
 
     def _optimizer_step(self) -> dict[str, float]:
@@ -425,6 +407,36 @@ class MegatronTrainer(Trainer):
     def close(self) -> None:
         """Release megatron's parallel state (the process group stays); the trainer is unusable after."""
         self._ps().destroy_model_parallel()
+
+
+def wrap_ddp(tconfig, module, distributed_optimizer: bool):
+    """megatron's DistributedDataParallel as the trainer uses it: gradients reduced in fp32, no
+    overlap with backward (the step's schedule is exact, see the module doc)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    return DistributedDataParallel(config=tconfig, module=module, ddp_config=DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer))
+
+
+def adam_optimizer(t, ddp, dtype: torch.dtype, lr: float, min_lr: float = 0.0):
+    """A fresh megatron Adam(W) over ``ddp`` with ``trainer`` config ``t``'s betas, eps, weight decay
+    and clip (distributed when configured). No config overrides: weight decay applies to every
+    parameter (megatron's standard overrides would skip biases and norms)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    oc = OptimizerConfig(
+        optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=t.weight_decay, adam_beta1=t.betas[0],
+        adam_beta2=t.betas[1], adam_eps=t.eps, clip_grad=t.grad_clip, bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16, params_dtype=dtype, use_distributed_optimizer=t.distributed_optimizer,
+    )
+    return get_megatron_optimizer(oc, [ddp], config_overrides={})
+
+
+def set_lr_and_decay(opt, lr: float, weight_decay: float) -> None:
+    """Set every parameter group's learning rate and weight decay (times the group's multipliers)."""
+    for g in opt.param_groups:
+        g["lr"] = lr * g.get("lr_mult", 1.0)
+        g["weight_decay"] = weight_decay * g.get("wd_mult", 1.0)
 
 
 def clipped_step(opt, clip: float) -> tuple[float, bool]:
