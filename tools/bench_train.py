@@ -53,6 +53,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    p.add_argument("--fused_logprobs", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="also profile one step of each (torch.profiler): kernel tables in DIR, and a "
+                        "JSON line on stderr with each step's GPU-busy share and its largest kernels")
     a = p.parse_args(argv)
     if a.tiny:
         a.shape, a.dtype, a.warmup, a.steps, a.micro_batches = "tiny", "float32", 1, 2, 2
@@ -144,6 +148,40 @@ def timed(fn, warmup: int, steps: int, device) -> float:
     return float(dt)
 
 
+def profile_steps(out_dir: str, steps: dict, device, top: int = 12) -> None:
+    """One profiled step of each: kernel tables (by device time) in ``out_dir`` and, on stderr, one
+    JSON line per step: wall seconds, summed kernel seconds, their ratio (GPU busy share, < 1 when
+    the host makes the GPU wait), the ``top`` kernels' seconds and the ``top`` host operations by
+    their own CPU seconds (a device sync shows as a long aten::item / cudaStreamSynchronize)."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(out_dir, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for name, fn in steps.items():
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            wall = time.perf_counter() - t0
+        if dist.get_rank() != 0:
+            continue
+        attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        ev = [e for e in prof.key_averages() if device.type != "cuda" or e.device_type.name == "CUDA"]
+        ev.sort(key=lambda e: -getattr(e, attr))
+        busy = sum(getattr(e, attr) for e in ev) / 1e6
+        host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)  # syncs show here
+        with open(os.path.join(out_dir, f"{name}_kernels.txt"), "w") as f:
+            f.write(prof.key_averages().table(sort_by=attr, row_limit=60, max_name_column_width=90))
+        print(json.dumps({"profile": name, "wall_s": round(wall, 4), "kernel_s": round(busy, 4),
+                          "busy_share": round(busy / wall, 3),
+                          "top": {e.key[:70]: round(getattr(e, attr) / 1e6, 4) for e in ev[:top]},
+                          "top_host": {e.key[:70]: round(e.self_cpu_time_total / 1e6, 4) for e in host[:top]}}),
+              file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch.distributed as dist
@@ -158,7 +196,8 @@ def main(argv=None) -> int:
         "trainer": {"backend": "megatron", "tensor_parallel": args.tp, "pipeline_parallel": args.pp,
                     "sequence_parallel": args.sp, "layer_spec": args.layer_spec, "fp8": args.fp8,
                     "fp8_recipe": args.fp8_recipe, "recompute": args.recompute, "lr": 1e-6,
-                    "micro_batch_size": 2 * shape["mbs"], "grad_clip": 1.0},
+                    "micro_batch_size": 2 * shape["mbs"], "grad_clip": 1.0,
+                    "fused_logprobs": args.fused_logprobs},
         "max_steps": 0, "seed": 0,
     })
     tr = MegatronTrainer(cfg)
@@ -181,6 +220,9 @@ def main(argv=None) -> int:
     t_ours = timed(lambda: tr.train_step(batch), args.warmup, args.steps, dev)
     ours_flops = flops(shape, batch.lengths.tolist())
     mem = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
+    if args.profile:
+        profile_steps(args.profile, {"raw": lambda: raw_step(tr, shape, n_micro, data), "ours": lambda: tr.train_step(batch)},
+                      dev)
     if dist.get_rank() == 0:
         print(json.dumps({
             "shape": args.shape, "layer_spec": tr.spec, "fp8": args.fp8, "dtype": args.dtype, "tp": args.tp,
