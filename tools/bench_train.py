@@ -148,6 +148,26 @@ def timed(fn, warmup: int, steps: int, device) -> float:
     return float(dt)
 
 
+def host_waits(prof, min_us: float = 50.0) -> list:
+    """Where the host waited for the device: copies to the host, ``.item()`` and stream syncs taking
+    over ``min_us`` each, grouped by (op, the python stack outside torch), most total time first."""
+    acc: dict = {}
+    for e in prof.events():
+        if e.name not in ("aten::_local_scalar_dense", "aten::copy_", "cudaStreamSynchronize", "cudaMemcpyAsync"):
+            continue
+        if e.cpu_time_total < min_us:
+            continue
+        node, stack = e, []
+        while node is not None and not stack:
+            stack = [fr for fr in (node.stack or []) if not fr.startswith(("torch/", "contextlib.py", "<built-in"))
+                     and "site-packages/torch/" not in fr and "cpu_compat.py" not in fr]
+            node = node.cpu_parent
+        key = (e.name, tuple(stack[:6]))
+        n, us = acc.get(key, (0, 0.0))
+        acc[key] = (n + 1, us + e.cpu_time_total)
+    return sorted(acc.items(), key=lambda kv: -kv[1][1])
+
+
 def profile_steps(out_dir: str, steps: dict, device, top: int = 12) -> None:
     """One profiled step of each: kernel tables (by device time) in ``out_dir`` and, on stderr, one
     JSON line per step: wall seconds, summed kernel seconds, their ratio (GPU busy share, < 1 when
@@ -161,7 +181,8 @@ def profile_steps(out_dir: str, steps: dict, device, top: int = 12) -> None:
     for name, fn in steps.items():
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         sync()
-        with profile(activities=acts) as prof:
+        verbose = torch._C._profiler._ExperimentalConfig(verbose=True)  # python stacks on the ops
+        with profile(activities=acts, with_stack=True, experimental_config=verbose) as prof:
             t0 = time.perf_counter()
             fn()
             sync()
@@ -175,10 +196,15 @@ def profile_steps(out_dir: str, steps: dict, device, top: int = 12) -> None:
         host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)  # syncs show here
         with open(os.path.join(out_dir, f"{name}_kernels.txt"), "w") as f:
             f.write(prof.key_averages().table(sort_by=attr, row_limit=60, max_name_column_width=90))
+        waits = host_waits(prof)
+        with open(os.path.join(out_dir, f"{name}_host_waits.txt"), "w") as f:
+            for (key, stack), (n, us) in waits[:20]:
+                f.write(f"{key}  calls {n}  cpu {us / 1e3:.1f} ms\n" + "".join(f"    {fr}\n" for fr in stack) + "\n")
         print(json.dumps({"profile": name, "wall_s": round(wall, 4), "kernel_s": round(busy, 4),
                           "busy_share": round(busy / wall, 3),
                           "top": {e.key[:70]: round(getattr(e, attr) / 1e6, 4) for e in ev[:top]},
-                          "top_host": {e.key[:70]: round(e.self_cpu_time_total / 1e6, 4) for e in host[:top]}}),
+                          "top_host": {e.key[:70]: round(e.self_cpu_time_total / 1e6, 4) for e in host[:top]},
+                          "host_waits": [[key, n, round(us / 1e6, 4), list(stack[:3])] for (key, stack), (n, us) in waits[:6]]}),
               file=sys.stderr, flush=True)
 
 

@@ -41,12 +41,24 @@ class Packed:
         return torch.where(self.valid, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Host tensor -> ``device``. To CUDA through pinned memory, non-blocking: a copy from pageable
+    memory synchronizes the stream first, which would make the GPU wait for the host's packing."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank: int = 0, tp_sp: int = 1,
-         device=None, cp_group=None, multiple: int = 1) -> Packed:
+         device=None, cp_group=None, multiple: int = 1, host_cu_seqlens: bool = False) -> Packed:
     """Pack ``tokens`` [B, T] (right-padded, ``lengths`` [B]) for one CP rank.
 
     ``tp_sp`` is the TP size when sequence parallelism is on, else 1; each rank's share of the
     packed length is also made a multiple of ``multiple`` (FP8 GEMMs need 16).
+    ``host_cu_seqlens``: the PackedSeqParams' cu_seqlens stay on the host. For the ``torch`` layer
+    spec: megatron's unfused thd RoPE reads the lengths with ``.tolist()`` in every layer, a device
+    sync each time they live on the GPU; Transformer Engine's kernels need them on the device.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -85,15 +97,15 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank:
     # TE semantics: cu_seqlens = cumulative real lengths, cu_seqlens_padded = row offsets
     cu_real = torch.cumsum(torch.tensor([0] + lens, dtype=torch.int32), 0, dtype=torch.int32)
     cu_pad = torch.cumsum(torch.tensor([0] + padded, dtype=torch.int32), 0, dtype=torch.int32)
+    cu_dev = (lambda t: t) if host_cu_seqlens else (lambda t: to_device(t, device))
     params = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu_real.to(device), cu_seqlens_kv=cu_real.to(device),
-        cu_seqlens_q_padded=cu_pad.to(device), cu_seqlens_kv_padded=cu_pad.to(device),
+        qkv_format="thd", cu_seqlens_q=cu_dev(cu_real), cu_seqlens_kv=cu_dev(cu_real),
+        cu_seqlens_q_padded=cu_dev(cu_pad), cu_seqlens_kv_padded=cu_dev(cu_pad),
         max_seqlen_q=max(padded), max_seqlen_kv=max(padded), cp_group=cp_group,
     )
     params.cu_seqlens_padded_list = cu_pad.tolist()  # host copy: attention needs no device sync
+    d = lambda t: to_device(t, device)  # noqa: E731
     return Packed(
-        tokens=flat[local_pos][None].to(device), labels=labels[local_pos][None].to(device),
-        position_ids=pos[local_pos][None].to(device), packed_seq_params=params,
-        local_pos=local_pos.to(device), all_pos=all_pos.to(device), src=src.to(device),
-        valid=valid.to(device), total=total,
+        tokens=d(flat[local_pos][None]), labels=d(labels[local_pos][None]), position_ids=d(pos[local_pos][None]),
+        packed_seq_params=params, local_pos=d(local_pos), all_pos=d(all_pos), src=d(src), valid=d(valid), total=total,
     )

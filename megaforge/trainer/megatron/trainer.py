@@ -42,7 +42,7 @@ from megaforge.trainer.base import HFBucket, StepMetrics, Trainer
 from megaforge.trainer.megatron import cpu_compat, parallel
 from megaforge.trainer.megatron import model as mmodel
 from megaforge.trainer.megatron.logprobs import vocab_parallel_argmax, vocab_parallel_logprobs
-from megaforge.trainer.megatron.packing import Packed, pack
+from megaforge.trainer.megatron.packing import Packed, pack, to_device
 from megaforge.trainer.optim import lr_at
 from megaforge.types import TrainBatch
 
@@ -160,8 +160,11 @@ class MegatronTrainer(Trainer):
         out = []
         for mb in local.micro_batches(self.cfg.trainer.micro_batch_size):
             pk = pack(mb.tokens, mb.lengths, self._cp_size(), ps.get_context_parallel_rank(), sp,
-                      self.device, cp_group, multiple=16 if self.cfg.trainer.fp8 else 1)
-            out.append(_MicroBatch(mb.to(self.device), pk))
+                      self.device, cp_group, multiple=16 if self.cfg.trainer.fp8 else 1,
+                      host_cu_seqlens=self.spec == "torch")
+            fields = {n: None if getattr(mb, n) is None else to_device(getattr(mb, n), self.device)
+                      for n in mb._TENSOR_FIELDS}
+            out.append(_MicroBatch(mb.replace(**fields), pk))
         return out
 
     def _token_values(self, logits: torch.Tensor, mb: _MicroBatch, temperature: float, entropy: bool):
