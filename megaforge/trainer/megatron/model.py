@@ -30,6 +30,16 @@ def te_available() -> bool:
     return True
 
 
+def _wgrad_fusion_available() -> bool:
+    """Whether apex's ``fused_weight_gradient_mlp_cuda`` imports: megatron's ColumnParallelLinear
+    (the output layer, also under the TE spec) refuses ``gradient_accumulation_fusion`` without it."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def resolve_spec(setting: str) -> str:
     """``trainer.layer_spec``: auto -> te when Transformer Engine imports, else torch."""
     if setting == "auto":
@@ -158,10 +168,11 @@ def transformer_config(desc: ModelDesc, tcfg, dtype: torch.dtype, on_cpu: bool, 
         activation_func=F.silu, add_bias_linear=False, add_qkv_bias=desc.qkv_bias, qk_layernorm=desc.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
         # fused kernels on GPU (jit SwiGLU / bias-dropout-add; TE: fused RoPE incl. thd + CP,
-        # wgrad accumulation straight into the fp32 main grads); none of them exists on CPU
+        # wgrad accumulation straight into the fp32 main grads, which megatron's own output layer
+        # can only do with NVIDIA apex's extension); none of them exists on CPU
         bias_activation_fusion=not on_cpu, bias_dropout_fusion=not on_cpu, masked_softmax_fusion=False,
         apply_rope_fusion=te and not on_cpu, persist_layer_norm=False,
-        gradient_accumulation_fusion=te and not on_cpu,
+        gradient_accumulation_fusion=te and not on_cpu and _wgrad_fusion_available(),
         tensor_model_parallel_size=tcfg.tensor_parallel, pipeline_model_parallel_size=tcfg.pipeline_parallel,
         context_parallel_size=tcfg.context_parallel, sequence_parallel=tcfg.sequence_parallel,
         expert_model_parallel_size=tcfg.expert_parallel,
