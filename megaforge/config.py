@@ -316,10 +316,11 @@ class TrainerConfig:
     """Shard optimizer state over data-parallel ranks (megatron)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation (megatron)."""
-    fused_logprobs: Literal["auto", "on", "off"] = "auto"
+    fused_logprobs: Optional[bool] = None
     """Per-token logprob/entropy over the vocabulary (megatron) through torch.compile'd kernels that
     read the bf16 logits once per pass instead of ~16 GB of float32 temporaries per 4k x 32k
-    micro-batch: auto = on for CUDA logits, off on CPU (eager, the same formulas)."""
+    micro-batch: null = on for CUDA logits, off on CPU; true/false force it (false: eager, the same
+    formulas op by op)."""
 
 
 @dataclass

@@ -223,7 +223,7 @@ def main(argv=None) -> int:
                     "sequence_parallel": args.sp, "layer_spec": args.layer_spec, "fp8": args.fp8,
                     "fp8_recipe": args.fp8_recipe, "recompute": args.recompute, "lr": 1e-6,
                     "micro_batch_size": 2 * shape["mbs"], "grad_clip": 1.0,
-                    "fused_logprobs": args.fused_logprobs},
+                    "fused_logprobs": {"auto": None, "on": True, "off": False}[args.fused_logprobs]},
         "max_steps": 0, "seed": 0,
     })
     tr = MegatronTrainer(cfg)

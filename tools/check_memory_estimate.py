@@ -3,6 +3,8 @@
     torchrun --nproc_per_node 1 tools/check_memory_estimate.py --model_config configs/models/qwen3-1.7b
     torchrun --nproc_per_node 2 tools/check_memory_estimate.py --tp 2 --sp      # a second layout
     python tools/check_memory_estimate.py --cpu_smoke                           # CPU: the code path only
+    python tools/check_memory_estimate.py --predict_only --measured docs/benchmarks/check_memory_estimate_h200.jsonl
+                                     # no GPU: today's planner against the peaks measured in that file
 
 What runs is a colocated RL step of megaforge's own parts with a random-init model built from the
 HF ``config.json`` (no download): the Megatron trainer (``trainer.backend megatron`` at the given
@@ -56,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--offload", default="pinned", choices=["pinned", "none"])
     p.add_argument("--no_rollout", action="store_true", help="skip the embedded-engine rollout phase")
     p.add_argument("--cpu_smoke", action="store_true", help="tiny shape on CPU; measured values are null")
+    p.add_argument("--predict_only", action="store_true",
+                   help="no GPU: the planner's prediction for every layout of --measured (one JSON line each)")
+    p.add_argument("--measured", default=None, help="JSON lines of earlier GPU runs of this tool (--predict_only)")
     a = p.parse_args(argv)
     if a.cpu_smoke:
         a.model_config = os.path.join(ROOT, "configs", "models", "tiny-qwen2")
@@ -156,8 +161,41 @@ def progress(msg: str, t0: list = [time.time()]) -> None:  # noqa: B006 (the too
         print(f"[check_memory_estimate {time.time() - t0[0]:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
+def predict_only(a) -> int:
+    """Re-predict each layout of ``a.measured`` with the current planner; measured peaks as recorded."""
+    from megaforge.planner import make_plan
+
+    if not a.measured:
+        raise SystemExit("--predict_only needs --measured FILE (JSON lines written by this tool on a GPU)")
+    with open(a.measured) as f:
+        runs = [json.loads(line) for line in f if line.strip()]
+    for i, run in enumerate(runs):
+        lay = run["layout"]
+        args = parse_args(["--model_config", os.path.join(ROOT, run["model_config"]), "--dtype", run["dtype"],
+                           "--tp", str(lay["tp"]), "--pp", str(lay["pp"]), "--cp", str(lay["cp"]),
+                           "--layer_spec", lay["layer_spec"], "--recompute", lay["recompute"],
+                           "--micro_batch_size", str(lay["micro_batch_size"]), "--offload", lay["offload"],
+                           "--beta", str(lay["beta"])] + (["--sp"] if lay["sp"] else []))
+        cfg = build_config(args, "cuda")
+        plan = make_plan(cfg, "grpo", {"nodes": 1, "gpus_per_node": run["world_size"], "gpu": run["device"],
+                                       "gpu_memory_gib": run["gpu_memory_gib"]})
+        if plan["exit_code"] == 1:
+            raise SystemExit(f"{a.measured} line {i + 1}: the planner rejects this layout: {plan['errors']}")
+        ph = plan["phases"]
+        out = {"tool": "check_memory_estimate", "predict_only": True, "measured_from": f"{a.measured}:{i + 1}",
+               "device": run["device"], "world_size": run["world_size"], "layout": lay, "phases": {}}
+        if "rollout" in run["phases"]:
+            out["phases"]["rollout"] = compare(ph["rollout"]["allocated_gib"], run["phases"]["rollout"]["measured_gib"])
+        out["phases"]["train"] = compare(ph["train"]["trainer_allocated_gib"], run["phases"]["train"]["measured_gib"])
+        out["phases"]["train"]["predicted_items_gib"] = {k: v for k, v in ph["train"]["items"].items() if "engine" not in k}
+        print(json.dumps(out), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.predict_only:
+        return predict_only(a)
     device = "cpu" if a.cpu_smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         print("check_memory_estimate: no CUDA device (use --cpu_smoke for the CPU code path)", file=sys.stderr)

@@ -39,7 +39,9 @@ Loss (last stage), per token and local vocabulary column V/t (megaforge.trainer.
 14 bytes (forward: bf16 logits + fp32 copy saved for backward + two fp32 exp temporaries; backward:
 the fp32 copy, p, the fp32 gradient and its bf16 cast), for SFT, logprob passes and RL steps whose
 entropy is detached (``algo.entropy_coef`` 0); 26 with an entropy bonus (three more fp32
-temporaries of the entropy gradient).
+temporaries of the entropy gradient). With ``trainer.fused_logprobs`` (megatron backend, on for
+CUDA unless ``false``) the sums and the gradient are compiled kernels: 2*p (the logits kept for
+backward, their gradient), +p for the logits / temperature copy when the temperature is not 1.
 
 Engines: SGLang holds ``mem_fraction * M`` (weights ``p*P/etp`` + KV pool) plus CUDA graphs
 (``0.5 GiB + max_bs*(4*V/etp + p*(4h + (qd + 2kvd)/etp + 3*F'/etp))``, ``F' = F`` or ``k*Fe``) and
@@ -230,7 +232,7 @@ def work_items(cfg, shape, lay, stage: int, mode: str) -> list[Item]:
     """Activations and loss buffers of a train (``grpo``) or SFT step, plus the optimizer step's
     temporary where it exceeds them (see module docstring)."""
     seq, rows, nm = micro_batches(cfg, lay, mode)
-    items = activations(cfg, shape, lay, stage, seq, rows, nm, loss_bytes(cfg, mode))
+    items = activations(cfg, shape, lay, stage, seq, rows, nm, loss_bytes(cfg, mode, lay.backend))
     if lay.backend == "megatron":
         if lay.spec == "te" or importlib.util.find_spec("transformer_engine") is not None:
             return items  # TE's fused Adam: no temporaries
@@ -247,8 +249,11 @@ def work_items(cfg, shape, lay, stage: int, mode: str) -> list[Item]:
     return items
 
 
-def loss_bytes(cfg, mode: str) -> int:
+def loss_bytes(cfg, mode: str, backend: str = "torch") -> int:
     """Bytes per token and local vocabulary column of the loss (see module docstring)."""
+    if backend == "megatron" and cfg.trainer.fused_logprobs is not False:  # the planner plans GPUs: null = on
+        p = dtype_bytes(cfg.model.dtype)
+        return 2 * p + (p if mode == "grpo" and cfg.grpo.temperature != 1.0 else 0)
     return LOSS_BYTES_ENTROPY if mode == "grpo" and cfg.algo.entropy_coef != 0 else LOSS_BYTES_FWD
 
 

@@ -234,13 +234,44 @@ def test_planner_rules_match_the_megatron_backend():
 
 
 def test_entropy_bonus_costs_the_entropy_backward():
-    """14 B per token and vocab column with a detached entropy, 26 with an entropy bonus."""
-    base = plan(GSM8K, **H100x8)
-    bonus = plan(GSM8K, "--algo.entropy_coef", "0.01", **H100x8)
+    """Op-by-op logprobs (trainer.fused_logprobs false): 14 B per token and vocab column with a
+    detached entropy, 26 with an entropy bonus. Fused (null, on a GPU): the bf16 logits and their
+    gradient, 4 B, with or without the bonus; + 2 B for the logits / temperature copy."""
+    off = ("--trainer.fused_logprobs", "false")
+    base = plan(GSM8K, *off, **H100x8)
+    bonus = plan(GSM8K, "--algo.entropy_coef", "0.01", *off, **H100x8)
     mb = base["micro_batch"]
     cols = base["model"]["padded_vocab"]
+    per_col = mb["tokens_per_rank"] * cols / 2**30
     diff = item(bonus, "train", "logits / logprob buffers") - item(base, "train", "logits / logprob buffers")
-    assert diff == pytest.approx(mb["tokens_per_rank"] * cols * (26 - 14) / 2**30, abs=2e-3)
+    assert diff == pytest.approx(per_col * (26 - 14), abs=2e-3)
+    fused = plan(GSM8K, "--grpo.temperature", "1.0", **H100x8)
+    fused_bonus = plan(GSM8K, "--grpo.temperature", "1.0", "--algo.entropy_coef", "0.01", **H100x8)
+    fused_tau = plan(GSM8K, "--grpo.temperature", "0.7", **H100x8)
+    got = [item(p, "train", "logits / logprob buffers") for p in (fused, fused_bonus, fused_tau)]
+    assert got[0] == got[1]
+    assert got[0] - (item(base, "train", "logits / logprob buffers") - per_col * 14) == pytest.approx(per_col * 4, abs=2e-3)
+    assert got[2] - got[0] == pytest.approx(per_col * 2, abs=2e-3)
+
+
+def test_estimate_against_the_h200_measurements():
+    """The planner's phase estimates beside the peaks tools/check_memory_estimate.py measured on an
+    H200 (Qwen3-1.7B, TP1 and TP2 + SP; docs/benchmarks/check_memory_estimate_h200.jsonl): within
+    5% for the rollout and the train phase. A planner change that moves an estimate away from what
+    the GPU measured fails here."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, os.path.join(root, "tools", "check_memory_estimate.py"), "--predict_only",
+                          "--measured", os.path.join(root, "docs", "benchmarks", "check_memory_estimate_h200.jsonl")],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    runs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [(r["layout"]["tp"], r["layout"]["sp"]) for r in runs] == [(1, False), (2, True)]
+    for r in runs:
+        for phase in ("rollout", "train"):
+            assert abs(r["phases"][phase]["rel_error"]) < 0.05, (r["layout"], phase, r["phases"][phase])
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("transformer_engine") is not None,

@@ -169,10 +169,8 @@ class MegatronTrainer(Trainer):
 
     def _token_values(self, logits: torch.Tensor, mb: _MicroBatch, temperature: float, entropy: bool):
         """Token-aligned logprobs (and entropy) [b, T] from this rank's logits [1, t_local, V/tp]."""
-        mode = self.cfg.trainer.fused_logprobs
         lp, ent = vocab_parallel_logprobs(logits[0], mb.packed.labels[0], self.desc.vocab, temperature,
-                                          self._tp_group(), with_entropy=entropy,
-                                          fused=None if mode == "auto" else mode == "on")
+                                          self._tp_group(), with_entropy=entropy, fused=self.cfg.trainer.fused_logprobs)
         lp = mb.packed.to_rows(self._cp_gather(lp))
         return lp, (mb.packed.to_rows(self._cp_gather(ent)) if entropy else None)
 
