@@ -1,4 +1,5 @@
 """Single-process checks of the vocab-parallel logprob/entropy function and of thd packing."""
+import pytest
 import torch
 
 from megaforge.trainer.megatron.logprobs import vocab_parallel_argmax, vocab_parallel_logprobs
@@ -27,15 +28,16 @@ def test_logprobs_entropy_and_grads_ignore_padded_vocab():
     assert (vocab_parallel_logprobs(big, labels, V, tau)[0] - rlp).abs().max() < 1e-6
 
 
-def test_fused_kernels_equal_eager_formulas():
-    """trainer.fused_logprobs: the torch.compile'd sums and gradient (inductor's CPU backend here;
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_fused_kernels_equal_eager_formulas(device):
+    """trainer.fused_logprobs: the torch.compile'd sums and gradient (inductor's C++ backend on CPU,
     Triton on CUDA) give the eager path's values on bf16 logits with a padded vocabulary, with and
     without an entropy gradient."""
     torch.manual_seed(1)
     N, V, Vp = 37, 50, 64
-    base = (3 * torch.randn(N, Vp)).bfloat16()
-    labels = torch.randint(0, V, (N,))
-    w1, w2 = torch.randn(N), torch.randn(N)
+    base = (3 * torch.randn(N, Vp)).bfloat16().to(device)
+    labels = torch.randint(0, V, (N,)).to(device)
+    w1, w2 = torch.randn(N).to(device), torch.randn(N).to(device)
     res = {}
     for fused in (False, True):
         for detach_ent in (False, True):
