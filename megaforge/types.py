@@ -135,12 +135,7 @@ class TrainBatch:
 
     def select(self, index) -> "TrainBatch":
         """Rows ``index`` (slice, list or LongTensor), trimmed to their longest row."""
-        kw = {}
-        for name in self._TENSOR_FIELDS:
-            v = getattr(self, name)
-            kw[name] = None if v is None else v[index]
-        out = TrainBatch(**kw, num_tokens=self.num_tokens, num_seqs=self.num_seqs)
-        return out.trimmed()
+        return self.apply(lambda v: v[index]).trimmed()
 
     def trimmed(self) -> "TrainBatch":
         """Drop trailing columns that are padding in every row."""
@@ -149,20 +144,20 @@ class TrainBatch:
         t = int(self.lengths.max())
         if t == self.tokens.shape[1]:
             return self
-        kw = {}
-        for name in self._TENSOR_FIELDS:
-            v = getattr(self, name)
-            kw[name] = v[:, :t] if (v is not None and v.dim() == 2) else v
-        return TrainBatch(**kw, num_tokens=self.num_tokens, num_seqs=self.num_seqs)
+        return self.apply(lambda v: v[:, :t] if v.dim() == 2 else v)
 
     def micro_batches(self, size: int) -> Iterator["TrainBatch"]:
         """Consecutive micro-batches of at most ``size`` rows."""
         for i in range(0, self.batch_size, size):
             yield self.select(slice(i, i + size))
 
-    def to(self, device) -> "TrainBatch":
-        kw = {n: (None if getattr(self, n) is None else getattr(self, n).to(device)) for n in self._TENSOR_FIELDS}
+    def apply(self, fn) -> "TrainBatch":
+        """A batch with ``fn(tensor)`` for every tensor field that is set (counts unchanged)."""
+        kw = {n: (None if getattr(self, n) is None else fn(getattr(self, n))) for n in self._TENSOR_FIELDS}
         return TrainBatch(**kw, num_tokens=self.num_tokens, num_seqs=self.num_seqs)
+
+    def to(self, device) -> "TrainBatch":
+        return self.apply(lambda v: v.to(device))
 
     def replace(self, **kw) -> "TrainBatch":
         return dataclasses.replace(self, **kw)

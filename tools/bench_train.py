@@ -178,10 +178,10 @@ def profile_steps(out_dir: str, steps: dict, device, top: int = 12) -> None:
 
     os.makedirs(out_dir, exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    verbose = torch._C._profiler._ExperimentalConfig(verbose=True)  # python stacks on the ops
     for name, fn in steps.items():
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         sync()
-        verbose = torch._C._profiler._ExperimentalConfig(verbose=True)  # python stacks on the ops
         with profile(activities=acts, with_stack=True, experimental_config=verbose) as prof:
             t0 = time.perf_counter()
             fn()
@@ -190,12 +190,13 @@ def profile_steps(out_dir: str, steps: dict, device, top: int = 12) -> None:
         if dist.get_rank() != 0:
             continue
         attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        ev = [e for e in prof.key_averages() if device.type != "cuda" or e.device_type.name == "CUDA"]
+        avg = prof.key_averages()
+        ev = [e for e in avg if device.type != "cuda" or e.device_type.name == "CUDA"]
         ev.sort(key=lambda e: -getattr(e, attr))
         busy = sum(getattr(e, attr) for e in ev) / 1e6
-        host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)  # syncs show here
+        host = sorted(avg, key=lambda e: -e.self_cpu_time_total)  # syncs show here
         with open(os.path.join(out_dir, f"{name}_kernels.txt"), "w") as f:
-            f.write(prof.key_averages().table(sort_by=attr, row_limit=60, max_name_column_width=90))
+            f.write(avg.table(sort_by=attr, row_limit=60, max_name_column_width=90))
         waits = host_waits(prof)
         with open(os.path.join(out_dir, f"{name}_host_waits.txt"), "w") as f:
             for (key, stack), (n, us) in waits[:20]:

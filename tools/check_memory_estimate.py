@@ -152,6 +152,18 @@ def compare(pred: float, meas):
     return {"predicted_gib": round(pred, 3), "measured_gib": round(meas, 3), "rel_error": round((pred - meas) / meas, 4)}
 
 
+def phase_report(phases: dict, measured: dict) -> dict:
+    """Per phase: the planner's prediction (``make_plan(...)["phases"]``) beside the measured GiB
+    (``measured``: phase -> GiB or None; the rollout only when it ran) and its items."""
+    out = {}
+    if "rollout" in measured:
+        out["rollout"] = compare(phases["rollout"]["allocated_gib"], measured["rollout"])
+        out["rollout"]["predicted_items_gib"] = phases["rollout"]["items"]
+    out["train"] = compare(phases["train"]["trainer_allocated_gib"], measured["train"])
+    out["train"]["predicted_items_gib"] = {k: v for k, v in phases["train"]["items"].items() if "engine" not in k}
+    return out
+
+
 def progress(msg: str, t0: list = [time.time()]) -> None:  # noqa: B006 (the tool's start time)
     """A stage line on stderr (rank 0 / no group yet), with seconds since start: a run cut by a
     time limit still shows how far it got."""
@@ -181,14 +193,10 @@ def predict_only(a) -> int:
                                        "gpu_memory_gib": run["gpu_memory_gib"]})
         if plan["exit_code"] == 1:
             raise SystemExit(f"{a.measured} line {i + 1}: the planner rejects this layout: {plan['errors']}")
-        ph = plan["phases"]
-        out = {"tool": "check_memory_estimate", "predict_only": True, "measured_from": f"{a.measured}:{i + 1}",
-               "device": run["device"], "world_size": run["world_size"], "layout": lay, "phases": {}}
-        if "rollout" in run["phases"]:
-            out["phases"]["rollout"] = compare(ph["rollout"]["allocated_gib"], run["phases"]["rollout"]["measured_gib"])
-        out["phases"]["train"] = compare(ph["train"]["trainer_allocated_gib"], run["phases"]["train"]["measured_gib"])
-        out["phases"]["train"]["predicted_items_gib"] = {k: v for k, v in ph["train"]["items"].items() if "engine" not in k}
-        print(json.dumps(out), flush=True)
+        measured = {k: v["measured_gib"] for k, v in run["phases"].items()}
+        print(json.dumps({"tool": "check_memory_estimate", "predict_only": True, "measured_from": f"{a.measured}:{i + 1}",
+                          "device": run["device"], "world_size": run["world_size"], "layout": lay,
+                          "phases": phase_report(plan["phases"], measured)}), flush=True)
     return 0
 
 
@@ -258,13 +266,8 @@ def main(argv=None) -> int:
            "model_config": a.model_config, "params": plan["model"]["hf_params"], "dtype": a.dtype,
            "layout": {"tp": a.tp, "pp": a.pp, "cp": a.cp, "sp": a.sp, "layer_spec": tr.spec, "recompute": a.recompute,
                       "micro_batch_size": a.micro_batch_size, "offload": a.offload, "beta": a.beta},
-           "sequences": len(batch.lengths), "seq_len": int(batch.lengths[0]), "train_loss": metrics.get("loss"),
-           "phases": {}}
-    if "rollout" in measured:
-        out["phases"]["rollout"] = compare(phases["rollout"]["allocated_gib"], measured["rollout"])
-        out["phases"]["rollout"]["predicted_items_gib"] = phases["rollout"]["items"]
-    out["phases"]["train"] = compare(phases["train"]["trainer_allocated_gib"], measured["train"])
-    out["phases"]["train"]["predicted_items_gib"] = {k: v for k, v in phases["train"]["items"].items() if "engine" not in k}
+           "sequences": len(batch.lengths), "seq_len": int(batch.lengths[0]), "train_loss": metrics.get("loss")}
+    out["phases"] = phase_report(phases, measured)
     if rank == 0:
         print(json.dumps(out), flush=True)
     tr.close()

@@ -36,12 +36,18 @@ def _exp_sums(logits: torch.Tensor, m: torch.Tensor, n_valid: int):
 
 def _logits_grad(logits, logz, ent, g_lp, g_ent, local, own, n_valid: int):
     """dL/dz [N, V/tp] in logits' dtype, p_v = exp(z_v - logZ):
-    g_lp (1[v = y] - p_v) - g_ent p_v (z_v - logZ + H) on the first ``n_valid`` columns, 0 beyond."""
+    g_lp (1[v = y] - p_v) - g_ent p_v (z_v - logZ + H) on the first ``n_valid`` columns, 0 beyond;
+    a term whose incoming gradient is None (e.g. a detached entropy) is left out."""
     z = logits.float()
     col = torch.arange(z.shape[1], device=z.device)[None, :]
     p = torch.exp(z - logz[:, None])
-    onehot = ((col == local[:, None]) & own[:, None]).float()
-    grad = g_lp[:, None] * (onehot - p) - g_ent[:, None] * p * (z - logz[:, None] + ent[:, None])
+    if g_lp is None:
+        grad = torch.zeros_like(p)
+    else:
+        onehot = ((col == local[:, None]) & own[:, None]).float()
+        grad = g_lp[:, None] * (onehot - p)
+    if g_ent is not None:
+        grad = grad - g_ent[:, None] * p * (z - logz[:, None] + ent[:, None])
     return torch.where(col < n_valid, grad, torch.zeros((), device=z.device)).to(logits.dtype)
 
 
@@ -90,9 +96,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent):
         logits, logz, ent, local, own = ctx.saved_tensors
         n_valid, fused = ctx.meta
-        zero = torch.zeros_like(logz)
-        grad = _kernel(_logits_grad, fused)(logits, logz, ent, zero if g_lp is None else g_lp,
-                                            zero if g_ent is None else g_ent, local, own, n_valid)
+        grad = _kernel(_logits_grad, fused)(logits, logz, ent, g_lp, g_ent, local, own, n_valid)
         return grad, None, None, None, None, None, None
 
 

@@ -97,14 +97,15 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank:
     # TE semantics: cu_seqlens = cumulative real lengths, cu_seqlens_padded = row offsets
     cu_real = torch.cumsum(torch.tensor([0] + lens, dtype=torch.int32), 0, dtype=torch.int32)
     cu_pad = torch.cumsum(torch.tensor([0] + padded, dtype=torch.int32), 0, dtype=torch.int32)
-    cu_dev = (lambda t: t) if host_cu_seqlens else (lambda t: to_device(t, device))
+    d = lambda t: to_device(t, device)  # noqa: E731
+    if not host_cu_seqlens:
+        cu_real, cu_pad = d(cu_real), d(cu_pad)
     params = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu_dev(cu_real), cu_seqlens_kv=cu_dev(cu_real),
-        cu_seqlens_q_padded=cu_dev(cu_pad), cu_seqlens_kv_padded=cu_dev(cu_pad),
+        qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
+        cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad,
         max_seqlen_q=max(padded), max_seqlen_kv=max(padded), cp_group=cp_group,
     )
-    params.cu_seqlens_padded_list = cu_pad.tolist()  # host copy: attention needs no device sync
-    d = lambda t: to_device(t, device)  # noqa: E731
+    params.cu_seqlens_padded_list = starts + [total]  # cu_pad on the host: attention needs no device sync
     return Packed(
         tokens=d(flat[local_pos][None]), labels=d(labels[local_pos][None]), position_ids=d(pos[local_pos][None]),
         packed_seq_params=params, local_pos=d(local_pos), all_pos=d(all_pos), src=d(src), valid=d(valid), total=total,

@@ -162,9 +162,7 @@ class MegatronTrainer(Trainer):
             pk = pack(mb.tokens, mb.lengths, self._cp_size(), ps.get_context_parallel_rank(), sp,
                       self.device, cp_group, multiple=16 if self.cfg.trainer.fp8 else 1,
                       host_cu_seqlens=self.spec == "torch")
-            fields = {n: None if getattr(mb, n) is None else to_device(getattr(mb, n), self.device)
-                      for n in mb._TENSOR_FIELDS}
-            out.append(_MicroBatch(mb.replace(**fields), pk))
+            out.append(_MicroBatch(mb.apply(lambda v: to_device(v, self.device)), pk))
         return out
 
     def _token_values(self, logits: torch.Tensor, mb: _MicroBatch, temperature: float, entropy: bool):
