@@ -57,6 +57,10 @@ def parse_args(argv=None):
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="also profile one step of each (torch.profiler): kernel tables in DIR, and a "
                         "JSON line on stderr with each step's GPU-busy share and its largest kernels")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="also trace one step of each with little profiler overhead (no stacks): chrome traces "
+                        "DIR/{raw,ours}_trace.json.gz and, on stderr, a JSON line per step with the GPU's idle "
+                        "time charged to the host work that ran meanwhile (tools/trace_gaps.py)")
     a = p.parse_args(argv)
     if a.tiny:
         a.shape, a.dtype, a.warmup, a.steps, a.micro_batches = "tiny", "float32", 1, 2, 2
@@ -209,6 +213,37 @@ def profile_steps(out_dir: str, steps: dict, device, top: int = 12) -> None:
               file=sys.stderr, flush=True)
 
 
+def trace_steps(out_dir: str, steps: dict, device) -> None:
+    """One step of each under torch.profiler with CPU and CUDA activity but no stacks or shapes (a
+    few microseconds per op), saved as a gzipped chrome trace; its idle-gap report on stderr."""
+    import gzip
+
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from trace_gaps import gaps_report
+
+    os.makedirs(out_dir, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for name, fn in steps.items():
+        sync()
+        with profile(activities=acts) as prof:
+            fn()
+            sync()
+        if dist.get_rank() != 0:
+            continue
+        raw = os.path.join(out_dir, f"{name}_trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as f, gzip.open(raw + ".gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        os.remove(raw)
+        if device.type == "cuda":
+            with open(raw + ".gz", "rb") as f:
+                events = json.loads(gzip.decompress(f.read()))["traceEvents"]
+            print(json.dumps({"trace": name, **gaps_report(events)}), file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch.distributed as dist
@@ -250,6 +285,9 @@ def main(argv=None) -> int:
     if args.profile:
         profile_steps(args.profile, {"raw": lambda: raw_step(tr, shape, n_micro, data), "ours": lambda: tr.train_step(batch)},
                       dev)
+    if args.trace:
+        trace_steps(args.trace, {"raw": lambda: raw_step(tr, shape, n_micro, data), "ours": lambda: tr.train_step(batch)},
+                    dev)
     if dist.get_rank() == 0:
         print(json.dumps({
             "shape": args.shape, "layer_spec": tr.spec, "fp8": args.fp8, "dtype": args.dtype, "tp": args.tp,

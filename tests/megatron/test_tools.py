@@ -34,3 +34,32 @@ def test_bench_train_tiny_runs_both_steps(tmp_path):
     assert codes == [0], tails(logs)
     rep = _json_line(logs[0])
     assert rep["ours_tflops_per_gpu"] > 0 and rep["raw_tflops_per_gpu"] > 0 and rep["tokens_per_step"] == 4 * 64
+
+
+def test_trace_gaps_charges_idle_gpu_time_to_the_host_work_running_meanwhile():
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from trace_gaps import gaps_report
+
+    def ev(cat, name, ts, dur, tid=1, pid=7):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid}
+
+    events = [
+        ev("user_annotation", "phase1", 0, 150),
+        ev("cpu_op", "A", 0, 100), ev("cuda_runtime", "cudaLaunchKernel", 5, 3),
+        ev("cpu_op", "B", 100, 100), ev("cuda_runtime", "cudaLaunchKernel", 175, 3),
+        ev("cpu_op", "bwd_op", 200, 200, tid=2),  # another thread (autograd's), started later than C
+        ev("cpu_op", "C", 190, 300),
+        ev("kernel", "k1", 10, 40, pid=0, tid=7), ev("kernel", "k2", 180, 120, pid=0, tid=7),
+        ev("gpu_memcpy", "copy", 290, 30, pid=0, tid=8),  # overlaps k2: merged into one busy interval
+        ev("kernel", "k3", 450, 10, pid=0, tid=7),
+    ]
+    rep = gaps_report(events, sample_us=1.0)
+    # busy [10, 50] + [180, 320] + [450, 460]; idle [0, 10] + [50, 180] + [320, 450]
+    assert rep["busy_s"] == 190e-6 and rep["idle_s"] == 270e-6 and rep["gaps"] == 3, rep
+    by_op = {k: round(v * 1e6) for k, v in rep["idle_by_op"].items()}
+    # the launches (5-8, 175-178) inside A and B; [320, 400] bwd_op (started after C), [400, 450] C
+    assert by_op == {"A": 57, "B": 77, "cudaLaunchKernel": 6, "bwd_op": 80, "C": 50}, by_op
+    by_phase = {k: round(v * 1e6) for k, v in rep["idle_by_phase"].items()}
+    assert by_phase == {"phase1": 110, "(none)": 160}, by_phase
