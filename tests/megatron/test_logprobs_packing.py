@@ -81,3 +81,17 @@ def test_pack_cp2_sp_layout_covers_every_token_once():
     assert rows[0, 1:10].tolist() == list(range(0, 9)) and rows[0, 0] == 0
     assert rows[1, 1:3].tolist() == [12, 13] and rows[1, 3:].abs().sum() == 0
     assert rows[3].abs().sum() == 0  # a one-token row predicts nothing
+
+
+def test_max_seqlen_is_a_bucketed_upper_bound():
+    from megaforge.trainer.megatron.packing import max_seqlen_bucket, padded_lengths
+
+    assert [max_seqlen_bucket(n) for n in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]
+    assert [max_seqlen_bucket(n, 4) for n in (1, 4, 5, 12, 17)] == [4, 4, 8, 16, 32]  # align * 2**k
+    assert padded_lengths([10, 3, 7, 1], cp_size=2, tp_sp=2) == [12, 4, 8, 4]  # rows rounded up to 2c = 4
+    assert padded_lengths([10, 3, 7, 1], cp_size=2, tp_sp=3) == [12, 4, 8, 12]  # last grows: total % (c * tp) == 0
+    assert padded_lengths([5, 6], multiple=16) == [5, 11]
+    tokens = torch.arange(1, 41).reshape(4, 10)
+    for lengths in ([10, 3, 7, 1], [6, 5, 9, 2]):  # different longest rows, one bucket
+        p = pack(tokens, torch.tensor(lengths), cp_size=2, cp_rank=0).packed_seq_params
+        assert p.max_seqlen_q == p.max_seqlen_kv == 16

@@ -56,7 +56,7 @@ class MegatronCritic:
         import dataclasses
 
         from megaforge.trainer.megatron import model as mmodel
-        from megaforge.trainer.megatron.trainer import adam_optimizer, wrap_ddp
+        from megaforge.trainer.megatron.optim import adam_optimizer, wrap_ddp
 
         cfg, t = tr.cfg, tr.cfg.trainer
         if cfg.critic.path:
@@ -114,7 +114,7 @@ class MegatronCritic:
                 if k.startswith("critic/") or k == "grad_norm"}
 
     def _optimizer_step(self) -> dict[str, float]:
-        from megaforge.trainer.megatron.trainer import clipped_step, set_lr_and_decay
+        from megaforge.trainer.megatron.optim import clipped_step, set_lr_and_decay
 
         set_lr_and_decay(self.optimizer, self.cfg.critic.lr, self.cfg.trainer.weight_decay)  # constant critic.lr
         norm, stepped = clipped_step(self.optimizer, self.cfg.trainer.grad_clip)

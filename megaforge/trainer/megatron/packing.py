@@ -50,6 +50,29 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def padded_lengths(lens: list[int], cp_size: int = 1, tp_sp: int = 1, multiple: int = 1) -> list[int]:
+    """Each row's length in the packed sequence (see the module doc): rounded up to 2c under
+    context parallelism c > 1, the last row grown until the total is a multiple of
+    c * tp_sp * multiple."""
+    align = 2 * cp_size if cp_size > 1 else 1
+    padded = [-(-n // align) * align for n in lens]
+    while sum(padded) % (cp_size * tp_sp * multiple):
+        padded[-1] += align
+    return padded
+
+
+def max_seqlen_bucket(n: int, align: int = 1) -> int:
+    """The ``max_seqlen`` given to attention for a longest row of ``n`` tokens: the smallest
+    ``align * 2**k >= n``. An upper bound is all attention needs; a few distinct values keep
+    Transformer Engine from re-running its backend selection (its cache holds the last
+    parameters only) and building a new cuDNN graph whenever the longest row changes, and keep
+    megatron's RoPE table cache small."""
+    m = align
+    while m < n:
+        m *= 2
+    return m
+
+
 def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank: int = 0, tp_sp: int = 1,
          device=None, cp_group=None, multiple: int = 1, host_cu_seqlens: bool = False) -> Packed:
     """Pack ``tokens`` [B, T] (right-padded, ``lengths`` [B]) for one CP rank.
@@ -68,10 +91,7 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank:
     lens = [int(x) for x in lengths.tolist()]
     if min(lens) < 1 or max(lens) > T:
         raise ValueError(f"lengths must be in [1, {T}] (tokens {tuple(tokens.shape)}), got {lens}")
-    align = 2 * cp_size if cp_size > 1 else 1
-    padded = [-(-n // align) * align for n in lens]
-    while sum(padded) % (cp_size * tp_sp * multiple):
-        padded[-1] += align
+    padded = padded_lengths(lens, cp_size, tp_sp, multiple)
     total = sum(padded)
     starts = [0]
     for p in padded[:-1]:
@@ -100,10 +120,11 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank:
     d = lambda t: to_device(t, device)  # noqa: E731
     if not host_cu_seqlens:
         cu_real, cu_pad = d(cu_real), d(cu_pad)
+    max_len = max_seqlen_bucket(max(padded), 2 * cp_size if cp_size > 1 else 1)
     params = PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
         cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad,
-        max_seqlen_q=max(padded), max_seqlen_kv=max(padded), cp_group=cp_group,
+        max_seqlen_q=max_len, max_seqlen_kv=max_len, cp_group=cp_group,
     )
     params.cu_seqlens_padded_list = starts + [total]  # cu_pad on the host: attention needs no device sync
     return Packed(

@@ -22,16 +22,18 @@ Calling it: every rank of the world calls every method (all are collective) with
 arguments; results (logprobs, metrics) are the same on every rank. ``iter_hf_buckets`` yields
 tensors on global rank 0 only (empty lists elsewhere, same count) and must be consumed to the end
 on every rank. On CPU, :mod:`cpu_compat` patches are installed process-wide by the constructor.
+
+Profiling: ``megaforge.pack`` / ``.forward`` / ``.loss`` / ``.optimizer_step`` are
+``record_function`` ranges; ``tools/bench_train.py --trace DIR`` charges the device's idle time to them.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from functools import partial
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from megaforge.algorithms import LossParams, policy_objective
 from megaforge.dist import all_gather_rows, shard_range
@@ -42,15 +44,36 @@ from megaforge.trainer.base import HFBucket, StepMetrics, Trainer
 from megaforge.trainer.megatron import cpu_compat, parallel
 from megaforge.trainer.megatron import model as mmodel
 from megaforge.trainer.megatron.logprobs import vocab_parallel_argmax, vocab_parallel_logprobs
-from megaforge.trainer.megatron.packing import Packed, pack, to_device
+from megaforge.trainer.megatron.optim import adam_optimizer, clipped_step, set_lr_and_decay, wrap_ddp
+from megaforge.trainer.megatron.packing import Packed, pack, padded_lengths, to_device
 from megaforge.trainer.optim import lr_at
 from megaforge.types import TrainBatch
 
 
-@dataclass
 class _MicroBatch:
-    batch: TrainBatch  # rows of this micro-batch (num_tokens / num_seqs of its mini-batch)
-    packed: Packed
+    """One micro-batch: its rows (host; ``num_tokens`` / ``num_seqs`` of the mini-batch) and, on
+    first use, their packed form and device copy. The schedule's forward step touches them first, so
+    the host packs micro-batch k+1 while the device still runs micro-batch k (packing everything
+    up front would leave the device idle at the start of every step)."""
+
+    def __init__(self, rows: TrainBatch, pack_fn, device, local_len: int):
+        self.rows, self._pack_fn, self._device = rows, pack_fn, device
+        self.local_len = local_len  # tokens of this rank's share of the packed sequence
+        self._packed: Optional[Packed] = None
+        self._batch: Optional[TrainBatch] = None
+
+    @property
+    def packed(self) -> Packed:
+        if self._packed is None:
+            with record_function("megaforge.pack"):
+                self._packed = self._pack_fn(self.rows)
+        return self._packed
+
+    @property
+    def batch(self) -> TrainBatch:
+        if self._batch is None:
+            self._batch = self.rows.apply(lambda v: to_device(v, self._device))
+        return self._batch
 
 
 class MegatronTrainer(Trainer):
@@ -157,13 +180,11 @@ class MegatronTrainer(Trainer):
         lo, hi = int(local.tokens.min()), int(local.tokens.max())
         if lo < 0 or hi >= self.desc.vocab:
             raise ValueError(f"TrainBatch.tokens outside the vocabulary [0, {self.desc.vocab}): min {lo}, max {hi}")
-        out = []
-        for mb in local.micro_batches(self.cfg.trainer.micro_batch_size):
-            pk = pack(mb.tokens, mb.lengths, self._cp_size(), ps.get_context_parallel_rank(), sp,
-                      self.device, cp_group, multiple=16 if self.cfg.trainer.fp8 else 1,
-                      host_cu_seqlens=self.spec == "torch")
-            out.append(_MicroBatch(mb.apply(lambda v: to_device(v, self.device)), pk))
-        return out
+        cp, multiple = self._cp_size(), 16 if self.cfg.trainer.fp8 else 1
+        pack_fn = partial(_pack_rows, cp_size=cp, cp_rank=ps.get_context_parallel_rank(), tp_sp=sp, device=self.device,
+                          cp_group=cp_group, multiple=multiple, host_cu_seqlens=self.spec == "torch")
+        return [_MicroBatch(mb, pack_fn, self.device, sum(padded_lengths(mb.lengths.tolist(), cp, sp, multiple)) // cp)
+                for mb in local.micro_batches(self.cfg.trainer.micro_batch_size)]
 
     def _token_values(self, logits: torch.Tensor, mb: _MicroBatch, temperature: float, entropy: bool):
         """Token-aligned logprobs (and entropy) [b, T] from this rank's logits [1, t_local, V/tp]."""
@@ -190,12 +211,13 @@ class MegatronTrainer(Trainer):
         def forward_step(data_iter, model):
             mb = next(data_iter)
             p = mb.packed
-            out = model(p.tokens, p.position_ids, None, packed_seq_params=p.packed_seq_params)
+            with record_function("megaforge.forward"):
+                out = model(p.tokens, p.position_ids, None, packed_seq_params=p.packed_seq_params)
             return out, partial(_loss_wrapper, loss_fn, mb)
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(mbs), model=[module],
-            num_microbatches=len(mbs), seq_length=max(m.packed.tokens.shape[1] for m in mbs),
+            num_microbatches=len(mbs), seq_length=max(m.local_len for m in mbs),
             micro_batch_size=1, forward_only=forward_only,
         )
 
@@ -338,9 +360,11 @@ class MegatronTrainer(Trainer):
                 if self._last_stage():
                     vec = torch.stack([sum(d[k].float() for d in out) for k in keys]).to(self.device)
                     dist.all_reduce(vec, group=ps.get_data_parallel_group())
-                vec = self._from_last_stage(vec, (len(keys),))
-                step = {k: float(v) for k, v in zip(keys, vec.tolist())}
-                step.update(step_fn())
+                values = _to_host_later(self._from_last_stage(vec, (len(keys),)))
+                with record_function("megaforge.optimizer_step"):
+                    stepped = step_fn()
+                step = dict(zip(keys, values()))
+                step.update(stepped)
                 acc.add(step)
         return acc.result()
 
@@ -410,56 +434,32 @@ class MegatronTrainer(Trainer):
         self._ps().destroy_model_parallel()
 
 
-def wrap_ddp(tconfig, module, distributed_optimizer: bool):
-    """megatron's DistributedDataParallel as the trainer uses it: gradients reduced in fp32, no
-    overlap with backward (the step's schedule is exact, see the module doc)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+def _to_host_later(t: torch.Tensor):
+    """Start copying device tensor ``t`` to pinned host memory; returns a function giving its values
+    (a list of floats) once the copy has landed. Read after the optimizer step, whose gradient
+    norm syncs the device anyway, it costs no extra sync: reading it first would drain the device
+    once more, and waiting for the whole step would keep the next step's host work from
+    overlapping the optimizer's kernels."""
+    if t.device.type != "cuda":
+        return lambda: [float(v) for v in t.tolist()]
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
 
-    return DistributedDataParallel(config=tconfig, module=module, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer))
+    def values():
+        done.synchronize()
+        return [float(v) for v in host.tolist()]
 
-
-def adam_optimizer(t, ddp, dtype: torch.dtype, lr: float, min_lr: float = 0.0):
-    """A fresh megatron Adam(W) over ``ddp`` with ``trainer`` config ``t``'s betas, eps, weight decay
-    and clip (distributed when configured). No config overrides: weight decay applies to every
-    parameter (megatron's standard overrides would skip biases and norms)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    oc = OptimizerConfig(
-        optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=t.weight_decay, adam_beta1=t.betas[0],
-        adam_beta2=t.betas[1], adam_eps=t.eps, clip_grad=t.grad_clip, bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16, params_dtype=dtype, use_distributed_optimizer=t.distributed_optimizer,
-    )
-    return get_megatron_optimizer(oc, [ddp], config_overrides={})
+    return values
 
 
-def set_lr_and_decay(opt, lr: float, weight_decay: float) -> None:
-    """Set every parameter group's learning rate and weight decay (times the group's multipliers)."""
-    for g in opt.param_groups:
-        g["lr"] = lr * g.get("lr_mult", 1.0)
-        g["weight_decay"] = weight_decay * g.get("wd_mult", 1.0)
-
-
-def clipped_step(opt, clip: float) -> tuple[float, bool]:
-    """One step of megatron optimizer ``opt`` on ready gradients, clipped to global norm ``clip``
-    (0: no clipping). A non-finite norm (or fp16 overflow) zeroes the gradients and skips the step.
-    Returns (grad norm, whether the step was taken)."""
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
-    found_inf = opt.prepare_grads()
-    norm = float(opt.get_grad_norm())
-    if found_inf or not math.isfinite(norm):
-        opt.zero_grad()
-        return norm, False
-    for o in getattr(opt, "chained_optimizers", [opt]):
-        params = o.get_parameters()
-        if clip > 0 and params:
-            clip_grad_by_total_norm_fp32(params, max_norm=clip, total_norm=norm)
-    opt.step_with_ready_grads()
-    return norm, True
+def _pack_rows(rows: TrainBatch, **kw) -> Packed:
+    return pack(rows.tokens, rows.lengths, **kw)
 
 
 def _loss_wrapper(loss_fn, mb: _MicroBatch, logits):
     """megatron loss-func protocol (loss, num_tokens, reduced dict); num_tokens is unused (1)."""
-    loss, metrics = loss_fn(mb, logits)
+    with record_function("megaforge.loss"):
+        loss, metrics = loss_fn(mb, logits)
     return loss, torch.ones((), dtype=torch.int, device=logits.device), {k: v.detach() for k, v in metrics.items()}
