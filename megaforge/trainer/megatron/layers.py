@@ -11,16 +11,9 @@ holds chunks r and 2c-1-r, in that order. Attention all-gathers K and V over the
 reduce-scatter, so every rank's K/V receive the gradient from every rank's queries) and masks by the
 tokens' global positions: query at position i of sequence d attends to key j of the same sequence iff
 j <= i.
-
-Packed sequences on CUDA without CP go through one variable-length flash-attention call per layer
-(``torch.nn.attention.varlen``), not one SDPA call per document: with the many short documents of
-an RL micro-batch the per-document loop costs the host more than the device (the 24-layer
-benchmark was host-bound). Elsewhere (CPU, CP, no varlen in this torch) the per-document loop runs.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 from typing import Optional
 
@@ -56,34 +49,6 @@ class RMSNorm(torch.nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _varlen_fn():
-    """``torch.nn.attention.varlen.varlen_attn`` and its keyword names (they changed between
-    releases: ``is_causal`` or ``window_size=(-1, 0)`` for causality, ``enable_gqa``), or (None, {})."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except (ImportError, AttributeError):
-        return None, frozenset()
-    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
-
-
-def varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float):
-    """Causal attention within each packed document: q [t, np, hn], k/v [t, ng, hn], documents at
-    ``cu_seqlens`` [d + 1] (int32, on q's device) -> [t, np, hn]. Flash attention's varlen kernel."""
-    fn, params = _varlen_fn()
-    if q.shape[1] != k.shape[1] and "enable_gqa" not in params:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    kw = {"scale": scale}
-    if "enable_gqa" in params:
-        kw["enable_gqa"] = q.shape[1] != k.shape[1]
-    if "is_causal" in params:
-        kw["is_causal"] = True
-    else:
-        kw["window_size"] = (-1, 0)
-    return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kw)
 
 
 def _group_size(group) -> int:
@@ -176,23 +141,11 @@ class SDPAttention(MegatronModule):
             outs.append(o.permute(2, 0, 1, 3))
         return torch.cat(outs, 0)
 
-    def _use_varlen(self, q, packed_seq_params) -> bool:
-        """One varlen flash-attention call for the whole packed sequence: on CUDA, in half
-        precision, without CP or dropout, with megaforge's device offsets (see the module doc)."""
-        return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _group_size(self.cp_group) == 1
-                and not (self.training and self.dropout > 0) and self.hn <= 256
-                and getattr(packed_seq_params, "cu_seqlens_padded_device", None) is not None
-                and _varlen_fn()[0] is not None)
-
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if attention_bias is not None:
             raise ValueError("SDPAttention does not take an attention_bias")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            if self._use_varlen(query, packed_seq_params):
-                out = varlen_causal_attention(query, key, value, packed_seq_params.cu_seqlens_padded_device,
-                                              packed_seq_params.max_seqlen_q, self.scale)
-                return out.reshape(out.shape[0], -1)
             cu = getattr(packed_seq_params, "cu_seqlens_padded_list", None)  # set by megaforge's packing
             if cu is None:
                 t = packed_seq_params.cu_seqlens_q_padded

@@ -133,8 +133,6 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank:
         max_seqlen_q=max_len, max_seqlen_kv=max_len, cp_group=cp_group,
     )
     params.cu_seqlens_padded_list = starts + [total]  # cu_pad on the host: attention needs no device sync
-    # ... and on the device for the torch spec's varlen attention (copied once per micro-batch, not per layer)
-    params.cu_seqlens_padded_device = cu_pad if not host_cu_seqlens else d(cu_pad) if device is not None else None
     return Packed(
         tokens=d(mine(flat)), labels=d(mine(labels)), position_ids=d(mine(pos)),
         packed_seq_params=params, local_pos=d(local_pos), all_pos=d(all_pos), src=d(src), valid=d(valid), total=total,
