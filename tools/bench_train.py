@@ -172,27 +172,33 @@ def host_waits(prof, min_us: float = 50.0) -> list:
     return sorted(acc.items(), key=lambda kv: -kv[1][1])
 
 
+def _profiled(steps: dict, device, **profile_kw):
+    """One step of each of ``steps`` (name -> fn) under torch.profiler (CPU, and CUDA where there);
+    yields (name, profiler, wall seconds) on rank 0."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for name, fn in steps.items():
+        sync()
+        with profile(activities=acts, **profile_kw) as prof:
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            wall = time.perf_counter() - t0
+        if dist.get_rank() == 0:
+            yield name, prof, wall
+
+
 def profile_steps(out_dir: str, steps: dict, device, top: int = 12) -> None:
     """One profiled step of each: kernel tables (by device time) in ``out_dir`` and, on stderr, one
     JSON line per step: wall seconds, summed kernel seconds, their ratio (GPU busy share, < 1 when
     the host makes the GPU wait), the ``top`` kernels' seconds and the ``top`` host operations by
     their own CPU seconds (a device sync shows as a long aten::item / cudaStreamSynchronize)."""
-    import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
-
     os.makedirs(out_dir, exist_ok=True)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     verbose = torch._C._profiler._ExperimentalConfig(verbose=True)  # python stacks on the ops
-    for name, fn in steps.items():
-        sync()
-        with profile(activities=acts, with_stack=True, experimental_config=verbose) as prof:
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            wall = time.perf_counter() - t0
-        if dist.get_rank() != 0:
-            continue
+    for name, prof, wall in _profiled(steps, device, with_stack=True, experimental_config=verbose):
         attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         avg = prof.key_averages()
         ev = [e for e in avg if device.type != "cuda" or e.device_type.name == "CUDA"]
@@ -218,30 +224,19 @@ def trace_steps(out_dir: str, steps: dict, device) -> None:
     few microseconds per op), saved as a gzipped chrome trace; its idle-gap report on stderr."""
     import gzip
 
-    import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
-
     from trace_gaps import gaps_report
 
     os.makedirs(out_dir, exist_ok=True)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for name, fn in steps.items():
-        sync()
-        with profile(activities=acts) as prof:
-            fn()
-            sync()
-        if dist.get_rank() != 0:
-            continue
+    for name, prof, _ in _profiled(steps, device):
         raw = os.path.join(out_dir, f"{name}_trace.json")
         prof.export_chrome_trace(raw)
-        with open(raw, "rb") as f, gzip.open(raw + ".gz", "wb") as g:
-            shutil.copyfileobj(f, g)
+        with open(raw, "rb") as f:
+            text = f.read()
         os.remove(raw)
+        with gzip.open(raw + ".gz", "wb") as g:
+            g.write(text)
         if device.type == "cuda":
-            with open(raw + ".gz", "rb") as f:
-                events = json.loads(gzip.decompress(f.read()))["traceEvents"]
-            print(json.dumps({"trace": name, **gaps_report(events)}), file=sys.stderr, flush=True)
+            print(json.dumps({"trace": name, **gaps_report(json.loads(text)["traceEvents"])}), file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
@@ -282,12 +277,11 @@ def main(argv=None) -> int:
     t_ours = timed(lambda: tr.train_step(batch), args.warmup, args.steps, dev)
     ours_flops = flops(shape, batch.lengths.tolist())
     mem = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
+    both = {"raw": lambda: raw_step(tr, shape, n_micro, data), "ours": lambda: tr.train_step(batch)}
     if args.profile:
-        profile_steps(args.profile, {"raw": lambda: raw_step(tr, shape, n_micro, data), "ours": lambda: tr.train_step(batch)},
-                      dev)
+        profile_steps(args.profile, both, dev)
     if args.trace:
-        trace_steps(args.trace, {"raw": lambda: raw_step(tr, shape, n_micro, data), "ours": lambda: tr.train_step(batch)},
-                    dev)
+        trace_steps(args.trace, both, dev)
     if dist.get_rank() == 0:
         print(json.dumps({
             "shape": args.shape, "layer_spec": tr.spec, "fp8": args.fp8, "dtype": args.dtype, "tp": args.tp,
