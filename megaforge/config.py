@@ -226,6 +226,15 @@ class RolloutConfig:
     """Put the SGLang router in front of several engines."""
     extra_args: list[str] = field(default_factory=list)
     """Extra command-line arguments passed through to each engine server."""
+    engine_python: str = ""
+    """Python interpreter that runs the SGLang servers and router (empty: this process's). Point it at
+    another virtualenv's ``bin/python`` when SGLang is installed apart from the trainer (its pins, e.g.
+    of transformers, differ). Its sglang release is checked before any work."""
+    engine_env: dict = field(default_factory=dict)
+    """Environment variables of the engine servers and router, set on top of this process's environment
+    (minus torchrun's rendezvous variables, which servers never inherit), e.g.
+    ``{PYTHONPATH: /opt/sglang/site}`` for an SGLang installed into a folder; its ``PYTHONPATH``
+    replaces this process's."""
     host: str = "127.0.0.1"
     """Interface engine servers bind to."""
     api_key: str = ""
@@ -392,7 +401,7 @@ class SyncConfig:
     """Sync weights every this many steps."""
     check_equal: bool = False
     """After each update, compare the engine's weights with the trainer's (per-tensor sha256 in the
-    engine's dtype; SGLang: first rows through /get_weights_by_name) and fail naming the tensor."""
+    engine's dtype; SGLang: its /weights_checker hashes in its own layout) and fail naming the tensor."""
 
 
 @dataclass

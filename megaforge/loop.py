@@ -234,6 +234,7 @@ class Run:
 
     def rl(self) -> None:
         cfg = self.cfg
+        self.trainer.reserve_offload()  # pins the offload's host buffers while the engines start
         self.engine = self._build_engine()
         self.data = PromptSource(cfg.data, self.tokenizer, cfg.seed) if dist.is_main() else None
         if self.data is not None and self.state.get("data"):

@@ -21,15 +21,22 @@ Invariants (tested on CPU with ``device="cpu"`` host buffers, on GPU by tools/be
 * values: after ``onload(tag)`` every ``keep=True`` tensor holds the bytes it held before
   ``offload(tag)``; ``keep=False`` tensors (gradient buffers, zero between steps) read zero.
 * memory: after ``offload(tag)`` every storage of the tag has size 0 (freed only after the copy's
-  event completed); host bytes of a tag = sum over keep chunks of their sizes, allocated when the
-  tag is planned and reused while its signature (tensor ids, shapes, dtypes, storage pointers as
-  left by the last onload) is unchanged; ``stats["host_allocs"]`` counts host allocations.
+  event completed); host bytes of a tag = sum over keep chunks of their sizes, carved from the tag's
+  host *region* (one pinned allocation per tag, reused by every later plan that fits in it, e.g.
+  after the optimizer created its state) and reused while its signature (tensor ids, shapes, dtypes,
+  storage pointers as left by the last onload) is unchanged; ``stats["host_allocs"]`` counts host
+  allocations. :meth:`PinnedOffloader.reserve` pins the regions ahead of the first offload on a
+  background thread (pinning tens of GiB takes seconds: the loop starts it while the engines start).
+  Regions are page-locked with ``cudaHostRegister`` (exact sizes; torch's pinned allocator rounds
+  every block up to a power of two).
 * copies run on a side stream (CUDA): it waits for the current stream, records an event, and the
   host waits for that event before a storage is freed (offload) or the call returns (onload), so
   ``time/offload`` and ``time/onload`` measure finished copies.
 """
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
@@ -38,6 +45,28 @@ import torch
 
 ALIGN = 512  # bytes: every dtype's views stay aligned; the CUDA caching allocator's granularity
 TAGS = ("weights", "state")
+log = logging.getLogger(__name__)
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
+
+
+def pinned_host_bytes(nbytes: int, pin: bool) -> torch.Tensor:
+    """A uint8 host tensor of exactly ``nbytes``, page-locked when ``pin`` (cudaHostRegister of a plain
+    allocation; torch's pinned allocator as the fallback when registration is refused, logged)."""
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    if not pin or nbytes == 0:
+        return t
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE)
+    if int(err) != 0:
+        log.warning("cudaHostRegister of %.2f GiB failed (%s); using torch's pinned allocator for it", nbytes / 2**30, err)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    t._megaforge_registered = True  # unregistered by PinnedOffloader.close / region replacement
+    return t
+
+
+def _unpin(t: Optional[torch.Tensor]) -> None:
+    if t is not None and getattr(t, "_megaforge_registered", False):
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        t._megaforge_registered = False
 
 
 @dataclass
@@ -51,7 +80,7 @@ class Entry:
     movable: bool = True
 
 
-def _align(n: int) -> int:
+def align_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
@@ -121,6 +150,55 @@ class PinnedOffloader:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.stats = {"host_allocs": 0, "host_bytes": 0, "plans": 0}
         self.last: dict = {}
+        self._regions: dict[str, torch.Tensor] = {}  # tag -> its host region (plans carve chunks from it)
+        self._reserving: Optional[threading.Thread] = None
+        self._reserve_error: Optional[BaseException] = None
+
+    # ------------------------------------------------------------------------------ host regions
+    def reserve(self, nbytes_by_tag: dict) -> None:
+        """Pin each tag's host region (``{tag: bytes}``) on a background thread, so the first offload
+        only copies; a plan that needs more than its region allocates a bigger one then."""
+        def work():
+            try:
+                for tag, n in nbytes_by_tag.items():
+                    if n > 0 and (tag not in self._regions or self._regions[tag].numel() < n):
+                        self._set_region(tag, pinned_host_bytes(int(n), self.pin))
+            except BaseException as e:  # noqa: BLE001  (raised by the plan that waits for it)
+                self._reserve_error = e
+        self._wait_reserved()
+        self._reserving = threading.Thread(target=work, name="megaforge-pin-host", daemon=True)
+        self._reserving.start()
+
+    def _wait_reserved(self) -> None:
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+        if self._reserve_error is not None:
+            err, self._reserve_error = self._reserve_error, None
+            raise RuntimeError(f"pinning the offload's host buffers failed: {err}") from err
+
+    def _set_region(self, tag: str, t: torch.Tensor) -> None:
+        _unpin(self._regions.get(tag))
+        self._regions[tag] = t
+        self.stats["host_allocs"] += 1
+
+    def _region(self, tag: str, nbytes: int) -> torch.Tensor:
+        self._wait_reserved()
+        r = self._regions.get(tag)
+        if r is None or r.numel() < nbytes:
+            if r is not None:
+                log.info("offload: %r needs %.2f GiB of host buffers, its region holds %.2f: re-pinning", tag,
+                         nbytes / 2**30, r.numel() / 2**30)
+            self._set_region(tag, pinned_host_bytes(nbytes, self.pin))
+        return self._regions[tag]
+
+    def close(self) -> None:
+        """Unpin the host regions (the offloaded tensors' bytes are gone after this)."""
+        self._wait_reserved()
+        for t in self._regions.values():
+            _unpin(t)
+        self._regions.clear()
+        self.plans.clear()
 
     # ------------------------------------------------------------------------------ planning
     def _plan(self, tag: str, entries: list) -> _Plan:
@@ -155,19 +233,21 @@ class PinnedOffloader:
         for keep in (True, False):
             cur, size = [], 0
             for s in sorted((s for s in movable if s.keep == keep), key=lambda s: -s.nbytes):
-                if cur and size + _align(s.nbytes) > self.chunk_bytes:
+                if cur and size + align_up(s.nbytes) > self.chunk_bytes:
                     chunks.append(_Chunk(cur, size, keep, fixed=False))
                     cur, size = [], 0
                 s.offset = size
                 cur.append(s)
-                size += _align(s.nbytes)
+                size += align_up(s.nbytes)
             if cur:
                 chunks.append(_Chunk(cur, size, keep, fixed=False))
         plan = _Plan(chunks, _signature(entries), tensors=[e.tensor for e in entries])
+        need = sum(align_up(c.nbytes) for c in chunks if c.keep)
+        region, off = (self._region(tag, need) if need else None), 0
         for c in chunks:
             if c.keep:
-                c.host = torch.empty(c.nbytes, dtype=torch.uint8, pin_memory=self.pin)
-                self.stats["host_allocs"] += 1
+                c.host = region[off:off + c.nbytes]
+                off += align_up(c.nbytes)
                 self.stats["host_bytes"] += c.nbytes
                 plan.bytes += sum(s.nbytes for s in c.slots)
         self.stats["plans"] += 1

@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from megaforge.memory.offload import Entry
+from megaforge.memory.offload import ALIGN, Entry, align_up
 
 
 def _on(dev: torch.device, t) -> bool:
@@ -95,3 +95,43 @@ def megatron_entries(tr, tags: Sequence[str]) -> list[Entry]:
             seen.add(id(e.tensor))
             uniq.append(e)
     return uniq
+
+
+def _lazy_adam_bytes(optimizers) -> int:
+    """Bytes of the Adam moments (``exp_avg``, ``exp_avg_sq``: each like its parameter) that torch's
+    Adam/AdamW create at their first step, for parameters that have no state yet."""
+    total = 0
+    for o in optimizers:
+        if o is None or "adam" not in type(o).__name__.lower():
+            continue
+        for group in o.param_groups:
+            for p in group["params"]:
+                if not o.state.get(p) and _on(p.device, p):
+                    total += 2 * (align_up(p.numel() * p.element_size()) + ALIGN)
+    return total
+
+
+def host_reservation(entries_fn, optimizers=()) -> dict[str, int]:
+    """{tag: host bytes} the offloader's regions need: the kept storages of the current entries (each
+    rounded to the offloader's alignment, plus one alignment of slack) and, for ``state``, the Adam
+    moments the optimizers have not created yet (an over-estimate by at most ALIGN bytes a tensor)."""
+    out = {}
+    for tag in ("weights", "state"):
+        seen, n = set(), 0
+        for e in entries_fn([tag]):
+            st = e.tensor.untyped_storage()
+            if e.keep and st._cdata not in seen:
+                seen.add(st._cdata)
+                n += align_up(st.nbytes()) + ALIGN
+        out[tag] = n + (_lazy_adam_bytes(optimizers) if tag == "state" else 0)
+    return out
+
+
+def torch_optimizers(tr) -> list:
+    critic = getattr(tr, "critic", None)
+    return [getattr(tr, "opt", None)] + ([critic.opt] if critic is not None else [])
+
+
+def megatron_optimizers(tr) -> list:
+    opts = [tr.optimizer] + ([tr.critic.optimizer] if getattr(tr, "critic", None) is not None else [])
+    return [o.optimizer for opt in opts if opt is not None for o in _megatron_optimizers(opt)]

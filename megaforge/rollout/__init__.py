@@ -10,7 +10,7 @@ def preflight(cfg) -> None:
     if cfg.rollout.engine == "sglang":
         from megaforge.rollout.http_launch import require_sglang
 
-        require_sglang(router=cfg.rollout.router and cfg.rollout.num_engines > 1)
+        require_sglang(cfg, router=cfg.rollout.router and cfg.rollout.num_engines > 1)
     check_context(cfg)
     check_engine_gpus(cfg)
 

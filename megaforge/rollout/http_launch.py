@@ -13,27 +13,67 @@ import torch
 
 from megaforge.rollout.sglang import HTTPEngine
 
-SGLANG_TESTED = {"sglang": "0.5.23", "sglang-router": "0.3.2"}
+from megaforge.rollout.versions import TESTED as SGLANG_TESTED  # noqa: F401  (release -> how it was tested)
+
+ROUTER_TESTED = "0.3.2"
+_VERSION_PROBE = ("import importlib.metadata as m, sys\n"
+                  "for p in sys.argv[1:]:\n"
+                  "    try: print(p, m.version(p))\n"
+                  "    except m.PackageNotFoundError: print(p, '-')\n")
 
 
-def require_sglang(router: bool = False) -> None:
-    """Fail early, naming the extra to install, when the sglang packages are missing."""
-    import importlib.metadata
-    import importlib.util
-    import warnings
+def engine_python(cfg) -> str:
+    return cfg.rollout.engine_python or sys.executable
+
+
+def engine_env(cfg, gpus: Optional[list[int]] = None, extra: Optional[dict] = None, repo_on_path: bool = False) -> dict:
+    """Environment of an engine server or router: this process's without torchrun's rendezvous
+    variables, ``rollout.engine_env`` on top (then ``extra``)."""
+    from megaforge.rollout.launcher import child_env
+
+    return child_env(gpus, {**cfg.rollout.engine_env, **(extra or {})}, repo_on_path=repo_on_path)
+
+
+def installed_versions(cfg, packages: tuple[str, ...]) -> dict[str, Optional[str]]:
+    """{package: version or None} as the engine interpreter (``rollout.engine_python`` with
+    ``rollout.engine_env``) sees them."""
+    import subprocess
 
     from megaforge.configtree import ConfigError
 
-    need = [("sglang", "sglang")] + ([("sglang-router", "sglang_router")] if router else [])
-    missing = [pkg for pkg, mod in need if importlib.util.find_spec(mod) is None]
+    py = engine_python(cfg)
+    try:
+        out = subprocess.run([py, "-c", _VERSION_PROBE, *packages], env=engine_env(cfg), capture_output=True,
+                             text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ConfigError(f"config key 'rollout.engine_python': cannot run {py!r}: {e}") from None
+    if out.returncode != 0:
+        raise ConfigError(f"config key 'rollout.engine_python': {py!r} failed (exit {out.returncode}) while reading "
+                          f"package versions: {out.stderr.strip()[-800:]}")
+    found = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines() if " " in line)
+    return {p: (None if found.get(p, "-") == "-" else found[p]) for p in packages}
+
+
+def require_sglang(cfg, router: bool = False) -> str:
+    """The sglang release the engine interpreter runs; fails early, naming what to install, when
+    sglang (or the router) is missing there or older than megaforge supports."""
+    from megaforge.configtree import ConfigError
+    from megaforge.rollout.versions import UnsupportedServer, caps_for_release
+
+    pkgs = ("sglang",) + (("sglang-router",) if router else ())
+    found = installed_versions(cfg, pkgs)
+    where = f"the engine interpreter {engine_python(cfg)}" + (" with rollout.engine_env" if cfg.rollout.engine_env else "")
+    missing = [p for p, v in found.items() if v is None]
     if missing:
-        pins = ", ".join(f"{k}=={v}" for k, v in SGLANG_TESTED.items())
+        tested = ", ".join(f"sglang=={v}" for v in SGLANG_TESTED) + (f", sglang-router=={ROUTER_TESTED}" if router else "")
         raise ConfigError(f"rollout.engine 'sglang'{' with rollout.router' if router else ''} needs {', '.join(missing)}, "
-                          f"which is not installed: pip install 'megaforge[sglang]' (tested with {pins})")
-    for pkg, _ in need:
-        v = importlib.metadata.version(pkg)
-        if v != SGLANG_TESTED[pkg]:
-            warnings.warn(f"{pkg} {v} is installed; megaforge is tested with {pkg}=={SGLANG_TESTED[pkg]}")
+                          f"which {where} does not have: pip install 'megaforge[sglang]' there, or point "
+                          f"rollout.engine_python / rollout.engine_env at an environment that has it (tested: {tested})")
+    try:
+        caps_for_release(found["sglang"])
+    except UnsupportedServer as e:
+        raise ConfigError(f"rollout.engine 'sglang': {where} has sglang {found['sglang']}: {e}") from None
+    return found["sglang"]
 
 
 def gpu_assignment(num_engines: int, tp: int, num_gpus: int, local_world: int, visible: Optional[list[int]]) -> list[list[int]]:
@@ -71,9 +111,15 @@ def _model_dir(cfg) -> tuple[str, list[str]]:
     from megaforge.hf import load_hf_model
 
     d = tempfile.mkdtemp(prefix="megaforge-engine-init-")
-    model = load_hf_model(cfg.model, torch.device("cpu"))
+    # a seeded random init made on the GPU where there is one (seconds, not minutes, for a 2B model); the
+    # loop overwrites the engines' weights with the trainer's before the first rollout anyway
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    model = load_hf_model(cfg.model, dev)
     model.should_save_on_this_rank = lambda is_main_process: True  # transformers writes on dist rank 0 only; every node leader needs its copy
     model.save_pretrained(d)
+    del model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     return d, [d]
 
 
@@ -89,11 +135,11 @@ def build_http_engine(cfg, tokenizer, kind: str, node=None) -> Optional[HTTPEngi
 
     r = cfg.rollout
     if kind == "sglang":
-        require_sglang(router=r.router and r.num_engines > 1)
+        require_sglang(cfg, router=r.router and r.num_engines > 1)
     elif r.tensor_parallel != 1:
         raise ValueError("rollout.tensor_parallel: the embedded server runs TP 1 (use rollout.num_engines)")
     elif r.router and r.num_engines > 1:
-        require_sglang(router=True)
+        require_sglang(cfg, router=True)
     api_key = r.api_key or ("" if is_loopback(r.host) else new_api_key())
     if node is not None:
         api_key = node.share(api_key)  # rank 0's key on every node
@@ -120,14 +166,14 @@ def build_http_engine(cfg, tokenizer, kind: str, node=None) -> Optional[HTTPEngi
             env = child_env(gpus[k], {API_KEY_ENV: api_key} if api_key else None)
         else:
             def cmd(port, fd, k=k):
-                c = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", r.host,
+                c = [engine_python(cfg), "-m", "sglang.launch_server", "--model-path", model_dir, "--host", r.host,
                      "--port", str(port), "--tp-size", str(r.tensor_parallel), "--mem-fraction-static", str(r.mem_fraction),
                      "--dtype", cfg.model.dtype, "--weight-version", "0", "--random-seed", str(cfg.seed)]
                 c += ["--tokenizer-path", tok_dir] if tok_dir else []
                 c += ["--enable-memory-saver"] if r.num_gpus == 0 else []
                 c += ["--api-key", api_key] if api_key else []
                 return c + list(r.extra_args)
-            env = child_env(gpus[k])
+            env = engine_env(cfg, gpus[k])
         servers.append(ServerProcess(f"engine_{k}", cmd, os.path.join(logs, f"engine_{k}.log"), host=r.host, env=env,
                                      hold_socket=kind == "embedded_server", api_key=api_key))
     try:
@@ -138,9 +184,9 @@ def build_http_engine(cfg, tokenizer, kind: str, node=None) -> Optional[HTTPEngi
         router_url = None
         if r.router and r.num_engines > 1:
             router = ServerProcess("router", lambda port, fd: [
-                sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", "127.0.0.1",
+                engine_python(cfg), "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", "127.0.0.1",
                 "--port", str(port)] + (["--api-key", api_key] if api_key else []),
-                os.path.join(logs, "router.log"), env=child_env(), api_key=api_key, probe="/health")
+                os.path.join(logs, "router.log"), env=engine_env(cfg), api_key=api_key, probe="/health")
             router.start_ready(r.startup_timeout_s)
             servers.append(router)
             router_url = router.url

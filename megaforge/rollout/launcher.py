@@ -336,10 +336,29 @@ def start_all(servers: list[ServerProcess], timeout_s: float) -> list[ServerProc
     return servers
 
 
-def child_env(gpus: Optional[list[int]] = None, extra: Optional[dict] = None) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+#: variables torchrun (torch.distributed.run / the elastic agent) sets for its workers: a server started
+#: from a rank must not see them (SGLang joins the launching rank's rendezvous and hangs at "Init torch
+#: distributed begin" otherwise)
+RENDEZVOUS_VARS = frozenset({
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "NCCL_ASYNC_ERROR_HANDLING", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"})
+RENDEZVOUS_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
+
+
+def is_rendezvous_var(name: str) -> bool:
+    return name in RENDEZVOUS_VARS or name.startswith(RENDEZVOUS_PREFIXES)
+
+
+def child_env(gpus: Optional[list[int]] = None, extra: Optional[dict] = None, repo_on_path: bool = True) -> dict:
+    """The environment of a server process: this one's, without torchrun's rendezvous variables
+    (:data:`RENDEZVOUS_VARS`), with ``CUDA_VISIBLE_DEVICES`` set to ``gpus`` when given, megaforge's
+    source tree first on ``PYTHONPATH`` when ``repo_on_path`` (the embedded server), then ``extra``
+    (e.g. ``rollout.engine_env``: its ``PYTHONPATH`` replaces this process's)."""
+    env = {k: v for k, v in os.environ.items() if not is_rendezvous_var(k)}
+    if repo_on_path:
+        env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-    env.update(extra or {})
+    env.update({str(k): str(v) for k, v in (extra or {}).items()})
     return env

@@ -66,6 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attn-implementation", default="sdpa")
     p.add_argument("--max-batch", type=int, default=256, help="sequences decoded at once")
     p.add_argument("--weight-version", default="default")
+    p.add_argument("--sglang-api", default="0.5.23", choices=["0.5.16", "0.5.23"],
+                   help="the SGLang release whose weight-update API to speak: 0.5.23 brackets tensor and distributed "
+                        "updates by /begin_weight_update .. /end_weight_update and has no /get_weight_version; "
+                        "0.5.16 is the other way round (megaforge.rollout.versions)")
     p.add_argument("--log-file", default=None)
     p.add_argument("--sock-fd", type=int, default=None, help="serve on this inherited, bound socket")
     p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds for weight-update group set-up")
@@ -87,6 +91,7 @@ class Server:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.released: set[str] = set()
         self.session_open = False
+        self.needs_session = self.args.sglang_api != "0.5.16"  # SGLang >= 0.5.21 (megaforge.rollout.versions)
         self.groups: dict = {}
         self.queued: dict[str, int] = {}  # rid -> abort epoch at submission (not started yet)
         self.running: set[str] = set()
@@ -293,6 +298,7 @@ class Server:
                 "queued_requests": len(self.queued), "paused": not self.unpaused.is_set(),
                 "weight_update_session": self.session_open, "weight_update_groups": sorted(self.groups),
                 "startup_time": self.started, "version": __version__, "frontend": "megaforge-embedded",
+                "sglang_api": self.args.sglang_api,
                 "pid": os.getpid(), "served_requests": self.served}
 
 

@@ -106,7 +106,7 @@ def build_app(srv, api_key) -> web.Application:
         b = await body(request)
         if b["abort_all_requests"]:
             srv.abort_all()
-        if not srv.session_open:
+        if srv.needs_session and not srv.session_open:
             return _failed(NO_SESSION.format("update_weights_from_tensor"))
         if not b["serialized_named_tensors"]:
             raise P.FieldError("serialized_named_tensors", "needs one entry per engine TP rank (this server: 1)")
@@ -193,7 +193,7 @@ def build_app(srv, api_key) -> web.Application:
         b = await body(request)
         if b["abort_all_requests"]:
             srv.abort_all()
-        if not srv.session_open:
+        if srv.needs_session and not srv.session_open:
             return _failed(NO_SESSION.format("update_weights_from_distributed"))
         pg = srv.groups.get(b["group_name"])
         if pg is None:
@@ -334,9 +334,10 @@ def build_app(srv, api_key) -> web.Application:
     app = web.Application(middlewares=[guard], client_max_size=64 << 20)
     post = [("/generate", generate), ("/update_weights_from_tensor", from_tensor), ("/update_weights_from_disk", from_disk),
             ("/init_weights_update_group", init_group), ("/update_weights_from_distributed", from_distributed),
-            ("/destroy_weights_update_group", destroy_group), ("/begin_weight_update", begin),
-            ("/end_weight_update", end), ("/update_weight_version", set_version), ("/pause_generation", pause),
-            ("/continue_generation", cont), ("/abort_request", abort)]
+            ("/destroy_weights_update_group", destroy_group), ("/update_weight_version", set_version),
+            ("/pause_generation", pause), ("/continue_generation", cont), ("/abort_request", abort)]
+    if srv.needs_session:  # the session endpoints exist from SGLang 0.5.21; /get_weight_version until 0.5.20
+        post += [("/begin_weight_update", begin), ("/end_weight_update", end)]
     for path, h in post:
         app.router.add_post(path, h)
     app.router.add_put("/generate", generate)
@@ -345,9 +346,11 @@ def build_app(srv, api_key) -> web.Application:
                     ("/get_weights_by_name", weights_by_name)):
         app.router.add_get(path, h)
         app.router.add_post(path, h)
-    for path, h in (("/health", health), ("/health_generate", health_generate), ("/get_weight_version", weight_version),
-                    ("/model_info", model_info), ("/get_model_info", model_info), ("/server_info", server_info),
-                    ("/get_server_info", server_info)):
+    get = [("/health", health), ("/health_generate", health_generate), ("/model_info", model_info),
+           ("/get_model_info", model_info), ("/server_info", server_info), ("/get_server_info", server_info)]
+    if not srv.needs_session:
+        get += [("/get_weight_version", weight_version)]
+    for path, h in get:
         app.router.add_get(path, h)
     return app
 

@@ -9,8 +9,9 @@ megaforge's embedded server (``rollout.engine: embedded_server``), through one c
 * ``update_weights(buckets, version)`` by ``sync.transport``:
   ``auto`` / ``shm`` / ``ipc``: ``/update_weights_from_tensor`` with ``load_format:
   "flattened_bucket"`` (:mod:`megaforge.rollout.wire`), inside ``/begin_weight_update`` ..
-  ``/end_weight_update``: ``shm`` copies every bucket into CPU shared memory, ``ipc`` sends CUDA
-  buckets as CUDA IPC handles, ``auto`` does whichever fits the trainer's tensors;
+  ``/end_weight_update`` where the server's release needs that session (SGLang >= 0.5.21;
+  :mod:`megaforge.rollout.versions`): ``shm`` copies every bucket into CPU shared memory, ``ipc``
+  sends CUDA buckets as CUDA IPC handles, ``auto`` does whichever fits the trainer's tensors;
   ``nccl``: ``/init_weights_update_group`` once (this process is rank 0; backend nccl for CUDA
   tensors, gloo for CPU ones), then per bucket ``/update_weights_from_distributed`` plus one broadcast
   of the flat buffer; ``disk``: safetensors shards in a temporary folder and
@@ -19,6 +20,8 @@ megaforge's embedded server (``rollout.engine: embedded_server``), through one c
 * ``release_memory`` / ``resume_memory`` send only tags whose state changes (SGLang fails on resuming
   a tag that was not released), and the engine refuses weight updates while ``weights`` is released.
 * ``weight_version`` asks every server (``/model_info``) and fails if they disagree.
+* ``caps``: each server's release and abilities (:class:`megaforge.rollout.versions.ServerCaps`), read
+  from ``/server_info`` when the engine is built and after every restart.
 * fault tolerance (:mod:`megaforge.rollout.recovery`): a dead or hung engine is restarted, re-synced
   from the weight snapshot (:mod:`megaforge.rollout.snapshot`, written by every update), its memory
   state restored and its unfinished requests re-issued, ``rollout.max_restarts`` times per step.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import shutil
 import socket
@@ -46,13 +50,19 @@ from megaforge.rollout.client import SGLangClient
 from megaforge.rollout.protocol import completion_from_output
 from megaforge.rollout.recovery import ROUTER, EngineFailure, Recovery  # noqa: F401  (EngineFailure: re-export)
 from megaforge.rollout.snapshot import WeightSnapshot
+from megaforge.rollout.versions import ServerCaps, caps_from_server_info
 from megaforge.types import Completion, GenerateRequest
 
 TRANSPORTS = ("auto", "shm", "ipc", "nccl", "disk")
+log = logging.getLogger("megaforge.rollout.sglang")
 
 
 class EngineStateError(RuntimeError):
     pass
+
+
+async def _nothing() -> None:
+    return None
 
 
 async def _gather(coros, return_exceptions: bool = False):
@@ -101,6 +111,7 @@ class HTTPEngine(Recovery, Engine):
         self._thread = threading.Thread(target=self._loop.run_forever, name="megaforge-engine-http", daemon=True)
         self._thread.start()
         self._closed = False
+        self.caps: list[ServerCaps] = [self._read_caps(c) for c in self.clients]
 
     # ----------------------------------------------------------------------------------- plumbing
     def _submit(self, coro) -> concurrent.futures.Future:
@@ -108,6 +119,15 @@ class HTTPEngine(Recovery, Engine):
 
     def _call(self, coro):
         return self._submit(coro).result()
+
+    def _read_caps(self, client: SGLangClient) -> ServerCaps:
+        caps = caps_from_server_info(self._call(client.get_server_info()), client.url)
+        log.info("engine %s: %s", client.url, caps.label)
+        return caps
+
+    def _session(self, k: int) -> bool:
+        """Whether engine ``k``'s weight updates need /begin_weight_update .. /end_weight_update."""
+        return self.caps[k].weight_update_session
 
     def _all(self, fn):
         """Run ``fn(client)`` on every server concurrently; the list of answers."""
@@ -197,7 +217,8 @@ class HTTPEngine(Recovery, Engine):
             if self.transport == "disk":
                 self._update_from_disk(buckets, version)
             else:
-                self._guarded_all(lambda c: c.begin_weight_update())
+                self._guarded_all(lambda c: c.begin_weight_update() if self._session(self.clients.index(c))
+                                  else _nothing())
                 try:
                     if self.transport == "nccl":
                         self._update_distributed(buckets, version)
@@ -234,7 +255,7 @@ class HTTPEngine(Recovery, Engine):
         return wait
 
     def _end_session(self, failed: dict) -> None:
-        self._send_all(lambda k, c: c.end_weight_update(), failed)()
+        self._send_all(lambda k, c: c.end_weight_update() if self._session(k) else _nothing(), failed)()
 
     def _update_from_tensor(self, buckets, version: int, failed: dict) -> None:
         """CUDA buckets (ipc) go through two reused device buffers (megaforge.sync.buffers: a buffer is
@@ -400,6 +421,7 @@ class HTTPEngine(Recovery, Engine):
         finally:
             self._call(old.close())
         self.clients[k] = SGLangClient(proc.url, old.api_key, old.timeout_s, old.max_concurrency)
+        self.caps[k] = self._read_caps(self.clients[k])
         if self._pg is not None:  # the group lost a member: dropped everywhere, rebuilt on the next update
             from megaforge.rollout import weight_group
 

@@ -11,11 +11,12 @@ How the engine's side is read, by engine:
 * megaforge's embedded server: ``POST /get_weights_checksum`` ``{"names": [..] | null, "hash": bool}``
   -> ``{"success": true, "algorithm": "sha256", "tensors": {name: {"dtype", "shape", "sha256"}}}``;
   asked once without hashes before the update (the engine's dtypes) and once with after it.
-* SGLang (``rollout.engine: sglang``): ``POST /get_weights_by_name`` ``{"name", "truncate_size"}``,
-  which returns the first ``truncate_size`` rows (or values of a 1-D tensor) as float32 lists, for
-  model families that implement it in SGLang (Llama-like; an engine answering null fails the check
-  with that reason). Compared with a relative tolerance of one bfloat16 ulp (the engine's dtype is
-  not reported), so it catches a wrong or missing tensor, not a last-bit rounding difference.
+* SGLang (``rollout.engine: sglang``): ``POST /weights_checker`` ``{"action": "checksum"}``, which
+  returns every served tensor's 64-bit content hash per TP rank, in SGLang's own layout (fused
+  qkv / gate-up, padded vocabulary, TP shards); :mod:`megaforge.sync.sglang_checksum` builds the same
+  tensors from the trainer's and hashes them the same way: exact, for every model family SGLang
+  serves (``/get_weights_by_name`` answers only for Llama-like ones). A tensor the engine holds and
+  the trainer did not send fails the check too.
 
 Digest (exact): ``sha256(dtype name | shape | raw bytes)`` of the tensor *in the engine's dtype*:
 the trainer's tensor is cast with ``.to(engine_dtype)`` before hashing, which is what the engine's
@@ -27,10 +28,6 @@ import hashlib
 from typing import Optional
 
 import torch
-
-PROBE_ROWS = 4
-BF16_RTOL = 2.0 ** -7
-
 
 class WeightMismatchError(RuntimeError):
     pass
@@ -116,33 +113,96 @@ class ChecksumCheck(_DigestCheck):
         return n
 
 
-class ProbeCheck:
-    """SGLang servers: /get_weights_by_name on the first ``PROBE_ROWS`` rows of every tensor."""
+class SGLangChecksumCheck:
+    """Real SGLang servers: /weights_checker hashes against the trainer's tensors in SGLang's layout."""
 
-    def __init__(self, engine, urls: list[str]):
-        self.engine, self.urls = engine, urls
-        self.expected: dict[str, torch.Tensor] = {}
+    def __init__(self, engine, urls: list[str], infos: list[dict]):
+        from megaforge.sync import sglang_checksum as sc
+
+        self.sc, self.engine, self.urls = sc, engine, urls
+        self.tp = list(getattr(engine, "tp_sizes", None) or [1] * len(urls))
+        hf = _model_config(infos[0], getattr(engine, "model_dir", ""))
+        self.num_kv = int(hf.get("num_key_value_heads") or hf.get("num_attention_heads") or 1)
+        self.tied = bool(hf.get("tie_word_embeddings", False))
+        self.dtypes = [_engine_dtype(i, hf, u) for i, u in zip(infos, urls)]
+        self.layouts = sorted({(tp, dt) for tp, dt in zip(self.tp, self.dtypes)}, key=str)
+        self.pending: dict[str, dict] = {}
+        self.expected: dict[tuple, dict[int, dict[str, str]]] = {lay: {} for lay in self.layouts}
 
     def record(self, name: str, t: torch.Tensor) -> None:
-        head = t.detach()[:PROBE_ROWS] if t.dim() > 1 else t.detach().reshape(-1)[:PROBE_ROWS]
-        self.expected[name] = head.float().cpu().clone()
+        target, part = self.sc.engine_target(name)
+        parts = self.pending.setdefault(target, {})
+        parts[part] = t.detach()
+        kind = target.rsplit(".", 2)[-2] if target.count(".") >= 2 else ""
+        need = self.sc.PARTS[kind] if part is not None else (None,)
+        if not all(p in parts for p in need):
+            return  # the other projections of this fused tensor come next
+        del self.pending[target]
+        for dt in {dt for _, dt in self.layouts}:
+            cast = {k: v.to(dt) for k, v in parts.items()}
+            for tp in [tp for tp, d in self.layouts if d == dt]:
+                for r in range(tp):
+                    h = self.sc.hash_hex(self.sc.engine_tensors(target, cast, r, tp, self.num_kv))
+                    self.expected[(tp, dt)].setdefault(r, {})[target] = h
 
     def verify(self) -> int:
-        for name, want in self.expected.items():
-            answers = self.engine.query("POST", "/get_weights_by_name", {"name": name, "truncate_size": PROBE_ROWS})
-            for url, got in zip(self.urls, answers):
-                if got is None:
-                    raise WeightMismatchError(f"sync.check_equal: engine {url} cannot return {name!r} (SGLang's "
-                                              f"/get_weights_by_name supports Llama-like families only)")
-                g = torch.tensor(got, dtype=torch.float32)
-                if g.shape != want.shape:
-                    raise WeightMismatchError(f"sync.check_equal: {name!r} rows of shape {tuple(g.shape)} on engine {url}, "
-                                              f"{tuple(want.shape)} on the trainer")
-                if not torch.allclose(g, want, rtol=BF16_RTOL, atol=0.0):
-                    d = (g - want).abs().max().item()
-                    raise WeightMismatchError(f"sync.check_equal: {name!r} on engine {url} differs from the trainer's "
-                                              f"after the update (max |diff| {d:.3g} in its first rows)")
-        return len(self.expected)
+        if self.pending:
+            name, parts = next(iter(self.pending.items()))
+            raise WeightMismatchError(f"sync.check_equal: the trainer sent only {sorted(map(str, parts))} of SGLang's "
+                                      f"fused tensor {name!r}")
+        answers = self.engine.query("POST", "/weights_checker", {"action": "checksum"})
+        n = 0
+        for url, ans, tp, dt in zip(self.urls, answers, self.tp, self.dtypes):
+            ranks = ans.get("ranks") if isinstance(ans, dict) else None
+            if not ranks:
+                raise WeightMismatchError(f"sync.check_equal: engine {url}/weights_checker gave no per-rank checksums: "
+                                          f"{str(ans)[:300]}")
+            for info in ranks:
+                r = int(info["parallelism_info"]["tp_rank"])
+                got, want = info["checksums"], self.expected[(tp, dt)].get(r, {})
+                where = f"engine {url} (TP rank {r} of {tp})"
+                missing = [k for k in want if k not in got and not (k == "lm_head.weight" and self.tied)]
+                if missing:
+                    raise WeightMismatchError(f"sync.check_equal: {where} has no tensor {missing[0]!r} "
+                                              f"({len(missing)} missing)")
+                unsent = sorted(k for k in got if k not in want)
+                if unsent:
+                    raise WeightMismatchError(f"sync.check_equal: {where} serves {unsent[0]!r}, which the trainer did "
+                                              f"not send ({len(unsent)} such: {unsent[:5]})")
+                bad = [k for k in want if k in got and got[k] != want[k]]
+                if bad:
+                    raise WeightMismatchError(
+                        f"sync.check_equal: {bad[0]!r} on {where} differs from the trainer's after the update "
+                        f"(hash {got[bad[0]]} vs {want[bad[0]]}; {len(bad)} of {len(want)} tensors differ: {bad[:5]})")
+                n = max(n, len([k for k in want if k in got]))
+        return n
+
+
+def _model_config(info: dict, model_dir: str) -> dict:
+    """The served model's config.json (from /server_info's model_path where it is a local folder)."""
+    import json
+    import os
+
+    for d in (info.get("model_path") or "", model_dir or ""):
+        p = os.path.join(d, "config.json")
+        if d and os.path.exists(p):
+            with open(p) as f:
+                return json.load(f)
+    return {}
+
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+           "fp16": torch.float16, "float32": torch.float32, "float": torch.float32, "fp32": torch.float32}
+
+
+def _engine_dtype(info: dict, hf: dict, url: str) -> torch.dtype:
+    name = str(info.get("dtype", "auto"))
+    if name == "auto":  # SGLang serves the checkpoint's dtype (float32 checkpoints in bfloat16)
+        name = str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16")
+        name = "bfloat16" if name == "float32" else name
+    if name not in _DTYPES:
+        raise WeightMismatchError(f"sync.check_equal: engine {url} serves dtype {name!r}, which megaforge cannot hash")
+    return _DTYPES[name]
 
 
 def make_check(engine):
@@ -156,7 +216,9 @@ def make_check(engine):
     infos = query("GET", "/server_info")
     if all(isinstance(i, dict) and i.get("frontend") == "megaforge-embedded" for i in infos):
         return ChecksumCheck(engine, urls)
-    return ProbeCheck(engine, urls)
+    if any(isinstance(i, dict) and i.get("frontend") == "megaforge-embedded" for i in infos):
+        raise WeightMismatchError("sync.check_equal: the engines mix megaforge's embedded server and SGLang")
+    return SGLangChecksumCheck(engine, urls, infos)
 
 
 def check_engine_weights(trainer, engine, max_bytes: int = 512 << 20) -> int:

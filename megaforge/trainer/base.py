@@ -11,6 +11,8 @@ from typing import Iterator
 
 import torch
 
+from megaforge.memory.offload import PinnedOffloader
+from megaforge.memory.state import host_reservation
 from megaforge.types import TrainBatch
 
 HFBucket = list[tuple[str, torch.Tensor]]
@@ -69,6 +71,30 @@ class Trainer(ABC):
 
     #: the backend's megaforge.memory offloader (None: nothing to move, e.g. on CPU)
     _mem = None
+
+    def reserve_offload(self) -> None:
+        """Start pinning the host buffers of the coming offloads on a background thread
+        (``memory.offload: pinned``), so that the first step's offload only copies. The loop calls it
+        before the engines start. No-op without a pinned offloader."""
+        if isinstance(self._mem, PinnedOffloader):
+            self._mem.reserve(self.offload_reservation())
+
+    def offload_entries(self, tags) -> list:
+        """The tagged tensors an offload moves (:class:`megaforge.memory.offload.Entry`)."""
+        return []
+
+    def inner_optimizers(self) -> list:
+        """The torch optimizers whose state the offload moves (for :meth:`offload_reservation`)."""
+        return []
+
+    def offload_reservation(self) -> dict:
+        """{tag: host bytes} of the offloads to come: the current weights and state, the Adam moments
+        the optimizers create at their first step, and the frozen reference the run will snapshot."""
+        out = host_reservation(self.offload_entries, self.inner_optimizers())
+        cfg = getattr(self, "cfg", None)
+        if cfg is not None and cfg.grpo.beta > 0 and cfg.trainer.ref_device != "cpu" and getattr(self, "ref", None) is None:
+            out["state"] += out["weights"]  # a copy of the policy's parameters
+        return out
 
     def offload(self, tags=None) -> None:
         """Move trainer state off the accelerator (colocated mode; ``memory.offload``): ``tags`` of

@@ -18,7 +18,7 @@ from megaforge import dist
 from megaforge.algorithms import LossParams, policy_objective
 from megaforge.hf import hf_state_names, load_hf_model, resolve_device
 from megaforge.memory import build_offloader, onloaded
-from megaforge.memory.state import torch_entries
+from megaforge.memory.state import torch_entries, torch_optimizers
 from megaforge.trainer.base import HFBucket, StepMetrics, Trainer
 from megaforge.trainer.logprobs import token_logprobs
 from megaforge.trainer.optim import lr_at
@@ -45,9 +45,16 @@ class TorchTrainer(Trainer):
         self.reset_optimizer(cfg.trainer.lr, cfg.max_steps * cfg.trainer.mini_batches * cfg.trainer.epochs,
                              cfg.trainer.warmup_steps, cfg.trainer.lr_schedule, cfg.trainer.min_lr)
         # memory.offload: pinned host buffers / torch_memory_saver (megaforge.memory); None: resident
-        self._mem = build_offloader(cfg.memory.offload, self.device, lambda tags: torch_entries(self, tags))
+        self._mem = build_offloader(cfg.memory.offload, self.device, self.offload_entries)
 
     # ------------------------------------------------------------------------------- optimizer
+
+    def offload_entries(self, tags) -> list:
+        return torch_entries(self, tags)
+
+    def inner_optimizers(self) -> list:
+        return torch_optimizers(self)
+
     def reset_optimizer(self, lr, total_steps, warmup_steps=0, schedule="constant", min_lr=0.0):
         t = self.cfg.trainer
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=tuple(t.betas), eps=t.eps,

@@ -240,3 +240,40 @@ def test_onload_allocates_every_chunk_inside_the_given_context():
     assert len(inside) == len(chunks)  # one context per chunk
     assert sum(inside) == sum(c.nbytes for c in chunks if not c.fixed)  # every new chunk buffer made inside one
     assert torch.equal(rig.views[0].reshape(-1), rig.buf[:100])
+
+
+def test_reserved_host_regions_cover_the_first_step(tiny_model_dir):
+    """reserve() pins the host regions before the first offload (on the GPU: while the engines start),
+    sized for what the first step's offload will hold: the policy, its reference and the Adam moments
+    the optimizer creates at its first step. After it no offload of the run allocates host memory,
+    and every step still trains exactly as a resident trainer."""
+    from megaforge.trainer.torch_backend import TorchTrainer
+
+    cfg = torch_trainer_cfg(tiny_model_dir)
+    a, b = TorchTrainer(cfg), TorchTrainer(cfg)
+    a._mem = PinnedOffloader(a.offload_entries, "cpu")
+    want = a.offload_reservation()
+    a._mem.reserve(want)
+    a._mem._wait_reserved()
+    assert a._mem.stats["host_allocs"] == 2 and {t: r.numel() for t, r in a._mem._regions.items()} == want
+    weights = sum(p.numel() * p.element_size() for p in a.model.parameters())
+    assert weights <= want["weights"] and want["state"] >= 3 * weights  # reference + two Adam moments
+    batch = make_batch(vocab=512)
+    for tr in (a, b):
+        tr.snapshot_reference()
+    for step in range(2):
+        out = []
+        for tr in (a, b):
+            tr.onload()
+            bt = copy.deepcopy(batch)
+            bt.ref_logprobs = tr.compute_logprobs(bt, "ref")
+            out.append(tr.train_step(bt))
+            tr.offload()
+        assert out[0] == out[1]
+    assert a._mem.stats["host_allocs"] == 2, "an offload allocated host memory after the reservation"
+    small = PinnedOffloader(a.offload_entries, "cpu")
+    small.reserve({"weights": 1024, "state": 1024})  # too small: the first plan pins a region that fits
+    a.onload()
+    small.offload(["weights"])
+    assert small.stats["host_allocs"] == 3 and small._regions["weights"].numel() >= weights
+    small.onload(["weights"])

@@ -39,6 +39,7 @@ from megaforge.algorithms import LossParams, policy_objective
 from megaforge.dist import all_gather_rows, shard_range
 from megaforge.hf import DTYPES
 from megaforge.memory import build_offloader, onloaded
+from megaforge.memory.state import megatron_entries, megatron_optimizers
 from megaforge.convert import families
 from megaforge.trainer.base import HFBucket, StepMetrics, Trainer
 from megaforge.trainer.megatron import cpu_compat, parallel
@@ -108,10 +109,9 @@ class MegatronTrainer(Trainer):
         self.critic = None  # megaforge.trainer.megatron.critic.MegatronCritic when the run trains one (PPO)
         self.version = 0
         self.reset_optimizer(t.lr, cfg.max_steps * t.mini_batches * t.epochs, t.warmup_steps, t.lr_schedule, t.min_lr)
-        from megaforge.memory.state import megatron_entries
 
         # memory.offload: DDP buffers, optimizer state, reference to pinned host buffers (megaforge.memory)
-        self._mem = build_offloader(cfg.memory.offload, self.device, lambda tags: megatron_entries(self, tags))
+        self._mem = build_offloader(cfg.memory.offload, self.device, self.offload_entries)
 
     # ------------------------------------------------------------------------------ groups
     @staticmethod
@@ -137,6 +137,12 @@ class MegatronTrainer(Trainer):
         finalize_model_grads(models, None)
 
     # --------------------------------------------------------------------------- optimizer
+    def offload_entries(self, tags) -> list:
+        return megatron_entries(self, tags)
+
+    def inner_optimizers(self) -> list:
+        return megatron_optimizers(self)
+
     def reset_optimizer(self, lr, total_steps, warmup_steps=0, schedule="constant", min_lr=0.0):
         """Fresh Adam(W) state (megatron optimizer, distributed when configured) and LR schedule
         :func:`megaforge.trainer.optim.lr_at`. Weight decay applies to every parameter."""
