@@ -232,7 +232,10 @@ class Run:
     def _needs_ref(self) -> bool:
         return self.cfg.grpo.beta > 0
 
-    def rl(self) -> None:
+    def start_rl(self) -> None:
+        """Everything before the first RL step: the offload's host buffers pinned while the engines start,
+        the data and rewards, the optimizer and reference at the RL start, the engines given the
+        trainer's weights, the off-policy driver. (Benchmarks call it and then :meth:`rl_step`.)"""
         cfg = self.cfg
         self.trainer.reserve_offload()  # pins the offload's host buffers while the engines start
         self.engine = self._build_engine()
@@ -259,11 +262,16 @@ class Run:
         from megaforge.loop_offpolicy import build_driver
 
         self.driver = build_driver(self)  # off_policy / partial rollouts / sync.interval > 1; else None
-        logger = MetricsLogger(cfg, self.run_dir, resume_step=self.state["rl_step"] if self.resumed_from else None) \
-            if dist.is_main() else None
-        bar = Progress(cfg.max_steps, self.state["rl_step"], "grpo", cfg.metrics.progress and dist.is_main())
+
+    def rl(self) -> None:
+        cfg = self.cfg
+        logger = bar = None
         bad = 0
         try:
+            self.start_rl()
+            logger = MetricsLogger(cfg, self.run_dir, resume_step=self.state["rl_step"] if self.resumed_from else None) \
+                if dist.is_main() else None
+            bar = Progress(cfg.max_steps, self.state["rl_step"], "grpo", cfg.metrics.progress and dist.is_main())
             while self.state["rl_step"] < cfg.max_steps:
                 step = self.state["rl_step"] + 1
                 try:
@@ -294,15 +302,20 @@ class Run:
                     self._stop("RL", step)
             self._save_rl()
         finally:
+            self.close_rl(bar, logger)
+
+    def close_rl(self, bar=None, logger=None) -> None:
+        """Progress, metrics, driver, rewards and engines closed (whatever :meth:`start_rl` got to)."""
+        if bar is not None:
             bar.close()
-            if logger is not None:
-                logger.close()
-            if self.driver is not None:
-                self.driver.close()
-            if self.rewards is not None:
-                self.rewards.close()
-            if self.engine is not None:
-                self.engine.shutdown()
+        if logger is not None:
+            logger.close()
+        if getattr(self, "driver", None) is not None:
+            self.driver.close()
+        if getattr(self, "rewards", None) is not None:
+            self.rewards.close()
+        if self.engine is not None:
+            self.engine.shutdown()
 
     def _save_rl(self) -> None:
         if getattr(self, "driver", None) is not None:

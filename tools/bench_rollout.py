@@ -21,9 +21,19 @@ at the largest batch with engine max_batch min(256, batch / 4) (continuous refil
 (graphs off), top-p 0.9, greedy and 8 samples per prompt (shared prefill) at batch 256, and the fast
 path's logprobs against a teacher-forced HF forward of its own samples (smallest batch).
 
+With ``--sglang``: megaforge's fast engine against a real SGLang server on the same GPU instead of
+HF: the shape's random weights are saved with a tokenizer folder, ``python -m sglang.launch_server``
+(its own environment: ``--sglang_env_sh`` / ``--sglang_python``, as ``rollout.engine_env`` /
+``rollout.engine_python``) serves them, each batch is one batched ``/generate`` of the same prompts
+(``input_ids``, temperature 1, ``ignore_eos``, logprobs returned, as megaforge's rollout asks):
+a warm-up run, the prefix cache flushed, the timed run; then the server's memory is released and the
+fast engine runs the same requests. ``ratio`` = fast / sglang. Shapes default to qwen2-0.5b and
+qwen3-1.7b (Qwen3-1.7B's shape, configs/models/qwen3-1.7b).
+
     python tools/bench_rollout.py                 # H200: 0.5B and 1.5B shapes, batch 64/256/1024
     python tools/bench_rollout.py --quick         # batch 256 only, no extras
     python tools/bench_rollout.py --tiny          # CPU: a tiny shape, exercises the code path
+    python tools/bench_rollout.py --sglang --sglang_env_sh /tmp/sgl/env.sh     # fast engine vs SGLang
 """
 from __future__ import annotations
 
@@ -44,9 +54,13 @@ SHAPES = {
                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(arch="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
 }
+TOKENIZER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny-tokenizer")
 T0 = time.time()
 
 
@@ -70,10 +84,12 @@ def free(dev) -> None:
 
 
 def build_model(shape: str, dev, dtype):
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
-    cfg = Qwen2Config(max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6, eos_token_id=None,
-                      bos_token_id=None, pad_token_id=0, **SHAPES[shape])
+    kw = dict(SHAPES[shape])
+    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[kw.pop("arch", "qwen2")]
+    cfg = cls(max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6, eos_token_id=None,
+              bos_token_id=None, pad_token_id=0, **kw)
     torch.manual_seed(0)
     with torch.device(dev):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -245,6 +261,102 @@ def extra_rows(shape, model, args, dev) -> dict:
     return ex
 
 
+# ------------------------------------------------------------------------------------- real SGLang
+class SGLangServer:
+    """A server of ``model_dir`` on this machine's GPU (``--sglang_server sglang``), or megaforge's
+    embedded server speaking the same protocol (``embedded``: the CPU check of this code path)."""
+
+    def __init__(self, model_dir: str, args, log_path: str):
+        import asyncio
+
+        from megaforge.rollout.client import SGLangClient
+        from megaforge.rollout.launcher import ServerProcess, child_env, env_from_script
+
+        env = env_from_script(args.sglang_env_sh) if args.sglang_env_sh else {}
+        py = args.sglang_python or sys.executable
+        if args.sglang_server == "sglang":
+            def cmd(port, fd):
+                return [py, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", "127.0.0.1",
+                        "--port", str(port), "--dtype", args.dtype_name, "--mem-fraction-static", str(args.sglang_mem),
+                        "--random-seed", "0", "--enable-memory-saver", *args.sglang_args.split()]
+            proc = ServerProcess("sglang", cmd, log_path, env=child_env(None, env, repo_on_path=False))
+        else:
+            def cmd(port, fd):
+                return [sys.executable, "-m", "megaforge.rollout.server", "--model", model_dir, "--host", "127.0.0.1",
+                        "--port", str(port), "--sock-fd", str(fd), "--device", args.device, "--dtype", args.dtype_name,
+                        "--max-batch", "4096"]
+            proc = ServerProcess("embedded", cmd, log_path, env=child_env(), hold_socket=True)
+        t = time.perf_counter()
+        self.proc = proc.start_ready(900.0)
+        self.start_s = time.perf_counter() - t
+        self.loop = asyncio.new_event_loop()
+        self.client = SGLangClient(self.proc.url, timeout_s=1800.0)
+        self.info = self.call(self.client.get_server_info())
+
+    def call(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def stop(self) -> None:
+        self.call(self.client.close())
+        self.proc.stop()
+        self.loop.close()
+
+
+def measure_sglang(srv: SGLangServer, prompts, new: int) -> dict:
+    """A warm-up run and a timed run of one batched /generate (prefix cache flushed in between)."""
+    payload = {"input_ids": prompts.tolist(), "return_logprob": True,
+               "sampling_params": [{"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": new,
+                                    "ignore_eos": True}] * prompts.shape[0]}
+
+    def once():
+        t = time.perf_counter()
+        outs = srv.call(srv.client.generate(payload))
+        wall = time.perf_counter() - t
+        return sum(len(o["output_ids"]) for o in outs), wall
+
+    w_tok, w_wall = once()
+    srv.call(srv.client.flush_cache())
+    tok, wall = once()
+    srv.call(srv.client.flush_cache())
+    return {"tok_s": round(tok / wall, 1), "wall_s": round(wall, 3), "tokens": tok, "warmup_s": round(w_wall, 3),
+            "capped": tok < prompts.shape[0] * new}
+
+
+def sglang_rows(shape: str, model, args, dev, tmp: str) -> dict:
+    """Fast engine vs SGLang at every batch size: SGLang first (fast engine's model idle on the GPU),
+    then its memory released and the fast engine on the same requests."""
+    from transformers import AutoTokenizer
+
+    d = os.path.join(tmp, shape)
+    model.save_pretrained(d)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(d)
+    V = SHAPES[shape]["vocab_size"]
+    prompts = {B: torch.randint(3, V, (B, args.prompt), generator=torch.Generator().manual_seed(B)).to(dev)
+               for B in args.batches}
+    say(f"{shape}: starting the {args.sglang_server} server")
+    srv = SGLangServer(d, args, os.path.join(tmp, f"{shape}-server.log"))
+    rows = {str(B): {} for B in args.batches}
+    out = {"server_start_s": round(srv.start_s, 1), "server_version": srv.info.get("version"),
+           "cuda_graph_max_bs": srv.info.get("cuda_graph_max_bs"), "attention_backend": srv.info.get("attention_backend")}
+    try:
+        for B in args.batches:
+            say(f"{shape} B={B}: {args.sglang_server}")
+            rows[str(B)]["sglang"] = variant(lambda: measure_sglang(srv, prompts[B], args.new), dev)
+            say(f"  sglang: {rows[str(B)]['sglang'].get('tok_s')} tok/s")
+        srv.call(srv.client.release_memory_occupation(["kv_cache", "weights"]))
+        for B in args.batches:
+            say(f"{shape} B={B}: fast path")
+            rows[str(B)]["fast"] = variant(lambda: measure_fast(model, requests(prompts[B], args.new), B, args.cap, dev), dev)
+            rows[str(B)]["fast"].pop("_comps", None)
+            say(f"  fast: {rows[str(B)]['fast'].get('tok_s')} tok/s")
+            if "tok_s" in rows[str(B)]["fast"] and "tok_s" in rows[str(B)]["sglang"]:
+                rows[str(B)]["ratio"] = round(rows[str(B)]["fast"]["tok_s"] / rows[str(B)]["sglang"]["tok_s"], 3)
+    finally:
+        srv.stop()
+    out["batches"] = rows
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="batch 256 only (tiny: 8), no extras")
@@ -261,6 +373,15 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", default=None, help="torch.compile backend of the fast_compiled rows "
                     "(default: inductor on CUDA, none on CPU)")
     ap.add_argument("--no-compile", action="store_true", help="no fast_compiled rows")
+    ap.add_argument("--sglang", action="store_true", help="the fast engine against an SGLang server (not HF)")
+    ap.add_argument("--sglang_server", default="sglang", choices=["sglang", "embedded"],
+                    help="embedded: megaforge's server stands in (CPU check of the code path)")
+    ap.add_argument("--sglang_env_sh", default=os.environ.get("MEGAFORGE_SGLANG_ENV_SH", ""),
+                    help="a shell file setting the server's environment (the GPU kit's /tmp/sgl/env.sh)")
+    ap.add_argument("--sglang_python", default=os.environ.get("MEGAFORGE_SGLANG_PYTHON", ""))
+    ap.add_argument("--sglang_mem", type=float, default=0.5, help="--mem-fraction-static of the server")
+    ap.add_argument("--sglang_args", default="--attention-backend triton --sampling-backend pytorch "
+                    "--cuda-graph-backend-prefill disabled", help="more server flags (the ones that work on the H200 kit)")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     args.compile = None if args.no_compile else (args.compile or ("inductor" if dev.type == "cuda" else None))
@@ -269,14 +390,18 @@ def main(argv=None) -> int:
         args.batches = [int(b) for b in (args.batches or ("8" if args.quick else "4,8,16")).split(",")]
         args.prompt, args.new = args.prompt or 16, args.new or 32
     else:
-        shapes = (args.shapes or "qwen2-0.5b,qwen2-1.5b").split(",")
+        shapes = (args.shapes or ("qwen2-0.5b,qwen3-1.7b" if args.sglang else "qwen2-0.5b,qwen2-1.5b")).split(",")
         args.batches = [int(b) for b in (args.batches or ("256" if args.quick else "64,256,1024")).split(",")]
         args.prompt, args.new = args.prompt or 128, args.new or 256
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[
         args.dtype or ("float32" if dev.type == "cpu" else "bfloat16")]
+    args.dtype_name = str(dtype).split(".")[-1]
     if dev.type == "cpu":
         torch.set_num_threads(min(2, os.cpu_count() or 1))
     import transformers
+
+    if args.sglang:
+        return main_sglang(shapes, args, dev, dtype)
 
     out = {"bench": "rollout", "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype).split(".")[-1],
@@ -304,6 +429,32 @@ def main(argv=None) -> int:
             target[shape] = {"ratio_B256": row["ratio"], "met_3x": row["ratio"] >= 3.0,
                              "ratio_compiled_B256": row.get("ratio_compiled")}
     out["target_B256"] = target
+    out["total_s"] = round(time.time() - T0, 1)
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+def main_sglang(shapes, args, dev, dtype) -> int:
+    import tempfile
+
+    out = {"bench": "rollout_vs_sglang", "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+           "torch": torch.__version__, "dtype": args.dtype_name, "prompt_tokens": args.prompt, "sampled_tokens": args.new,
+           "server": args.sglang_server, "server_args": args.sglang_args, "shapes": {}}
+    tmp = tempfile.mkdtemp(prefix="bench-rollout-sglang-")
+    for shape in shapes:
+        say(f"{shape}: building random {dtype} model on {dev}")
+        model = build_model(shape, dev, dtype)
+        out["shapes"][shape] = {"params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)}
+        try:
+            out["shapes"][shape].update(sglang_rows(shape, model, args, dev, tmp))
+        except Exception as e:  # noqa: BLE001  (the other shape's figures still count)
+            out["shapes"][shape]["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            say(f"{shape} failed: {e}")
+        del model
+        free(dev)
+    out["not_slower_at_B<=256"] = {
+        shape: all(r.get("ratio", 0) >= 1.0 for b, r in v.get("batches", {}).items() if int(b) <= 256)
+        for shape, v in out["shapes"].items()}
     out["total_s"] = round(time.time() - T0, 1)
     print(json.dumps(out), flush=True)
     return 0

@@ -55,8 +55,11 @@ def pinned_host_bytes(nbytes: int, pin: bool) -> torch.Tensor:
     t = torch.empty(nbytes, dtype=torch.uint8)
     if not pin or nbytes == 0:
         return t
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE)
-    if int(err) != 0:
+    try:
+        err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE))
+    except (RuntimeError, AttributeError, TypeError) as e:
+        err = f"{type(e).__name__}: {e}"
+    if err != 0:
         log.warning("cudaHostRegister of %.2f GiB failed (%s); using torch's pinned allocator for it", nbytes / 2**30, err)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     t._megaforge_registered = True  # unregistered by PinnedOffloader.close / region replacement

@@ -362,3 +362,15 @@ def child_env(gpus: Optional[list[int]] = None, extra: Optional[dict] = None, re
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     env.update({str(k): str(v) for k, v in (extra or {}).items()})
     return env
+
+
+def env_from_script(path: str) -> dict:
+    """The environment variables a shell file sets or changes when sourced (e.g. an SGLang install's
+    ``env.sh``), as a dict for ``rollout.engine_env``; this process's environment is not touched."""
+    import subprocess
+
+    out = subprocess.run(["bash", "-c", 'set -a; . "$1" >/dev/null; env -0', "_", path], capture_output=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"sourcing {path} failed (exit {out.returncode}): {out.stderr.decode()[-400:]}")
+    env = dict(kv.split("=", 1) for kv in out.stdout.decode().split("\0") if "=" in kv)
+    return {k: v for k, v in env.items() if os.environ.get(k) != v and k not in ("_", "SHLVL", "PWD", "OLDPWD")}

@@ -60,6 +60,11 @@ def write_flat(path: str, flat: torch.Tensor, metas) -> None:
         f.write(memoryview(data))
 
 
+def _write_after(event, path: str, flat: torch.Tensor, metas) -> None:
+    event.synchronize()
+    write_flat(path, flat, metas)
+
+
 class WeightSnapshot:
     """Versions of the served weights under ``root`` (a fresh temporary folder when empty).
 
@@ -81,6 +86,7 @@ class WeightSnapshot:
         self._files: list[str] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="megaforge-snapshot") if background else None
         self._pending: list = []
+        self._host: dict[int, torch.Tensor] = {}  # bucket position -> pinned host copy (CUDA buckets)
 
     def _run(self, fn, *args) -> None:
         if self._pool is None:
@@ -109,9 +115,22 @@ class WeightSnapshot:
         return os.path.join(self._staging, name)
 
     def add_flat(self, flat: torch.Tensor, metas) -> None:
-        if flat.device.type != "cpu":
-            flat = flat.to("cpu")
-        self._run(write_flat, self.next_file(), flat, list(metas))
+        """Queue bucket ``flat`` for writing. A CUDA bucket is first copied, asynchronously on the
+        current stream (so before the sender can rewrite its buffer), into a pinned host buffer kept
+        per bucket position and reused by the next versions; the writer waits for that copy."""
+        path = self.next_file()
+        if flat.device.type == "cpu":
+            self._run(write_flat, path, flat, list(metas))
+            return
+        k = len(self._files) - 1
+        host = self._host.get(k)
+        if host is None or host.numel() < flat.numel():
+            host = self._host[k] = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+        dst = host[:flat.numel()]
+        dst.copy_(flat, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(flat.device))
+        self._run(_write_after, done, path, dst, list(metas))
 
     def add_named(self, named) -> None:
         """Written now (the disk transport's engines read the files right after)."""

@@ -11,38 +11,13 @@ virtualenv's) instead or as well. Skipped without CUDA or without an sglang ther
 from __future__ import annotations
 
 import os
-import subprocess
+import sys
 
 import pytest
 import torch
 
-
-def sglang_env() -> dict:
-    """The environment variables ``MEGAFORGE_SGLANG_ENV_SH`` sets or changes ({} when unset)."""
-    path = os.environ.get("MEGAFORGE_SGLANG_ENV_SH", "")
-    if not path:
-        return {}
-    out = subprocess.run(["bash", "-c", 'set -a; . "$1" >/dev/null; env -0', "_", path], capture_output=True,
-                         check=True)
-    env = dict(kv.split("=", 1) for kv in out.stdout.decode().split("\0") if "=" in kv)
-    return {k: v for k, v in env.items() if os.environ.get(k) != v and k not in ("_", "SHLVL", "PWD", "OLDPWD")}
-
-
-def sglang_python() -> str:
-    return os.environ.get("MEGAFORGE_SGLANG_PYTHON", "")
-
-
-def sglang_version() -> str | None:
-    from megaforge.config import config_from_dict
-    from megaforge.configtree import ConfigError
-    from megaforge.rollout.http_launch import require_sglang
-
-    cfg = config_from_dict({"rollout": {"engine": "sglang", "engine_env": sglang_env(),
-                                        "engine_python": sglang_python()}})
-    try:
-        return require_sglang(cfg)
-    except ConfigError:
-        return None
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_helpers import sglang_version  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from conftest import sglang_env, sglang_python, sglang_version
+from gpu_helpers import sglang_env, sglang_python, sglang_version
 
 pytestmark = pytest.mark.timeout(1500)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

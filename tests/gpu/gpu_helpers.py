@@ -1,0 +1,29 @@
+"""Helpers of the GPU tests: the SGLang environment they run the server in (see conftest.py)."""
+from __future__ import annotations
+
+import os
+
+
+def sglang_env() -> dict:
+    """The environment variables ``MEGAFORGE_SGLANG_ENV_SH`` sets or changes ({} when unset)."""
+    from megaforge.rollout.launcher import env_from_script
+
+    path = os.environ.get("MEGAFORGE_SGLANG_ENV_SH", "")
+    return env_from_script(path) if path else {}
+
+
+def sglang_python() -> str:
+    return os.environ.get("MEGAFORGE_SGLANG_PYTHON", "")
+
+
+def sglang_version() -> str | None:
+    from megaforge.config import config_from_dict
+    from megaforge.configtree import ConfigError
+    from megaforge.rollout.http_launch import require_sglang
+
+    cfg = config_from_dict({"rollout": {"engine": "sglang", "engine_env": sglang_env(),
+                                        "engine_python": sglang_python()}})
+    try:
+        return require_sglang(cfg)
+    except ConfigError:
+        return None

@@ -1,0 +1,208 @@
+#!/usr/bin/env python
+"""One colocated GRPO step of a recipe beside the engine alone and the train step alone, in one run.
+
+    torchrun --nproc_per_node 1 tools/bench_grpo_step.py --config configs/grpo_h200_colocated.yaml
+    python tools/bench_grpo_step.py --tiny          # CPU: a tiny model and the embedded server, the code path
+
+Prints ONE JSON line (rank 0; progress on stderr). Everything runs on the recipe's own parts (its
+trainer, its engines, its memory choreography), with dotted overrides after the flags:
+
+1. ``--steps`` colocated steps through :meth:`megaforge.loop.Run.rl_step` after
+   :meth:`~megaforge.loop.Run.start_rl` (engines started while the offload's host buffers are
+   pinned, the trainer's weights pushed). ``first_step`` is step 1; ``step`` is the last one.
+2. engine alone: the last step's requests (same prompts, sampling parameters and seeds) generated
+   again with the trainer offloaded, as during the step: tok/s = sampled tokens / seconds.
+3. train alone: the last step's batch trained again (reference logprobs where the recipe uses them,
+   the loss, the optimizer step) with the engine's memory released, the trainer resident.
+4. raw (megatron backend): megatron-core's pretraining step of tools/bench_train.py on the same model
+   and optimizer, over full rows holding as many real tokens as the batch.
+
+Figures and targets: ``overhead`` = (release + onload + offload + sync + resume) / step (<= 0.05);
+``step_vs_parts`` = step / (engine alone + train alone) (<= 1.10); the first step's offload
+(<= 2 s); ``tokens_per_s_per_gpu`` = all tokens of the step (prompts and responses) / step time /
+GPUs; the train step's TFLOP/s against raw megatron-core's (bench_train's formula, real tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+T0 = time.time()
+CHOREOGRAPHY = ("time/release", "time/onload", "time/offload", "time/sync", "time/resume")
+TINY = ["--model.config", os.path.join(ROOT, "configs", "models", "tiny-qwen2"), "--model.dtype", "float32",
+        "--trainer.device", "cpu", "--trainer.layer_spec", "torch", "--trainer.micro_batch_size", "2",
+        "--rollout.engine", "embedded_server", "--rollout.device", "cpu", "--rollout.batch_size", "2",
+        "--rollout.max_new_tokens", "8", "--rollout.extra_args", "[]", "--rollout.snapshot_dir=",
+        "--grpo.n_samples", "2", "--memory.offload", "none", "--sync.transport", "auto"]
+
+
+def say(msg: str) -> None:
+    print(f"[bench_grpo_step {time.time() - T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "grpo_h200_colocated.yaml"))
+    p.add_argument("--steps", type=int, default=2, help="colocated steps (>= 2: the first is reported apart)")
+    p.add_argument("--raw_steps", type=int, default=2, help="timed raw megatron-core steps (after one warm-up)")
+    p.add_argument("--tiny", action="store_true", help="CPU: tiny model, embedded server, the code path only")
+    a, over = p.parse_known_args(argv)
+    return a, (TINY if a.tiny else []) + over
+
+
+def recorded(obj, name: str, calls: list):
+    """Wrap ``obj.name`` so every call's first argument is appended to ``calls``."""
+    orig = getattr(obj, name)
+
+    def wrapper(arg, *rest, **kw):
+        calls.append(arg)
+        return orig(arg, *rest, **kw)
+
+    setattr(obj, name, wrapper)
+    return orig
+
+
+def model_shape(cfg, batch) -> dict:
+    """bench_train's shape dict of the policy (for its FLOP formula and raw step)."""
+    from megaforge.hf import hf_config
+
+    h = hf_config(cfg.model)
+    return dict(layers=h.num_hidden_layers, hidden=h.hidden_size, ffn=h.intermediate_size, heads=h.num_attention_heads,
+                kv=h.num_key_value_heads, vocab=h.vocab_size, seq=int(batch.lengths.max()),
+                mbs=cfg.trainer.micro_batch_size)
+
+
+def raw_data(shape: dict, tokens: int, dev) -> tuple[list, int]:
+    """Micro-batches of full rows of ``shape['seq']`` random tokens holding about ``tokens`` tokens."""
+    s, b = shape["seq"], shape["mbs"]
+    n_micro = max(1, round(tokens / (s * b)))
+    g = torch.Generator().manual_seed(1)
+    data = []
+    for _ in range(n_micro):
+        tok = torch.randint(0, shape["vocab"], (b, s + 1), generator=g)
+        data.append((tok[:, :-1].to(dev), torch.arange(s, device=dev)[None].expand(b, s).contiguous(), tok[:, 1:].to(dev)))
+    return data, n_micro
+
+
+def phase_sums(m: dict) -> dict:
+    keep = {k: round(float(v), 4) for k, v in m.items() if k.startswith(("time/", "memory/", "throughput/"))}
+    keep["overhead_s"] = round(sum(float(m.get(k, 0.0)) for k in CHOREOGRAPHY), 4)
+    keep["overhead"] = round(keep["overhead_s"] / float(m["time/step"]), 4)
+    return keep
+
+
+def main(argv=None) -> int:
+    a, over = parse_args(argv)
+    from megaforge import dist
+    from megaforge.config import load_config
+    from megaforge.metrics import Progress
+
+    out_dir = tempfile.mkdtemp(prefix="bench-grpo-step-")
+    cfg = load_config(["--config", a.config, *over, "--output_dir", out_dir, "--run_name", "bench",
+                       "--max_steps", str(max(a.steps, 2)), "--checkpoint.interval", "0", "--metrics.progress", "false"])
+    from megaforge.loop import Run
+
+    res = {"bench": "grpo_step", "config": os.path.relpath(a.config, ROOT), "overrides": over, "steps": []}
+    say("trainer")
+    run = Run(cfg, "grpo")
+    dev = run.trainer.device
+    reqs, batches = [], []
+    try:
+        say("engines (the offload's host buffers are pinned meanwhile), first weight sync")
+        t = time.perf_counter()
+        run.start_rl()
+        res["start_rl_s"] = round(time.perf_counter() - t, 2)
+        if run.engine is not None:
+            recorded(run.engine, "generate", reqs)
+        recorded(run.trainer, "train_step", batches)
+        bar = Progress(cfg.max_steps, 0, "bench", False)
+        for step in range(1, max(a.steps, 2) + 1):
+            reqs.clear()
+            batches.clear()
+            m = run.rl_step(step, bar)
+            run.state["rl_step"] = step
+            res["steps"].append(phase_sums(m))
+            say(f"step {step}: {m['time/step']:.2f} s (" + ", ".join(f"{k[5:]} {m[k]:.2f}" for k in m if k.startswith("time/")) + ")")
+        first, last = res["steps"][0], res["steps"][-1]
+        batch = batches[-1]
+        tokens = int(batch.lengths.sum())
+        res["step"] = last
+        res["first_step_offload_s"] = first.get("time/offload", 0.0)
+        world = dist.world()
+        res["tokens_per_step"] = tokens
+        res["tokens_per_s_per_gpu"] = round(tokens / last["time/step"] / world, 1)
+
+        if run.engine is not None:  # 2. the engine alone, on the same requests, trainer offloaded
+            flat = [r for call in reqs for r in call]
+            sync(dev)
+            t = time.perf_counter()
+            comps = run.engine.generate(flat)
+            sync(dev)
+            dt = time.perf_counter() - t
+            sampled = sum(len(c.output_ids) for c in comps)
+            res["engine_alone"] = {"seconds": round(dt, 3), "requests": len(flat), "sampled_tokens": sampled,
+                                   "tok_s": round(sampled / dt, 1)}
+            say(f"engine alone: {dt:.2f} s, {sampled / dt:.0f} tok/s")
+            run.engine.release_memory(["weights", "kv_cache"])
+        # 3. the train step alone: same batch, trainer resident
+        run.trainer.onload()
+        again = copy.deepcopy(batch)
+        sync(dev)
+        t = time.perf_counter()
+        if run._needs_ref():
+            again.ref_logprobs = run.trainer.compute_logprobs(again, "ref")
+        sync(dev)
+        t_ref = time.perf_counter() - t
+        t1 = time.perf_counter()
+        run.trainer.train_step(again)
+        sync(dev)
+        t_train = time.perf_counter() - t1
+        res["train_alone"] = {"seconds": round(t_ref + t_train, 3), "ref_logprobs_s": round(t_ref, 3),
+                              "train_step_s": round(t_train, 3)}
+        say(f"train alone: {t_ref + t_train:.2f} s (reference {t_ref:.2f}, train step {t_train:.2f})")
+        parts = res["train_alone"]["seconds"] + res.get("engine_alone", {}).get("seconds", 0.0)
+        res["step_vs_parts"] = round(last["time/step"] / parts, 3)
+
+        if cfg.trainer.backend == "megatron":  # 4. raw megatron-core on the same model and optimizer
+            sys.path.insert(0, os.path.join(ROOT, "tools"))
+            from bench_train import flops, raw_step, timed
+
+            shape = model_shape(cfg, batch)
+            data, n_micro = raw_data(shape, tokens, dev)
+            t_raw = timed(lambda: raw_step(run.trainer, shape, n_micro, data), 1, a.raw_steps, dev)
+            raw_tok = shape["seq"] * shape["mbs"] * n_micro
+            ours = flops(shape, batch.lengths.tolist()) / t_train / world / 1e12
+            raw = flops(shape, [shape["seq"]] * (shape["mbs"] * n_micro)) / t_raw / world / 1e12
+            res["raw"] = {"seconds": round(t_raw, 3), "tokens": raw_tok, "seq": shape["seq"], "micro_batches": n_micro,
+                          "ours_train_tflops_per_gpu": round(ours, 1), "raw_tflops_per_gpu": round(raw, 1),
+                          "ratio": round(ours / raw, 3)}
+            say(f"raw megatron-core: {t_raw:.2f} s for {raw_tok} tokens; train step {ours:.0f} vs raw {raw:.0f} TFLOP/s")
+        res["targets"] = {"overhead_le_0.05": last["overhead"] <= 0.05,
+                          "step_vs_parts_le_1.10": res["step_vs_parts"] <= 1.10,
+                          "first_step_offload_le_2s": res["first_step_offload_s"] <= 2.0}
+        if dev.type == "cuda":
+            res["device"] = torch.cuda.get_device_name(dev)
+    finally:
+        run.close_rl()
+    res["torch"] = torch.__version__
+    res["wall_s"] = round(time.time() - T0, 1)
+    if dist.is_main():
+        print(json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The main path on the offline H200 machine, in the device calls a session makes (each < 10 min, chained
+# within the 30 s the machine stays warm, so /tmp survives from one to the next). Results go to $OUT.
+#
+# Here, once:  bash ../shared/gpu-wheels/sglang-prepare.sh .sgl && ../shared/gpu-wheels/fetch.sh .whl
+#              (with /.sgl/ and /.whl/ in .git/info/exclude)
+# call 1, carry .sgl/sgl-part1 .sgl/sgl-part2:  bash tools/h200_session.sh parts
+# call 2, carry .sgl/sgl-small .whl:            bash tools/h200_session.sh install tests
+# call 3 (same machine):                         bash tools/h200_session.sh recipe
+# call 4:                                        bash tools/h200_session.sh resume bench_step
+# call 5:                                        bash tools/h200_session.sh rollout
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/h200-out}
+mkdir -p "$OUT"
+RUNS=/tmp/mf-runs
+TORCHRUN="python3 -m torch.distributed.run --nproc_per_node 1"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+[ -d /tmp/mfsite ] && export PYTHONPATH=/tmp/mfsite
+export MEGAFORGE_SGLANG_ENV_SH=/tmp/sgl/env.sh
+engine_env() {  # the SGLang kit's environment as rollout.engine_env (JSON is YAML)
+  python3 -c "import json; from megaforge.rollout.launcher import env_from_script; print(json.dumps(env_from_script('/tmp/sgl/env.sh')))"
+}
+recipe() {  # $1: seconds allowed, then launcher flags
+  local t=$1; shift
+  timeout -k 30 "$t" $TORCHRUN launchers/grpo.py --config configs/grpo_h200_colocated.yaml --output_dir "$RUNS" \
+    --rollout.engine_env "$(engine_env)" "$@"
+}
+
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    parts) mkdir -p /tmp/sgl && cp .sgl/sgl-part1/* .sgl/sgl-part2/* /tmp/sgl/ && ls /tmp/sgl | wc -l ;;
+    install)
+      bash .sgl/sgl-small/sglang-install.sh > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+      tail -2 "$OUT/install.log"
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsite .whl/*.whl
+      export PYTHONPATH=/tmp/mfsite ;;
+    tests)
+      MEGAFORGE_GPU_REPORT="$OUT/gpu_tests.json" timeout -k 20 470 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+      cp /tmp/pytest-of-*/pytest-*/run*/gpu/logs/engine_0.log "$OUT/gpu_tests_engine.log" 2>/dev/null ;;
+    recipe)
+      recipe 540 > "$OUT/recipe.log" 2>&1; echo "exit $?"
+      grep -v -i warn "$OUT/recipe.log" | tail -25
+      cp "$RUNS/grpo_h200_colocated/metrics.jsonl" "$OUT/recipe_metrics.jsonl" ;;
+    resume)
+      recipe 240 --resume --max_steps 6 > "$OUT/resume.log" 2>&1; echo "exit $?"
+      grep -v -i warn "$OUT/resume.log" | tail -12
+      cp "$RUNS/grpo_h200_colocated/metrics.jsonl" "$OUT/recipe_metrics.jsonl"
+      cp "$RUNS/grpo_h200_colocated/logs/engine_0.log" "$OUT/recipe_engine.log" 2>/dev/null
+      rm -rf "$RUNS/grpo_h200_colocated/checkpoints" ;;  # 24 GB each: the disk is 64 GiB
+    bench_step)
+      timeout -k 30 300 $TORCHRUN tools/bench_grpo_step.py --config configs/grpo_h200_colocated.yaml \
+        --rollout.engine_env "$(engine_env)" --raw_steps 1 > "$OUT/bench_grpo_step.log" 2>&1; echo "exit $?"
+      grep -v -i warn "$OUT/bench_grpo_step.log" | grep "^\[bench\|^{" | tail -14
+      grep '^{"bench"' "$OUT/bench_grpo_step.log" > "$OUT/bench_grpo_step.json" ;;
+    rollout)
+      timeout -k 30 540 python3 tools/bench_rollout.py --sglang --sglang_env_sh /tmp/sgl/env.sh > "$OUT/bench_rollout.log" 2>&1
+      echo "exit $?"; grep "^\[bench" "$OUT/bench_rollout.log" | tail -30
+      grep '^{"bench"' "$OUT/bench_rollout.log" > "$OUT/bench_rollout_sglang.json" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
