@@ -34,6 +34,8 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T0 = time.time()
 CHOREOGRAPHY = ("time/release", "time/onload", "time/offload", "time/sync", "time/resume")

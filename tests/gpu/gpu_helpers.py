@@ -21,7 +21,9 @@ def sglang_version() -> str | None:
     from megaforge.configtree import ConfigError
     from megaforge.rollout.http_launch import require_sglang
 
-    cfg = config_from_dict({"rollout": {"engine": "sglang", "engine_env": sglang_env(),
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = config_from_dict({"model": {"config": os.path.join(root, "configs", "models", "tiny-qwen2")}, "max_steps": 0,
+                            "rollout": {"engine": "sglang", "engine_env": sglang_env(),
                                         "engine_python": sglang_python()}})
     try:
         return require_sglang(cfg)
