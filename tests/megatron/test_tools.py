@@ -63,3 +63,18 @@ def test_trace_gaps_charges_idle_gpu_time_to_the_host_work_running_meanwhile():
     assert by_op == {"A": 57, "B": 77, "cudaLaunchKernel": 6, "bwd_op": 80, "C": 50}, by_op
     by_phase = {k: round(v * 1e6) for k, v in rep["idle_by_phase"].items()}
     assert by_phase == {"phase1": 110, "(none)": 160}, by_phase
+
+
+def test_bench_grpo_step_tiny_reports_the_step_beside_its_parts(tmp_path):
+    """tools/bench_grpo_step.py on the CPU (tiny model, embedded server, megatron trainer): the colocated
+    steps, the engine alone on the last step's requests, the train step alone on its batch and raw
+    megatron-core on as many tokens, one JSON line with every figure its targets are read from."""
+    codes, logs = run_ranks([os.path.join(ROOT, "tools", "bench_grpo_step.py"), "--tiny"], 1, tmp_path, "grpo_step")
+    assert codes == [0], tails(logs)
+    rep = _json_line(logs[0])
+    assert len(rep["steps"]) == 2 and rep["step"] == rep["steps"][-1]
+    assert rep["tokens_per_step"] > 0 and rep["tokens_per_s_per_gpu"] > 0
+    assert rep["engine_alone"]["requests"] == 4 and rep["engine_alone"]["sampled_tokens"] > 0
+    assert rep["train_alone"]["train_step_s"] > 0 and rep["raw"]["seconds"] > 0 and rep["raw"]["tokens"] > 0
+    assert set(rep["targets"]) == {"overhead_le_0.05", "step_vs_parts_le_1.10", "first_step_offload_le_2s"}
+    assert 0 <= rep["step"]["overhead"] < 1 and rep["step_vs_parts"] > 0
