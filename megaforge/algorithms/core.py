@@ -116,9 +116,13 @@ def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return inv, int(uniq.numel())
 
 
-def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row group mean, unbiased group std and group size, each [B].
+def group_moments(values: torch.Tensor, group_ids: torch.Tensor):
+    """Per-row (mean, unbiased std, size, all_equal) of the row's group, float64 [B] (all_equal: bool).
 
+    Computed in float64 from the given values: for float32 inputs the centred values ``v - mean`` are
+    exact, and a group of equal values has mean equal to that value. ``all_equal`` compares the values
+    themselves (group min == max), so zero variance is detected by equality and not as ``std > 0``
+    after rounding (three float64 rewards of 0.1 have a float64 mean of 0.10000000000000002).
     std uses Bessel's correction (n - 1); groups of one sample get std 0.
     """
     idx, g = group_index(group_ids)
@@ -128,5 +132,23 @@ def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Te
     mean = total / count
     sq = torch.zeros(g, dtype=torch.float64).index_add_(0, idx, (v - mean[idx]) ** 2)
     var = torch.where(count > 1, sq / (count - 1).clamp_min(1), torch.zeros_like(sq))
+    lo = torch.full((g,), float("inf"), dtype=torch.float64).scatter_reduce(0, idx, v, "amin")
+    hi = torch.full((g,), float("-inf"), dtype=torch.float64).scatter_reduce(0, idx, v, "amax")
+    return mean[idx], var.sqrt()[idx], count[idx], (lo == hi)[idx]
+
+
+def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row group mean, unbiased group std and group size, each [B] in the values' float dtype
+    (see :func:`group_moments`)."""
+    mean, std, count, _ = group_moments(values, group_ids)
     dt = values.dtype if values.is_floating_point() else torch.float32
-    return mean[idx].to(dt), var.sqrt()[idx].to(dt), count[idx].to(dt)
+    return mean.to(dt), std.to(dt), count.to(dt)
+
+
+def group_centered(values: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """``v - mean_g(v)`` per row [B] (float64 arithmetic, result in the values' float dtype); exactly 0
+    for every row of a group whose values are all equal."""
+    mean, _, _, equal = group_moments(values, group_ids)
+    c = values.to(torch.float64) - mean
+    dt = values.dtype if values.is_floating_point() else torch.float32
+    return torch.where(equal, torch.zeros_like(c), c).to(dt)
