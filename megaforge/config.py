@@ -106,7 +106,9 @@ class AlgoConfig:
     kl_estimator: str = "low_var_kl"
     """KL estimator: k1 | k2 | k3 | low_var_kl."""
     kl_in_reward: bool = False
-    """Apply the KL as a per-token reward penalty instead of a loss term."""
+    """Apply the KL as a per-token reward penalty instead of a loss term: r_t -= grpo.beta * KL_t, with
+    KL_t taken from the trainer's old log-probs (pi_old, computed before the update) against the
+    reference, as verl does; not from the engine's rollout log-probs, which a different kernel computes."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (loss -= entropy_coef * entropy)."""
     clip_c: Optional[float] = None
