@@ -99,8 +99,11 @@ class AlgoConfig:
     critic) | a name registered by an ``algo.plugins`` module | ``package.module:callable``."""
     loss: str = "ppo_clip"
     """Policy loss: ppo_clip | gspo | cispo | sapo | reinforce | a registered name | ``package.module:callable``."""
-    loss_agg: str = "token_mean"
-    """Loss aggregation: token_mean | seq_mean_token_sum | seq_mean_token_mean | seq_mean_token_sum_norm."""
+    loss_agg: Optional[str] = None
+    """Loss aggregation: token_mean | seq_mean_token_sum | seq_mean_token_mean | seq_mean_token_sum_norm |
+    null: the loss's own, as its paper (gspo, sapo: seq_mean_token_mean, the mean over sequences of each
+    sequence's token mean; the other losses: token_mean). A value contradicting gspo's or sapo's is an
+    error (under it the loss is not its paper's objective)."""
     loss_agg_norm: float = 0.0
     """Constant normaliser of seq_mean_token_sum_norm (0: rollout.max_new_tokens)."""
     kl_estimator: str = "low_var_kl"

@@ -53,7 +53,7 @@ class LossParams:
         return cls(
             clip_low=g.clip_low, clip_high=g.clip_high, clip_c=a.clip_c, beta=g.beta,
             kl_estimator=a.kl_estimator, kl_in_reward=a.kl_in_reward, entropy_coef=a.entropy_coef,
-            loss=a.loss, loss_agg=a.loss_agg,
+            loss=a.loss, loss_agg=resolve_loss_agg(a),
             loss_agg_norm=a.loss_agg_norm or float(cfg.rollout.max_new_tokens),
             tis_cap=a.tis_cap, tis_level=a.tis_level, mis_threshold=a.mis_threshold,
             mis_threshold_low=a.mis_threshold_low, mis_level=a.mis_level,
@@ -78,10 +78,32 @@ def resolve_components(cfg) -> None:
     load_plugins(a.plugins)
     for key, reg in (("algo.advantage", ADVANTAGES), ("algo.loss", POLICY_LOSSES),
                      ("algo.loss_agg", LOSS_AGGS), ("algo.kl_estimator", KL_ESTIMATORS)):
+        name = getattr(a, key.split(".")[1])
+        if name is None:  # algo.loss_agg null: the loss's own (resolve_loss_agg)
+            continue
         try:
-            reg.get(getattr(a, key.split(".")[1]))
+            reg.get(name)
         except ValueError as e:
             raise ConfigError(f"config key '{key}': {e}") from e
+    resolve_loss_agg(a)
+
+
+DEFAULT_LOSS_AGG = "token_mean"
+
+
+def resolve_loss_agg(algo) -> str:
+    """The aggregation of ``algo.loss``: ``algo.loss_agg`` when set, else the one the loss's registry
+    entry declares (its paper's objective), else token_mean. An explicit ``algo.loss_agg`` that
+    contradicts the declared one raises ConfigError naming both keys: under another aggregation the
+    loss is not its paper's objective (register the function under another name to run a variant)."""
+    declared = POLICY_LOSSES.declared(algo.loss).get("loss_agg")
+    if algo.loss_agg is None:
+        return declared or DEFAULT_LOSS_AGG
+    if declared is not None and algo.loss_agg != declared:
+        raise ConfigError(f"config key 'algo.loss_agg': {algo.loss_agg!r} contradicts algo.loss {algo.loss!r}, "
+                          f"whose paper's objective aggregates {declared!r}; set algo.loss_agg to {declared!r} "
+                          f"or null (the loss's own)")
+    return algo.loss_agg
 
 
 @dataclass
