@@ -235,6 +235,11 @@ class RolloutConfig:
     """Interface engine servers bind to."""
     api_key: str = ""
     """Token required by engine admin endpoints when bound beyond loopback."""
+    weight_roots: list[str] = field(default_factory=list)
+    """Directories an embedded server bound beyond loopback (rollout.host) may read weights from with
+    /update_weights_from_disk (its --weight-root); nothing else is readable. megaforge adds the folders
+    it writes weights to itself: rollout.snapshot_dir, else the temporary folder (default snapshots,
+    sync.transport disk). Loopback servers read any directory."""
     startup_timeout_s: float = 600.0
     """Seconds an engine may take to become healthy."""
     request_timeout_s: float = 600.0

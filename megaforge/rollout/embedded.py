@@ -184,17 +184,31 @@ class EmbeddedEngine(Engine):
                 self.load_tensors(bucket)
             self._version = int(version)
 
-    def load_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        n = 0
-        for name, t in named:
+    def check_specs(self, specs: Iterable[tuple[str, Sequence[int], torch.dtype]]) -> None:
+        """Raise (naming the tensor) unless every ``(name, shape, dtype)`` can be loaded: a tensor of the
+        model, its shape, a floating dtype for a floating tensor (else the same dtype), each name once."""
+        seen = set()
+        for name, shape, dtype in specs:
             p = self._params.get(name)
             if p is None:
                 raise KeyError(f"update_weights: the engine's model has no tensor {name!r}")
-            if tuple(p.shape) != tuple(t.shape):
-                raise ValueError(f"update_weights: {name!r} has shape {tuple(t.shape)}, the engine's is {tuple(p.shape)}")
+            if tuple(p.shape) != tuple(shape):
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(shape)}, the engine's is {tuple(p.shape)}")
+            if (dtype.is_floating_point != p.is_floating_point()) or (not p.is_floating_point() and dtype != p.dtype):
+                raise ValueError(f"update_weights: {name!r} has dtype {dtype}, the engine's is {p.dtype}")
+            if name in seen:
+                raise ValueError(f"update_weights: {name!r} appears twice in one update")
+            seen.add(name)
+
+    def load_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy ``named`` into the model; every tensor is checked (:meth:`check_specs`) before the first
+        copy, so a bad bucket changes nothing."""
+        named = list(named)
+        self.check_specs((n, t.shape, t.dtype) for n, t in named)
+        for name, t in named:
+            p = self._params[name]
             p.data.copy_(t.to(device=p.device, dtype=p.dtype))
-            n += 1
-        return n
+        return len(named)
 
     def set_version(self, version: int) -> None:
         self._version = int(version)

@@ -22,7 +22,10 @@ and a flushing update need an idle server. A malformed body (unknown field, wron
 Security: binds 127.0.0.1 by default and refuses a non-loopback bind without an API key
 (``--api-key`` or ``$MEGAFORGE_ENGINE_API_KEY``, which keeps it out of ``ps``). With a key every
 endpoint except ``/health*`` needs ``Authorization: Bearer <key>`` (SGLang's ``--api-key`` rule), else
-401. Weight payloads are unpickled with :class:`megaforge.rollout.wire.RestrictedUnpickler`.
+401. ``/update_weights_from_disk`` reads only under ``--weight-root`` directories when any is given, and
+nothing when bound beyond loopback without one (403); it checks every file and tensor before the
+first weight changes (:mod:`megaforge.rollout.server_weights`). Weight payloads are unpickled with
+:mod:`megaforge.rollout.unpickle` (allowlist :mod:`megaforge.rollout.tensor_payload`).
 """
 from __future__ import annotations
 
@@ -69,6 +72,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-file", default=None)
     p.add_argument("--sock-fd", type=int, default=None, help="serve on this inherited, bound socket")
     p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds for weight-update group set-up")
+    p.add_argument("--weight-root", action="append", default=[], metavar="DIR",
+                   help="a directory /update_weights_from_disk may read under (repeatable); bound beyond loopback, "
+                        "nothing else is readable (none: no disk updates)")
+    p.add_argument("--max-bucket-mb", type=int, default=16384,
+                   help="largest total size of the tensors of one /update_weights_from_tensor payload (default 16384)")
     p.add_argument("--generate-delay", type=float, default=0.0,
                    help="seconds each /generate batch waits after it is accepted (it counts as running) before "
                         "decoding starts: emulates a slow engine for timeout and fault-tolerance tests (default 0)")
