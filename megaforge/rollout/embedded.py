@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -42,7 +43,8 @@ class EmbeddedEngine(Engine):
         self.device = next(model.parameters()).device
         if pad_token_id is None:
             pad_token_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
-        self.pad_id = int(pad_token_id if pad_token_id is not None else 0)
+        self.pad_id = self._valid_pad(pad_token_id)
+        self.progress_time = 0.0  # time.monotonic() of the last decoding step (the server's /health_generate)
         self._version = 0
         self._released: set[str] = set()
         self._abort = threading.Event()
@@ -51,6 +53,21 @@ class EmbeddedEngine(Engine):
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(0)
         self._fast = self._select_fast(fast, fast_options or {})
+
+    def _valid_pad(self, pad: Optional[int]) -> int:
+        """The id that fills left padding: the tokenizer's pad id when the model can embed it, else the
+        model config's, else 0. Padded positions are masked out, so any id of the embedding does; a
+        tokenizer without a pad token (megaforge.hf.load_tokenizer then pads with eos) may name one
+        outside the model's vocabulary, which would fail in the embedding of a ragged batch."""
+        vocab = int(getattr(self.model.config, "vocab_size", 0) or 0)
+        for cand in (pad, getattr(self.model.config, "pad_token_id", None), 0):
+            if isinstance(cand, int) and 0 <= cand < (vocab or cand + 1):
+                return cand
+        return 0
+
+    def mark_progress(self) -> None:
+        """Record a decoding step (read as ``progress_time``)."""
+        self.progress_time = time.monotonic()
 
     def _select_fast(self, fast: str, options: dict):
         """The FastDecoder serving generate, or None (the simple loop); see the module docstring."""
@@ -139,6 +156,7 @@ class EmbeddedEngine(Engine):
         for step in range(max(max_new)):
             out = self.model(input_ids=cur_ids, attention_mask=attn, position_ids=cur_pos,
                              past_key_values=past, use_cache=True)
+            self.mark_progress()
             past = out.past_key_values
             tok, lp = sample_tokens(out.logits[:, -1, :], temp, top_k, top_p, gen, seeds,
                                     torch.full((B,), step, dtype=torch.long, device=dev))
