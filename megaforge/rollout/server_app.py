@@ -42,15 +42,31 @@ def build_app(srv, api_key) -> web.Application:
             if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), api_key.encode()):
                 log.warning("401 %s %s from %s", request.method, request.path, request.remote)
                 return web.json_response({"error": "Unauthorized"}, status=401)
+        if srv.guard is not None:
+            srv.guard.begin(request.protocol)  # a request in progress: its connection is not idle
         try:
             return await handler(request)
         except P.FieldError as e:
             return _bad_request(e.field, f"{request.path}: {e}")
-        except P.StateError as e:
+        except (P.StateError, P.LengthError) as e:
             return web.json_response({"error": {"message": f"{request.path}: {e}"}}, status=400)
+        except web.HTTPException:
+            raise
+        except Exception as e:  # noqa: BLE001  (a bug: answered with its cause instead of aiohttp's bare page)
+            log.exception("500 %s %s", request.method, request.path)
+            return web.json_response({"error": {"message": f"{request.path}: internal error: {type(e).__name__}: {e}"}},
+                                     status=500)
+        finally:
+            if srv.guard is not None:
+                srv.guard.end(request.protocol)
 
     async def body(request: web.Request) -> dict:
-        raw = await request.read()
+        try:
+            raw = await asyncio.wait_for(request.read(), srv.args.body_timeout)
+        except asyncio.TimeoutError:
+            raise web.HTTPRequestTimeout(text=json.dumps({"error": {"message": f"{request.path}: the request body did "
+                                         f"not arrive within {srv.args.body_timeout:g} s"}}),
+                                         content_type="application/json") from None
         if not raw.strip():
             data = {}
         else:
@@ -58,6 +74,8 @@ def build_app(srv, api_key) -> web.Application:
                 data = json.loads(raw)
             except ValueError as e:
                 raise P.FieldError("<body>", f"not valid JSON ({e})") from None
+            except RecursionError:
+                raise P.FieldError("<body>", "JSON nested too deeply") from None
         return P.validate(P.SCHEMAS[request.path], data)
 
     def version_after(b: dict) -> None:
@@ -80,7 +98,7 @@ def build_app(srv, api_key) -> web.Application:
         try:
             return web.json_response(await srv.generate(b))
         except (ValueError, RuntimeError) as e:
-            if isinstance(e, P.FieldError):
+            if isinstance(e, (P.FieldError, P.LengthError, P.StateError)):
                 raise
             return web.json_response({"error": {"message": f"/generate: {type(e).__name__}: {e}"}}, status=400)
 
@@ -186,10 +204,11 @@ def build_app(srv, api_key) -> web.Application:
         def job():
             return weight_group.init_custom_process_group(b["backend"], b["master_address"], b["master_port"],
                                                           b["world_size"], b["rank_offset"], b["group_name"],
-                                                          timeout_s=srv.args.dist_timeout)
+                                                          timeout_s=srv.args.dist_timeout,
+                                                          connect_timeout_s=srv.args.dist_connect_timeout)
 
-        try:
-            srv.groups[b["group_name"]] = await srv.run(job)
+        try:  # on the set-up thread: the engine keeps generating while the rendezvous waits
+            srv.groups[b["group_name"]] = await srv.run_dist_setup(job)
         except Exception as e:  # noqa: BLE001  (rendezvous failures come in many types)
             return _failed(f"Failed to initialize custom process group: {type(e).__name__}: {e}.")
         return _ok("Succeeded to initialize custom process group.")
