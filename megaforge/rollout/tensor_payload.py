@@ -25,7 +25,8 @@ import torch
 from torch.multiprocessing import reductions as _red
 
 from megaforge.rollout.unpickle import (Allowlist, OpcodeRestricted, PayloadError, RestrictedUnpickler, Token,
-                                        UnpicklingRefused, as_args, as_bool, as_class, as_int, as_ints, bad, global_name)
+                                        UnpicklingRefused, as_args, as_bool, as_class, as_int, as_ints, bad,
+                                        global_name)
 
 DEFAULT_MAX_BYTES = 16 << 30
 CUDA_DEVICE_ARG = 6  # position of the device index in torch's rebuild_cuda_tensor arguments
@@ -93,8 +94,8 @@ def view_nbytes(size: tuple, stride: tuple, offset: int, itemsize: int) -> int:
 
 
 def _check_view(size, stride, offset, itemsize: int, storage_nbytes: int, what: str) -> None:
-    need = view_nbytes(as_ints(size, f"{what} size"), as_ints(stride, f"{what} stride"), as_int(offset, f"{what} offset"),
-                       itemsize)
+    need = view_nbytes(as_ints(size, f"{what} size"), as_ints(stride, f"{what} stride"),
+                       as_int(offset, f"{what} offset"), itemsize)
     if need > storage_nbytes:
         raise PayloadError(f"{what}: a view of size {tuple(size)}, stride {tuple(stride)} at offset {offset} needs "
                            f"{need} bytes of a storage of {storage_nbytes}")
@@ -105,7 +106,6 @@ def _empty_hooks(v, what: str) -> None:
         bad(what, v, "an empty OrderedDict (hooks are not transferred)")
 
 
-
 # --------------------------------------------------------------------------------------- builders
 def _b_rebuild_tensor(u: RestrictedUnpickler, args):
     cls, storage, meta = as_args(args, (3,), "rebuild_tensor")
@@ -114,7 +114,8 @@ def _b_rebuild_tensor(u: RestrictedUnpickler, args):
         bad("rebuild_tensor storage", storage, "a typed storage")
     offset, size, stride, requires_grad = as_args(meta, (4,), "rebuild_tensor metadata")
     _check_view(size, stride, offset, storage.element_size(), storage.nbytes(), "rebuild_tensor")
-    return _red.rebuild_tensor(cls, storage, (offset, torch.Size(size), tuple(stride), as_bool(requires_grad, "requires_grad")))
+    rg = as_bool(requires_grad, "requires_grad")
+    return _red.rebuild_tensor(cls, storage, (offset, torch.Size(size), tuple(stride), rg))
 
 
 def _b_rebuild_typed_storage(u, args):
@@ -187,8 +188,8 @@ def _b_rebuild_tensor_v2(u, args):
         bad("tensor metadata", meta[0], "none")
     import torch._utils as tu
 
-    return tu._rebuild_tensor_v2(storage, offset, torch.Size(size), tuple(stride), as_bool(requires_grad, "requires_grad"),
-                                 OrderedDict())
+    rg = as_bool(requires_grad, "requires_grad")
+    return tu._rebuild_tensor_v2(storage, offset, torch.Size(size), tuple(stride), rg, OrderedDict())
 
 
 def _b_rebuild_parameter(u, args):
@@ -201,7 +202,8 @@ def _b_rebuild_parameter(u, args):
 
 def _b_rebuild_from_type_v2(u, args):
     func, new_type, fargs, state = as_args(args, (4,), "_rebuild_from_type_v2")
-    if not isinstance(func, Token) or func.name not in ("torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter"):
+    if not isinstance(func, Token) or func.name not in ("torch._utils._rebuild_tensor_v2",
+                                                        "torch._utils._rebuild_parameter"):
         bad("_rebuild_from_type_v2 function", func, "torch._utils._rebuild_tensor_v2 or _rebuild_parameter")
     ret = BUILDERS[func.name](u, fargs)
     if as_class(new_type, _TENSOR_CLASSES, "_rebuild_from_type_v2 type") is not type(ret) or state not in (None, {}):
@@ -259,12 +261,15 @@ BUILDERS = {
 }
 
 
+def _empty_record() -> FlattenedTensorMetadata:
+    return object.__new__(FlattenedTensorMetadata)  # fields come from BUILD
+
 
 TENSOR_BUCKET = Allowlist(
     builders=BUILDERS, tokens=frozenset(_TENSOR_CLASSES) | frozenset(_STORAGE_CLASSES), values=_DTYPES,
-    records={"megaforge.rollout.tensor_payload.FlattenedTensorMetadata": lambda: object.__new__(FlattenedTensorMetadata),
-             "megaforge.rollout.wire.FlattenedTensorMetadata": lambda: object.__new__(FlattenedTensorMetadata),
-             "sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata": lambda: object.__new__(FlattenedTensorMetadata),
+    records={"megaforge.rollout.tensor_payload.FlattenedTensorMetadata": _empty_record,
+             "megaforge.rollout.wire.FlattenedTensorMetadata": _empty_record,
+             "sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata": _empty_record,
              "types.SimpleNamespace": types.SimpleNamespace},
     record_fields=RECORD_FIELDS)
 

@@ -185,3 +185,57 @@ def test_tensor_with_python_state_or_hooks_is_refused():
     t.evil = "x"  # pickled through _rebuild_from_type_v2 with a state
     with pytest.raises(PayloadError, match="state"):
         wire.deserialize(b64(pickle.dumps([("t", t)])))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+def test_cuda_ipc_bucket_after_attacks_in_the_receiving_process():
+    """A receiver that refused the malicious payloads still maps a CUDA IPC bucket (the ipc transport)."""
+    named = [("a", torch.randn(256, 64, device="cuda")), ("b", torch.arange(10, device="cuda", dtype=torch.int32))]
+    flat, metas = wire.flatten(named)
+    assert flat.is_cuda
+    payload = wire.flattened_bucket_payload(flat, metas)
+    code = f"""
+import sys, base64, torch
+sys.path.insert(0, {ROOT!r})
+from megaforge.rollout import wire
+for raw in {[b64(BUILD_ON_CLASS), b64(BYTEARRAY_CALL), b64(BYTEARRAY8)]!r}:
+    try:
+        wire.deserialize(raw)
+        print("accepted")
+    except ValueError:
+        pass
+named = dict(wire.named_tensors_from_payload(wire.deserialize(sys.stdin.read()), "flattened_bucket"))
+print(named["a"].is_cuda, repr(float(named["a"].double().sum())), named["b"].tolist())
+"""
+    r = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    is_cuda, total, ints = r.stdout.split(" ", 2)
+    assert "accepted" not in r.stdout and is_cuda == "True"
+    assert float(total) == pytest.approx(float(named[0][1].double().sum()), rel=1e-12)
+    assert ints.strip() == str(list(range(10)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+def test_cuda_engine_server_takes_ipc_updates_after_malicious_payloads(long_model_dir, tmp_path, tokenizer):
+    from engine_helpers import buckets_of, engine_config, hf_output_logprobs, http, perturbed_state
+    from megaforge.rollout import build_engine
+    from megaforge.types import GenerateRequest, SamplingParams
+
+    eng = build_engine(engine_config(tmp_path, long_model_dir, device="cuda"), tokenizer)
+    try:
+        url = eng.clients[0].url
+        assert http(url, "POST", "/begin_weight_update", {})[0] == 200
+        for raw in (BUILD_ON_CLASS, BYTEARRAY_CALL, BYTEARRAY8):
+            st, out = http(url, "POST", "/update_weights_from_tensor", {"serialized_named_tensors": [b64(raw)]})
+            assert st == 400 and out["param"] == "serialized_named_tensors", out
+        assert http(url, "POST", "/end_weight_update", {})[0] == 200
+        ref, named = perturbed_state(long_model_dir, seed=21)
+        eng.update_weights(buckets_of([(n, t.cuda()) for n, t in named], 3), version=21)  # CUDA IPC buckets
+        prompt = [5, 17, 33, 9]
+        c = eng.generate([GenerateRequest(prompt, SamplingParams(temperature=1.0, max_new_tokens=8, stop_token_ids=[],
+                                                                 seed=3), rid="r")])[0]
+        assert c.weight_version == 21
+        diff = (hf_output_logprobs(ref, prompt, c.output_ids) - torch.tensor(c.output_logprobs)).abs().max().item()
+        assert diff < 1e-3, diff  # float32 on the GPU against the CPU model: TF32-free, 2 layers, 8 tokens
+    finally:
+        eng.shutdown()
