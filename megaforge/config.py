@@ -99,14 +99,19 @@ class AlgoConfig:
     critic) | a name registered by an ``algo.plugins`` module | ``package.module:callable``."""
     loss: str = "ppo_clip"
     """Policy loss: ppo_clip | gspo | cispo | sapo | reinforce | a registered name | ``package.module:callable``."""
-    loss_agg: str = "token_mean"
-    """Loss aggregation: token_mean | seq_mean_token_sum | seq_mean_token_mean | seq_mean_token_sum_norm."""
+    loss_agg: Optional[str] = None
+    """Loss aggregation: token_mean | seq_mean_token_sum | seq_mean_token_mean | seq_mean_token_sum_norm |
+    null: the loss's own, as its paper (gspo, sapo: seq_mean_token_mean, the mean over sequences of each
+    sequence's token mean; the other losses: token_mean). A value contradicting gspo's or sapo's is an
+    error (under it the loss is not its paper's objective)."""
     loss_agg_norm: float = 0.0
     """Constant normaliser of seq_mean_token_sum_norm (0: rollout.max_new_tokens)."""
     kl_estimator: str = "low_var_kl"
     """KL estimator: k1 | k2 | k3 | low_var_kl."""
     kl_in_reward: bool = False
-    """Apply the KL as a per-token reward penalty instead of a loss term."""
+    """Apply the KL as a per-token reward penalty instead of a loss term: r_t -= grpo.beta * KL_t, with
+    KL_t taken from the trainer's old log-probs (pi_old, computed before the update) against the
+    reference, as verl does; not from the engine's rollout log-probs, which a different kernel computes."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (loss -= entropy_coef * entropy)."""
     clip_c: Optional[float] = None
@@ -239,6 +244,11 @@ class RolloutConfig:
     """Interface engine servers bind to."""
     api_key: str = ""
     """Token required by engine admin endpoints when bound beyond loopback."""
+    weight_roots: list[str] = field(default_factory=list)
+    """Directories an embedded server bound beyond loopback (rollout.host) may read weights from with
+    /update_weights_from_disk (its --weight-root); nothing else is readable. megaforge adds the folders
+    it writes weights to itself: rollout.snapshot_dir, else the temporary folder (default snapshots,
+    sync.transport disk). Loopback servers read any directory."""
     startup_timeout_s: float = 600.0
     """Seconds an engine may take to become healthy."""
     request_timeout_s: float = 600.0

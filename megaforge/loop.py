@@ -30,7 +30,7 @@ from contextlib import contextmanager
 import torch
 
 from megaforge import checkpoint, dist, memory
-from megaforge.algorithms import (ADVANTAGES, KL_ESTIMATORS, AdvantageInputs, first_groups, nonzero_variance_groups,
+from megaforge.algorithms import (ADVANTAGES, AdvantageInputs, first_groups, kl_reward_penalty, nonzero_variance_groups,
                                   overlong_penalty, value_targets)
 from megaforge.config import Config, save_config
 from megaforge.data.batch import samples_to_batch, set_denominators, sft_batch
@@ -398,17 +398,7 @@ class Run:
         return samples_to_batch(samples, self.tokenizer.pad_token_id)
 
     def _advantages(self, batch) -> torch.Tensor:
-        cfg = self.cfg
-        token_rewards = None
-        if cfg.algo.kl_in_reward and batch.ref_logprobs is not None and cfg.grpo.beta > 0:
-            # the penalty uses the rollout policy's logprobs (no gradient): r_t -= beta * KL_t
-            kl = KL_ESTIMATORS.get(cfg.algo.kl_estimator)(batch.rollout_logprobs, batch.ref_logprobs)
-            token_rewards = -cfg.grpo.beta * kl * batch.loss_mask
-        inp = AdvantageInputs(rewards=batch.rewards, group_ids=batch.group_ids, loss_mask=batch.loss_mask,
-                              token_rewards=token_rewards, values=batch.values)
-        if batch.values is not None:  # the critic's targets: lambda-returns
-            batch.returns = value_targets(inp, cfg.algo)
-        return ADVANTAGES.get(cfg.algo.advantage)(inp, cfg.algo)
+        return batch_advantages(batch, self.cfg)
 
     def rl_step(self, step: int, bar: Progress) -> dict:
         cfg = self.cfg
@@ -446,7 +436,7 @@ class Run:
         with timed(m, "time/train"):
             if self._needs_ref():
                 batch.ref_logprobs = self.trainer.compute_logprobs(batch, "ref")
-            if cfg.trainer.mini_batches * cfg.trainer.epochs > 1:
+            if needs_old_logprobs(cfg):
                 batch.old_logprobs = self.trainer.compute_logprobs(batch, "policy")
             if cfg.critic_enabled:
                 batch.values = self.trainer.compute_values(batch)
@@ -478,6 +468,35 @@ class Run:
         if self.engine is not None:
             with timed(m, "time/resume"):
                 self.engine.resume_memory(["kv_cache", "cuda_graph"])
+
+
+def kl_in_reward(cfg: Config) -> bool:
+    """The KL to the reference is a per-token reward penalty (``algo.kl_in_reward`` with beta > 0)."""
+    return cfg.algo.kl_in_reward and cfg.grpo.beta > 0
+
+
+def needs_old_logprobs(cfg: Config) -> bool:
+    """The trainer computes pi_old's log-probs before the update: several updates per batch (the ratio
+    needs a fixed pi_old), or the KL penalty in the reward (it is taken from them)."""
+    return cfg.trainer.mini_batches * cfg.trainer.epochs > 1 or kl_in_reward(cfg)
+
+
+def batch_advantages(batch, cfg: Config) -> torch.Tensor:
+    """``algo.advantage`` of ``batch`` [B, T]; sets ``batch.returns`` (the critic's targets) when the
+    batch has critic values. With :func:`kl_in_reward` the token rewards are
+    :func:`~megaforge.algorithms.kl.kl_reward_penalty` of the trainer's old log-probs (as verl), not of
+    the engine's rollout log-probs."""
+    token_rewards = None
+    if kl_in_reward(cfg):
+        if batch.old_logprobs is None or batch.ref_logprobs is None:
+            raise RuntimeError("algo.kl_in_reward: the batch lacks the trainer's old or reference log-probs")
+        token_rewards = kl_reward_penalty(batch.old_logprobs, batch.ref_logprobs, batch.loss_mask, cfg.grpo.beta,
+                                          cfg.algo.kl_estimator)
+    inp = AdvantageInputs(rewards=batch.rewards, group_ids=batch.group_ids, loss_mask=batch.loss_mask,
+                          token_rewards=token_rewards, values=batch.values)
+    if batch.values is not None:  # the critic's targets: lambda-returns
+        batch.returns = value_targets(inp, cfg.algo)
+    return ADVANTAGES.get(cfg.algo.advantage)(inp, cfg.algo)
 
 
 def run_grpo(cfg: Config) -> Run:

@@ -8,6 +8,9 @@
     LOSSES.get("ppo_clip")             # the function
     LOSSES.get("my_pkg.losses:my_loss")  # imported from the user's own module
     LOSSES.get("ppo_clp")              # ValueError naming the registered ones
+
+An entry may carry declarations (``@LOSSES.register("gspo", loss_agg="seq_mean_token_mean")``),
+read back with ``LOSSES.declared("gspo")`` (empty for plug-ins given as ``package.module:callable``).
 """
 from __future__ import annotations
 
@@ -37,14 +40,16 @@ class Registry:
     def __init__(self, kind: str):
         self.kind = kind
         self._items: dict[str, Callable] = {}
+        self._declared: dict[str, dict] = {}
 
-    def register(self, name: str, obj: Callable | None = None):
-        """Register ``obj`` under ``name`` (usable as a decorator)."""
+    def register(self, name: str, obj: Callable | None = None, **declared):
+        """Register ``obj`` under ``name`` (usable as a decorator), with optional declarations."""
 
         def deco(o):
             if name in self._items and self._items[name] is not o:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self._items[name] = o
+            self._declared[name] = dict(declared)
             return o
 
         return deco(obj) if obj is not None else deco
@@ -58,6 +63,10 @@ class Registry:
             f"unknown {self.kind} {name!r}; registered: {', '.join(sorted(self._items))} "
             f"(or give 'package.module:callable')"
         )
+
+    def declared(self, name: str) -> dict:
+        """The declarations registered with ``name`` ({} for none, or for a ``package.module:callable``)."""
+        return dict(self._declared.get(name, {}))
 
     def names(self) -> Iterable[str]:
         return sorted(self._items)

@@ -20,6 +20,7 @@ from megaforge.algorithms.core import (  # noqa: F401
 from megaforge.algorithms import advantages, aggregation, kl, losses  # noqa: F401  (registration)
 from megaforge.algorithms.aggregation import aggregate  # noqa: F401
 from megaforge.algorithms.advantages import gae, value_targets  # noqa: F401
+from megaforge.algorithms.kl import kl_reward_penalty  # noqa: F401
 from megaforge.algorithms.filters import first_groups, nonzero_variance_groups, overlong_penalty  # noqa: F401
 from megaforge.algorithms.objective import policy_objective, mismatch_weights  # noqa: F401
 from megaforge.algorithms.value import clipped_value_loss, value_objective  # noqa: F401

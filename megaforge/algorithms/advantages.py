@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megaforge.algorithms.core import ADVANTAGES, AdvantageInputs, group_stats
+from megaforge.algorithms.core import ADVANTAGES, AdvantageInputs, group_centered, group_moments
 
 
 def _broadcast(seq_adv: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -22,12 +22,13 @@ def grpo_advantage(inp: AdvantageInputs, cfg) -> torch.Tensor:
 
     A_i = (r_i - mean_g(r)) / (std_g(r) + eps) for sample i of group g, std with Bessel's
     correction; every response token of sample i gets A_i. Groups of one sample, and groups whose
-    rewards are all equal, get 0 (also with std_eps 0).
+    rewards are all equal (compared as values, not as a rounded std > 0), get exactly 0, also with
+    std_eps 0. Arithmetic in float64 (:func:`~megaforge.algorithms.core.group_moments`).
     """
-    mean, std, count = group_stats(inp.rewards, inp.group_ids)
+    mean, std, count, equal = group_moments(inp.rewards, inp.group_ids)
     denom = std + cfg.std_eps
-    adv = (inp.rewards - mean) / torch.where(denom > 0, denom, torch.ones_like(denom))
-    adv = torch.where((count > 1) & (std > 0), adv, torch.zeros_like(adv))
+    adv = (inp.rewards.to(torch.float64) - mean) / torch.where(denom > 0, denom, torch.ones_like(denom))
+    adv = torch.where((count > 1) & ~equal & (denom > 0), adv, torch.zeros_like(adv))
     return _broadcast(adv, inp.loss_mask)
 
 
@@ -38,8 +39,7 @@ def dr_grpo_advantage(inp: AdvantageInputs, cfg) -> torch.Tensor:
     A_i = r_i - mean_g(r): no std normalisation. Pair it with ``loss_agg: seq_mean_token_sum_norm``
     to also drop the per-sequence length normalisation.
     """
-    mean, _, _ = group_stats(inp.rewards, inp.group_ids)
-    return _broadcast(inp.rewards - mean, inp.loss_mask)
+    return _broadcast(group_centered(inp.rewards, inp.group_ids), inp.loss_mask)
 
 
 @ADVANTAGES.register("rloo")
@@ -47,11 +47,11 @@ def rloo_advantage(inp: AdvantageInputs, cfg) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740): leave-one-out baseline.
 
     A_i = r_i - (1 / (n - 1)) * sum_{j != i} r_j = n / (n - 1) * (r_i - mean_g(r)) for a group of n;
-    groups of one sample get 0.
+    groups of one sample (and groups of equal rewards) get 0.
     """
-    mean, _, count = group_stats(inp.rewards, inp.group_ids)
+    _, _, count, _ = group_moments(inp.rewards, inp.group_ids)
     scale = torch.where(count > 1, count / (count - 1).clamp_min(1), torch.zeros_like(count))
-    return _broadcast(scale * (inp.rewards - mean), inp.loss_mask)
+    return _broadcast(scale * group_centered(inp.rewards, inp.group_ids).to(torch.float64), inp.loss_mask)
 
 
 # ------------------------------------------------------------------------- token-level estimators
@@ -84,14 +84,24 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
-    """(x - mean) / (std + eps) with mean and population std over the trained tokens of the batch."""
-    n = mask.sum().clamp_min(1.0)
-    mean = (x * mask).sum() / n
-    var = (((x - mean) * mask) ** 2).sum() / n
-    denom = var.sqrt() + eps
-    if float(denom) == 0.0:  # every value equal: nothing to normalise, all centred values are 0
+    """(x - mean) / (std + eps) with mean and population std over the trained tokens of the batch
+    (mask 0/1), 0 where mask is 0.
+
+    Arithmetic in float64, result in x's dtype: for float32 values the centring is exact (the float64
+    mean of equal float32 values is that value). When every trained value is equal (compared as
+    values) the result is exactly 0: nothing to normalise, whatever ``eps`` is.
+    """
+    trained = x[mask > 0]
+    if trained.numel() == 0 or bool((trained == trained[0]).all()):
         return torch.zeros_like(x)
-    return (x - mean) / denom * mask
+    x64, m64 = x.to(torch.float64), mask.to(torch.float64)
+    n = m64.sum()
+    mean = (x64 * m64).sum() / n
+    var = (((x64 - mean) * m64) ** 2).sum() / n
+    denom = var.sqrt() + eps
+    if float(denom) == 0.0:  # distinct values whose spread underflows float64
+        return torch.zeros_like(x)
+    return ((x64 - mean) / denom * m64).to(x.dtype)
 
 
 @ADVANTAGES.register("reinforce_pp")
@@ -112,9 +122,9 @@ def reinforce_pp_baseline_advantage(inp: AdvantageInputs, cfg) -> torch.Tensor:
     """REINFORCE++-baseline (Hu 2025, arXiv:2501.03262, the group-baseline variant): the group mean
     reward is subtracted first, then as ``reinforce_pp``:
         R'_i = R_i - mean_g(R);  r_t = -beta * KL_t + R'_i [t = last];  A = batch-normalised G
+    (R'_i is exactly 0 in a group of equal rewards.)
     """
-    mean, _, _ = group_stats(inp.rewards, inp.group_ids)
-    g = discounted_returns(token_rewards(inp, inp.rewards - mean), inp.loss_mask, cfg.gamma)
+    g = discounted_returns(token_rewards(inp, group_centered(inp.rewards, inp.group_ids)), inp.loss_mask, cfg.gamma)
     return whiten(g, inp.loss_mask, cfg.std_eps)
 
 

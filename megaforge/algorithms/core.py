@@ -53,7 +53,7 @@ class LossParams:
         return cls(
             clip_low=g.clip_low, clip_high=g.clip_high, clip_c=a.clip_c, beta=g.beta,
             kl_estimator=a.kl_estimator, kl_in_reward=a.kl_in_reward, entropy_coef=a.entropy_coef,
-            loss=a.loss, loss_agg=a.loss_agg,
+            loss=a.loss, loss_agg=resolve_loss_agg(a),
             loss_agg_norm=a.loss_agg_norm or float(cfg.rollout.max_new_tokens),
             tis_cap=a.tis_cap, tis_level=a.tis_level, mis_threshold=a.mis_threshold,
             mis_threshold_low=a.mis_threshold_low, mis_level=a.mis_level,
@@ -78,10 +78,32 @@ def resolve_components(cfg) -> None:
     load_plugins(a.plugins)
     for key, reg in (("algo.advantage", ADVANTAGES), ("algo.loss", POLICY_LOSSES),
                      ("algo.loss_agg", LOSS_AGGS), ("algo.kl_estimator", KL_ESTIMATORS)):
+        name = getattr(a, key.split(".")[1])
+        if name is None:  # algo.loss_agg null: the loss's own (resolve_loss_agg)
+            continue
         try:
-            reg.get(getattr(a, key.split(".")[1]))
+            reg.get(name)
         except ValueError as e:
             raise ConfigError(f"config key '{key}': {e}") from e
+    resolve_loss_agg(a)
+
+
+DEFAULT_LOSS_AGG = "token_mean"
+
+
+def resolve_loss_agg(algo) -> str:
+    """The aggregation of ``algo.loss``: ``algo.loss_agg`` when set, else the one the loss's registry
+    entry declares (its paper's objective), else token_mean. An explicit ``algo.loss_agg`` that
+    contradicts the declared one raises ConfigError naming both keys: under another aggregation the
+    loss is not its paper's objective (register the function under another name to run a variant)."""
+    declared = POLICY_LOSSES.declared(algo.loss).get("loss_agg")
+    if algo.loss_agg is None:
+        return declared or DEFAULT_LOSS_AGG
+    if declared is not None and algo.loss_agg != declared:
+        raise ConfigError(f"config key 'algo.loss_agg': {algo.loss_agg!r} contradicts algo.loss {algo.loss!r}, "
+                          f"whose paper's objective aggregates {declared!r}; set algo.loss_agg to {declared!r} "
+                          f"or null (the loss's own)")
+    return algo.loss_agg
 
 
 @dataclass
@@ -116,9 +138,13 @@ def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return inv, int(uniq.numel())
 
 
-def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row group mean, unbiased group std and group size, each [B].
+def group_moments(values: torch.Tensor, group_ids: torch.Tensor):
+    """Per-row (mean, unbiased std, size, all_equal) of the row's group, float64 [B] (all_equal: bool).
 
+    Computed in float64 from the given values: for float32 inputs the centred values ``v - mean`` are
+    exact, and a group of equal values has mean equal to that value. ``all_equal`` compares the values
+    themselves (group min == max), so zero variance is detected by equality and not as ``std > 0``
+    after rounding (three float64 rewards of 0.1 have a float64 mean of 0.10000000000000002).
     std uses Bessel's correction (n - 1); groups of one sample get std 0.
     """
     idx, g = group_index(group_ids)
@@ -128,5 +154,23 @@ def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Te
     mean = total / count
     sq = torch.zeros(g, dtype=torch.float64).index_add_(0, idx, (v - mean[idx]) ** 2)
     var = torch.where(count > 1, sq / (count - 1).clamp_min(1), torch.zeros_like(sq))
+    lo = torch.full((g,), float("inf"), dtype=torch.float64).scatter_reduce(0, idx, v, "amin")
+    hi = torch.full((g,), float("-inf"), dtype=torch.float64).scatter_reduce(0, idx, v, "amax")
+    return mean[idx], var.sqrt()[idx], count[idx], (lo == hi)[idx]
+
+
+def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row group mean, unbiased group std and group size, each [B] in the values' float dtype
+    (see :func:`group_moments`)."""
+    mean, std, count, _ = group_moments(values, group_ids)
     dt = values.dtype if values.is_floating_point() else torch.float32
-    return mean[idx].to(dt), var.sqrt()[idx].to(dt), count[idx].to(dt)
+    return mean.to(dt), std.to(dt), count.to(dt)
+
+
+def group_centered(values: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """``v - mean_g(v)`` per row [B] (float64 arithmetic, result in the values' float dtype); exactly 0
+    for every row of a group whose values are all equal."""
+    mean, _, _, equal = group_moments(values, group_ids)
+    c = values.to(torch.float64) - mean
+    dt = values.dtype if values.is_floating_point() else torch.float32
+    return torch.where(equal, torch.zeros_like(c), c).to(dt)

@@ -33,3 +33,19 @@ def kl_low_var(logprobs, ref_logprobs):
     """k3 with log_r clamped to [-20, 20] and the result clamped to [-10, 10] (numerically safe)."""
     log_r = (logprobs - ref_logprobs).clamp(-20.0, 20.0)
     return (torch.exp(-log_r) - 1.0 + log_r).clamp(-10.0, 10.0)
+
+
+def kl_reward_penalty(old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, beta: float,
+                      estimator: str) -> torch.Tensor:
+    """Per-token reward terms of ``algo.kl_in_reward``, [B, T] (no gradient):
+
+        r_t = -beta * KL_est(logp_old_t, logp_ref_t) * mask_t
+
+    ``old_logprobs`` are the *trainer's* log-probs of the sampled tokens under the current policy
+    (pi_old, computed before the update), as verl's ``apply_kl_penalty`` uses the actor's
+    ``old_log_probs``: the reference log-probs come from the same trainer forward, so the penalty
+    measures the policy's drift from the reference and not the engine's kernel / precision mismatch,
+    which the rollout's own log-probs would add (``train_rollout_logprob_abs_diff`` measures that).
+    """
+    kl = KL_ESTIMATORS.get(estimator)(old_logprobs.detach(), ref_logprobs.detach())
+    return -beta * kl * mask

@@ -4,6 +4,11 @@
 
 ``logprobs`` carries the gradient; ``old_logprobs`` (pi_old, the policy that the ratio is taken
 against) and ``advantages`` are constants.
+
+A loss whose paper fixes how the per-token terms are averaged declares it in its registry entry
+(``loss_agg=...``): ``algo.loss_agg: null`` then selects it, and a different explicit value is a
+config error (:func:`megaforge.algorithms.core.resolve_loss_agg`). gspo and sapo declare
+``seq_mean_token_mean``, the mean over the group's sequences of each sequence's token mean.
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ def _seq_log_ratio(logprobs, old_logprobs, mask):
     return lr.sum(-1) / mask.sum(-1).clamp_min(1.0)
 
 
-@POLICY_LOSSES.register("gspo")
+@POLICY_LOSSES.register("gspo", loss_agg="seq_mean_token_mean")
 def gspo_loss(logprobs, old_logprobs, advantages, mask, p: LossParams):
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071).
 
@@ -56,8 +61,10 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, p: LossParams):
         L_it = max(-A_it s_it, -A_it clip(s_it, 1 - clip_low, 1 + clip_high))
     With a sequence-level advantage (A_it = A_i) the clipping decision is per sequence and the
     gradient of the sequence's mean loss is -A_i s_i (1/|y_i|) sum_t grad logp_it (the paper's
-    gradient) when s_i is inside the band, 0 outside. The paper pairs it with
-    ``loss_agg: seq_mean_token_mean`` and a much narrower band (clip_low 3e-4, clip_high 4e-4).
+    gradient) when s_i is inside the band, 0 outside. The paper's objective is the mean over the
+    group's sequences, J = (1/G) sum_i min(s_i A_i, clip(s_i) A_i): this entry declares
+    ``loss_agg: seq_mean_token_mean`` (the token form's sequence mean is the sequence term). The
+    paper uses a much narrower band (clip_low 3e-4, clip_high 4e-4).
     """
     seq_log_ratio = _seq_log_ratio(logprobs, old_logprobs, mask).clamp(-20.0, 20.0)
     s_seq = torch.exp(seq_log_ratio).detach()  # [B]
@@ -88,7 +95,7 @@ def cispo_loss(logprobs, old_logprobs, advantages, mask, p: LossParams):
     return loss, {"clip_frac": ((ratio > hi) | (ratio < lo)).float(), "ratio": ratio}
 
 
-@POLICY_LOSSES.register("sapo")
+@POLICY_LOSSES.register("sapo", loss_agg="seq_mean_token_mean")
 def sapo_loss(logprobs, old_logprobs, advantages, mask, p: LossParams):
     """SAPO (Gao et al. 2025, Qwen team, "Soft Adaptive Policy Optimization", arXiv:2511.20347).
 
@@ -99,7 +106,9 @@ def sapo_loss(logprobs, old_logprobs, advantages, mask, p: LossParams):
     so grad L_t = -w_t r_t A_t grad logp_t with the gate weight w_t = 4 sigma(tau (r_t - 1))
     (1 - sigma(tau (r_t - 1))): 1 on-policy (r = 1, the plain policy gradient), decaying smoothly
     as r leaves 1, faster for larger tau. The paper uses tau_neg > tau_pos (1.05 vs 1.0) because
-    negative-advantage updates spread to many unsampled tokens.
+    negative-advantage updates spread to many unsampled tokens. Its objective averages the gated
+    terms per sequence, then over the group: J = (1/G) sum_i (1/|y_i|) sum_t f(r_it) A_it, so this
+    entry declares ``loss_agg: seq_mean_token_mean``.
     """
     ratio = torch.exp((logprobs - old_logprobs).clamp(-20.0, 20.0))
     tau = torch.where(advantages > 0, torch.full_like(ratio, p.sapo_tau_pos), torch.full_like(ratio, p.sapo_tau_neg))

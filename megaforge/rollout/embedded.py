@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -42,7 +43,8 @@ class EmbeddedEngine(Engine):
         self.device = next(model.parameters()).device
         if pad_token_id is None:
             pad_token_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
-        self.pad_id = int(pad_token_id if pad_token_id is not None else 0)
+        self.pad_id = self._valid_pad(pad_token_id)
+        self.progress_time = 0.0  # time.monotonic() of the last decoding step (the server's /health_generate)
         self._version = 0
         self._released: set[str] = set()
         self._abort = threading.Event()
@@ -51,6 +53,21 @@ class EmbeddedEngine(Engine):
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(0)
         self._fast = self._select_fast(fast, fast_options or {})
+
+    def _valid_pad(self, pad: Optional[int]) -> int:
+        """The id that fills left padding: the tokenizer's pad id when the model can embed it, else the
+        model config's, else 0. Padded positions are masked out, so any id of the embedding does; a
+        tokenizer without a pad token (megaforge.hf.load_tokenizer then pads with eos) may name one
+        outside the model's vocabulary, which would fail in the embedding of a ragged batch."""
+        vocab = int(getattr(self.model.config, "vocab_size", 0) or 0)
+        for cand in (pad, getattr(self.model.config, "pad_token_id", None), 0):
+            if isinstance(cand, int) and 0 <= cand < (vocab or cand + 1):
+                return cand
+        return 0
+
+    def mark_progress(self) -> None:
+        """Record a decoding step (read as ``progress_time``)."""
+        self.progress_time = time.monotonic()
 
     def _select_fast(self, fast: str, options: dict):
         """The FastDecoder serving generate, or None (the simple loop); see the module docstring."""
@@ -139,6 +156,7 @@ class EmbeddedEngine(Engine):
         for step in range(max(max_new)):
             out = self.model(input_ids=cur_ids, attention_mask=attn, position_ids=cur_pos,
                              past_key_values=past, use_cache=True)
+            self.mark_progress()
             past = out.past_key_values
             tok, lp = sample_tokens(out.logits[:, -1, :], temp, top_k, top_p, gen, seeds,
                                     torch.full((B,), step, dtype=torch.long, device=dev))
@@ -184,17 +202,31 @@ class EmbeddedEngine(Engine):
                 self.load_tensors(bucket)
             self._version = int(version)
 
-    def load_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        n = 0
-        for name, t in named:
+    def check_specs(self, specs: Iterable[tuple[str, Sequence[int], torch.dtype]]) -> None:
+        """Raise (naming the tensor) unless every ``(name, shape, dtype)`` can be loaded: a tensor of the
+        model, its shape, a floating dtype for a floating tensor (else the same dtype), each name once."""
+        seen = set()
+        for name, shape, dtype in specs:
             p = self._params.get(name)
             if p is None:
                 raise KeyError(f"update_weights: the engine's model has no tensor {name!r}")
-            if tuple(p.shape) != tuple(t.shape):
-                raise ValueError(f"update_weights: {name!r} has shape {tuple(t.shape)}, the engine's is {tuple(p.shape)}")
+            if tuple(p.shape) != tuple(shape):
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(shape)}, the engine's is {tuple(p.shape)}")
+            if (dtype.is_floating_point != p.is_floating_point()) or (not p.is_floating_point() and dtype != p.dtype):
+                raise ValueError(f"update_weights: {name!r} has dtype {dtype}, the engine's is {p.dtype}")
+            if name in seen:
+                raise ValueError(f"update_weights: {name!r} appears twice in one update")
+            seen.add(name)
+
+    def load_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy ``named`` into the model; every tensor is checked (:meth:`check_specs`) before the first
+        copy, so a bad bucket changes nothing."""
+        named = list(named)
+        self.check_specs((n, t.shape, t.dtype) for n, t in named)
+        for name, t in named:
+            p = self._params[name]
             p.data.copy_(t.to(device=p.device, dtype=p.dtype))
-            n += 1
-        return n
+        return len(named)
 
     def set_version(self, version: int) -> None:
         self._version = int(version)

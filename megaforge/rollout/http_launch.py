@@ -123,6 +123,17 @@ def _model_dir(cfg) -> tuple[str, list[str]]:
     return d, [d]
 
 
+def weight_roots(cfg) -> list[str]:
+    """``--weight-root`` directories of an embedded server bound beyond loopback: ``rollout.weight_roots``
+    plus where megaforge itself writes weights for ``/update_weights_from_disk`` (``rollout.snapshot_dir``,
+    else the temporary folder that holds default snapshots and the disk transport's shards)."""
+    r = cfg.rollout
+    own = [r.snapshot_dir] if r.snapshot_dir else []
+    if cfg.sync.transport == "disk" or (r.max_restarts > 0 and not r.snapshot_dir):
+        own.append(tempfile.gettempdir())
+    return [os.path.abspath(d) for d in list(r.weight_roots) + own]
+
+
 def build_http_engine(cfg, tokenizer, kind: str, node=None) -> Optional[HTTPEngine]:
     """Launch ``rollout.num_engines`` servers of ``kind`` (``embedded_server`` | ``sglang``), wait until
     they are ready, optionally put the router in front; logs in ``<run dir>/logs/engine_K.log``.
@@ -154,6 +165,7 @@ def build_http_engine(cfg, tokenizer, kind: str, node=None) -> Optional[HTTPEngi
     gpus = (gpu_assignment(r.num_engines, r.tensor_parallel, r.num_gpus, local_world, _visible_gpus()) if node is None
             else node.gpus) if device.type == "cuda" else [None] * len(ids)
     gpus = dict(zip(ids, gpus))
+    roots = [] if is_loopback(r.host) else weight_roots(cfg)
     servers = []
     for k in ids:
         if kind == "embedded_server":
@@ -162,6 +174,7 @@ def build_http_engine(cfg, tokenizer, kind: str, node=None) -> Optional[HTTPEngi
                      "--port", str(port), "--sock-fd", str(fd), "--device", "cuda" if device.type == "cuda" else "cpu",
                      "--dtype", cfg.model.dtype, "--attn-implementation", cfg.model.attn_implementation,
                      "--max-batch", str(r.engine_batch_size), "--weight-version", "0"]
+                c += [a for root in roots for a in ("--weight-root", root)]
                 return c + (["--tokenizer", tok_dir] if tok_dir else []) + list(r.extra_args)
             env = child_env(gpus[k], {API_KEY_ENV: api_key} if api_key else None)
         else:

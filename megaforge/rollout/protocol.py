@@ -23,6 +23,7 @@ One ``/generate`` answer item (a list of them for a batch request)::
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -38,6 +39,24 @@ class FieldError(ValueError):
 
 class StateError(RuntimeError):
     """A well-formed request the server's state forbids (HTTP 400 ``{"error": {"message"}}``, as SGLang)."""
+
+
+class LengthError(ValueError):
+    """A prompt, or prompt + max_new_tokens, beyond the model's context (HTTP 400 ``{"error": {"message"}}``
+    with SGLang's wording: :func:`input_too_long`, :func:`total_too_long`)."""
+
+
+def input_too_long(n_input: int, context: int) -> str:
+    """SGLang's message (``TokenizerManager._validate_one_request``) for an input of ``n_input`` tokens."""
+    return f"The input ({n_input} tokens) is longer than the model's context length ({context} tokens)."
+
+
+def total_too_long(n_input: int, max_new: int, context: int) -> str:
+    """SGLang's message for ``n_input + max_new_tokens`` beyond the context."""
+    return (f"Requested token count exceeds the model's maximum context length of {context} tokens. You requested "
+            f"a total of {n_input + max_new} tokens: {n_input} tokens from the input messages and {max_new} tokens "
+            f"for the completion. Please reduce the number of tokens in the input messages or the completion to "
+            f"fit within the limit.")
 
 
 # ------------------------------------------------------------------------------------ checkers
@@ -66,6 +85,7 @@ def t_int(v, p):
 
 def t_float(v, p):
     _expect(isinstance(v, (int, float)) and not isinstance(v, bool), v, p, "a number")
+    _expect(math.isfinite(v), v, p, "a finite number")  # JSON's NaN / Infinity extensions are refused
     return float(v)
 
 
@@ -130,6 +150,7 @@ SAMPLING_PARAMS: dict[str, tuple[Check, Any]] = {
     "min_p": (t_float, 0.0), "frequency_penalty": (t_float, 0.0), "presence_penalty": (t_float, 0.0),
     "repetition_penalty": (t_float, 1.0), "min_new_tokens": (t_int, 0), "n": (t_int, 1),
 }
+SAMPLING_EPS = 1e-6
 DEFAULT_ONLY = ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n")
 
 _RID = {"rid": (opt(t_str), None)}
@@ -212,9 +233,15 @@ def validate_sampling(sp: Optional[dict], path: str) -> dict:
     if out["max_new_tokens"] < 1:
         raise FieldError(f"{path}.max_new_tokens", "must be >= 1 (the embedded server returns no prompt logprobs)")
     if not 0.0 < out["top_p"] <= 1.0:
-        raise FieldError(f"{path}.top_p", "must be in (0, 1]")
+        raise FieldError(f"{path}.top_p", f"must be in (0, 1], got {out['top_p']}")
     if out["temperature"] < 0:
-        raise FieldError(f"{path}.temperature", "must be >= 0")
+        raise FieldError(f"{path}.temperature", f"must be a non-negative finite number, got {out['temperature']}")
+    if out["temperature"] < SAMPLING_EPS:  # as SGLang: a temperature below 1e-6 is greedy decoding
+        out["temperature"] = 0.0
+    if out["top_k"] < 1 and out["top_k"] != -1:
+        raise FieldError(f"{path}.top_k", f"must be -1 (disable) or at least 1, got {out['top_k']}")
+    if out["sampling_seed"] is not None and not 0 <= out["sampling_seed"] < 1 << 63:
+        raise FieldError(f"{path}.sampling_seed", f"must be in [0, 2**63), got {out['sampling_seed']}")
     return out
 
 

@@ -13,6 +13,16 @@ Endpoints (request/answer fields as sglang 0.5.23; schemas in :mod:`megaforge.ro
 ``/model_info`` (= ``/get_model_info``), ``/server_info`` (= ``/get_server_info``), ``/get_weights_by_name``;
 megaforge's own ``/get_weights_checksum`` (per-tensor sha256, for ``sync.check_equal``).
 
+Bounds (:mod:`megaforge.rollout.server_limits`), as SGLang: a prompt of at least the model's context
+``C`` tokens, or prompt + ``max_new_tokens`` beyond ``C``, is HTTP 400 with SGLang's message; a text
+that cannot fit ``C`` is refused before it is tokenized; sampling values must be finite and in range
+(temperature >= 0, below 1e-6 greedy; top_p in (0, 1]; top_k -1 or >= 1). Connections: open-file
+limit raised to the hard one, at most ``--max-connections`` open (the oldest idle one is closed at
+the limit), ``--idle-timeout`` for a request head, ``--body-timeout`` for a body. ``/health_generate``
+is 200 only when the engine makes a decoding step within ``--health-timeout``;
+``/init_weights_update_group`` runs off the engine thread and reaches its store within
+``--dist-connect-timeout``.
+
 Checked state, as SGLang: tensor and distributed weight updates run inside a
 ``/begin_weight_update`` .. ``/end_weight_update`` session; memory tags are released and resumed
 once each (generating or loading weights while ``weights`` is released is an error); memory release
@@ -22,7 +32,10 @@ and a flushing update need an idle server. A malformed body (unknown field, wron
 Security: binds 127.0.0.1 by default and refuses a non-loopback bind without an API key
 (``--api-key`` or ``$MEGAFORGE_ENGINE_API_KEY``, which keeps it out of ``ps``). With a key every
 endpoint except ``/health*`` needs ``Authorization: Bearer <key>`` (SGLang's ``--api-key`` rule), else
-401. Weight payloads are unpickled with :class:`megaforge.rollout.wire.RestrictedUnpickler`.
+401. ``/update_weights_from_disk`` reads only under ``--weight-root`` directories when any is given, and
+nothing when bound beyond loopback without one (403); it checks every file and tensor before the
+first weight changes (:mod:`megaforge.rollout.server_weights`). Weight payloads are unpickled with
+:mod:`megaforge.rollout.unpickle` (allowlist :mod:`megaforge.rollout.tensor_payload`).
 """
 from __future__ import annotations
 
@@ -73,6 +86,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-file", default=None)
     p.add_argument("--sock-fd", type=int, default=None, help="serve on this inherited, bound socket")
     p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds for weight-update group set-up")
+    p.add_argument("--weight-root", action="append", default=[], metavar="DIR",
+                   help="a directory /update_weights_from_disk may read under (repeatable); bound beyond loopback, "
+                        "nothing else is readable (none: no disk updates)")
+    p.add_argument("--max-bucket-mb", type=int, default=16384,
+                   help="largest total size of the tensors of one /update_weights_from_tensor payload (default 16384)")
+    p.add_argument("--dist-connect-timeout", type=float, default=30.0,
+                   help="seconds /init_weights_update_group may take to reach master_address:master_port (default 30)")
+    p.add_argument("--idle-timeout", type=float, default=30.0,
+                   help="seconds a connection may stay without a complete request head, after connecting or after "
+                        "its last answer (default 30)")
+    p.add_argument("--body-timeout", type=float, default=120.0, help="seconds a request body may take (default 120)")
+    p.add_argument("--max-connections", type=int, default=0,
+                   help="open connections at most (default 0: the open-file limit less a reserve); at the limit the "
+                        "oldest idle one is closed")
+    p.add_argument("--health-timeout", type=float, default=20.0,
+                   help="seconds /health_generate waits for a decoding step (SGLang's HEALTH_CHECK_TIMEOUT, default 20)")
     p.add_argument("--generate-delay", type=float, default=0.0,
                    help="seconds each /generate batch waits after it is accepted (it counts as running) before "
                         "decoding starts: emulates a slow engine for timeout and fault-tolerance tests (default 0)")
@@ -84,11 +113,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 class Server:
     """The endpoints' state around one EmbeddedEngine. Engine work runs on one worker thread."""
 
-    def __init__(self, args, engine, tokenizer, eos_ids: list[int], host: str, port: int):
+    def __init__(self, args, engine, tokenizer, eos_ids: list[int], host: str, port: int, token_bytes: int = 1):
+        from megaforge.rollout import context_limit
+        from megaforge.rollout.server_limits import max_text_bytes
+
         self.args, self.engine, self.tokenizer, self.eos_ids = args, engine, tokenizer, list(eos_ids)
         self.host, self.port = host, port
         self.version = args.weight_version
+        self.context = context_limit(engine.model.config) or 2048  # SGLang's default without a length key
+        self.max_text_bytes = max_text_bytes(self.context, token_bytes)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.dist_pool = ThreadPoolExecutor(1, thread_name_prefix="dist-setup")  # group set-up: off the engine thread
+        self._health_job = None  # the 1-token generation of /health_generate, while it is pending
+        self.guard = None  # the ConnectionGuard, once serving
         self.released: set[str] = set()
         self.session_open = False
         self.needs_session = self.args.sglang_api != "0.5.16"  # SGLang >= 0.5.21 (megaforge.rollout.versions)
@@ -105,14 +142,19 @@ class Server:
     async def run(self, fn, *a):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *a)
 
+    async def run_dist_setup(self, fn, *a):
+        """``fn`` on the weight-group set-up thread: a rendezvous that waits does not hold the engine."""
+        return await asyncio.get_running_loop().run_in_executor(self.dist_pool, fn, *a)
+
     @property
     def busy(self) -> int:
         return len(self.queued) + len(self.running)
 
     # ------------------------------------------------------------------------------------ generate
-    def _requests(self, body: dict) -> tuple[list, bool]:
+    async def _prompts(self, body: dict) -> tuple[list[list[int]], bool, str]:
+        """(token ids of every prompt, single, the field they came from); each checked against the
+        vocabulary and the context."""
         from megaforge.rollout import protocol as P
-        from megaforge.types import GenerateRequest, SamplingParams
 
         if (body["text"] is None) == (body["input_ids"] is None):
             raise P.FieldError("input_ids", "give exactly one of `input_ids` and `text`")
@@ -121,19 +163,42 @@ class Server:
         if body["input_ids"] is not None:
             single = not isinstance(body["input_ids"][0], list)
             prompts = [body["input_ids"]] if single else body["input_ids"]
+            field = "input_ids"
         else:
             if self.tokenizer is None:
                 raise P.FieldError("text", "this server has no tokenizer; send input_ids")
             single = isinstance(body["text"], str)
             texts = [body["text"]] if single else body["text"]
-            prompts = [self.tokenizer(t)["input_ids"] for t in texts]
-        n = len(prompts)
+            for i, t in enumerate(texts):  # refused before tokenizing: it cannot fit the context
+                nbytes = len(t.encode("utf-8", "surrogatepass"))
+                if nbytes > self.max_text_bytes:
+                    least = -(-nbytes // (self.max_text_bytes // self.context))
+                    raise P.LengthError(("" if single else f"text[{i}]: ") + f"The input (at least {least} tokens: "
+                                        f"{nbytes} bytes of text) is longer than the model's context length "
+                                        f"({self.context} tokens).")
+            loop = asyncio.get_running_loop()  # tokenizing a long text must not hold the event loop
+            try:
+                prompts = await loop.run_in_executor(None, lambda: [self.tokenizer(t)["input_ids"] for t in texts])
+            except (TypeError, ValueError, UnicodeError) as e:
+                raise P.FieldError("text", f"cannot be tokenized: {type(e).__name__}: {e}") from None
+            field = "text"
         vocab = self.engine.model.config.vocab_size
         for i, ids in enumerate(prompts):
+            where = field if single else f"{field}[{i}]"
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad or not ids:
-                raise P.FieldError("input_ids" if single else f"input_ids[{i}]",
-                                   f"token ids must be in [0, {vocab}) and non-empty (got {bad[:3] or 'none'})")
+                raise P.FieldError(where, f"token ids must be in [0, {vocab}) and non-empty (got {bad[:3] or 'none'})")
+            if len(ids) >= self.context:
+                raise P.LengthError(("" if single else f"{where}: ") + P.input_too_long(len(ids), self.context))
+        return prompts, single, field
+
+    async def _requests(self, body: dict) -> tuple[list, bool]:
+        from megaforge.rollout import protocol as P
+        from megaforge.types import GenerateRequest, SamplingParams
+
+        prompts, single, field = await self._prompts(body)
+        n = len(prompts)
+        vocab = self.engine.model.config.vocab_size
 
         def per_item(name, default):
             v = body[name]
@@ -154,10 +219,15 @@ class Server:
             for i, v in enumerate(per_item(name, ok[0])):
                 if v not in ok:
                     raise P.FieldError(name if single else f"{name}[{i}]", f"only {ok[0]} is supported by megaforge's embedded server")
+        if len(set(rids)) != len(rids):
+            raise P.FieldError("rid", "request ids must be unique within a batch")
         sps = per_item("sampling_params", {})
         reqs, shown = [], []
         for i, sp in enumerate(sps):
             s = P.validate_sampling(sp, "sampling_params" if not isinstance(body["sampling_params"], list) else f"sampling_params[{i}]")
+            if len(prompts[i]) + s["max_new_tokens"] > self.context:  # as SGLang: refused, not cut
+                raise P.LengthError(("" if single else f"{field}[{i}]: ")
+                                    + P.total_too_long(len(prompts[i]), s["max_new_tokens"], self.context))
             stop_ids = [] if s["ignore_eos"] else sorted(set(s["stop_token_ids"] or []) | set(self.eos_ids))
             stop = [s["stop"]] if isinstance(s["stop"], str) else list(s["stop"] or [])
             if stop and self.tokenizer is None:
@@ -211,7 +281,7 @@ class Server:
         return {"text": text, "output_ids": list(c.output_ids), "meta_info": meta}
 
     async def generate(self, body: dict):
-        items, single = self._requests(body)
+        items, single = await self._requests(body)
         await self.unpaused.wait()
         if self.released & {"weights", "kv_cache"}:
             raise StateError(f"cannot generate: memory is released ({sorted(self.released)}); "
@@ -269,18 +339,30 @@ class Server:
         return not self.busy
 
     async def health_generate(self) -> tuple[bool, str]:
+        """As SGLang: healthy when the engine makes a decoding step within ``--health-timeout`` seconds
+        (the running requests' or, when idle, a 1-token generation's); an engine thread that is busy
+        without decoding (stuck in a call, or a request that never starts) is unhealthy."""
         if self.released & {"weights", "kv_cache"}:
             return False, f"memory released: {sorted(self.released)}"
-        if self.running:
-            return True, "busy"  # as SGLang: a server making progress on requests is healthy
         from megaforge.types import GenerateRequest, SamplingParams
 
-        req = GenerateRequest([0], SamplingParams(temperature=0.0, max_new_tokens=1), rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
-        try:
-            await asyncio.wait_for(self.run(self.engine.generate, [req]), timeout=20.0)
-        except Exception as e:  # noqa: BLE001  (any failure is "unhealthy", with its reason)
-            return False, f"{type(e).__name__}: {e}"
-        return True, "ok"
+        tic = time.monotonic()
+        if self._health_job is None or self._health_job.done():
+            req = GenerateRequest([0], SamplingParams(temperature=0.0, max_new_tokens=1),
+                                  rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
+            self._health_job = asyncio.ensure_future(self.run(self.engine.generate, [req]))
+            self._health_job.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: no warning
+        job = self._health_job
+        deadline = tic + self.args.health_timeout
+        while time.monotonic() < deadline:
+            if self.engine.progress_time > tic:
+                return True, "ok"
+            if job.done() and job.exception() is not None:
+                e = job.exception()
+                return False, f"{type(e).__name__}: {e}"
+            await asyncio.sleep(0.02)
+        return False, (f"no decoding step in {self.args.health_timeout:g} s: the engine thread is stuck "
+                       f"({len(self.running)} running, {len(self.queued)} queued requests)")
 
     def info(self) -> dict:
         cfg = self.engine.model.config
@@ -299,16 +381,21 @@ class Server:
                 "weight_update_session": self.session_open, "weight_update_groups": sorted(self.groups),
                 "startup_time": self.started, "version": __version__, "frontend": "megaforge-embedded",
                 "sglang_api": self.args.sglang_api,
-                "pid": os.getpid(), "served_requests": self.served}
+                "pid": os.getpid(), "served_requests": self.served, "context_length": self.context,
+                "connections": self.guard.open_connections() if self.guard else 0,
+                "max_connections": self.guard.max_connections if self.guard else 0,
+                "evicted_connections": self.guard.evicted if self.guard else 0,
+                "refused_connections": self.guard.refused if self.guard else 0}
 
 
 def load(args):
-    """(engine, tokenizer, eos ids) from the command line."""
+    """(engine, tokenizer, eos ids, most bytes of one token) from the command line."""
     import torch
 
     from megaforge.config import ModelConfig
     from megaforge.hf import load_hf_model, load_tokenizer, resolve_device
     from megaforge.rollout.embedded import EmbeddedEngine
+    from megaforge.rollout.server_limits import max_token_bytes
 
     tok = None
     try:
@@ -326,7 +413,8 @@ def load(args):
     if tok is not None and tok.eos_token_id is not None:
         eos.add(int(tok.eos_token_id))
     torch.set_grad_enabled(False)
-    return EmbeddedEngine(model, tok, max_batch=args.max_batch), tok, sorted(eos)
+    token_bytes = max_token_bytes(tok) if tok is not None else 1
+    return EmbeddedEngine(model, tok, max_batch=args.max_batch), tok, sorted(eos), token_bytes
 
 
 def bind(args) -> socket.socket:
@@ -346,15 +434,19 @@ async def serve(args, sock: socket.socket) -> None:
     from aiohttp import web
 
     from megaforge.rollout.server_app import build_app
+    from megaforge.rollout.server_limits import ACCEPT_BACKLOG, ConnectionGuard, default_max_connections
 
-    engine, tok, eos = await asyncio.get_running_loop().run_in_executor(None, load, args)
+    engine, tok, eos, token_bytes = await asyncio.get_running_loop().run_in_executor(None, load, args)
     host, port = sock.getsockname()[:2]
-    srv = Server(args, engine, tok, eos, host, port)
-    runner = web.AppRunner(build_app(srv, args.api_key), access_log=None, handle_signals=False)
+    srv = Server(args, engine, tok, eos, host, port, token_bytes)
+    runner = web.AppRunner(build_app(srv, args.api_key), access_log=None, handle_signals=False,
+                           keepalive_timeout=args.idle_timeout)
     await runner.setup()
-    await web.SockSite(runner, sock).start()
-    log.info("serving %s on http://%s:%d (weight version %s, auth %s)", args.model, host, port, srv.version,
-             "on" if args.api_key else "off")
+    srv.guard = ConnectionGuard(runner.server, default_max_connections(args.max_connections))
+    listener = await asyncio.get_running_loop().create_server(srv.guard, sock=sock, backlog=ACCEPT_BACKLOG)
+    log.info("serving %s on http://%s:%d (weight version %s, auth %s, context %d tokens, at most %d connections)",
+             args.model, host, port, srv.version, "on" if args.api_key else "off", srv.context,
+             srv.guard.max_connections)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for s in (signal.SIGTERM, signal.SIGINT):
@@ -362,8 +454,10 @@ async def serve(args, sock: socket.socket) -> None:
     await stop.wait()
     log.info("shutting down")
     srv.abort_all()
+    listener.close()
     await runner.cleanup()
     srv.pool.shutdown(wait=False, cancel_futures=True)
+    srv.dist_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def main(argv=None) -> None:
@@ -373,6 +467,11 @@ def main(argv=None) -> None:
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         print(f"megaforge engine server: --model {args.model}: no config.json there", file=sys.stderr)
         raise SystemExit(2)
+    from megaforge.rollout.server_limits import raise_open_file_limit
+
+    old_nofile, nofile = raise_open_file_limit()
+    if nofile != old_nofile:
+        log.info("open-file limit raised from %d to %d", old_nofile, nofile)
     sock = bind(args)
     host = sock.getsockname()[0]
     if not is_loopback(host) and not args.api_key:

@@ -7,10 +7,9 @@ when ``success`` is false); generation and state errors ``{"error": {"message": 
 """
 from __future__ import annotations
 
-import glob
+import asyncio
 import json
 import logging
-import os
 import secrets
 
 from aiohttp import web
@@ -43,15 +42,31 @@ def build_app(srv, api_key) -> web.Application:
             if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), api_key.encode()):
                 log.warning("401 %s %s from %s", request.method, request.path, request.remote)
                 return web.json_response({"error": "Unauthorized"}, status=401)
+        if srv.guard is not None:
+            srv.guard.begin(request.protocol)  # a request in progress: its connection is not idle
         try:
             return await handler(request)
         except P.FieldError as e:
             return _bad_request(e.field, f"{request.path}: {e}")
-        except P.StateError as e:
+        except (P.StateError, P.LengthError) as e:
             return web.json_response({"error": {"message": f"{request.path}: {e}"}}, status=400)
+        except web.HTTPException:
+            raise
+        except Exception as e:  # noqa: BLE001  (a bug: answered with its cause instead of aiohttp's bare page)
+            log.exception("500 %s %s", request.method, request.path)
+            return web.json_response({"error": {"message": f"{request.path}: internal error: {type(e).__name__}: {e}"}},
+                                     status=500)
+        finally:
+            if srv.guard is not None:
+                srv.guard.end(request.protocol)
 
     async def body(request: web.Request) -> dict:
-        raw = await request.read()
+        try:
+            raw = await asyncio.wait_for(request.read(), srv.args.body_timeout)
+        except asyncio.TimeoutError:
+            raise web.HTTPRequestTimeout(text=json.dumps({"error": {"message": f"{request.path}: the request body did "
+                                         f"not arrive within {srv.args.body_timeout:g} s"}}),
+                                         content_type="application/json") from None
         if not raw.strip():
             data = {}
         else:
@@ -59,6 +74,8 @@ def build_app(srv, api_key) -> web.Application:
                 data = json.loads(raw)
             except ValueError as e:
                 raise P.FieldError("<body>", f"not valid JSON ({e})") from None
+            except RecursionError:
+                raise P.FieldError("<body>", "JSON nested too deeply") from None
         return P.validate(P.SCHEMAS[request.path], data)
 
     def version_after(b: dict) -> None:
@@ -81,7 +98,7 @@ def build_app(srv, api_key) -> web.Application:
         try:
             return web.json_response(await srv.generate(b))
         except (ValueError, RuntimeError) as e:
-            if isinstance(e, P.FieldError):
+            if isinstance(e, (P.FieldError, P.LengthError, P.StateError)):
                 raise
             return web.json_response({"error": {"message": f"/generate: {type(e).__name__}: {e}"}}, status=400)
 
@@ -116,53 +133,61 @@ def build_app(srv, api_key) -> web.Application:
 
         def job():
             try:
-                named = wire.named_tensors_from_payload(wire.deserialize(b["serialized_named_tensors"][0]), b["load_format"])
-            except wire.UnpicklingRefused as e:
-                return P.FieldError("serialized_named_tensors", str(e))
-            except (ValueError, EOFError, IndexError, TypeError, AttributeError) as e:
-                return P.FieldError("serialized_named_tensors", f"cannot read the payload: {type(e).__name__}: {e}")
-            _load(srv.engine, named)
-            version_after(b)
-            return len(named)
+                obj = wire.deserialize(b["serialized_named_tensors"][0], srv.args.max_bucket_mb << 20)
+                named = wire.named_tensors_from_payload(obj, b["load_format"])
+            except ValueError as e:  # UnpicklingRefused, PayloadError, a malformed layout
+                return P.FieldError("serialized_named_tensors", f"{type(e).__name__}: {e}")
+            return load_checked(named, b)
 
+        return finish("update_weights_from_tensor", b, await srv.run(job), f"Success: {{}} tensors loaded")
+
+    def load_checked(named, b) -> object:
+        """Engine thread: load ``named`` (checked first: a refused bucket changes nothing); the count,
+        or the error to answer with."""
         try:
-            n = await srv.run(job)
-        except (KeyError, ValueError, RuntimeError) as e:
-            return _failed(f"update_weights_from_tensor: {e} (the weights may be partially updated)")
-        if isinstance(n, P.FieldError):
-            raise n
-        return _failed(flush_refused(b)) if flush_refused(b) else _ok(f"Success: {n} tensors loaded")
+            srv.engine.check_specs((n, t.shape, t.dtype) for n, t in named)
+        except (KeyError, ValueError) as e:
+            return f"{str(e).strip(chr(39))} (no weights were changed)"
+        try:
+            _load(srv.engine, named)
+        except RuntimeError as e:
+            return f"{e} (the weights may be partially updated)"
+        version_after(b)
+        return len(named)
+
+    def finish(what: str, b: dict, result, ok_message: str, **extra):
+        if isinstance(result, P.FieldError):
+            raise result
+        if isinstance(result, str):
+            return _failed(f"{what}: {result}; weight version stays {srv.version!r}")
+        return _failed(flush_refused(b)) if flush_refused(b) else _ok(ok_message.format(result), **extra)
 
     async def from_disk(request):
+        from megaforge.rollout import server_weights as W
+        from megaforge.rollout.server import is_loopback
+
         b = await body(request)
         if b["abort_all_requests"]:
             srv.abort_all()
         if b["load_format"] not in (None, "auto", "safetensors"):
             raise P.FieldError("load_format", f"the embedded server reads safetensors only (null, 'auto', 'safetensors'), got {b['load_format']!r}")
-        files = sorted(glob.glob(os.path.join(b["model_path"], "*.safetensors")))
-        if not files:
-            return _failed(f"update_weights_from_disk: no *.safetensors file in model_path {b['model_path']!r}")
         check_weights_resident("update_weights_from_disk")
-
-        def job():
-            from safetensors.torch import load_file
-
-            n = 0
-            for f in files:
-                named = list(load_file(f).items())
-                _load(srv.engine, named)
-                n += len(named)
-            version_after(b)
-            return n
-
         try:
-            n = await srv.run(job)
-        except (KeyError, ValueError, OSError) as e:
-            return _failed(f"update_weights_from_disk {b['model_path']!r}: {e} (the weights may be partially updated)")
-        if flush_refused(b):
-            return _failed(flush_refused(b))
-        return web.json_response({"success": True, "message": f"Succeeded to update model weights ({n} tensors from "
-                                                              f"{len(files)} files).", "num_paused_requests": 0})
+            files = W.checkpoint_files(b["model_path"], srv.args.weight_root, not is_loopback(srv.host))
+        except W.WeightPathRefused as e:
+            log.warning("403 /update_weights_from_disk: %s", e)
+            return web.json_response({"success": False, "message": f"update_weights_from_disk: {e}"}, status=403)
+        except OSError as e:
+            return _failed(f"update_weights_from_disk: {e}")
+        try:  # headers, names, shapes and dtypes of every file checked, then read: off the engine thread
+            named = await asyncio.get_running_loop().run_in_executor(None, W.read_checkpoint, files,
+                                                                     srv.engine.check_specs)
+        except W.CheckpointError as e:
+            return _failed(f"update_weights_from_disk: {e} (no weights were changed; weight version stays "
+                           f"{srv.version!r})")
+        result = await srv.run(load_checked, named, b)
+        return finish("update_weights_from_disk", b, result, f"Succeeded to update model weights ({{}} tensors from "
+                      f"{len(files)} files).", num_paused_requests=0)
 
     async def init_group(request):
         from megaforge.rollout import weight_group
@@ -179,10 +204,11 @@ def build_app(srv, api_key) -> web.Application:
         def job():
             return weight_group.init_custom_process_group(b["backend"], b["master_address"], b["master_port"],
                                                           b["world_size"], b["rank_offset"], b["group_name"],
-                                                          timeout_s=srv.args.dist_timeout)
+                                                          timeout_s=srv.args.dist_timeout,
+                                                          connect_timeout_s=srv.args.dist_connect_timeout)
 
-        try:
-            srv.groups[b["group_name"]] = await srv.run(job)
+        try:  # on the set-up thread: the engine keeps generating while the rendezvous waits
+            srv.groups[b["group_name"]] = await srv.run_dist_setup(job)
         except Exception as e:  # noqa: BLE001  (rendezvous failures come in many types)
             return _failed(f"Failed to initialize custom process group: {type(e).__name__}: {e}.")
         return _ok("Succeeded to initialize custom process group.")

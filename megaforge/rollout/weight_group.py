@@ -21,11 +21,20 @@ import torch.distributed as dist
 
 
 def init_custom_process_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
-                              group_name: str, timeout_s: float = 600.0):
+                              group_name: str, timeout_s: float = 600.0, connect_timeout_s: Optional[float] = None):
+    """The group (see the module docstring). ``connect_timeout_s`` bounds reaching the TCP store at
+    ``master_address:master_port`` (a closed port fails after it, naming the address); ``timeout_s`` the
+    group's set-up and collectives afterwards. None: ``timeout_s`` for both."""
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
+    connect = timedelta(seconds=connect_timeout_s if connect_timeout_s is not None else timeout_s)
+    try:
+        store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                                  timeout=connect))
+    except (RuntimeError, OSError) as e:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
+        raise ConnectionError(f"cannot reach the weight-update group's store at {master_address}:{master_port} "
+                              f"within {connect.total_seconds():g} s: {type(e).__name__}: {e}") from e
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,

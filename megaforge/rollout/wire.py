@@ -21,51 +21,30 @@ file (torch's ``file_system`` strategy) and the pickle carries only its name, so
 few hundred bytes of JSON and the receiver maps the same pages. CUDA tensors travel as CUDA IPC
 handles with the device named by UUID (what SGLang's ``monkey_patch_torch_reductions`` sends).
 
-The receiving side (:func:`deserialize`) uses :class:`RestrictedUnpickler`: only containers, torch
-dtypes/sizes and torch's tensor/storage rebuild functions are resolvable; any other global is refused
-with :class:`UnpicklingRefused` naming it, before anything is called.
+The receiving side (:func:`deserialize`) uses :class:`megaforge.rollout.unpickle.RestrictedUnpickler`
+with the allowlist of :mod:`megaforge.rollout.tensor_payload`: only containers, torch dtypes/sizes,
+metadata records and torch's tensor/storage rebuild functions are built, their arguments and sizes
+checked first (any other global is refused with :class:`UnpicklingRefused` naming it);
+:func:`checked_layout` then checks every metadata record against the flat buffer before a view is taken.
 """
 from __future__ import annotations
 
-import _compat_pickle
 import base64
 import binascii
 import io
-import pickle
+import math
 import types
-from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Iterable, Optional
 
 import torch
 from torch.multiprocessing import reductions as _red
 
+from megaforge.rollout.tensor_payload import (CUDA_DEVICE_ARG, DEFAULT_MAX_BYTES, FlattenedTensorMetadata,
+                                              cuda_device_uuid, load_payload)
+from megaforge.rollout.unpickle import PayloadError, UnpicklingRefused  # noqa: F401  (raised by deserialize)
+
 FLATTENED_BUCKET = "flattened_bucket"
-
-
-@dataclass
-class FlattenedTensorMetadata:
-    """Same fields as ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata``."""
-
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    start_idx: int
-    end_idx: int
-    numel: int
-
-
-class UnpicklingRefused(ValueError):
-    """A pickled payload names a global outside the allowlist; ``.global_name`` is ``module.name``."""
-
-    def __init__(self, global_name: str):
-        hint = ""
-        if global_name.endswith(".rebuild_storage_fd"):
-            hint = (" (CPU tensors must be shared by file name: torch.multiprocessing's 'file_system' strategy, "
-                    "as megaforge.rollout.wire.serialize does; file descriptors do not cross unrelated processes)")
-        super().__init__(f"refused pickled global {global_name!r}: only torch tensor/storage rebuild "
-                         f"functions, dtypes and plain containers may appear in serialized_named_tensors{hint}")
-        self.global_name = global_name
 
 
 # ------------------------------------------------------------------------------------ flattening
@@ -108,30 +87,11 @@ def flatten(named: Iterable[tuple[str, torch.Tensor]], shared: bool = True,
     return flat, metas
 
 
-def unflatten(flat: torch.Tensor, metadata: list) -> list[tuple[str, torch.Tensor]]:
-    """Views into ``flat`` (any object with the metadata attributes is accepted)."""
-    if flat.dtype != torch.uint8 or flat.dim() != 1:
-        raise ValueError(f"flattened_tensor must be a 1-D uint8 tensor, got {flat.dtype} {tuple(flat.shape)}")
-    out = []
-    for m in metadata:
-        if not (0 <= m.start_idx <= m.end_idx <= flat.numel()):
-            raise ValueError(f"metadata of {m.name!r}: bytes [{m.start_idx}, {m.end_idx}) outside a buffer of {flat.numel()}")
-        out.append((m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)))
-    return out
-
-
 # ---------------------------------------------------------------------------------- serialising
-def _cuda_device_uuid(index: int) -> str:
-    return str(torch.cuda.get_device_properties(index).uuid)
-
-
-_CUDA_DEVICE_ARG = 6  # position of the device index in torch's rebuild_cuda_tensor arguments
-
-
 def _reduce_tensor(t: torch.Tensor):
     fn, args = _red.reduce_tensor(t)
     if t.is_cuda:  # name the device by UUID: the engine may see the GPUs in another order
-        args = (*args[:_CUDA_DEVICE_ARG], _cuda_device_uuid(args[_CUDA_DEVICE_ARG]), *args[_CUDA_DEVICE_ARG + 1:])
+        args = (*args[:CUDA_DEVICE_ARG], cuda_device_uuid(args[CUDA_DEVICE_ARG]), *args[CUDA_DEVICE_ARG + 1:])
     return fn, args
 
 
@@ -175,77 +135,60 @@ def flattened_bucket_payload(flat: torch.Tensor, metas: list[FlattenedTensorMeta
 
 
 # -------------------------------------------------------------------------------- deserialising
-def _rebuild_cuda_tensor_any_device(*args):
-    dev = args[_CUDA_DEVICE_ARG]
-    if isinstance(dev, str):
-        for i in range(torch.cuda.device_count()):
-            if _cuda_device_uuid(i) == dev:
-                dev = i
-                break
-        else:
-            raise ValueError(f"serialized tensor on CUDA device {dev}, which this engine does not see")
-    return _red.rebuild_cuda_tensor(*args[:_CUDA_DEVICE_ARG], dev, *args[_CUDA_DEVICE_ARG + 1:])
-
-
-def _load_storage_bytes(data: bytes):
-    storage = torch.load(io.BytesIO(data), weights_only=True)
-    if not isinstance(storage, (torch.storage.TypedStorage, torch.UntypedStorage)):
-        raise UnpicklingRefused(f"torch.storage._load_from_bytes -> {type(storage).__name__}")
-    return storage
-
-
-_DTYPE_NAMES = {str(d).removeprefix("torch.") for d in vars(torch).values() if isinstance(d, torch.dtype)}
-
-
-class RestrictedUnpickler(pickle.Unpickler):
-    """Resolves only the globals a tensor payload needs; anything else raises UnpicklingRefused."""
-
-    ALLOWED = {
-        ("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "bool", "str",
-                                  "bytes", "bytearray", "slice", "complex")
-    } | {
-        ("collections", "OrderedDict"), ("copyreg", "__newobj__"), ("copyreg", "_reconstructor"),
-        ("copyreg", "__newobj_ex__"), ("types", "SimpleNamespace"), ("builtins", "object"),
-        ("torch", "Size"), ("torch", "device"), ("torch", "dtype"), ("torch", "Tensor"),
-        ("torch.nn.parameter", "Parameter"), ("torch", "UntypedStorage"), ("torch.storage", "UntypedStorage"),
-        ("torch.storage", "TypedStorage"), ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2"),
-        ("torch._utils", "_rebuild_parameter"), ("torch._tensor", "_rebuild_from_type_v2"),
-        ("torch.multiprocessing.reductions", "rebuild_tensor"),
-        ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
-        ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
-        ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-    } | {("torch", n) for n in _DTYPE_NAMES}
-
-    # resolved to local stand-ins, never imported
-    MAPPED = {
-        ("torch.storage", "_load_from_bytes"): _load_storage_bytes,
-        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _rebuild_cuda_tensor_any_device,
-        ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"): _rebuild_cuda_tensor_any_device,
-        ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): FlattenedTensorMetadata,
-    }
-
-    def find_class(self, module, name):
-        # Python 2 names (protocol < 3 pickles), mapped as pickle.Unpickler.find_class does
-        if (module, name) in _compat_pickle.NAME_MAPPING:
-            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-        else:
-            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
-        key = (module, name)
-        if key in self.MAPPED:
-            return self.MAPPED[key]
-        if key in self.ALLOWED:
-            return super().find_class(module, name)
-        raise UnpicklingRefused(f"{module}.{name}")
-
-
-def deserialize(payload: str | bytes) -> Any:
-    """Inverse of :func:`serialize` (base64 text or raw pickle bytes), with the restricted unpickler."""
+def deserialize(payload: str | bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
+    """Inverse of :func:`serialize` (base64 text or raw pickle bytes), with the restricted unpickler
+    (:mod:`megaforge.rollout.unpickle`, allowlist :data:`megaforge.rollout.tensor_payload.TENSOR_BUCKET`);
+    the storages it references may total ``max_bytes``. Refusals raise UnpicklingRefused / PayloadError."""
     if isinstance(payload, str):
         try:
             payload = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError) as e:
             raise ValueError(f"serialized_named_tensors entry is not valid base64: {e}") from None
-    return RestrictedUnpickler(io.BytesIO(payload)).load()
+    return load_payload(payload, max_bytes)
+
+
+def _record_field(m, name: str, i: int):
+    try:
+        return getattr(m, name)
+    except AttributeError:
+        raise ValueError(f"flattened_bucket metadata[{i}]: no field {name!r}") from None
+
+
+def checked_layout(flat: torch.Tensor, metadata: list) -> list[tuple[str, torch.Size, torch.dtype, int, int]]:
+    """(name, shape, dtype, start, end) of every metadata record, checked against the flat buffer
+    before any view is taken: a unique name; ``end - start`` = prod(shape) * itemsize = ``numel``
+    (bytes, as sglang's ``FlattenedTensorBucket``); ``start`` aligned for the dtype; inside the buffer."""
+    if not torch.is_tensor(flat) or flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise ValueError(f"flattened_tensor must be a 1-D uint8 tensor, got "
+                         f"{getattr(flat, 'dtype', type(flat).__name__)} {tuple(getattr(flat, 'shape', ()))}")
+    out, seen = [], set()
+    for i, m in enumerate(metadata):
+        name, shape, dtype, start, end, numel = (_record_field(m, f, i) for f in
+                                                 ("name", "shape", "dtype", "start_idx", "end_idx", "numel"))
+        where = f"flattened_bucket metadata[{i}] ({name!r})"
+        if type(name) is not str or name in seen:
+            raise ValueError(f"{where}: the name must be a string, unique in the bucket")
+        seen.add(name)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{where}: dtype must be a torch dtype, got {type(dtype).__name__}")
+        if not isinstance(shape, (torch.Size, tuple, list)) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"{where}: shape must be non-negative integers, got {shape!r:.80}")
+        if not all(type(v) is int for v in (start, end, numel)):
+            raise ValueError(f"{where}: start_idx, end_idx and numel must be integers")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not (0 <= start <= end <= flat.numel()) or end - start != nbytes or numel != nbytes:
+            raise ValueError(f"{where}: bytes [{start}, {end}) (numel {numel}) do not hold shape {tuple(shape)} of "
+                             f"{dtype} ({nbytes} bytes) inside a buffer of {flat.numel()}")
+        if start % dtype.itemsize:
+            raise ValueError(f"{where}: start byte {start} is not aligned for {dtype}")
+        out.append((name, torch.Size(shape), dtype, start, end))
+    return out
+
+
+def unflatten(flat: torch.Tensor, metadata: list) -> list[tuple[str, torch.Tensor]]:
+    """Views into ``flat`` (any object with the metadata attributes is accepted; see :func:`checked_layout`)."""
+    return [(name, flat[start:end].view(dtype).reshape(shape))
+            for name, shape, dtype, start, end in checked_layout(flat, metadata)]
 
 
 def named_tensors_from_payload(obj: Any, load_format: Optional[str]) -> list[tuple[str, torch.Tensor]]:
@@ -261,5 +204,7 @@ def named_tensors_from_payload(obj: Any, load_format: Optional[str]) -> list[tup
     if not isinstance(obj, (list, tuple)) or not all(
             isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], str) and torch.is_tensor(x[1]) for x in obj):
         raise ValueError("a load_format=null payload must be a list of (name, tensor) pairs")
+    names = [n for n, _ in obj]
+    if len(set(names)) != len(names):
+        raise ValueError("a load_format=null payload names a tensor twice")
     return [(n, t) for n, t in obj]
-

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import urllib.error
 import urllib.request
 
@@ -10,6 +11,16 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER = os.path.join(ROOT, "assets", "tiny-tokenizer")
+
+# Malicious /update_weights_from_tensor pickles (issue 21). A BUILD on the class torch.UntypedStorage
+# with slot state {"_new_shared_filename_cpu": None}: an unpickler that resolves the class sets the
+# attribute on it, and every later shared-memory update of that process fails.
+BUILD_ON_CLASS = (b"\x80\x04" + b"ctorch.storage\nUntypedStorage\n" + b"N}" + b"\x8c\x18_new_shared_filename_cpu"
+                  + b"Ns" + b"\x86" + b"b" + b".")
+# bytearray(2**32) from 35 bytes: REDUCE of builtins.bytearray on a LONG1
+BYTEARRAY_CALL = b"\x80\x04cbuiltins\nbytearray\n\x8a\x05\x00\x00\x00\x00\x01\x85R."
+# the BYTEARRAY8 opcode of protocol 5 with a declared length of 2**32 (the C unpickler allocates first)
+BYTEARRAY8 = b"\x80\x05\x96" + struct.pack("<Q", 1 << 32) + b"."
 
 
 def save_tiny_qwen2(path: str, seed: int = 0, max_positions: int = 4096) -> str:

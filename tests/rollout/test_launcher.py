@@ -162,10 +162,58 @@ def test_non_loopback_bind_needs_api_key_and_admin_needs_token(tmp_path, tiny_mo
         assert http(url, "GET", "/get_server_info", token=key)[1]["released_memory"] == []  # nothing happened
         assert http(url, "POST", "/release_memory_occupation", {"tags": ["kv_cache"]}, token=key)[0] == 200
         assert http(url, "POST", "/resume_memory_occupation", {"tags": ["kv_cache"]}, token=key)[0] == 200
+        # beyond loopback without --weight-root nothing is readable from disk (issue 21, item 5)
+        st, out = http(url, "POST", "/update_weights_from_disk", {"model_path": tiny_model_dir}, token=key)
+        assert st == 403 and "--weight-root" in out["message"] and "rollout.weight_roots" in out["message"], out
         assert key not in open(s.log_path).read()  # the key travels in the environment, not argv
     finally:
         s.stop()
     assert not s.alive()
+
+
+def test_non_loopback_server_reads_weights_only_under_its_roots(tmp_path, tiny_model_dir):
+    """Issue 21, item 5: --weight-root bounds /update_weights_from_disk (symbolic links resolved)."""
+    import shutil
+
+    from megaforge.rollout.launcher import ServerProcess, child_env
+    from megaforge.rollout.server import API_KEY_ENV
+
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    shutil.copytree(tiny_model_dir, allowed / "ckpt")
+    shutil.copytree(tiny_model_dir, outside / "ckpt")
+    (allowed / "link").symlink_to(outside / "ckpt")
+    (allowed / "half").mkdir()
+    for f in os.listdir(allowed / "ckpt"):  # a folder inside whose weight file links outside
+        if f.endswith(".safetensors"):
+            (allowed / "half" / f).symlink_to(outside / "ckpt" / f)
+    key = "k3y-for-the-test-0123"
+    cmd = lambda port, fd: [sys.executable, "-m", "megaforge.rollout.server", "--model", tiny_model_dir, "--host",
+                            "0.0.0.0", "--port", str(port), "--sock-fd", str(fd), "--weight-root", str(allowed)]
+    s = ServerProcess("engine_0", cmd, str(tmp_path / "engine_0.log"), host="0.0.0.0",
+                      env=child_env(extra={API_KEY_ENV: key}), hold_socket=True, api_key=key)
+    s.start_ready(120)
+    try:
+        disk = lambda p: http(s.url, "POST", "/update_weights_from_disk", {"model_path": str(p)}, token=key)  # noqa: E731
+        st, out = disk(allowed / "ckpt")
+        assert st == 200 and out["success"], out
+        for p in (outside / "ckpt", allowed / "link", allowed / "half", tmp_path / "*", "/etc", allowed / ".." / "outside"):
+            st, out = disk(p)
+            assert st == 403 and out["success"] is False and "--weight-root" in out["message"], (p, out)
+        st, out = disk(allowed / "*")  # inside the root, but a glob is a literal name: no such directory
+        assert st == 400 and "not a directory" in out["message"], out
+    finally:
+        s.stop()
+
+
+def test_weight_roots_of_a_non_loopback_launch(tmp_path, tiny_model_dir):
+    import tempfile
+
+    from megaforge.rollout.http_launch import weight_roots
+
+    cfg = engine_config(tmp_path, tiny_model_dir, host="0.0.0.0", weight_roots=[str(tmp_path / "mine")])
+    assert weight_roots(cfg) == [str(tmp_path / "mine"), tempfile.gettempdir()]  # + default snapshots' folder
+    cfg = engine_config(tmp_path, tiny_model_dir, host="0.0.0.0", snapshot_dir=str(tmp_path / "snap"))
+    assert weight_roots(cfg) == [str(tmp_path / "snap")]
 
 
 def test_gpu_assignment():

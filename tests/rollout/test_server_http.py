@@ -5,13 +5,16 @@ from __future__ import annotations
 import base64
 import os
 import pickle
+import re
+import struct
 import threading
 import time
 
 import pytest
 import torch
 
-from engine_helpers import buckets_of, engine_config, hf_output_logprobs, http, perturbed_state
+from engine_helpers import (BUILD_ON_CLASS, BYTEARRAY8, BYTEARRAY_CALL, buckets_of, engine_config, hf_output_logprobs,
+                            http, perturbed_state)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -166,6 +169,94 @@ def test_unknown_pickled_global_refused(url, tmp_path):
     # outside a begin/end session a tensor update is refused, as in sglang 0.5.23
     st, out = http(url, "POST", "/update_weights_from_tensor", {"serialized_named_tensors": ["AAAA"]})
     assert st == 400 and out["success"] is False and "begin_weight_update" in out["message"]
+
+
+def _checksums(url):
+    st, out = http(url, "POST", "/get_weights_checksum", {})
+    assert st == 200, out
+    return {n: v["sha256"] for n, v in out["tensors"].items()}
+
+
+def test_malicious_tensor_payloads_are_400_and_later_updates_work(engine, url, long_model_dir):
+    """Issue 21, item 5: each payload is refused with 400 naming serialized_named_tensors, nothing
+    changes, and the shared-memory transport keeps working afterwards."""
+    from megaforge.rollout import wire
+
+    before, version = _checksums(url), http(url, "GET", "/get_weight_version")[1]
+    flat, metas = wire.flatten([("lm_head.weight", torch.zeros(512, 64))])
+    lying = wire.deserialize(wire.flattened_bucket_payload(flat, metas))
+    lying["metadata"][0].end_idx = 1 << 40  # metadata pointing far outside the 128 KiB buffer
+    bad_shape = wire.flattened_bucket_payload(*wire.flatten([("model.norm.weight", torch.ones(64)),
+                                                             ("lm_head.weight", torch.ones(3, 3))]))
+    assert http(url, "POST", "/begin_weight_update", {})[0] == 200
+    try:
+        for raw in (BUILD_ON_CLASS, BYTEARRAY_CALL, BYTEARRAY8, pickle.dumps(lying)):
+            st, out = http(url, "POST", "/update_weights_from_tensor", {"serialized_named_tensors": [
+                base64.b64encode(raw).decode()], "load_format": "flattened_bucket"})
+            assert st == 400 and out["param"] == "serialized_named_tensors", out
+        # a well-formed bucket whose second tensor does not fit: refused before the first copy
+        st, out = http(url, "POST", "/update_weights_from_tensor", {"serialized_named_tensors": [bad_shape],
+                                                                   "load_format": "flattened_bucket"})
+        assert st == 400 and out["success"] is False and "no weights were changed" in out["message"], out
+        assert "lm_head.weight" in out["message"]
+    finally:
+        assert http(url, "POST", "/end_weight_update", {})[0] == 200
+    assert _checksums(url) == before and http(url, "GET", "/get_weight_version")[1] == version
+    ref, named = perturbed_state(long_model_dir, seed=12)
+    engine.update_weights(buckets_of(named, 3), version=12)  # the shm transport, after the attacks
+    _check_served_logprobs(engine, ref, 12)
+
+
+def _write_shards(d, named, k=2):
+    from safetensors.torch import save_file
+
+    os.makedirs(d, exist_ok=True)
+    for i, part in enumerate(buckets_of(named, k)):
+        save_file({n: t.contiguous() for n, t in part}, os.path.join(d, f"model-{i:05d}.safetensors"))
+    return sorted(os.path.join(d, f) for f in os.listdir(d))
+
+
+def test_update_from_disk_is_all_or_nothing(engine, url, long_model_dir, tmp_path):
+    """Issue 21, item 5: a bad file anywhere in the folder -> 400 naming it; weights and version stay."""
+    from safetensors.torch import save_file
+
+    before, version = _checksums(url), http(url, "GET", "/get_weight_version")[1]
+    _, named = perturbed_state(long_model_dir, seed=13)
+
+    def corrupt_truncated(files):
+        data = open(files[-1], "rb").read()
+        open(files[-1], "wb").write(data[: len(data) // 2])
+
+    def corrupt_header(files):
+        open(files[-1], "wb").write(struct.pack("<Q", 12) + b"{not json..." + b"\0" * 64)
+
+    def wrong_shape(files):
+        save_file({"lm_head.weight": torch.zeros(3, 3)}, files[-1])
+
+    def unknown_name(files):
+        save_file({"model.layers.9.mlp.up_proj.weight": torch.zeros(2)}, files[-1])
+
+    def duplicate(files):
+        save_file({named[0][0]: named[0][1]}, files[-1])
+
+    def int_dtype(files):
+        save_file({"model.norm.weight": torch.zeros(64, dtype=torch.int32)}, files[-1])
+
+    for k, (corrupt, words) in enumerate(((corrupt_truncated, "do not hold|does not fit|cannot"),
+                                          (corrupt_header, "not valid JSON"), (wrong_shape, "shape"),
+                                          (unknown_name, "no tensor"), (duplicate, "also in"), (int_dtype, "dtype"))):
+        d = str(tmp_path / f"ckpt{k}")
+        files = _write_shards(d, named)
+        corrupt(files)
+        st, out = http(url, "POST", "/update_weights_from_disk", {"model_path": d, "weight_version": "99"})
+        assert st == 400 and out["success"] is False, (corrupt.__name__, out)
+        assert re.search(words, out["message"]) and os.path.basename(files[-1]) in out["message"], (corrupt.__name__, out)
+        assert _checksums(url) == before, f"{corrupt.__name__}: weights changed"
+        assert http(url, "GET", "/get_weight_version")[1] == version
+    # a glob is not expanded: the literal path does not exist
+    _write_shards(str(tmp_path / "real"), named)
+    st, out = http(url, "POST", "/update_weights_from_disk", {"model_path": str(tmp_path / "re*")})
+    assert st == 400 and "not a directory" in out["message"] and _checksums(url) == before
 
 
 def test_memory_release_resume_state_is_checked(engine, url, long_model_dir):

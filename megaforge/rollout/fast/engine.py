@@ -279,6 +279,7 @@ class _Run:
                 busy = self._compact(busy)
             dec.stats["max_busy"] = max(dec.stats["max_busy"], len(busy))
             self._chunk(busy)
+            self.eng.mark_progress()
         return [Completion(r.rid, self.out_ids[i], self.out_lp[i], self.reason[i] or "length", self.eng.weight_version,
                            self.eng.tokenizer.decode(self.out_ids[i], skip_special_tokens=False)
                            if self.eng.tokenizer is not None else "")
