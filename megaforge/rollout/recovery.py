@@ -13,8 +13,10 @@ When an engine fails:
   stopped process too), the same command, on the same port when it can be bound again (required
   with a router in front), the reason appended to ``<run dir>/logs/engine_K.log``;
 * **re-synced** to the version the engines serve, from the weight snapshot
-  (:mod:`megaforge.rollout.snapshot`: the bytes the last update sent, written by the update itself)
-  through ``/update_weights_from_disk``; the served version is checked afterwards;
+  (:mod:`megaforge.rollout.snapshot`: the bytes the last update sent, written by the update itself):
+  with ``sync.transport nccl`` over a weight-update group of the restarted engine alone (the same
+  broadcast as an update), else through ``/update_weights_from_disk``; the served version is checked
+  afterwards;
 * its **memory state** restored (the tags the loop released are released again);
 * its **unfinished requests re-issued** (see ``HTTPEngine.generate``): a request is done once an
   answer with its rid arrived; only requests without one are sent again, each answer is kept once
@@ -23,7 +25,8 @@ When an engine fails:
 
 A failure during a tensor weight update marks that engine failed; the remaining buckets still reach
 the other engines and the snapshot, and the failed engine is restarted with the new version after.
-(With ``sync.transport: nccl`` a failure during the broadcast is not recovered: the error is raised.)
+(With ``sync.transport: nccl`` a failure during the broadcast of an update is not recovered: the error
+is raised.)
 
 ``rollout.max_restarts`` bounds the restarts of each engine per step (the budget is reset by
 ``ensure_healthy``); one more failure raises :class:`EngineFailure` naming the engine, its URL, the
@@ -57,7 +60,7 @@ class EngineFailure(RuntimeError):
 
 class Recovery:
     """Mixin of HTTPEngine (which provides ``clients``, ``processes``, ``router``, ``snapshot``,
-    ``_released``, ``_call``, ``_pg``, ``restart_server``)."""
+    ``_released``, ``_call``, ``_pg``, ``restart_server``, ``_resync``)."""
 
     def _init_recovery(self, max_restarts: int, health_timeout_s: float, startup_timeout_s: float) -> None:
         if max_restarts < 0:
@@ -163,7 +166,7 @@ class Recovery:
             self.snapshot.wait()  # the writes of the last update
         if self.snapshot is not None and self.snapshot.path is not None:
             want = self.snapshot.version
-            self._call(c.update_weights_from_disk(self.snapshot.path, weight_version=str(want)))
+            self._resync(k, want)
         got = self._call(c.get_weight_version())
         if got != want:
             raise EngineFailure(f"{self._name(k)} serves weight version {got} after its restart, expected {want}",

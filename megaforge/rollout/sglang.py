@@ -105,6 +105,7 @@ class HTTPEngine(Recovery, Engine):
         self.timeout_s = timeout_s
         self._released: set[str] = set()
         self._pg = None
+        self._group_device: Optional[torch.device] = None  # where the weight-update group's buckets live
         self.snapshot = WeightSnapshot(snapshot_dir, model_dir) if max_restarts > 0 else None
         self._init_recovery(max_restarts, health_timeout_s, startup_timeout_s)
         self._loop = asyncio.new_event_loop()
@@ -302,27 +303,26 @@ class HTTPEngine(Recovery, Engine):
                 finally:
                     self._send_all(lambda k, c: c.continue_generation(), failed)()
 
-    def _ensure_group(self, device: torch.device) -> None:
-        if self._pg is not None:
-            return
-        from megaforge.rollout import weight_group
-        from megaforge.rollout.launcher import connect_host, free_port
+    def _group_address(self) -> str:
+        """Where the engines reach this process's weight-update group store."""
+        from megaforge.rollout.launcher import connect_host
 
         hosts = {c.url.split("//", 1)[1].rsplit(":", 1)[0] for c in self.clients}
         local = all(connect_host(h.strip("[]")) in ("127.0.0.1", "::1", "localhost") for h in hosts)
-        addr = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
+        return "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
+
+    def _join_group(self, clients: list, offsets: list[int], world: int, name: str, device: torch.device):
+        """A weight-update group of this process (rank 0) and ``clients`` (from ``offsets``)."""
+        from megaforge.rollout import weight_group
+        from megaforge.rollout.launcher import free_port
+
+        addr = self._group_address()
         port = free_port(addr)
-        world = 1 + sum(self.tp_sizes)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        offsets = [1 + sum(self.tp_sizes[:k]) for k in range(len(self.clients))]
-
-        async def join():
-            return await asyncio.gather(*(c.init_weights_update_group(addr, port, off, world, self.group_name, backend)
-                                          for c, off in zip(self.clients, offsets)))
-
-        fut = self._submit(join())
+        fut = self._submit(_gather([c.init_weights_update_group(addr, port, off, world, name, backend)
+                                    for c, off in zip(clients, offsets)]))
         try:
-            pg = weight_group.init_custom_process_group(backend, addr, port, world, 0, self.group_name,
+            pg = weight_group.init_custom_process_group(backend, addr, port, world, 0, name,
                                                         timeout_s=min(self.timeout_s, 600.0))
         except Exception as e:
             try:
@@ -332,30 +332,76 @@ class HTTPEngine(Recovery, Engine):
                 why = f"; an engine said: {fe}"
             raise EngineStateError(f"weight-update group ({backend}, {addr}:{port}, world {world}) failed: {e}{why}") from e
         fut.result()
-        self._pg = pg
+        return pg
 
-    def _update_distributed(self, buckets, version: int) -> None:
+    def _ensure_group(self, device: torch.device) -> None:
+        if self._pg is not None:
+            return
+        offsets = [1 + sum(self.tp_sizes[:k]) for k in range(len(self.clients))]
+        self._pg = self._join_group(self.clients, offsets, 1 + sum(self.tp_sizes), self.group_name, device)
+        self._group_device = device
+
+    def _broadcast_bucket(self, clients: list, pg, name: str, flat: torch.Tensor, metas, version: int, last: bool) -> None:
+        """``/update_weights_from_distributed`` to ``clients`` and one broadcast of ``flat`` in ``pg``."""
         import torch.distributed as dist
 
+        fut = self._submit(_gather([c.update_weights_from_distributed(
+            [m.name for m in metas], [str(m.dtype).removeprefix("torch.") for m in metas],
+            [list(m.shape) for m in metas], group_name=name, flush_cache=last,
+            weight_version=str(version) if last else None, load_format=wire.FLATTENED_BUCKET) for c in clients]))
+        work = dist.broadcast(flat, src=0, group=pg, async_op=True)
+        while not work.is_completed():  # an engine that refuses the bucket never joins: fail, not hang
+            if fut.done() and fut.exception() is not None:
+                raise EngineStateError(f"an engine refused a distributed weight bucket: {fut.exception()}")
+            time.sleep(0.002)
+        work.wait()
+        fut.result()
+
+    def _update_distributed(self, buckets, version: int) -> None:
         for bucket, last in _lookahead(buckets):
             named = wire.packing_order(bucket)
             self._ensure_group(named[0][1].device)
             flat, metas = wire.flatten(named, shared=False)
-            fut = self._submit(_gather([c.update_weights_from_distributed(
-                [m.name for m in metas], [str(m.dtype).removeprefix("torch.") for m in metas],
-                [list(m.shape) for m in metas], group_name=self.group_name, flush_cache=last,
-                weight_version=str(version) if last else None, load_format=wire.FLATTENED_BUCKET)
-                for c in self.clients]))
-            work = dist.broadcast(flat, src=0, group=self._pg, async_op=True)
-            while not work.is_completed():  # an engine that refuses the bucket never joins: fail, not hang
-                if fut.done() and fut.exception() is not None:
-                    self._pg = None
-                    raise EngineStateError(f"an engine refused a distributed weight bucket: {fut.exception()}")
-                time.sleep(0.002)
-            work.wait()
-            fut.result()
+            try:
+                self._broadcast_bucket(self.clients, self._pg, self.group_name, flat, metas, version, last)
+            except EngineStateError:
+                self._pg = None
+                raise
             if self.snapshot is not None:
-                self.snapshot.add_flat(flat.cpu(), metas)
+                self.snapshot.add_flat(flat, metas)
+
+    def _resync(self, k: int, version: int) -> None:
+        """A restarted engine ``k`` loads the snapshot of ``version``: over a weight-update group of its
+        own with ``sync.transport nccl`` (the transport the run already uses, which also reaches an
+        engine that cannot read this machine's disk), else from the snapshot folder on disk."""
+        if self.transport != "nccl" or self._group_device is None:
+            self._call(self.clients[k].update_weights_from_disk(self.snapshot.path, weight_version=str(version)))
+            return
+        from megaforge.rollout import weight_group
+        from megaforge.rollout.snapshot import read_flat
+
+        c, name = self.clients[k], f"{self.group_name}-resync-{k}-{self._epochs[k]}"
+        t0 = time.perf_counter()
+        pg = self._join_group([c], [1], 1 + self.tp_sizes[k], name, self._group_device)
+        try:
+            nbytes = 0
+            if self._session(k):
+                self._call(c.begin_weight_update())
+            try:
+                for path, last in _lookahead(self.snapshot.files()):
+                    flat, metas = read_flat(path)
+                    self._broadcast_bucket([c], pg, name, flat.to(self._group_device), metas, version, last)
+                    nbytes += flat.numel()
+            finally:
+                if self._session(k):
+                    self._call(c.end_weight_update())
+            log.warning("engine_%d (%s) re-synced to weight version %d over weight-update group %r: %.1f MB in %.2f s",
+                        k, c.url, version, name, nbytes / 1e6, time.perf_counter() - t0)
+        finally:
+            try:
+                self._call(c.destroy_weights_update_group(name))
+            finally:
+                weight_group.destroy(pg)
 
     def _update_from_disk(self, buckets, version: int) -> None:
         """Shards in a folder, loaded by every engine; with fault tolerance on, the folder is the

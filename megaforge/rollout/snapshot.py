@@ -65,6 +65,23 @@ def _write_after(event, path: str, flat: torch.Tensor, metas) -> None:
     write_flat(path, flat, metas)
 
 
+def read_flat(path: str):
+    """(flat uint8 tensor, metadata) of a file :func:`write_flat` wrote: the bucket's bytes as they were
+    sent, and each tensor's name, dtype, shape and byte range (in buffer order)."""
+    from megaforge.rollout.wire import FlattenedTensorMetadata
+
+    codes = {v: k for k, v in _ST_DTYPES.items()}
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data = bytearray(f.read())
+    metas = []
+    for name, h in sorted(((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0]):
+        s, e = h["data_offsets"]
+        metas.append(FlattenedTensorMetadata(name, torch.Size(h["shape"]), codes[h["dtype"]], s, e, e - s))
+    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8), metas
+
+
 class WeightSnapshot:
     """Versions of the served weights under ``root`` (a fresh temporary folder when empty).
 
@@ -131,6 +148,13 @@ class WeightSnapshot:
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(flat.device))
         self._run(_write_after, done, path, dst, list(metas))
+
+    def files(self) -> list[str]:
+        """The bucket files of the complete snapshot, in the order they were sent."""
+        if self.path is None:
+            return []
+        with open(os.path.join(self.path, "snapshot.json")) as f:
+            return [os.path.join(self.path, name) for name in json.load(f)["files"]]
 
     def add_named(self, named) -> None:
         """Written now (the disk transport's engines read the files right after)."""
