@@ -62,15 +62,17 @@ class InputError(RunError):
 
 
 def on_main(fn):
-    """Run ``fn()`` on the main rank and hand its result to every rank. A DataError there becomes an
-    InputError on every rank (instead of leaving the other ranks waiting in a collective)."""
+    """Run ``fn()`` on the main rank and hand its result to every rank. A DataError (or a reward
+    failing on a whole step) there becomes an InputError on every rank (instead of leaving the
+    other ranks waiting in a collective)."""
     from megaforge.data.sources import DataError
+    from megaforge.rewards import RewardError
 
     out = None
     if dist.is_main():
         try:
             out = ("ok", fn())
-        except DataError as e:
+        except (DataError, RewardError) as e:
             out = ("error", str(e))
     out = dist.broadcast_object(out)
     if out[0] == "error":
@@ -240,7 +242,7 @@ class Run:
             self.data.load_state_dict(self.state["data"])
         from megaforge.rewards import RewardManager
 
-        self.rewards = RewardManager(cfg.rewards) if dist.is_main() else None
+        self.rewards = RewardManager(cfg.rewards, cfg.algo.plugins) if dist.is_main() else None
         if self.state["rl_step"] == 0:
             total_updates = cfg.max_steps * cfg.trainer.mini_batches * cfg.trainer.epochs
             self.trainer.reset_optimizer(cfg.trainer.lr, total_updates, cfg.trainer.warmup_steps,
@@ -345,6 +347,7 @@ class Run:
         cfg = self.cfg
         target, n = cfg.rollout.batch_size, cfg.grpo.n_samples
         self.engine.ensure_healthy()  # a dead or hung engine is restarted and re-synced (rollout.max_restarts)
+        self.rewards.start_step()
         if not cfg.algo.dynamic_sampling:
             generated = samples = self._generate(step, target, 0, m)
         else:
@@ -367,6 +370,7 @@ class Run:
             samples = [s for s, k in zip(samples, keep.tolist()) if k]
         for k in [k for k in m if k.startswith(("reward/", "episode/")) and k not in ("reward/errors", "reward/timeouts")]:
             m[k] /= len(generated)
+        self.rewards.check_step(step)  # RewardError (the run stops) when a reward failed on every sample
         if self.rewards.last_error and (m["reward/errors"] or m["reward/timeouts"]):
             bar.write(f"[megaforge] step {step}: {self.rewards.last_error}")
         r = torch.tensor([s.reward for s in generated])  # metrics describe everything generated

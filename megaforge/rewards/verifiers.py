@@ -67,8 +67,8 @@ def answers_equal(pred: str, gold: str, use_math_verify: bool = True) -> bool:
     except ImportError as e:
         raise RuntimeError("MathReward needs math-verify for symbolic answers: pip install math-verify") from e
     logging.getLogger("math_verify").setLevel(logging.ERROR)
-    # megaforge's reward manager bounds the time of each call; math-verify's own signal-based
-    # timeouts only work in the main thread, so they are off here.
+    # megaforge's reward executor bounds the time of each call (it kills the worker process);
+    # math-verify's own signal-based timeouts are off so that they do not touch the caller's signals.
     gold_parsed = parse(f"${g}$", parsing_timeout=None)
     pred_parsed = parse(f"${p}$", parsing_timeout=None)
     if not gold_parsed or not pred_parsed:
