@@ -153,9 +153,10 @@ def test_timeout_must_be_positive(value):
         config_from_dict({"model": {"config": "x"}, "data": {"path": "x"}, "rewards": {"timeout_s": value}})
 
 
-def test_the_process_exits_promptly_with_a_call_still_stuck():
+def test_the_process_exits_promptly_with_a_call_still_stuck(tmp_path):
     """The old thread pool kept the interpreter waiting on the stuck thread at exit (forever): a
-    script that scores one hanging call and ends must end, and a SIGTERM must end it too."""
+    script that scores one hanging call and ends must end, and a SIGTERM must end it too. (The
+    script has no ``if __name__ == "__main__"`` guard: the workers do not re-import it.)"""
     script = (
         "import sys, time\n"
         "from megaforge.config import RewardsConfig, RewardSpec\n"
@@ -168,7 +169,9 @@ def test_the_process_exits_promptly_with_a_call_still_stuck():
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(TESTS), TESTS]))
     t = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", script, "end"], env=env, capture_output=True, text=True, timeout=60)
+    (tmp_path / "score.py").write_text(script)
+    out = subprocess.run([sys.executable, str(tmp_path / "score.py"), "end"], env=env, capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "1.0", out.stderr[-2000:]
     assert time.monotonic() - t < 30
     p = subprocess.Popen([sys.executable, "-c", script, "wait"], env=env, stdout=subprocess.PIPE, text=True)

@@ -6,11 +6,12 @@
     outcomes = ex.collect(ids)     # [RewardOutcome(value, error, timed_out)], in the order of ids
     ex.close()
 
-* Workers: ``workers`` processes started with ``spawn`` (not ``fork``: the trainer holds threads
-  and devices). Each imports the plug-in modules, then builds every reward once with
-  ``build(spec)`` (a module-level function, e.g. :func:`megaforge.rewards.build_reward`); a build
-  error is raised by the constructor as ``ValueError`` with the worker's message. A worker runs in
-  its own process group and dies with the trainer (``PR_SET_PDEATHSIG``).
+* Workers: ``workers`` fresh interpreters (``python -c``: not ``fork``, the trainer holds threads
+  and devices; not multiprocessing's ``spawn``, which re-imports the trainer's ``__main__``). Each
+  takes the trainer's ``sys.path``, imports the plug-in modules, then builds every reward once
+  with ``build(spec)`` (a module-level function, e.g. :func:`megaforge.rewards.build_reward`); a
+  build error is raised by the constructor as ``ValueError`` with the worker's message. A worker
+  runs in a session (process group) of its own and dies with the trainer (``PR_SET_PDEATHSIG``).
 * Dispatch: queued calls go to idle workers in chunks of up to ``chunk`` calls (one message for
   many cheap calls: the math reward takes ~0.1 ms); each result comes back on its own, in order, so
   the call a worker is running is always known.
@@ -36,10 +37,12 @@ from __future__ import annotations
 import collections
 import ctypes
 import math
-import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import pickle
 import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -67,15 +70,19 @@ class RewardOutcome:
         return self.value is not None
 
 
-def _worker_main(conn, build: Callable, specs: list, plugins: list, parent: int) -> None:
-    """A reward worker: build the rewards, then answer chunks of calls one result at a time."""
+def worker_entry() -> None:
+    """A reward worker (``python -c ...`` started by :class:`_Worker`): build the rewards, then
+    answer chunks of calls one result at a time. Its pipes' descriptors are ``argv[1:3]``."""
+    inbox = mpc.Connection(int(sys.argv[1]), writable=False)
+    outbox = mpc.Connection(int(sys.argv[2]), readable=False)
     try:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the trainer's close() still kills it
         pass
+    build, specs, plugins, path, parent = pickle.loads(inbox.recv_bytes())
     if os.getppid() != parent:  # the trainer died before the line above
         os._exit(0)
-    os.setsid()  # a process group of its own, killed as a whole
+    sys.path[:] = path
     try:
         import importlib
 
@@ -83,12 +90,12 @@ def _worker_main(conn, build: Callable, specs: list, plugins: list, parent: int)
             importlib.import_module(name)
         fns = [build(s) for s in specs]
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises it
-        conn.send(("error", f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)))
+        outbox.send(("error", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready",))
+    outbox.send(("ready",))
     while True:
         try:
-            chunk = conn.recv()
+            chunk = inbox.recv()
         except (EOFError, OSError):
             return
         for cid, fn, prompt, response, target in chunk:
@@ -99,29 +106,48 @@ def _worker_main(conn, build: Callable, specs: list, plugins: list, parent: int)
                 out = (cid, v, "")
             except Exception as e:  # noqa: BLE001 - a user reward may raise anything
                 out = (cid, None, f"{type(e).__name__}: {e}")
-            conn.send(out)
+            outbox.send(out)
 
 
 class _Worker:
-    def __init__(self, ctx, build, specs, plugins):
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, build, specs, plugins, os.getpid()),
-                                name="megaforge-reward", daemon=True)
-        self.proc.start()
-        child.close()
+    """One worker process, started from an argument list (not multiprocessing's spawn, which would
+    re-import the trainer's ``__main__``), in a session of its own, with two pipes."""
+
+    def __init__(self, init: bytes):
+        from_parent, to_child = os.pipe()
+        from_child, to_parent = os.pipe()
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        code = ("import sys; sys.path.insert(0, sys.argv[3]); "
+                "from megaforge.rewards.executor import worker_entry; worker_entry()")
+        self.proc = subprocess.Popen([sys.executable, "-c", code, str(from_parent), str(to_parent), root],
+                                     pass_fds=(from_parent, to_parent), stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        os.close(from_parent)
+        os.close(to_parent)
+        self.out = mpc.Connection(to_child, readable=False)
+        self.conn = mpc.Connection(from_child, writable=False)
+        self.out.send_bytes(init)
         self.ready = False
         self.sent: collections.deque[tuple[int, float]] = collections.deque()  # (id, deadline) not answered yet
         self.since = 0.0  # when the call it is running (sent[0]) started
         self.revoked = False  # the calls of its chunk it has not started were queued again
 
+    @property
+    def exitcode(self):
+        return self.proc.poll()
+
     def kill(self) -> None:
         for kill in (lambda: os.killpg(self.proc.pid, signal.SIGKILL), self.proc.kill):
             try:
                 kill()
-            except OSError:  # already gone, or not yet in its own group
+            except OSError:  # already gone
                 pass
-        self.proc.join(timeout=5)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
         self.conn.close()
+        self.out.close()
 
 
 class RewardExecutor:
@@ -132,8 +158,7 @@ class RewardExecutor:
         if timeout_s <= 0 or workers < 1 or chunk < 1:
             raise ValueError(f"RewardExecutor: need timeout_s > 0, workers >= 1, chunk >= 1 "
                              f"(got {timeout_s}, {workers}, {chunk})")
-        self._ctx = mp.get_context("spawn")
-        self._args = (build, list(specs), list(plugins))
+        self._init = pickle.dumps((build, list(specs), list(plugins), list(sys.path), os.getpid()))
         self.timeout_s, self.chunk, self.base = float(timeout_s), int(chunk), int(workers)
         self.stall_s = self.timeout_s / 10
         self._pending: dict[int, tuple[RewardCall, float]] = {}  # id -> (call, deadline), not decided
@@ -142,7 +167,7 @@ class RewardExecutor:
         self._next_id = 0
         self._lock = threading.Lock()
         self.restarts = 0
-        self._workers = [_Worker(self._ctx, *self._args) for _ in range(workers)]
+        self._workers = [_Worker(self._init) for _ in range(workers)]
         try:
             self._wait_ready(time.monotonic() + start_timeout_s)
         except BaseException:
@@ -196,9 +221,9 @@ class RewardExecutor:
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
-                    w.proc.join(timeout=5)
+                    w.kill()
                     raise RuntimeError(f"a reward worker died while building the rewards "
-                                       f"(exit status {w.proc.exitcode})") from None
+                                       f"(exit status {w.exitcode})") from None
                 if msg[0] == "error":
                     raise ValueError(msg[1])
                 w.ready = True
@@ -221,7 +246,7 @@ class RewardExecutor:
             self._requeue_unstarted(w)
         self._workers.remove(w)
         if len(self._workers) < self.base:
-            self._workers.append(_Worker(self._ctx, *self._args))
+            self._workers.append(_Worker(self._init))
         self.restarts += 1
 
     def _expire(self, now: float) -> None:
@@ -248,7 +273,7 @@ class RewardExecutor:
             self._requeue_unstarted(w)
         free = [w for w in self._workers if not w.sent]  # idle, or starting
         if self._queue and stalled and not free and len(self._workers) < 2 * self.base:
-            self._workers.append(_Worker(self._ctx, *self._args))
+            self._workers.append(_Worker(self._init))
 
     def _dispatch(self, now: float) -> None:
         idle = [w for w in self._workers if w.ready and not w.sent]
@@ -265,14 +290,17 @@ class RewardExecutor:
             w.sent = collections.deque((cid, self._pending[cid][1]) for cid in ids)
             w.since, w.revoked = now, False
             try:
-                w.conn.send([(cid, c.fn, c.prompt, c.response, c.target)
+                w.out.send([(cid, c.fn, c.prompt, c.response, c.target)
                              for cid, c in ((cid, self._pending[cid][0]) for cid in ids)])
             except OSError:  # BrokenPipeError: it died
                 self._died(w)
 
     def _died(self, w: _Worker) -> None:
-        w.proc.join(timeout=5)
-        self._retire(w, RewardOutcome(error=f"the reward worker died in this call (exit status {w.proc.exitcode})"))
+        try:
+            w.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self._retire(w, RewardOutcome(error=f"the reward worker died in this call (exit status {w.exitcode})"))
 
     def _receive(self, w: _Worker) -> None:
         try:
