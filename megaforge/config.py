@@ -426,7 +426,8 @@ class CheckpointConfig:
     interval: int = 0
     """Save every N RL steps (0: only at the end)."""
     keep_last_n: int = 2
-    """Checkpoints kept (older ones deleted after a new one is complete)."""
+    """Valid checkpoints kept (older ones, and corrupt or partial ones, are deleted after a new one
+    is complete); the checkpoint a run resumed from is kept for the whole run."""
     save_optimizer: bool = True
     """Include optimizer and scheduler state."""
 

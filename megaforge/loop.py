@@ -174,8 +174,15 @@ class Run:
         return build_engines(self.cfg, self.tokenizer)  # rank 0's engine; node leaders start their node's servers
 
     def _save(self, step: int, phase: str = "rl") -> None:
-        path = checkpoint.save(os.path.join(self.run_dir, "checkpoints"), step, self.trainer,
-                               self.state, self.cfg.checkpoint.keep_last_n, phase)
+        """A checkpoint; pruning never deletes the one this run resumed from. Non-finite weights
+        and failed writes (a full disk) stop the run naming the tensors / the path and the cause."""
+        from megaforge.trainer.base import NonFiniteWeights
+
+        try:
+            path = checkpoint.save(os.path.join(self.run_dir, "checkpoints"), step, self.trainer, self.state,
+                                   self.cfg.checkpoint.keep_last_n, phase, protect=[self.resumed_from])
+        except (NonFiniteWeights, checkpoint.CheckpointWriteError) as e:
+            raise RunError(f"{phase.upper()} step {step}: {e}") from None
         _log(f"checkpoint written: {path}")
 
     # ------------------------------------------------------------------------------------ SFT
