@@ -115,6 +115,12 @@ class Run:
         self._stop_signal = 0
         self._install_stop_handlers()
 
+    def close(self) -> None:
+        """The run is over: release the run directory (megaforge.rundir)."""
+        if getattr(self, "_lock", None) is not None:
+            self._lock.release()
+            self._lock = None
+
     # ------------------------------------------------------------------------ graceful stop
     def _install_stop_handlers(self) -> None:
         """SIGTERM / SIGUSR1 (preemption, SLURM's pre-time-limit signal) finish the current step,
@@ -140,18 +146,15 @@ class Run:
 
     # ---------------------------------------------------------------------------------- set-up
     def _prepare_run_dir(self) -> None:
-        cfg = self.cfg
-        err = None
+        """Main rank: lock the run directory for the run's life, then set it up (megaforge.rundir)."""
+        from megaforge.rundir import RunDirError, claim
+
+        err, self._lock = None, None
         if dist.is_main():
-            has_run = os.path.exists(os.path.join(self.run_dir, "metrics.jsonl")) or checkpoint.list_checkpoints(
-                os.path.join(self.run_dir, "checkpoints"))
-            if has_run and not cfg.resume:
-                err = (f"run directory {self.run_dir} already holds a run: pass --resume to continue it, or "
-                       f"choose another --run_name / --output_dir (nothing was changed)")
-            else:
-                for sub in ("", "checkpoints", "logs", "hf"):
-                    os.makedirs(os.path.join(self.run_dir, sub), exist_ok=True)
-                save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
+            try:
+                self._lock = claim(self.run_dir, self.cfg.resume, lambda path: save_config(self.cfg, path))
+            except RunDirError as e:
+                err = str(e)
         err = dist.broadcast_object(err)
         if err:
             raise RunError(err)
@@ -479,18 +482,24 @@ class Run:
 
 def run_grpo(cfg: Config) -> Run:
     run = Run(cfg, "grpo")
-    run.sft()
-    if cfg.max_steps > 0:
-        run.rl()
-    else:
-        run._save_rl()
+    try:
+        run.sft()
+        if cfg.max_steps > 0:
+            run.rl()
+        else:
+            run._save_rl()
+    finally:
+        run.close()
     return run
 
 
 def run_sft(cfg: Config) -> Run:
     run = Run(cfg, "sft")
-    run.sft()
-    run._save_phase()
-    if cfg.export_hf_every:
-        run.trainer.export_hf(os.path.join(run.run_dir, "hf", f"sft_step_{run.state['sft_step']}"))
+    try:
+        run.sft()
+        run._save_phase()
+        if cfg.export_hf_every:
+            run.trainer.export_hf(os.path.join(run.run_dir, "hf", f"sft_step_{run.state['sft_step']}"))
+    finally:
+        run.close()
     return run
