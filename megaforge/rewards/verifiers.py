@@ -85,6 +85,11 @@ class MathReward:
 
     def __init__(self, correct: float = 1.0, incorrect: float = 0.0, use_math_verify: bool = True):
         self.correct, self.incorrect, self.use_math_verify = correct, incorrect, use_math_verify
+        if use_math_verify:  # import it now (sympy: ~1 s), not inside the first timed call of a step
+            try:
+                import math_verify  # noqa: F401
+            except ImportError:  # only symbolic answers need it: answers_equal says so when one comes
+                pass
 
     def __call__(self, prompt: str, response: str, target) -> float:
         pred = extract_answer(response)

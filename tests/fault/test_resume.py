@@ -78,26 +78,26 @@ def test_corrupt_checkpoint_falls_back(tmp_path):
 
 
 def test_prune_after_fallback_keeps_a_resumable_checkpoint(tmp_path, reference):
-    """The newest checkpoints are corrupt; the resumed run falls back, completes and prunes to
-    keep_last_n 2: it must keep the checkpoint it resumed from and its own (the old pruning kept
-    the two highest step numbers, both corrupt, so the next --resume started from scratch)."""
+    """The newest checkpoint is corrupt; the resumed run falls back, completes and prunes to
+    keep_last_n 1: it must keep the checkpoint it resumed from and its own (the old pruning kept
+    the highest step number, the corrupt one, and deleted both: the next --resume started from
+    scratch)."""
     out = str(tmp_path)
     run = os.path.join(out, "p")
     ckpts = os.path.join(run, "checkpoints")
-    subprocess.run(cmd(out, "p", "--checkpoint.interval", "2", "--checkpoint.keep_last_n", "3"), env=env(),
-                   check=True, capture_output=True, timeout=300)
-    assert sorted(os.listdir(ckpts)) == ["step_000002", "step_000004", "step_000006"]
-    for step in ("step_000004", "step_000006"):
-        f = os.path.join(ckpts, step, "trainer", "trainer.pt")
-        with open(f, "r+b") as fh:
-            fh.truncate(os.path.getsize(f) // 2)
-    p = subprocess.run(cmd(out, "p", "--resume", "--max_steps", "3", "--checkpoint.interval", "2",
-                           "--checkpoint.keep_last_n", "2"), env=env(), capture_output=True, text=True, timeout=300)
+    subprocess.run(cmd(out, "p", "--max_steps", "4", "--checkpoint.interval", "2", "--checkpoint.keep_last_n", "2"),
+                   env=env(), check=True, capture_output=True, timeout=300)
+    assert sorted(os.listdir(ckpts)) == ["step_000002", "step_000004"]
+    f = os.path.join(ckpts, "step_000004", "trainer", "trainer.pt")
+    with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) // 2)
+    keep1 = ["--checkpoint.interval", "2", "--checkpoint.keep_last_n", "1", "--resume"]
+    p = subprocess.run(cmd(out, "p", "--max_steps", "3", *keep1), env=env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "resumed from" in p.stdout and "step_000002" in p.stdout
     assert sorted(os.listdir(ckpts)) == ["step_000002", "step_000003"]  # a completed run ends resumable
-    p = subprocess.run(cmd(out, "p", "--resume", "--max_steps", "4", "--checkpoint.interval", "2",
-                           "--checkpoint.keep_last_n", "2"), env=env(), capture_output=True, text=True, timeout=300)
+    p = subprocess.run(cmd(out, "p", "--max_steps", "4", *keep1), env=env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert f"resumed from {os.path.join(ckpts, 'step_000003')}" in p.stdout
+    assert sorted(os.listdir(ckpts)) == ["step_000003", "step_000004"]
     assert stable(lines(os.path.join(run, "metrics.jsonl"))) == stable(reference[0][:4])
