@@ -50,7 +50,11 @@ def test_hanging_calls_time_out_per_step_and_sigterm_still_stops_promptly(tmp_pa
             time.sleep(0.05)
         t = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=120)
+        try:
+            rc = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:  # still waiting on its stuck calls
+                proc.kill()
     out, err = (tmp_path / "out.txt").read_text(), (tmp_path / "err.txt").read_text()
     assert rc == 143, err[-3000:]
     assert time.monotonic() - t < 60  # one step (its reward phase <= 2 s) and a checkpoint
