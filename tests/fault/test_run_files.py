@@ -78,14 +78,10 @@ def test_a_second_process_cannot_write_a_run_directory(tmp_path):
                                 text=True, timeout=300)
         assert second.returncode == 1
         assert f"run directory {run} is in use by process {first.pid}@" in second.stderr, second.stderr[-3000:]
-        n = len(lines(str(run / "metrics.jsonl")))
-        assert first.poll() is None  # the holder was not disturbed
+        assert first.poll() is None  # the holder was not disturbed (the next test resumes a freed directory)
     finally:
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=300) == 143
-    again = subprocess.run(cmd(tmp_path, "l", "--max_steps", str(n + 2), "--resume"), env=env(), capture_output=True,
-                           text=True, timeout=300)
-    assert again.returncode == 0, again.stderr[-3000:]
 
 
 def _children(pid):
