@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import hashlib
 import importlib
 import json
@@ -105,45 +106,143 @@ def list_checkpoints(ckpt_dir: str) -> list[tuple[tuple[int, int], str]]:
     return sorted(out)
 
 
+# verify() results, keyed by the real path and the (name, size, mtime) of every file: a checkpoint
+# is hashed once per process while its files do not change (those this process wrote are valid by
+# construction), so pruning after every save does not read every kept checkpoint again
+_VERDICTS: dict[tuple, Optional[str]] = {}
+
+
+def _verdict_key(path: str) -> Optional[tuple]:
+    try:
+        stats = []
+        for d, _, files in os.walk(path):
+            for f in files:
+                st = os.stat(os.path.join(d, f))
+                stats.append((os.path.relpath(os.path.join(d, f), path), st.st_size, st.st_mtime_ns))
+    except OSError:
+        return None
+    return (os.path.realpath(path), tuple(sorted(stats))) if stats else None
+
+
+def verdict(path: str) -> Optional[str]:
+    """:func:`verify`, remembered while the checkpoint's files are unchanged."""
+    key = _verdict_key(path)
+    if key is None:
+        return verify(path)
+    if key not in _VERDICTS:
+        _VERDICTS[key] = verify(path)
+    return _VERDICTS[key]
+
+
 def latest_valid(ckpt_dir: str, log: Callable[[str], None] = print) -> Optional[str]:
     """Newest complete checkpoint; corrupt or partial ones are reported and skipped."""
     for step, path in reversed(list_checkpoints(ckpt_dir)):
-        why = verify(path)
+        why = verdict(path)
         if why is None:
             return path
         log(f"[megaforge] checkpoint {path} is not usable ({why}); falling back to an earlier one")
     return None
 
 
-def save(ckpt_dir: str, step: int, trainer, loop_state: dict, keep_last_n: int, phase: str = "rl") -> str:
-    """Collective: every rank calls it. Returns the final checkpoint path."""
+def prune(ckpt_dir: str, keep_last_n: int, protect=(), log: Callable[[str], None] = print) -> list[str]:
+    """Delete what is not kept; returns the deleted paths. Kept: the ``keep_last_n`` newest *valid*
+    checkpoints (a corrupt one does not count), always the newest valid one, and every path in
+    ``protect`` (the checkpoint the run resumed from). Corrupt or partial checkpoints are deleted."""
+    entries = [path for _, path in list_checkpoints(ckpt_dir)]
+    valid = [p for p in entries if verdict(p) is None]
+    keep = set(valid[-max(keep_last_n, 1):]) | {os.path.realpath(p) for p in protect if p}
+    keep = {os.path.realpath(p) for p in keep}
+    deleted = []
+    for p in entries:
+        if os.path.realpath(p) not in keep:
+            why = verdict(p)
+            if why is not None:
+                log(f"[megaforge] deleting checkpoint {p}: not usable ({why})")
+            shutil.rmtree(p, ignore_errors=True)
+            deleted.append(p)
+    return deleted
+
+
+class CheckpointWriteError(RuntimeError):
+    """Writing a checkpoint failed (full disk, I/O error): the message names the path and cause."""
+
+
+def _write_failure(e: BaseException, final: str, ckpt_dir: str) -> Optional[str]:
+    """A message for an I/O failure while writing ``final`` (None: not an I/O failure)."""
+    cause, err = e, None
+    while cause is not None and err is None:
+        err = cause if isinstance(cause, OSError) and cause.errno else None
+        cause = cause.__cause__ or cause.__context__
+    if err is not None:
+        what = f"{os.strerror(err.errno)} ({errno.errorcode.get(err.errno, err.errno)})"
+        where = f" at {err.filename}" if err.filename else ""
+    elif any(k in str(e) for k in ("PytorchStreamWriter", "inline_container", "iostream error", "file write failed")):
+        what, where = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}", ""
+    else:
+        return None
+    try:
+        free = f"; {shutil.disk_usage(ckpt_dir).free / 2**20:.1f} MiB free on its filesystem"
+    except OSError:
+        free = ""
+    return (f"writing checkpoint {final} failed: {what}{where}{free}. The partial write was removed; the "
+            f"earlier checkpoints are intact (free space, then continue with --resume)")
+
+
+def save(ckpt_dir: str, step: int, trainer, loop_state: dict, keep_last_n: int, phase: str = "rl",
+         protect=()) -> str:
+    """Collective: every rank calls it. Returns the final checkpoint path. Written under
+    ``.tmp-NAME`` (removed again when writing fails: :class:`CheckpointWriteError` naming the path
+    and the cause, e.g. ENOSPC), then renamed; then :func:`prune` keeps ``keep_last_n`` valid ones
+    and every path in ``protect``."""
     name = checkpoint_name(step, phase)
     final = os.path.join(ckpt_dir, name)
     tmp = os.path.join(ckpt_dir, ".tmp-" + name)
+    try:
+        if dist.is_main():
+            os.makedirs(ckpt_dir, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        trainer.save(os.path.join(tmp, "trainer"))
+        write_torch(_rng_tensors(), os.path.join(tmp, f"rng_rank{dist.rank()}.pt"))
+        dist.barrier()
+        if dist.is_main():
+            with open(os.path.join(tmp, "state.json"), "w") as f:
+                json.dump(loop_state, f, indent=1)
+            write_manifest(tmp)
+            _rename_into_place(tmp, final)
+    except BaseException as e:
+        if dist.is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+        msg = _write_failure(e, final, ckpt_dir)
+        if msg:
+            raise CheckpointWriteError(msg) from e
+        raise
     if dist.is_main():
-        os.makedirs(ckpt_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    trainer.save(os.path.join(tmp, "trainer"))
-    torch.save(_rng_tensors(), os.path.join(tmp, f"rng_rank{dist.rank()}.pt"))
-    dist.barrier()
-    if dist.is_main():
-        with open(os.path.join(tmp, "state.json"), "w") as f:
-            json.dump(loop_state, f, indent=1)
-        write_manifest(tmp)
-        old = None
-        if os.path.exists(final):  # keep the old one until the new one has its name
-            old = os.path.join(ckpt_dir, ".old-" + name)
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
-        for _, old in list_checkpoints(ckpt_dir)[:-keep_last_n]:
-            shutil.rmtree(old, ignore_errors=True)
+        key = _verdict_key(final)
+        if key is not None:
+            _VERDICTS[key] = None  # its manifest was just computed from the files written
+        prune(ckpt_dir, keep_last_n, protect)
     dist.barrier()
     return final
+
+
+def _rename_into_place(tmp: str, final: str) -> None:
+    old = None
+    if os.path.exists(final):  # keep the old one until the new one has its name
+        old = os.path.join(os.path.dirname(final), ".old-" + os.path.basename(final))
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def write_torch(obj, path: str) -> None:
+    """``torch.save`` through a Python file, so that a failed write raises OSError with its errno
+    (given a path, torch's C++ writer reports a full disk as ``basic_ios::clear``)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def _rng_tensors() -> dict:

@@ -191,9 +191,11 @@ class RewardsConfig:
     functions: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("math", 1.0)])
     """Rewards summed (with weights) into each sample's reward."""
     timeout_s: float = 30.0
-    """A reward call that takes longer fails the sample (reward 0, counted) instead of hanging."""
+    """Seconds a step's reward calls get (> 0): a call not done this long after the step's reward
+    phase began scores 0 and counts in ``reward/timeouts``; its worker process is killed and
+    replaced, so the phase ends within about this long however many calls hang."""
     workers: int = 0
-    """Threads that score samples (0: score inline)."""
+    """Reward worker processes (0: one per CPU core, at most 4)."""
 
 
 @dataclass
@@ -443,7 +445,8 @@ class CheckpointConfig:
     interval: int = 0
     """Save every N RL steps (0: only at the end)."""
     keep_last_n: int = 2
-    """Checkpoints kept (older ones deleted after a new one is complete)."""
+    """Valid checkpoints kept (older ones, and corrupt or partial ones, are deleted after a new one
+    is complete); the checkpoint a run resumed from is kept for the whole run."""
     save_optimizer: bool = True
     """Include optimizer and scheduler state."""
 
@@ -644,6 +647,8 @@ class Config:
         need(self.grpo.beta >= 0, "grpo.beta", "must be >= 0")
         need(self.algo.clip_c is None or self.algo.clip_c > 1, "algo.clip_c", "must be > 1 (or null)")
         self._validate_algo(need)
+        need(self.rewards.timeout_s > 0, "rewards.timeout_s", "must be > 0 (seconds a step's reward calls get)")
+        need(self.rewards.workers >= 0, "rewards.workers", "must be >= 0 (0: one per CPU core, at most 4)")
         need(self.rollout.batch_size >= 1, "rollout.batch_size", "must be >= 1")
         need(self.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
         need(0 < self.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")

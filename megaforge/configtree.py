@@ -17,6 +17,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -139,14 +140,19 @@ def coerce(value: Any, t, key: str) -> Any:
             return value
         raise ConfigError(f"config key '{key}': expected int, got {value!r}")
     if t is float:
+        v = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-6" as a string
+            v = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-6" as a string
             try:
-                return float(value)
+                v = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"config key '{key}': expected float, got {value!r}")
+        if v is None:
+            raise ConfigError(f"config key '{key}': expected float, got {value!r}")
+        if not math.isfinite(v):  # .inf / .nan: no key means anything by them (an lr of inf wrecks the weights)
+            raise ConfigError(f"config key '{key}': expected a finite number, got {value!r}")
+        return v
     if t is str:
         if isinstance(value, str):
             return value
@@ -181,6 +187,52 @@ def to_dict(obj) -> Any:
     return obj
 
 
+# ---------------------------------------------------------------------------------- YAML values
+#: values a config's YAML may expand to, counting every use of an alias (real configs: hundreds)
+MAX_YAML_VALUES = 100_000
+
+
+def _children(v):
+    if isinstance(v, dict):
+        return list(v.keys()) + list(v.values())
+    return v if isinstance(v, list) else None
+
+
+def check_expansion(tree: Any, where: str, limit: int = MAX_YAML_VALUES) -> None:
+    """ConfigError when YAML ``tree`` refers to itself (an alias inside its own anchor) or expands
+    to more than ``limit`` values once aliases are followed (a "billion laughs" bomb: nine lists
+    of nine aliases each become 9^9 values when written back by ``save_config``). Sizes of shared
+    lists and mappings are counted once each (memoised by identity), so the check itself is cheap."""
+    if _children(tree) is None:
+        return
+    sizes: dict[int, int] = {}
+    active = {id(tree)}
+    stack = [[tree, iter(_children(tree)), 1]]
+    while stack:
+        frame = stack[-1]
+        child = next(frame[1], stack)  # the stack itself marks the end
+        if child is stack:
+            stack.pop()
+            active.discard(id(frame[0]))
+            sizes[id(frame[0])] = frame[2]
+            if stack:
+                stack[-1][2] += frame[2]
+            if frame[2] > limit:
+                raise ConfigError(f"{where}: the YAML expands to more than {limit} values once its aliases "
+                                  f"(*name) are followed; write the values out or use fewer nested aliases")
+            continue
+        kids = _children(child)
+        if kids is None:
+            frame[2] += 1
+        elif id(child) in active:
+            raise ConfigError(f"{where}: a YAML alias refers to a value that contains it (a recursive structure)")
+        elif id(child) in sizes:
+            frame[2] += sizes[id(child)]
+        else:
+            active.add(id(child))
+            stack.append([child, iter(kids), 1])
+
+
 # ------------------------------------------------------------------------------------- overrides
 def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
     """``--config FILE`` and ``--a.b VALUE`` / ``--a.b=VALUE`` / ``--flag`` -> (config path, {key: value})."""
@@ -207,6 +259,7 @@ def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
+        check_expansion(value, f"--{key}")
         overrides[key] = value
     return path, overrides
 
@@ -261,6 +314,7 @@ def load(cls, argv: list[str]):
             raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"--config {path}: the top level must be a mapping")
+        check_expansion(tree, f"--config {path}")
     check_keys(cls, overrides)
     for k, v in overrides.items():
         set_dotted(tree, k, v)

@@ -2,16 +2,41 @@
 wall for problems the user can fix (config, data, run directory)."""
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
 from megaforge.configtree import ConfigError
+
+PR_SET_PDEATHSIG = 1
+#: failures of the disk, not of megaforge: reported as one line naming the path and the cause
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
+
+
+def die_with_agent() -> None:
+    """Under torchrun (``TORCHELASTIC_RUN_ID`` set), this worker gets SIGKILL when its elastic
+    agent dies (``PR_SET_PDEATHSIG``): an orphaned worker must not go on training while a
+    ``--resume`` of the same run starts (the run directory's lock refuses that resume until the
+    orphan is gone). Started after the agent died already: exit at once. Plain ``python
+    launchers/grpo.py`` (e.g. under nohup) is left alone."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        print(f"megaforge: warning: prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): this worker "
+              f"would outlive its torchrun agent", file=sys.stderr, flush=True)
+    if os.getppid() == 1:  # adopted by init: the agent is gone
+        print("megaforge: error: the torchrun agent of this worker has exited", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 def main(mode: str, argv=None) -> None:
     from megaforge.config import load_config
     from megaforge.data.sources import DataError
 
+    die_with_agent()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from megaforge.planner import FlagError, split_argv
 
@@ -52,6 +77,14 @@ def main(mode: str, argv=None) -> None:
     except (ConfigError, DataError, RunError, DeviceError) as e:
         cluster.report_failure(e)  # the other ranks exit within launch.abort_grace_s (megaforge.cluster)
         print(f"megaforge: error: {e}", file=sys.stderr)
+        raise SystemExit(1)
+    except OSError as e:
+        cluster.report_failure(e)
+        if e.errno not in DISK_ERRORS:
+            raise
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"megaforge: error: writing the run's files failed{where}: {os.strerror(e.errno)} "
+              f"({errno.errorcode[e.errno]}); free space and continue with --resume", file=sys.stderr)
         raise SystemExit(1)
     except BaseException as e:
         cluster.report_failure(e)

@@ -62,15 +62,17 @@ class InputError(RunError):
 
 
 def on_main(fn):
-    """Run ``fn()`` on the main rank and hand its result to every rank. A DataError there becomes an
-    InputError on every rank (instead of leaving the other ranks waiting in a collective)."""
+    """Run ``fn()`` on the main rank and hand its result to every rank. A DataError (or a reward
+    failing on a whole step) there becomes an InputError on every rank (instead of leaving the
+    other ranks waiting in a collective)."""
     from megaforge.data.sources import DataError
+    from megaforge.rewards import RewardError
 
     out = None
     if dist.is_main():
         try:
             out = ("ok", fn())
-        except DataError as e:
+        except (DataError, RewardError) as e:
             out = ("error", str(e))
     out = dist.broadcast_object(out)
     if out[0] == "error":
@@ -113,6 +115,12 @@ class Run:
         self._stop_signal = 0
         self._install_stop_handlers()
 
+    def close(self) -> None:
+        """The run is over: release the run directory (megaforge.rundir)."""
+        if getattr(self, "_lock", None) is not None:
+            self._lock.release()
+            self._lock = None
+
     # ------------------------------------------------------------------------ graceful stop
     def _install_stop_handlers(self) -> None:
         """SIGTERM / SIGUSR1 (preemption, SLURM's pre-time-limit signal) finish the current step,
@@ -138,18 +146,15 @@ class Run:
 
     # ---------------------------------------------------------------------------------- set-up
     def _prepare_run_dir(self) -> None:
-        cfg = self.cfg
-        err = None
+        """Main rank: lock the run directory for the run's life, then set it up (megaforge.rundir)."""
+        from megaforge.rundir import RunDirError, claim
+
+        err, self._lock = None, None
         if dist.is_main():
-            has_run = os.path.exists(os.path.join(self.run_dir, "metrics.jsonl")) or checkpoint.list_checkpoints(
-                os.path.join(self.run_dir, "checkpoints"))
-            if has_run and not cfg.resume:
-                err = (f"run directory {self.run_dir} already holds a run: pass --resume to continue it, or "
-                       f"choose another --run_name / --output_dir (nothing was changed)")
-            else:
-                for sub in ("", "checkpoints", "logs", "hf"):
-                    os.makedirs(os.path.join(self.run_dir, sub), exist_ok=True)
-                save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
+            try:
+                self._lock = claim(self.run_dir, self.cfg.resume, lambda path: save_config(self.cfg, path))
+            except RunDirError as e:
+                err = str(e)
         err = dist.broadcast_object(err)
         if err:
             raise RunError(err)
@@ -172,8 +177,15 @@ class Run:
         return build_engines(self.cfg, self.tokenizer)  # rank 0's engine; node leaders start their node's servers
 
     def _save(self, step: int, phase: str = "rl") -> None:
-        path = checkpoint.save(os.path.join(self.run_dir, "checkpoints"), step, self.trainer,
-                               self.state, self.cfg.checkpoint.keep_last_n, phase)
+        """A checkpoint; pruning never deletes the one this run resumed from. Non-finite weights
+        and failed writes (a full disk) stop the run naming the tensors / the path and the cause."""
+        from megaforge.trainer.base import NonFiniteWeights
+
+        try:
+            path = checkpoint.save(os.path.join(self.run_dir, "checkpoints"), step, self.trainer, self.state,
+                                   self.cfg.checkpoint.keep_last_n, phase, protect=[self.resumed_from])
+        except (NonFiniteWeights, checkpoint.CheckpointWriteError) as e:
+            raise RunError(f"{phase.upper()} step {step}: {e}") from None
         _log(f"checkpoint written: {path}")
 
     # ------------------------------------------------------------------------------------ SFT
@@ -244,7 +256,7 @@ class Run:
             self.data.load_state_dict(self.state["data"])
         from megaforge.rewards import RewardManager
 
-        self.rewards = RewardManager(cfg.rewards) if dist.is_main() else None
+        self.rewards = RewardManager(cfg.rewards, cfg.algo.plugins) if dist.is_main() else None
         if self.state["rl_step"] == 0:
             total_updates = cfg.max_steps * cfg.trainer.mini_batches * cfg.trainer.epochs
             self.trainer.reset_optimizer(cfg.trainer.lr, total_updates, cfg.trainer.warmup_steps,
@@ -359,6 +371,7 @@ class Run:
         cfg = self.cfg
         target, n = cfg.rollout.batch_size, cfg.grpo.n_samples
         self.engine.ensure_healthy()  # a dead or hung engine is restarted and re-synced (rollout.max_restarts)
+        self.rewards.start_step()
         if not cfg.algo.dynamic_sampling:
             generated = samples = self._generate(step, target, 0, m)
         else:
@@ -381,6 +394,7 @@ class Run:
             samples = [s for s, k in zip(samples, keep.tolist()) if k]
         for k in [k for k in m if k.startswith(("reward/", "episode/")) and k not in ("reward/errors", "reward/timeouts")]:
             m[k] /= len(generated)
+        self.rewards.check_step(step)  # RewardError (the run stops) when a reward failed on every sample
         if self.rewards.last_error and (m["reward/errors"] or m["reward/timeouts"]):
             bar.write(f"[megaforge] step {step}: {self.rewards.last_error}")
         r = torch.tensor([s.reward for s in generated])  # metrics describe everything generated
@@ -501,18 +515,24 @@ def batch_advantages(batch, cfg: Config) -> torch.Tensor:
 
 def run_grpo(cfg: Config) -> Run:
     run = Run(cfg, "grpo")
-    run.sft()
-    if cfg.max_steps > 0:
-        run.rl()
-    else:
-        run._save_rl()
+    try:
+        run.sft()
+        if cfg.max_steps > 0:
+            run.rl()
+        else:
+            run._save_rl()
+    finally:
+        run.close()
     return run
 
 
 def run_sft(cfg: Config) -> Run:
     run = Run(cfg, "sft")
-    run.sft()
-    run._save_phase()
-    if cfg.export_hf_every:
-        run.trainer.export_hf(os.path.join(run.run_dir, "hf", f"sft_step_{run.state['sft_step']}"))
+    try:
+        run.sft()
+        run._save_phase()
+        if cfg.export_hf_every:
+            run.trainer.export_hf(os.path.join(run.run_dir, "hf", f"sft_step_{run.state['sft_step']}"))
+    finally:
+        run.close()
     return run

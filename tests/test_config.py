@@ -74,3 +74,58 @@ def test_defaults_are_valid_types():
     d["model"]["config"] = "x"
     d["data"]["path"] = "arithmetic"
     build(Config, d)
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "inf", "nan"])
+def test_non_finite_floats_are_config_errors(tmp_path, value):
+    """trainer.lr .inf used to run (and write 51 non-finite tensors into the checkpoint)."""
+    with pytest.raises(ConfigError, match=r"config key 'trainer.lr': expected a finite number"):
+        load_config(["--config", DEMO, "--trainer.lr", value])
+    p = tmp_path / "c.yaml"
+    p.write_text(f"model: {{config: x}}\ndata: {{path: arithmetic}}\nrewards: {{timeout_s: {value}}}\n")
+    with pytest.raises(ConfigError, match=r"config key 'rewards.timeout_s': expected a finite number"):
+        load_config(["--config", str(p)])
+
+
+BOMB = """model: {config: x}
+data:
+  path: arithmetic
+  synthetic_kwargs:
+    a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]
+    b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+    c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+    d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+    e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+    f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+    g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+    h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+    i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h]
+"""
+
+
+def test_yaml_alias_bomb_is_refused_before_save_config(tmp_path):
+    """9^9 values behind aliases in a dict-typed key: save_config (the run directory's config.yaml)
+    used to expand them and hang. Run in a subprocess so that a hang fails instead of blocking."""
+    import subprocess
+    import sys
+
+    p = tmp_path / "bomb.yaml"
+    p.write_text(BOMB)
+    code = ("import sys; from megaforge.config import load_config, save_config; from megaforge.configtree import ConfigError\n"
+            "try:\n    save_config(load_config(['--config', sys.argv[1]]), sys.argv[2])\n    print('SAVED')\n"
+            "except ConfigError as e:\n    print('REFUSED', e)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code, str(p), str(tmp_path / "out.yaml")], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, PYTHONPATH=root))
+    assert out.stdout.startswith(f"REFUSED --config {p}: the YAML expands to more than 100000 values"), out.stdout + out.stderr
+    assert not (tmp_path / "out.yaml").exists()
+
+
+def test_recursive_yaml_alias_is_refused_and_normal_aliases_work(tmp_path):
+    p = tmp_path / "loop.yaml"
+    p.write_text("model: {config: x}\ndata: {path: arithmetic, synthetic_kwargs: {a: &a [1, *a]}}\n")
+    with pytest.raises(ConfigError, match=r"a YAML alias refers to a value that contains it"):
+        load_config(["--config", str(p)])
+    p.write_text("model: {config: x}\ndata: {path: arithmetic}\ntrainer: {lr: &lr 2.0e-5}\nsft: {lr: *lr}\n")
+    cfg = load_config(["--config", str(p)])
+    assert cfg.trainer.lr == cfg.sft.lr == pytest.approx(2e-5)

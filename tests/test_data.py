@@ -122,3 +122,29 @@ def test_hf_datasets_saved_and_streaming(tmp_path, tokenizer):
     again = PromptSource(_cfg(str(pq_dir), format="hf", streaming=True), tokenizer, 0)
     again.load_state_dict(state)
     assert [r.label for r in again.next_batch(4)] == nxt
+
+
+def test_non_utf8_row_names_file_and_line_and_can_be_skipped(tmp_path, tokenizer):
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n{"prompt": "c", "answer": "3"}\n')
+    with pytest.raises(DataError, match=rf"{p}:2: not valid UTF-8 \(invalid continuation byte at byte 15 of the line\)"):
+        PromptSource(_cfg(str(p), shuffle=False), tokenizer, 0).next_batch(3)
+    src = PromptSource(_cfg(str(p), shuffle=False, skip_bad_rows=True), tokenizer, 0)
+    assert [r.label for r in src.next_batch(2)] == ["1", "3"] and src.skipped == 1
+    j = tmp_path / "d.json"
+    j.write_bytes(b'[{"prompt": "caf\xe9", "answer": "2"}]')
+    with pytest.raises(DataError, match=rf"{j}: not valid UTF-8 \(invalid continuation byte at byte 16\)"):
+        PromptSource(_cfg(str(j)), tokenizer, 0)
+
+
+def test_deeply_nested_row_is_a_bad_row_not_a_recursion_error(tmp_path, tokenizer):
+    p = tmp_path / "d.jsonl"
+    _write_jsonl(p, [{"prompt": "a", "answer": "1"}, "[" * 100_000 + "]" * 100_000, {"prompt": "c", "answer": "3"}])
+    with pytest.raises(DataError, match=rf"{p}:2: nested deeper than the JSON reader allows"):
+        PromptSource(_cfg(str(p), shuffle=False), tokenizer, 0).next_batch(3)
+    src = PromptSource(_cfg(str(p), shuffle=False, skip_bad_rows=True), tokenizer, 0)
+    assert [r.label for r in src.next_batch(2)] == ["1", "3"] and src.skipped == 1
+    j = tmp_path / "d.json"
+    j.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(DataError, match=rf"{j}: nested deeper than the JSON reader allows"):
+        PromptSource(_cfg(str(j)), tokenizer, 0)

@@ -1,9 +1,16 @@
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from megaforge.config import RewardsConfig, RewardSpec
-from megaforge.rewards import MathReward, RewardManager, ThinkingReward, last_boxed
+from megaforge.config import RewardsConfig, RewardSpec, config_from_dict
+from megaforge.configtree import ConfigError
+from megaforge.rewards import MathReward, RewardError, RewardManager, ThinkingReward, last_boxed
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_last_boxed_nested():
@@ -49,6 +56,20 @@ def scaled_reward(prompt, response, target, scale=1.0):
     return scale * len(response)
 
 
+def hang_on_marker(prompt, response, target):
+    """Hangs for good (a stuck C call would too: it sleeps without returning) on responses with HANG."""
+    if "HANG" in response:
+        while True:
+            time.sleep(3600)
+    return float(len(response))
+
+
+def die_on_marker(prompt, response, target):
+    if "DIE" in response:
+        os.kill(os.getpid(), signal.SIGKILL)  # a crash in a C extension, the OOM killer
+    return 1.0
+
+
 def test_manager_weights_plugins_timeouts_errors():
     cfg = RewardsConfig(functions=[
         RewardSpec("math", 0.5), RewardSpec("test_rewards:scaled_reward", 1.0, {"scale": 2.0}),
@@ -72,3 +93,88 @@ def test_unknown_reward_lists_registered():
         RewardManager(RewardsConfig(functions=[RewardSpec("mth")]))
     with pytest.raises(ValueError, match="cannot import module 'nope'"):
         RewardManager(RewardsConfig(functions=[RewardSpec("nope:fn")]))
+
+
+def _responses(n, marked, marker):
+    return [f"{marker} {i}" if i in marked else "x" * (i + 1) for i in range(n)]
+
+
+def test_hanging_calls_are_killed_and_the_phase_is_bounded():
+    """Two calls that never return among 40: decided at rewards.timeout_s, their workers killed and
+    replaced; every other sample scored (a spare worker takes the queue while two are stuck); the
+    next step is not held up by the stuck calls of this one."""
+    m = RewardManager(RewardsConfig(functions=[RewardSpec("test_rewards:hang_on_marker")], timeout_s=3.0, workers=2))
+    try:
+        responses = _responses(40, {5, 23}, "HANG")
+        t = time.monotonic()
+        rewards, metrics = m.score(["p"] * 40, responses, ["t"] * 40)
+        took = time.monotonic() - t
+        assert 3.0 <= took < 6.0, took  # about timeout_s, not n x timeout_s
+        assert metrics["reward/timeouts"] == 2 and metrics["reward/errors"] == 0
+        assert rewards == [0.0 if "HANG" in r else float(len(r)) for r in responses]
+        assert "no result within rewards.timeout_s=3 s" in m.last_error
+        assert m.executor.restarts == 2
+        t = time.monotonic()
+        rewards, metrics = m.score(["p"] * 8, ["ab"] * 8, ["t"] * 8)
+        assert rewards == [2.0] * 8 and metrics["reward/timeouts"] == 0 and time.monotonic() - t < 2.5
+    finally:
+        m.close()
+
+
+def test_many_hanging_calls_do_not_add_up():
+    m = RewardManager(RewardsConfig(functions=[RewardSpec("test_rewards:hang_on_marker")], timeout_s=1.0, workers=2))
+    try:
+        t = time.monotonic()
+        rewards, metrics = m.score(["p"] * 8, ["HANG"] * 8, ["t"] * 8)
+        assert time.monotonic() - t < 3.0 and metrics["reward/timeouts"] == 8 and rewards == [0.0] * 8
+        with pytest.raises(RewardError, match=r"reward 'hang_on_marker' failed on every sample of step 7 \(8 calls: "
+                                              r"8 not done within rewards.timeout_s=1 s"):
+            m.check_step(7)
+        m.start_step()
+        m.check_step(8)  # nothing scored since: nothing to report
+    finally:
+        m.close()
+
+
+def test_a_crashing_worker_fails_only_its_call():
+    m = RewardManager(RewardsConfig(functions=[RewardSpec("test_rewards:die_on_marker")], timeout_s=20.0, workers=2))
+    try:
+        rewards, metrics = m.score(["p"] * 6, _responses(6, {2}, "DIE"), ["t"] * 6)
+        assert rewards == [1.0, 1.0, 0.0, 1.0, 1.0, 1.0] and metrics["reward/errors"] == 1
+        assert "the reward worker died in this call (exit status -9)" in m.last_error
+        m.check_step(1)  # not every sample failed
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("value", [0, -1, -0.5])
+def test_timeout_must_be_positive(value):
+    with pytest.raises(ConfigError, match=r"config key 'rewards.timeout_s': must be > 0"):
+        config_from_dict({"model": {"config": "x"}, "data": {"path": "x"}, "rewards": {"timeout_s": value}})
+
+
+def test_the_process_exits_promptly_with_a_call_still_stuck(tmp_path):
+    """The old thread pool kept the interpreter waiting on the stuck thread at exit (forever): a
+    script that scores one hanging call and ends must end, and a SIGTERM must end it too. (The
+    script has no ``if __name__ == "__main__"`` guard: the workers do not re-import it.)"""
+    script = (
+        "import sys, time\n"
+        "from megaforge.config import RewardsConfig, RewardSpec\n"
+        "from megaforge.rewards import RewardManager\n"
+        "m = RewardManager(RewardsConfig(functions=[RewardSpec('test_rewards:hang_on_marker')], timeout_s=1.0, workers=1))\n"
+        "print(m.score(['p'], ['HANG'], ['t'])[1]['reward/timeouts'], flush=True)\n"
+        "m.executor.submit([m._call(0, 'p', 'HANG', 't')])  # left running: the end must not wait for it\n"
+        "if sys.argv[1] == 'wait':\n"
+        "    time.sleep(600)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(TESTS), TESTS]))
+    t = time.monotonic()
+    (tmp_path / "score.py").write_text(script)
+    out = subprocess.run([sys.executable, str(tmp_path / "score.py"), "end"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "1.0", out.stderr[-2000:]
+    assert time.monotonic() - t < 30
+    p = subprocess.Popen([sys.executable, "-c", script, "wait"], env=env, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "1.0"
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=20) == -signal.SIGTERM

@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -57,28 +58,46 @@ def _files(path: str, ext: str) -> list[str]:
     return [path]
 
 
+def _loads(text: str) -> tuple[Any, str]:
+    """(value, "") or (None, why the text is not a JSON value we can read)."""
+    try:
+        return json.loads(text), ""
+    except json.JSONDecodeError as e:
+        return None, f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+    except RecursionError:  # e.g. 100,000 nested brackets
+        return None, f"nested deeper than the JSON reader allows (Python's recursion limit {sys.getrecursionlimit()})"
+
+
 def read_jsonl(path: str) -> Iterator[RawRow]:
+    """Rows of .jsonl files (one JSON object a line; a line that is not UTF-8 or not valid JSON is
+    a bad row named ``file:line``) or of .json files (a list of objects; an unreadable file is a
+    DataError naming it)."""
     for f in _files(path, ".jsonl") if os.path.isdir(path) else _files(path, ""):
-        with open(f, encoding="utf-8") as fh:
+        with open(f, "rb") as fh:
             if f.endswith(".json"):
+                data = fh.read()
                 try:
-                    items = json.load(fh)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{f}: not valid JSON: {e}") from None
+                    text = data.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{f}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+                items, why = _loads(text)
+                if why:
+                    raise DataError(f"{f}: {why}")
                 if not isinstance(items, list):
                     raise DataError(f"{f}: a .json data file must hold a list of rows")
                 for i, item in enumerate(items):
                     yield _as_row(item, f"{f}:item {i}")
                 continue
-            for lineno, line in enumerate(fh, 1):
+            for lineno, raw in enumerate(fh, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield RawRow(None, f"{f}:{lineno}", f"not valid UTF-8 ({e.reason} at byte {e.start} of the line)")
+                    continue
                 if not line.strip():
                     continue
-                try:
-                    item = json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield RawRow(None, f"{f}:{lineno}", f"not valid JSON ({e.msg} at column {e.colno})")
-                    continue
-                yield _as_row(item, f"{f}:{lineno}")
+                item, why = _loads(line)
+                yield RawRow(None, f"{f}:{lineno}", why) if why else _as_row(item, f"{f}:{lineno}")
 
 
 def _as_row(item: Any, where: str) -> RawRow:

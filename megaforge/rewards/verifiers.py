@@ -67,8 +67,8 @@ def answers_equal(pred: str, gold: str, use_math_verify: bool = True) -> bool:
     except ImportError as e:
         raise RuntimeError("MathReward needs math-verify for symbolic answers: pip install math-verify") from e
     logging.getLogger("math_verify").setLevel(logging.ERROR)
-    # megaforge's reward manager bounds the time of each call; math-verify's own signal-based
-    # timeouts only work in the main thread, so they are off here.
+    # megaforge's reward executor bounds the time of each call (it kills the worker process);
+    # math-verify's own signal-based timeouts are off so that they do not touch the caller's signals.
     gold_parsed = parse(f"${g}$", parsing_timeout=None)
     pred_parsed = parse(f"${p}$", parsing_timeout=None)
     if not gold_parsed or not pred_parsed:
@@ -85,6 +85,11 @@ class MathReward:
 
     def __init__(self, correct: float = 1.0, incorrect: float = 0.0, use_math_verify: bool = True):
         self.correct, self.incorrect, self.use_math_verify = correct, incorrect, use_math_verify
+        if use_math_verify:  # import it now (sympy: ~1 s), not inside the first timed call of a step
+            try:
+                import math_verify  # noqa: F401
+            except ImportError:  # only symbolic answers need it: answers_equal says so when one comes
+                pass
 
     def __call__(self, prompt: str, response: str, target) -> float:
         pred = extract_answer(response)

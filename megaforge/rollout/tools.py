@@ -88,10 +88,15 @@ class Calculator:
 @TOOLS.register("python")
 class PythonTool:
     """Runs the call's arguments as Python code in the sandbox; answers its stdout (stripped), or
-    ``error: <last line of stderr>`` (e.g. ``MemoryError``, ``TimeoutError: ...``)."""
+    ``error: <last line of stderr>`` (e.g. ``MemoryError``, ``TimeoutError: ...``). Built only where
+    the sandbox works (:func:`megaforge.rollout.sandbox.require`, which logs its isolation): a
+    machine that cannot isolate the code fails at start-up, not in the middle of a rollout."""
 
     def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 2048):
+        from megaforge.rollout.sandbox import require
+
         self.timeout_s, self.memory_mb, self.max_output_bytes = timeout_s, memory_mb, max_output_bytes
+        require()
 
     def __call__(self, args: str) -> str:
         from megaforge.rollout.sandbox import run_code

@@ -11,11 +11,24 @@ from typing import Iterator
 
 import torch
 
+from megaforge import dist
 from megaforge.memory.offload import PinnedOffloader
 from megaforge.memory.state import host_reservation
 from megaforge.types import TrainBatch
 
 HFBucket = list[tuple[str, torch.Tensor]]
+
+
+class NonFiniteWeights(RuntimeError):
+    """Weights hold NaN or inf: they are not written to a checkpoint."""
+
+
+def modules_weights(**modules) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(prefix.name, parameter)`` of every given module that is not None."""
+    for prefix, mod in modules.items():
+        if mod is not None:
+            for name, p in mod.named_parameters():
+                yield f"{prefix}.{name}", p
 
 
 class Trainer(ABC):
@@ -58,8 +71,24 @@ class Trainer(ABC):
         the ranks that hand weights to engines receive non-empty buckets."""
 
     @abstractmethod
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's weight tensors that :meth:`save` writes (policy, reference, critic), by name."""
+
+    def check_finite(self, limit: int = 8) -> None:
+        """Collective: :class:`NonFiniteWeights` naming (up to ``limit`` of) this rank's tensors that
+        hold NaN or inf when any rank has one; every backend's :meth:`save` calls it first."""
+        bad = [name for name, t in self.named_weights() if not bool(torch.isfinite(t.detach()).all())]
+        n_bad = int(dist.all_reduce_sum(torch.tensor([float(len(bad))])).item())
+        if n_bad:
+            here = ", ".join(bad[:limit]) + (f" and {len(bad) - limit} more" if len(bad) > limit else "")
+            raise NonFiniteWeights(
+                f"{n_bad} weight tensor(s) hold NaN or inf (rank {dist.rank()}: {here or 'none on this rank'}); "
+                f"no checkpoint was written (the earlier ones are intact). Lower trainer.lr or check the data")
+
+    @abstractmethod
     def save(self, path: str) -> None:
-        """Model, optimizer and scheduler state into directory ``path`` (collective)."""
+        """Model, optimizer and scheduler state into directory ``path`` (collective); refuses
+        non-finite weights (:meth:`check_finite`) before writing anything."""
 
     @abstractmethod
     def load(self, path: str) -> None:

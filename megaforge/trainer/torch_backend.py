@@ -18,8 +18,9 @@ from megaforge import dist
 from megaforge.algorithms import LossParams, policy_objective
 from megaforge.hf import hf_state_names, load_hf_model, resolve_device
 from megaforge.memory import build_offloader, onloaded
+from megaforge.checkpoint import write_torch
 from megaforge.memory.state import torch_entries, torch_optimizers
-from megaforge.trainer.base import HFBucket, StepMetrics, Trainer
+from megaforge.trainer.base import HFBucket, StepMetrics, Trainer, modules_weights
 from megaforge.trainer.logprobs import token_logprobs
 from megaforge.trainer.optim import lr_at
 from megaforge.types import TrainBatch
@@ -248,8 +249,13 @@ class TorchTrainer(Trainer):
             yield bucket
 
     # ------------------------------------------------------------------------------ checkpoint
+    def named_weights(self):
+        critic = self.critic.net if self.critic is not None else None
+        return modules_weights(model=self.model, ref=self.ref, critic=critic)
+
     @onloaded
     def save(self, path: str) -> None:
+        self.check_finite()
         if dist.is_main():
             os.makedirs(path, exist_ok=True)
             state = {"model": self.model.state_dict(), "version": self.version, "sched": dict(self.sched)}
@@ -259,7 +265,7 @@ class TorchTrainer(Trainer):
                 state["ref"] = self.ref.state_dict()
             if self.critic is not None:
                 state["critic"] = self.critic.state_dict()
-            torch.save(state, os.path.join(path, "trainer.pt"))
+            write_torch(state, os.path.join(path, "trainer.pt"))
         dist.barrier()
 
     @onloaded

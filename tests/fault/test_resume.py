@@ -75,3 +75,29 @@ def test_corrupt_checkpoint_falls_back(tmp_path):
     assert "resumed from" in p.stdout and "step_000002" in p.stdout
     assert [r["step"] for r in lines(os.path.join(run, "metrics.jsonl"))] == [1, 2, 3, 4, 5, 6]
     assert set(before) <= set(os.listdir(run))
+
+
+def test_prune_after_fallback_keeps_a_resumable_checkpoint(tmp_path, reference):
+    """The newest checkpoint is corrupt; the resumed run falls back, completes and prunes to
+    keep_last_n 1: it must keep the checkpoint it resumed from and its own (the old pruning kept
+    the highest step number, the corrupt one, and deleted both: the next --resume started from
+    scratch)."""
+    out = str(tmp_path)
+    run = os.path.join(out, "p")
+    ckpts = os.path.join(run, "checkpoints")
+    subprocess.run(cmd(out, "p", "--max_steps", "4", "--checkpoint.interval", "2", "--checkpoint.keep_last_n", "2"),
+                   env=env(), check=True, capture_output=True, timeout=300)
+    assert sorted(os.listdir(ckpts)) == ["step_000002", "step_000004"]
+    f = os.path.join(ckpts, "step_000004", "trainer", "trainer.pt")
+    with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) // 2)
+    keep1 = ["--checkpoint.interval", "2", "--checkpoint.keep_last_n", "1", "--resume"]
+    p = subprocess.run(cmd(out, "p", "--max_steps", "3", *keep1), env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "resumed from" in p.stdout and "step_000002" in p.stdout
+    assert sorted(os.listdir(ckpts)) == ["step_000002", "step_000003"]  # a completed run ends resumable
+    p = subprocess.run(cmd(out, "p", "--max_steps", "4", *keep1), env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"resumed from {os.path.join(ckpts, 'step_000003')}" in p.stdout
+    assert sorted(os.listdir(ckpts)) == ["step_000003", "step_000004"]
+    assert stable(lines(os.path.join(run, "metrics.jsonl"))) == stable(reference[0][:4])

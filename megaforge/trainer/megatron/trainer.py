@@ -41,7 +41,7 @@ from megaforge.hf import DTYPES
 from megaforge.memory import build_offloader, onloaded
 from megaforge.memory.state import megatron_entries, megatron_optimizers
 from megaforge.convert import families
-from megaforge.trainer.base import HFBucket, StepMetrics, Trainer
+from megaforge.trainer.base import HFBucket, StepMetrics, Trainer, modules_weights
 from megaforge.trainer.megatron import cpu_compat, parallel
 from megaforge.trainer.megatron import model as mmodel
 from megaforge.trainer.megatron.logprobs import vocab_parallel_argmax, vocab_parallel_logprobs
@@ -422,10 +422,15 @@ class MegatronTrainer(Trainer):
 
         export_hf(self.bm, self.hf_config, path, self.tokenizer, self.cfg.model.path)
 
+    def named_weights(self):
+        critic = self.critic.bm.model if self.critic is not None else None
+        return modules_weights(model=self.bm.model, ref=self.ref, critic=critic)
+
     @onloaded
     def save(self, path: str) -> None:
         from megaforge.trainer.megatron.checkpoint import save
 
+        self.check_finite()
         save(self, path)
 
     @onloaded

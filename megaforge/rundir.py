@@ -1,0 +1,71 @@
+"""The run directory: one writer at a time, and its set-up.
+
+    lock = claim(run_dir, resume, write_config)   # main rank, before anything is written
+    ...
+    lock.release()                                # also when the process ends, however it ends
+
+One writer: an exclusive ``flock`` on ``<run dir>/.lock``, held for the run's life by its main
+rank; a second run or ``--resume`` of the directory fails naming the holder's ``pid@host``.
+
+The lock file holds the holder's ``pid@host``; it is left in place (an unlocked file means nothing).
+``flock`` is advisory and per open file: it holds against every megaforge process, on this host,
+and on network filesystems that implement it (NFSv4, Lustre and GPFS do; check yours).
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+from typing import Callable
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be used (nothing in it was changed)."""
+
+
+class RunDirBusy(RunDirError):
+    """Another process holds the run directory."""
+
+
+class RunDirLock:
+    def __init__(self, run_dir: str):
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, ".lock")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "an unknown process"
+            os.close(fd)
+            raise RunDirBusy(f"run directory {run_dir} is in use by process {holder} (it holds {self.path}); "
+                             f"two runs must not write one directory: wait for it to end or stop it, or choose "
+                             f"another --run_name / --output_dir (nothing was changed)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None
+
+    def __del__(self):
+        self.release()
+
+
+def claim(run_dir: str, resume: bool, write_config: Callable[[str], None]) -> RunDirLock:
+    """Lock ``run_dir``; refuse a directory that already holds a run unless ``resume``; create
+    ``checkpoints/``, ``logs/``, ``hf/`` and write ``config.yaml`` through ``write_config(path)``."""
+    from megaforge.checkpoint import list_checkpoints
+
+    lock = RunDirLock(run_dir)
+    has_run = os.path.exists(os.path.join(run_dir, "metrics.jsonl")) or list_checkpoints(
+        os.path.join(run_dir, "checkpoints"))
+    if has_run and not resume:
+        lock.release()
+        raise RunDirError(f"run directory {run_dir} already holds a run: pass --resume to continue it, or "
+                          f"choose another --run_name / --output_dir (nothing was changed)")
+    for sub in ("checkpoints", "logs", "hf"):
+        os.makedirs(os.path.join(run_dir, sub), exist_ok=True)
+    write_config(os.path.join(run_dir, "config.yaml"))
+    return lock
