@@ -77,9 +77,9 @@ def test_megatron_routing_settings_equal_transformers_router(norm):
                                                        score_function=kw["moe_router_score_function"])
         diff = (probs - want).abs().max().item()
         # float32 weights in [0, 1] from an 8-way softmax and a 3-term renormalisation of the same
-        # logits: a few ulp when the formulas match (measured 1.2e-7 on every kernel set); the other
-        # setting differs by 0.136
-        assert (diff <= 1e-6) == should_match, (pre_softmax, diff)
+        # logits: a few ulp (1.2e-7) when the formulas match, measured on every kernel set; the other
+        # setting differs by 0.136. 1e-5 sits between, >= 80 ulp from either
+        assert (diff <= 1e-5) == should_match, (pre_softmax, diff)
         assert torch.equal(rmap, want > 0)
 
 
