@@ -13,6 +13,14 @@ sys.path.insert(0, ROOT)
 TOKENIZER = os.path.join(ROOT, "assets", "tiny-tokenizer")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("ATEN_CPU_CAPABILITY"):
+    # torch.compile's on-disk cache key ignores the vector ISA that ATEN_CPU_CAPABILITY selects: a CPU
+    # kernel compiled under one setting is loaded under another and computes garbage (the fused-logprob
+    # test was 5.2 off after a run with another setting). One cache per setting (subprocesses inherit it).
+    import tempfile
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{os.getuid()}_{os.environ['ATEN_CPU_CAPABILITY']}"))
 torch.set_num_threads(1)
 
 

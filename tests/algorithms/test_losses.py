@@ -7,6 +7,9 @@ from algo_helpers import lp_for_ratio, params
 
 from megaforge.algorithms import POLICY_LOSSES, aggregate
 
+# Tolerances: float64 throughout (eps 2.2e-16), a few ops per element: torch.allclose's defaults
+# (rtol 1e-5) and atol=1e-12 are >= 1e3 x the rounding; a formula error moves values by >= 1e-2.
+
 OLD = [[math.log(0.3), math.log(0.6), math.log(0.2)]]
 
 

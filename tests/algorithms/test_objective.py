@@ -8,6 +8,10 @@ from algo_helpers import params
 from megaforge.algorithms import KL_ESTIMATORS, aggregate, mismatch_weights, policy_objective
 from megaforge.types import TrainBatch
 
+# Tolerances: float64 throughout (eps 2.2e-16). pytest.approx's default (rel 1e-6) and the explicit
+# 1e-9..1e-12 bounds of the micro-batch test (sums over <= 6 rows in another grouping) are >= 1e3 x
+# the rounding of a few dozen float64 ops; the KL identity (rel 1e-12) sums 5 float64 terms.
+
 
 # ------------------------------------------------------------------------------------------ KL
 def test_kl_estimator_values():

@@ -215,6 +215,8 @@ def test_trainer_loads_converted_moe_checkpoint_and_matches_transformers(results
     ref = mt_helpers.hf_logprobs(tiny["qwen3_moe"], batch, temperature=0.8)
     other = mt_helpers.hf_logprobs(tiny["qwen3_moe_other"], batch, temperature=0.8)
     d = (r["trainer_lp"] - ref).abs().max().item()
+    # float32 logprobs (|lp| ~ 6, ulp 4.8e-7): TP=2 + SP x EP=2 against transformers' fused experts, other
+    # sum orders (tests/megatron/test_megatron_parity.py: ~2 ulp measured); 1e-5 is ~20 ulp
     assert d <= 1e-5, f"max |logprob - transformers| = {d:.3g}"
     assert (other - ref).abs().max().item() > 1e-2, "the two MoE models should differ"
     _assert_same_tensors(hf_state(os.path.join(results["root"], "hf_trainer_export")),
@@ -231,6 +233,7 @@ def test_moe_rl_step_with_expert_parallelism_matches_torch_backend(results):
     ref_m, ref_w = mt_helpers.torch_backend_reference(results["tiny"]["qwen3_moe"], mt_helpers.make_batch(vocab=509), ["rl"])
     for k in ("loss", "pg_loss", "entropy", "grad_norm"):
         if k in ref_m[0]:
+            # float32 sums over 50 tokens / the model's parameters, in other orders: relative 1e-5
             assert abs(r["trainer_metrics"][k] - ref_m[0][k]) <= 1e-5 * max(1.0, abs(ref_m[0][k])), \
                 f"{k}: megatron {r['trainer_metrics'][k]} vs torch {ref_m[0][k]}"
     got = {n: t for b in r["trainer_after"]["buckets"] for n, t in b}
@@ -248,9 +251,12 @@ def test_moe_rl_step_with_expert_parallelism_matches_torch_backend(results):
             want[k] = v
     assert set(got) == set(want)
     worst = max(((got[k] - want[k]).abs().max().item(), k) for k in want)
-    assert worst[0] <= 1e-5, f"after the step, {worst[1]} differs by {worst[0]:.3g}"
+    # one Adam step (lr 1e-3, eps 1e-6) amplifies the float32 rounding of gradients |g| <~ eps by
+    # lr / eps = 1e3 (tests/megatron/test_megatron_parity.py WEIGHT_TOL): 1.1e-6 measured; the experts'
+    # moves below are ~lr
+    assert worst[0] <= 3e-5, f"after the step, {worst[1]} differs by {worst[0]:.3g}"
     moved = max((got[k] - results_state(results)[k]).abs().max().item() for k in got if ".experts." in k)
-    assert moved > 1e-5, "the expert weights did not move"
+    assert moved > 3e-4, "the expert weights did not move"  # Adam moves a weight by up to lr = 1e-3: 10x the bound
     # the training checkpoint (TP=2 x EP=2 + optimizer + reference) converted at PP=2 x EP=2
     out = os.path.join(results["root"], "hf_from_training_ckpt")
     _assert_same_tensors(hf_state(out), got, "HF export of the training checkpoint")

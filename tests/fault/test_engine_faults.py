@@ -82,8 +82,11 @@ def _check_answers(out, reqs, reference):
     assert [c.rid for c in out] == [r.rid for r in reqs]  # every request answered, once, in order
     for c, ref in zip(out, reference):
         assert c.weight_version == VERSION
-        assert c.finish_reason == "length" and c.output_ids == ref.output_ids  # seeded: regenerated identically
-        assert c.output_logprobs == pytest.approx(ref.output_logprobs, abs=1e-6)
+        # seeded (counter-based draws per request and position): regenerated identically
+        assert c.finish_reason == "length" and c.output_ids == ref.output_ids
+        # a reissued request may share a batch with others (other padding): float32 logprobs can move
+        # by an ulp or two (<= 9.5e-7 at |lp| <= 8); 1e-5 covers that, a wrong weight version does not
+        assert c.output_logprobs == pytest.approx(ref.output_logprobs, abs=1e-5)
 
 
 def test_kill9_mid_generation_reissues_exactly_once(engine, reference):

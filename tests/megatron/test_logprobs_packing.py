@@ -19,13 +19,16 @@ def test_logprobs_entropy_and_grads_ignore_padded_vocab():
     ref = torch.log_softmax(logits[:, :V] / tau, -1)
     rlp, rent = ref.gather(-1, labels[:, None])[:, 0], -(ref.exp() * ref).sum(-1)
     ((rlp * w1).sum() + (rent * w2).sum()).backward()
-    assert (lp - rlp).abs().max() < 1e-6 and (ent - rent).abs().max() < 1e-6
-    assert (got - logits.grad).abs().max() < 1e-6
+    # float32 over 11 columns in another formula (max-shifted sums vs log_softmax): |lp| and H are
+    # <= ~4 (ulp 4.8e-7) and grads <= 1; measured 4.8e-7 (1 ulp). 1e-5 is ~20 ulp; a wrong temperature
+    # or a padded column counted moves them by >= 1e-2.
+    assert (lp - rlp).abs().max() < 1e-5 and (ent - rent).abs().max() < 1e-5
+    assert (got - logits.grad).abs().max() < 1e-5
     assert got[:, V:].abs().max() == 0  # padded columns get no gradient
     big = logits.detach().clone()
     big[:, V:] = 100.0  # padded columns never win nor count
     assert torch.equal(vocab_parallel_argmax(big, V), big[:, :V].argmax(-1))
-    assert (vocab_parallel_logprobs(big, labels, V, tau)[0] - rlp).abs().max() < 1e-6
+    assert (vocab_parallel_logprobs(big, labels, V, tau)[0] - rlp).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
@@ -47,11 +50,16 @@ def test_fused_kernels_equal_eager_formulas(device):
             ((lp * w1).sum() + ent_term.sum()).backward()
             res[fused, detach_ent] = (lp.detach(), ent.detach(), logits.grad.float())
     ref = torch.log_softmax(base.float()[:, :V], -1)
-    assert (res[True, False][0] - ref.gather(-1, labels[:, None])[:, 0]).abs().max() < 1e-5
+    # float32 sums over the 50 real columns, the compiled kernel in its own (vectorised) order: a sum
+    # of K terms differs by <= K * eps * sum|terms| between orders; the entropy's sum p * z has
+    # sum|p z| <= ~10 (|z| <= ~10 after the max shift): <= 50 * 1.2e-7 * 10 = 6e-5, the logprobs'
+    # log-sum-exp <= 50 * eps = 6e-6. Measured 9.5e-7 (lp) and 1.9e-6 (H). Bound 1e-4.
+    assert (res[True, False][0] - ref.gather(-1, labels[:, None])[:, 0]).abs().max() < 1e-4
     for d in (False, True):
         (lp0, e0, g0), (lp1, e1, g1) = res[False, d], res[True, d]
-        assert (lp0 - lp1).abs().max() < 1e-5 and (e0 - e1).abs().max() < 1e-5
-        assert (g0 - g1).abs().max() < 1e-2 * g0.abs().max()  # bf16 gradients: one rounding apart
+        assert (lp0 - lp1).abs().max() < 1e-4 and (e0 - e1).abs().max() < 1e-4
+        # bf16 gradients (8-bit mantissa): one rounding apart is <= 2^-8 * max|g| ~ 3.9e-3 * max|g|
+        assert (g0 - g1).abs().max() < 1e-2 * g0.abs().max()
         assert g1[:, V:].abs().max() == 0
     assert (res[True, False][2] - res[True, True][2]).abs().max() > 1e-3  # the entropy term counts
 

@@ -3,6 +3,7 @@ torchrun: critic metrics are logged, the checkpoint holds the critic, and a run 
 and resumed writes the same metrics as an uninterrupted 3-step run."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -32,9 +33,13 @@ def test_ppo_run_with_megatron_critic_resumes_exactly(tmp_path):
     assert [r["step"] for r in ref] == [1, 2, 3]
     assert all(r["critic/loss"] > 0 and r["critic/grad_norm"] > 0 for r in ref)
     assert ref[1]["critic/values"] != 0.0  # the value head learned in step 1
-    launch(out, "s", "--max_steps", "2")
-    with open(os.path.join(out, "s", "checkpoints", "step_000002", "trainer", "megaforge_trainer.json")) as f:
+    ckpts = os.path.join(out, "ref", "checkpoints")
+    with open(os.path.join(ckpts, "step_000002", "trainer", "megaforge_trainer.json")) as f:
         meta = json.load(f)
     assert meta["critic"] and meta["critic_steps"] == 4  # 2 steps x 2 mini-batches
-    resumed = launch(out, "s", "--max_steps", "3", "--resume")
+    # the run as if stopped after step 2 (its newest checkpoint), resumed: the same step 3 (one launch
+    # fewer than running a separate 2-step run; the metrics file is cut back to the checkpoint's step)
+    shutil.rmtree(os.path.join(ckpts, "step_000003"))
+    resumed = launch(out, "ref", "--max_steps", "3", "--resume")
+    assert [r["step"] for r in resumed] == [1, 2, 3]
     assert stable(resumed) == stable(ref)

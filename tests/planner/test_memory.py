@@ -12,6 +12,11 @@ from megaforge.planner import memory as M
 from megaforge.planner.layout import Hardware, check_layout
 from megaforge.planner.shapes import shape_from_dict
 
+# Tolerances: the planner is Python float arithmetic (the same on every CPU); its items are reported in
+# GiB rounded to 1e-3 (planner/report.py), so a difference of two items is exact to 1e-3: abs 2e-3.
+# Parameter counts are compared to the published sizes at their printed precision (0.01 B).
+# The H200 check (5%) is the planner's model error against measured peaks, not rounding.
+
 QWEN3 = os.path.join(MODELS, "qwen3-1.7b")
 H100x8 = dict(model_config=QWEN3, gpus_per_node=8, gpu="H100")
 TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

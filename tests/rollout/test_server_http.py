@@ -50,6 +50,8 @@ def _check_served_logprobs(engine, ref_model, version: int):
         assert c.weight_version == version and len(c.output_ids) == 12 and c.finish_reason == "length"
         ref = hf_output_logprobs(ref_model, p, c.output_ids)
         worst = max(worst, (ref - torch.tensor(c.output_logprobs)).abs().max().item())
+    # float32 logprobs (|lp| <= ~8) of the served engine (batched, KV cache) vs one HF forward per row:
+    # other sum orders, ~1-2 ulp (<= 9.5e-7); a stale or wrong weight moves them by >= 1e-2
     assert worst <= 1e-5, f"served logprobs differ from the HF model's by {worst:.2e}"
     return comps
 
