@@ -53,8 +53,17 @@ class RewardManager:
         self.last_error = ""
 
     def score(self, prompts: Sequence[str], responses: Sequence[str], targets: Sequence) -> tuple[list[float], dict]:
+        """Each sample's weighted reward sum, and the metrics: ``reward/<name>`` (mean unweighted value of
+        each function), ``reward/errors``, ``reward/timeouts``."""
+        totals, _, metrics = self.score_components(prompts, responses, targets)
+        return totals, metrics
+
+    def score_components(self, prompts: Sequence[str], responses: Sequence[str],
+                         targets: Sequence) -> tuple[list[float], dict[str, list[float]], dict]:
+        """As :meth:`score`, plus every function's unweighted value per sample: {name: [value, ...]}."""
         n = len(responses)
         totals = [0.0] * n
+        components: dict[str, list[float]] = {}
         metrics: dict[str, float] = {"reward/errors": 0.0, "reward/timeouts": 0.0}
         for name, spec, fn in zip(self.names, self.specs, self.fns):
             futures = [self._pool.submit(fn, prompts[i], responses[i], targets[i]) for i in range(n)]
@@ -75,8 +84,9 @@ class RewardManager:
                     v = 0.0
                 values.append(v)
                 totals[i] += spec.weight * v
+            components[name] = values
             metrics[f"reward/{name}"] = sum(values) / max(n, 1)
-        return totals, metrics
+        return totals, components, metrics
 
     def close(self):
         self._pool.shutdown(wait=False, cancel_futures=True)
