@@ -111,3 +111,14 @@ def test_unknown_eval_key_suggests_the_nearest():
         cfg_for("x.jsonl", "--eval.sets", "[{name: a, holdot: 0.1}]", "--eval.interval", "1")
     with pytest.raises(ConfigError, match="did you mean 'eval.before_train'"):
         cfg_for("x.jsonl", "--eval.before_trian", "true")
+
+
+def test_eval_response_limit_must_fit_the_context():
+    from megaforge.configtree import ConfigError
+    from megaforge.rollout import check_context
+
+    # tiny-qwen2 serves 512 positions: 64 prompt tokens + 448 response tokens fit, 449 do not
+    args = ["--data.max_prompt_len", "64", "--eval.sets", "[{name: a, holdout: 0.1}]", "--eval.interval", "1"]
+    check_context(cfg_for("x.jsonl", *args, "--eval.max_new_tokens", "448"))
+    with pytest.raises(ConfigError, match=r"'eval.max_new_tokens' \(449\) = 513 tokens exceed the model's context of 512"):
+        check_context(cfg_for("x.jsonl", *args, "--eval.max_new_tokens", "449"))
