@@ -1,0 +1,56 @@
+"""tools/evaluate.py: one JSON line with a run's metric keys and a per-sample file, from an HF folder or
+a run checkpoint; on a run's checkpoint it reproduces the evaluation the run logged at that step."""
+import json
+import os
+import subprocess
+import sys
+
+from eval_helpers import EVAL, ROOT, env, eval_part, launch, samples
+
+TOOL = os.path.join(ROOT, "tools", "evaluate.py")
+
+
+def evaluate(*args, expect_rc=0):
+    p = subprocess.run([sys.executable, TOOL, *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == expect_rc, p.stdout[-3000:] + p.stderr[-3000:]
+    return (json.loads(p.stdout.strip().splitlines()[-1]) if expect_rc == 0 else None), p
+
+
+def test_checkpoint_evaluation_equals_the_runs_own(tmp_path):
+    out = str(tmp_path)
+    recs = launch(out, "r", "--max_steps", "2", "--eval.interval", "2", *EVAL)
+    run = os.path.join(out, "r")
+    got, _ = evaluate("--model", run, "--k", "4", "--out", str(tmp_path / "s.jsonl"), "--eval.pass_k", "[1, 2, 4]")
+    assert got["weights"] == "step_000002" and got["engine"] == "embedded"
+    logged = {k: v for k, v in eval_part(recs[2]).items() if k != "eval/weight_version"}
+    assert {k: v for k, v in got.items() if k.startswith("eval/")} == logged
+    tool_rows = samples(str(tmp_path / "s.jsonl"))
+    run_rows = samples(os.path.join(run, "eval", "held", "step_000002.jsonl"))
+    assert [r["response"] for r in tool_rows] == [r["response"] for r in run_rows]
+    # the same checkpoint named directly; without --k the run's eval.n_samples (4) holds
+    again, _ = evaluate("--model", os.path.join(run, "checkpoints", "step_000002"), "--max_rows", "2",
+                        "--out", str(tmp_path / "two.jsonl"))
+    assert again["eval/held/prompts"] == 2 and len(samples(str(tmp_path / "two.jsonl"))) == 2 * (1 + 4)
+
+
+def test_hf_folder_and_a_data_file(tmp_path, tiny_model_dir):
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"q": f"What is {a} + 1?", "a": str(a + 1)}) + "\n" for a in range(3)))
+    got, _ = evaluate("--model", tiny_model_dir, "--data", str(data), "--input_key", "q", "--label_key", "a",
+                      "--k", "2", "--out", str(tmp_path / "x.jsonl"), "--rollout.max_new_tokens", "6",
+                      "--data.apply_chat_template", "false", "--data.max_prompt_len", "64")
+    assert got["weights"] == "hf" and got["eval/sums/prompts"] == 3
+    for k in ("greedy/pass@1", "sampled/pass@1", "sampled/pass@2", "greedy/reward/math", "sampled/response_len/mean"):
+        assert f"eval/sums/{k}" in got, k
+    rows = samples(str(tmp_path / "x.jsonl"))
+    assert [r["mode"] for r in rows] == ["greedy"] * 3 + ["sampled"] * 6
+    assert all(r["response_len"] <= 6 for r in rows) and rows[0]["label"] == "1"
+
+
+def test_bad_model_and_bad_rows_are_named(tmp_path, tiny_model_dir):
+    _, p = evaluate("--model", str(tmp_path / "nope"), "--data", "x.jsonl", expect_rc=1)
+    assert "--model" in p.stderr and "no such folder" in p.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "What is 1 + 1?"}) + "\n")
+    _, p = evaluate("--model", tiny_model_dir, "--data", str(bad), "--data.max_prompt_len", "64", expect_rc=1)
+    assert "bad.jsonl:1: missing field 'answer'" in p.stderr and "Traceback" not in p.stderr
