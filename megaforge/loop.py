@@ -111,7 +111,8 @@ class Run:
         if mode == "grpo" and cfg.eval.sets:
             from megaforge.eval.sets import load_eval_sets
 
-            self.eval_sets, self.held_out = on_main(lambda: load_eval_sets(cfg, self.tokenizer), share=False) or ([], frozenset())
+            loaded = on_main(lambda: load_eval_sets(cfg, self.tokenizer), share=False)
+            self.eval_sets, self.held_out = loaded or ([], frozenset())
         self.trainer = build_trainer(cfg, self.tokenizer)
         self.state = {"sft_step": 0, "rl_step": 0, "data": None, "sft_data": None, "skipped_steps": 0}
         self.resumed_from = None

@@ -68,7 +68,8 @@ def load_eval_sets(cfg, tokenizer) -> tuple[list[EvalSet], frozenset]:
         try:
             held = choose_held_out(_keys(data_rows, cfg.data.input_key), hold.holdout, cfg.seed)
         except ValueError as e:
-            raise DataError(f"eval set {hold.name!r} (holdout {hold.holdout} of data.path {cfg.data.path!r}): {e}") from None
+            raise DataError(f"eval set {hold.name!r} (holdout {hold.holdout} of data.path {cfg.data.path!r}): "
+                            f"{e}") from None
     train = _training_keys(cfg, data_rows, held) if cfg.eval.check_disjoint else {}
     sets = []
     for s in cfg.eval.sets:

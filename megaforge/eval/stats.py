@@ -70,7 +70,8 @@ def summarize(results: Sequence[SampleResult], n_prompts: int, pass_k: Sequence[
                 raise ValueError(f"summarize: prompt_index {r.prompt_index} outside [0, {n_prompts})")
             per_prompt.setdefault(r.prompt_index, []).append(r)
         want = 1 if mode == "greedy" else n_samples
-        if len(per_prompt) != n_prompts or (want is not None and any(len(v) != want for v in per_prompt.values())):
+        uneven = want is not None and any(len(v) != want for v in per_prompt.values())
+        if len(per_prompt) != n_prompts or uneven:
             got = sorted({len(v) for v in per_prompt.values()})
             raise ValueError(f"summarize: {mode} results cover {len(per_prompt)} of {n_prompts} prompts with "
                              f"{got} responses each; expected {want} per prompt")
