@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from eval_helpers import EVAL, ROOT, env, eval_part, launch, samples
 
 TOOL = os.path.join(ROOT, "tools", "evaluate.py")
@@ -54,3 +56,16 @@ def test_bad_model_and_bad_rows_are_named(tmp_path, tiny_model_dir):
     bad.write_text(json.dumps({"prompt": "What is 1 + 1?"}) + "\n")
     _, p = evaluate("--model", tiny_model_dir, "--data", str(bad), "--data.max_prompt_len", "64", expect_rc=1)
     assert "bad.jsonl:1: missing field 'answer'" in p.stderr and "Traceback" not in p.stderr
+
+
+
+def test_megatron_checkpoint_evaluation_equals_the_runs_own(tmp_path):
+    pytest.importorskip("megatron.core")
+    out = str(tmp_path)
+    recs = launch(out, "m", "--max_steps", "2", "--eval.interval", "2", "--trainer.backend", "megatron", *EVAL)
+    # the checkpoint's dist shards -> tools/convert_megatron_to_hf.py -> an HF folder -> the same engine
+    got, _ = evaluate("--model", os.path.join(out, "m"), "--out", str(tmp_path / "m.jsonl"))
+    assert got["weights"] == "step_000002"
+    logged = {k: v for k, v in eval_part(recs[2]).items() if k != "eval/weight_version"}
+    assert {k: v for k, v in got.items() if k.startswith("eval/")} == logged
+    assert 0.0 < logged["eval/held/sampled/pass@1"] < 1.0  # the comparison is not between two zeros
