@@ -46,7 +46,6 @@ import time
 import zipfile
 from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from pypi_wheels import CHUNK, FetchError, cache_dir, record_entry, sha256_file, wheel_for  # noqa: E402

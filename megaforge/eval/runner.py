@@ -42,16 +42,15 @@ def is_due(cfg, step: int) -> bool:
 
 
 class Evaluator:
-    """Evaluates the configured sets with an engine (main rank)."""
+    """Evaluates the configured sets with an engine (main rank). ``rewards``: the run's RewardManager;
+    ``out_dir``: where the per-sample files go (None: not written)."""
 
     def __init__(self, cfg, sets: list[EvalSet], tokenizer, rewards, stop_ids, out_dir: Optional[str] = None):
         self.cfg, self.sets, self.tokenizer, self.rewards = cfg, sets, tokenizer, rewards
         self.stop_ids = list(stop_ids)
         self.out_dir = out_dir if cfg.eval.write_samples else None
-        e = cfg.eval
-        names = [s.name.rsplit(":", 1)[-1] for s in cfg.rewards.functions]
-        want = e.correct_reward.rsplit(":", 1)[-1] if e.correct_reward else names[0]
-        self.correct_name = want  # the RewardManager's component name
+        # the component that decides correctness, named as RewardManager names it (module part dropped)
+        self.correct_name = (cfg.eval.correct_reward or cfg.rewards.functions[0].name).rsplit(":", 1)[-1]
 
     def _params(self, temperature: float) -> SamplingParams:
         r, e = self.cfg.rollout, self.cfg.eval
