@@ -27,7 +27,7 @@ A dequantised Q4 model is a degraded copy of the released one (4-bit weights, de
 answers are worse than the original checkpoint's. The tool says so on every run and in
 ``OUT/megaforge_source.json``. The Qwen2.5-Coder GGUFs hold the input embedding and the output layer
 as two differently quantised tensors (the released models tie them), so their HF folders are untied
-(0.5B: 630M parameters instead of 494M).
+(0.5B: 630M parameters instead of 494M; 1.5B: 1.78B instead of 1.54B).
 
 ``--split_dir DIR`` writes the checked, joined GGUF as parts of at most ``--split_mb`` MB plus
 ``SHA256SUMS`` (to move it to a machine without an index in several small transfers); join them there
