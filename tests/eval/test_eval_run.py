@@ -1,7 +1,7 @@
 """Evaluation inside RL runs of the CPU demo: eval rows at step 0 and every eval.interval steps, the
 per-sample files agreeing with the logged metrics, resume keeping the eval history (nothing lost, nothing
-twice), the same evaluation through the HTTP engine, and an off-policy run whose training is unchanged
-by the evaluations between its steps."""
+twice), an off-policy run through the HTTP engine whose training is unchanged by the evaluations between
+its steps, and the same evaluation from the in-process engine."""
 import json
 import os
 import shutil
@@ -59,17 +59,7 @@ def test_eval_rows_samples_and_resume(tmp_path):
     check_against_samples(run, 6, resumed[6])
 
 
-def test_http_engine_evaluates_like_the_in_process_engine(tmp_path):
-    out = str(tmp_path)
-    args = ["--max_steps", "1", *EVAL]  # the starting policy only (the runs train alike: tests/loop)
-    direct = launch(out, "direct", *args)
-    served = launch(out, "served", *args, "--rollout.engine", "embedded_server")
-    assert [r["step"] for r in served] == [0, 1]
-    assert eval_part(served[0]) == eval_part(direct[0])
-    assert len(eval_part(served[0])) >= 15  # greedy and sampled metrics, not a few keys
-
-
-def test_off_policy_training_is_unchanged_by_evaluations(tmp_path):
+def test_http_engine_and_off_policy_training_unchanged_by_evaluations(tmp_path):
     # a file set of sums the demo never trains on (operands > 9), so both runs train on the same data
     path = tmp_path / "big_sums.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"What is {a} + {a + 7}?", "answer": str(2 * a + 7)}) + "\n"
@@ -82,6 +72,9 @@ def test_off_policy_training_is_unchanged_by_evaluations(tmp_path):
     assert [r["step"] for r in with_eval] == [0, 1, 2, 3]
     assert all(eval_part(r) for r in with_eval)
     check_against_samples(os.path.join(out, "evald"), 2, with_eval[2])
+    # the starting policy evaluated through the in-process engine: the same numbers as over HTTP
+    direct = launch(out, "direct", "--max_steps", "1", *EVAL[2:], "--eval.sets", f"[{{name: held, path: {path}}}]")
+    assert eval_part(direct[0]) == eval_part(with_eval[0]) and len(eval_part(direct[0])) >= 15
     assert [train_part(r) for r in with_eval[1:]] == [train_part(r) for r in plain]
     # the engine serves the version pushed before the step's rollout: one update behind the trainer
     assert [r["eval/weight_version"] for r in with_eval[1:]] == [r["engine/weight_version"] for r in plain]

@@ -1,24 +1,33 @@
 """tools/evaluate.py: one JSON line with a run's metric keys and a per-sample file, from an HF folder or
-a run checkpoint; on a run's checkpoint it reproduces the evaluation the run logged at that step."""
+a run checkpoint; on a run's checkpoint it reproduces the evaluation the run logged at that step.
+The tool runs in this process (its ``main``, as the script calls it), from the repository root."""
+import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from eval_helpers import EVAL, ROOT, env, eval_part, launch, samples
+from eval_helpers import EVAL, ROOT, eval_part, launch, samples
 
-TOOL = os.path.join(ROOT, "tools", "evaluate.py")
-
-
-def evaluate(*args, expect_rc=0):
-    p = subprocess.run([sys.executable, TOOL, *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
-    assert p.returncode == expect_rc, p.stdout[-3000:] + p.stderr[-3000:]
-    return (json.loads(p.stdout.strip().splitlines()[-1]) if expect_rc == 0 else None), p
+_spec = importlib.util.spec_from_file_location("megaforge_evaluate_tool", os.path.join(ROOT, "tools", "evaluate.py"))
+TOOL = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(TOOL)
 
 
-def test_checkpoint_evaluation_equals_the_runs_own(tmp_path):
+@pytest.fixture
+def evaluate(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)  # a run's config.yaml holds paths relative to where it was started
+
+    def run(*args, expect_rc=0):
+        rc = TOOL.main(list(args))
+        out, err = capsys.readouterr()
+        assert rc == expect_rc, out[-3000:] + err[-3000:]
+        return (json.loads(out.strip().splitlines()[-1]) if rc == 0 else None), err
+
+    return run
+
+
+def test_checkpoint_evaluation_equals_the_runs_own(tmp_path, evaluate):
     out = str(tmp_path)
     recs = launch(out, "r", "--max_steps", "2", "--eval.interval", "2", *EVAL)
     run = os.path.join(out, "r")
@@ -35,7 +44,7 @@ def test_checkpoint_evaluation_equals_the_runs_own(tmp_path):
     assert again["eval/held/prompts"] == 2 and len(samples(str(tmp_path / "two.jsonl"))) == 2 * (1 + 4)
 
 
-def test_hf_folder_and_a_data_file(tmp_path, tiny_model_dir):
+def test_hf_folder_and_a_data_file(tmp_path, tiny_model_dir, evaluate):
     data = tmp_path / "sums.jsonl"
     data.write_text("".join(json.dumps({"q": f"What is {a} + 1?", "a": str(a + 1)}) + "\n" for a in range(3)))
     got, _ = evaluate("--model", tiny_model_dir, "--data", str(data), "--input_key", "q", "--label_key", "a",
@@ -49,17 +58,17 @@ def test_hf_folder_and_a_data_file(tmp_path, tiny_model_dir):
     assert all(r["response_len"] <= 6 for r in rows) and rows[0]["label"] == "1"
 
 
-def test_bad_model_and_bad_rows_are_named(tmp_path, tiny_model_dir):
-    _, p = evaluate("--model", str(tmp_path / "nope"), "--data", "x.jsonl", expect_rc=1)
-    assert "--model" in p.stderr and "no such folder" in p.stderr
+def test_bad_model_and_bad_rows_are_named(tmp_path, tiny_model_dir, evaluate):
+    _, err = evaluate("--model", str(tmp_path / "nope"), "--data", "x.jsonl", expect_rc=1)
+    assert "--model" in err and "no such folder" in err
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "What is 1 + 1?"}) + "\n")
-    _, p = evaluate("--model", tiny_model_dir, "--data", str(bad), "--data.max_prompt_len", "64", expect_rc=1)
-    assert "bad.jsonl:1: missing field 'answer'" in p.stderr and "Traceback" not in p.stderr
+    _, err = evaluate("--model", tiny_model_dir, "--data", str(bad), "--data.max_prompt_len", "64", expect_rc=1)
+    assert "bad.jsonl:1: missing field 'answer'" in err and "Traceback" not in err
 
 
 
-def test_megatron_checkpoint_evaluation_equals_the_runs_own(tmp_path):
+def test_megatron_checkpoint_evaluation_equals_the_runs_own(tmp_path, evaluate):
     pytest.importorskip("megatron.core")
     out = str(tmp_path)
     recs = launch(out, "m", "--max_steps", "2", "--eval.interval", "2", "--trainer.backend", "megatron", *EVAL)
