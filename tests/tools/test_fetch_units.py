@@ -93,7 +93,6 @@ def spec_for(data: bytes, arch="llama") -> "fpm.Packaged":
 
 
 def test_gguf_checks_name_what_is_wrong(tmp_path):
-    pytest.importorskip("gguf")
     data = tiny_gguf(tmp_path / "t.gguf")
     got = fpm.check_gguf(spec_for(data), str(tmp_path / "t.gguf"))
     assert got["tensors"] == 2 and got["architecture"] == "llama" and got["tensor_types"] == {"F32": 2}

