@@ -61,23 +61,25 @@ class InputError(RunError):
     """Bad input met on the main rank (a data row, ...); every rank raises it together."""
 
 
-def on_main(fn):
-    """Run ``fn()`` on the main rank and hand its result to every rank. A DataError (or a reward
-    failing on a whole step) there becomes an InputError on every rank (instead of leaving the
-    other ranks waiting in a collective)."""
+def on_main(fn, share: bool = True):
+    """Run ``fn()`` on the main rank and hand its result to every rank (``share=False``: the result stays
+    on the main rank, the others get None). A DataError (or a reward failing on a whole step) there
+    becomes an InputError on every rank (instead of leaving the other ranks waiting in a collective)."""
     from megaforge.data.sources import DataError
     from megaforge.rewards import RewardError
 
-    out = None
+    out, kept = None, None
     if dist.is_main():
         try:
             out = ("ok", fn())
         except (DataError, RewardError) as e:
             out = ("error", str(e))
+        if not share and out[0] == "ok":
+            out, kept = ("ok", None), out[1]
     out = dist.broadcast_object(out)
     if out[0] == "error":
         raise InputError(out[1])
-    return out[1]
+    return out[1] if share else kept
 
 
 def _log(msg: str) -> None:
@@ -106,6 +108,12 @@ class Run:
             preflight(cfg)  # e.g. rollout.engine sglang without sglang installed: fail before SFT
         self._prepare_run_dir()
         self.tokenizer = load_tokenizer(cfg.model)
+        self.eval_sets, self.held_out = [], frozenset()  # eval.sets (main rank) and the prompts they hold out
+        if mode == "grpo" and cfg.eval.sets:
+            from megaforge.eval.sets import load_eval_sets
+
+            loaded = on_main(lambda: load_eval_sets(cfg, self.tokenizer), share=False)
+            self.eval_sets, self.held_out = loaded or ([], frozenset())
         self.trainer = build_trainer(cfg, self.tokenizer)
         self.state = {"sft_step": 0, "rl_step": 0, "data": None, "sft_data": None, "skipped_steps": 0}
         self.resumed_from = None
@@ -195,7 +203,8 @@ class Run:
         if self.state["sft_step"] >= total:
             return
         data_cfg = cfg.sft.data or cfg.data
-        source = PromptSource(data_cfg, self.tokenizer, cfg.seed, want_response=True) if dist.is_main() else None
+        source = PromptSource(data_cfg, self.tokenizer, cfg.seed, want_response=True,
+                              exclude=self.held_out if data_cfg is cfg.data else frozenset()) if dist.is_main() else None
         if source is not None and self.state.get("sft_data"):
             source.load_state_dict(self.state["sft_data"])
         if self.state["sft_step"] == 0:  # a resumed SFT keeps the optimizer state it saved
@@ -251,7 +260,7 @@ class Run:
         cfg = self.cfg
         self.trainer.reserve_offload()  # pins the offload's host buffers while the engines start
         self.engine = self._build_engine()
-        self.data = PromptSource(cfg.data, self.tokenizer, cfg.seed) if dist.is_main() else None
+        self.data = PromptSource(cfg.data, self.tokenizer, cfg.seed, exclude=self.held_out) if dist.is_main() else None
         if self.data is not None and self.state.get("data"):
             self.data.load_state_dict(self.state["data"])
         from megaforge.rewards import RewardManager
@@ -271,8 +280,11 @@ class Run:
         # the engine starts from the trainer's weights (after SFT or resume)
         self._sync_weights({})
         self.stop_ids = stop_token_ids(self.tokenizer, cfg.model.path) if dist.is_main() else []
+        from megaforge.eval.runner import Evaluator
         from megaforge.loop_offpolicy import build_driver
 
+        self.evaluator = Evaluator(cfg, self.eval_sets, self.tokenizer, self.rewards, self.stop_ids,
+                                   os.path.join(self.run_dir, "eval")) if dist.is_main() else None
         self.driver = build_driver(self)  # off_policy / partial rollouts / sync.interval > 1; else None
 
     def rl(self) -> None:
@@ -281,9 +293,14 @@ class Run:
         bad = 0
         try:
             self.start_rl()
-            logger = MetricsLogger(cfg, self.run_dir, resume_step=self.state["rl_step"] if self.resumed_from else None) \
-                if dist.is_main() else None
+            # a run resumed before its first RL step redoes the step-0 evaluation: its old row goes
+            resume_step = (self.state["rl_step"] or -1) if self.resumed_from else None
+            logger = MetricsLogger(cfg, self.run_dir, resume_step=resume_step) if dist.is_main() else None
             bar = Progress(cfg.max_steps, self.state["rl_step"], "grpo", cfg.metrics.progress and dist.is_main())
+            if self.state["rl_step"] == 0:
+                before = self._evaluate(0)  # eval.before_train: the starting policy, logged as step 0
+                if before and logger is not None:
+                    logger.log(0, before)
             while self.state["rl_step"] < cfg.max_steps:
                 step = self.state["rl_step"] + 1
                 try:
@@ -298,6 +315,7 @@ class Run:
                 self.state["rl_step"] = step
                 if self.data is not None and self.driver is None:  # the driver keeps it at rollout boundaries
                     self.state["data"] = self.data.state_dict()
+                m.update(self._evaluate(step))  # eval/<set>/... when due: part of the step's row
                 if logger is not None:
                     logger.log(step, m)
                 bar.update(m)
@@ -328,6 +346,26 @@ class Run:
             self.rewards.close()
         if self.engine is not None:
             self.engine.shutdown()
+
+    def _evaluate(self, step: int) -> dict:
+        """Every rank: the ``eval/...`` metrics of the engine's weights when evaluation is due after
+        ``step`` (0: before training), else {} (the metrics stay on the main rank)."""
+        from megaforge.eval.runner import is_due
+
+        if not is_due(self.cfg, step):
+            return {}
+
+        def run():
+            if self.driver is not None:
+                self.driver.engine_for_eval()  # the rollout in flight drained, engine memory resumed
+            return self.evaluator.run(self.engine, step)
+
+        m = on_main(run, share=False) or {}
+        if m:
+            _log(f"eval after step {step}: " + ", ".join(
+                f"{k.removeprefix('eval/')} {v:.3f}" for k, v in m.items() if k.endswith(("pass@1", "/reward/mean"))
+                and "/sampled/reward" not in k))
+        return m
 
     def _save_rl(self) -> None:
         if getattr(self, "driver", None) is not None:

@@ -216,6 +216,17 @@ class AsyncDriver:
             raise RunError(f"internal error: step {step} would train samples at staleness {m['staleness/max']:.0f} "
                            f"> loop.max_staleness {self.K}")
 
+    def engine_for_eval(self) -> None:
+        """Main rank, between steps: make the engine free for an evaluation. The rollout in flight is
+        waited for and kept for the next step (as before a checkpoint, so training is unchanged) and
+        the engine's memory, released while the last step trained, is resumed. The engine keeps the
+        weights it serves (``engine/weight_version``): no push out of schedule."""
+        if self.inflight is not None:
+            fut, self.inflight = self.inflight, None
+            self.ready = fut.result()
+        if self.run.engine is not None:
+            self.run.engine.resume_memory(["weights", "kv_cache", "cuda_graph"])
+
     # ------------------------------------------------------------------------- checkpoints, close
     def before_save(self) -> None:
         """Every rank, before a checkpoint: drain the rollout in flight and put it, the partial

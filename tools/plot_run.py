@@ -1,9 +1,11 @@
 """Plot a run's curves to PNG.
 
-    python tools/plot_run.py RUN_DIR [--out FILE.png] [--keys reward/mean,loss,...]
+    python tools/plot_run.py RUN_DIR [--out FILE.png] [--keys reward/mean,loss,...] [--eval_only]
 
 Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per step) and writes a grid of line plots, one
-per metric, to ``RUN_DIR/curves.png`` by default.
+per metric, to ``RUN_DIR/curves.png`` by default. The held-out evaluation's curves (``eval/<set>/...``:
+greedy pass@1, sampled pass@k, greedy reward and response length; points at the evaluated steps, step 0
+= before training) follow the training curves; ``--eval_only`` plots only them.
 """
 from __future__ import annotations
 
@@ -15,6 +17,23 @@ import sys
 
 DEFAULT_KEYS = ["reward/mean", "loss", "kl", "entropy", "clip_frac", "response_len/mean",
                 "train_rollout_logprob_abs_diff", "time/step", "throughput/tokens_per_s"]
+
+
+EVAL_SUFFIXES = ("/greedy/pass@1", "/greedy/reward/mean", "/greedy/response_len/mean")
+
+
+def eval_keys(recs: list[dict]) -> list[str]:
+    """The evaluation curves present: per set, greedy pass@1, sampled pass@k (by k), greedy reward and
+    response length."""
+    keys = {k for r in recs for k in r if k.startswith("eval/") and (k.endswith(EVAL_SUFFIXES) or "/sampled/pass@" in k)}
+
+    def order(k: str):
+        head, _, tail = k.rpartition("/")
+        if "/sampled/pass@" in k:
+            return (head.rsplit("/", 1)[0], 1, int(tail.removeprefix("pass@")))
+        return (head.rsplit("/", 1)[0], 0 if k.endswith("pass@1") else 2 if "/reward/" in k else 3, k)
+
+    return sorted(keys, key=order)
 
 
 def load(run_dir: str) -> list[dict]:
@@ -47,7 +66,8 @@ def plot(recs: list[dict], keys: list[str], out: str, title: str = "") -> str:
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.8 * rows), squeeze=False)
     for ax, k in zip(axes.flat, keys):
         pts = [(r["step"], r[k]) for r in recs if isinstance(r.get(k), (int, float))]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.5)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.5, marker="o" if k.startswith("eval/") else None,
+                ms=3)
         ax.set_title(k, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
@@ -67,10 +87,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--keys", default=",".join(DEFAULT_KEYS))
+    ap.add_argument("--keys", default=",".join(DEFAULT_KEYS), help="training curves (the eval curves follow)")
+    ap.add_argument("--eval_only", action="store_true", help="only the held-out evaluation's curves")
     a = ap.parse_args(argv)
     out = a.out or os.path.join(a.run_dir, "curves.png")
-    print(plot(load(a.run_dir), a.keys.split(","), out, os.path.basename(os.path.normpath(a.run_dir))))
+    recs = load(a.run_dir)
+    keys = eval_keys(recs) if a.eval_only else a.keys.split(",") + eval_keys(recs)
+    print(plot(recs, keys, out, os.path.basename(os.path.normpath(a.run_dir))))
 
 
 if __name__ == "__main__":

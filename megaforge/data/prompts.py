@@ -10,6 +10,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
+from megaforge.data.holdout import prompt_key
 from megaforge.data.sources import DataError, RawRow, read_rows
 
 
@@ -108,17 +109,25 @@ def _chat_sft_row(messages, label, where: str, cfg, tokenizer) -> PromptRow:
 class PromptSource:
     """Batches of validated prompts; map-style (shuffled per epoch) or streaming (in order)."""
 
-    def __init__(self, cfg, tokenizer, seed: int, want_response: bool = False):
+    def __init__(self, cfg, tokenizer, seed: int, want_response: bool = False,
+                 exclude: frozenset = frozenset()):
+        """``exclude``: prompt keys (:func:`megaforge.data.holdout.prompt_key`) of held-out prompts;
+        their rows are left out (map-style data only; counted in ``held_out``)."""
         self.cfg, self.tok, self.seed, self.want_response = cfg, tokenizer, seed, want_response
         self.streaming = cfg.streaming
         self.epoch, self.pos, self.skipped = 0, 0, 0
         self._stream: Optional[Iterator[RawRow]] = None
+        self.held_out = 0
+        if exclude and self.streaming:
+            raise DataError(f"data.path {cfg.path!r}: held-out prompts need map-style data (data.streaming false)")
         if self.streaming:
             self._rows: list[RawRow] = []
         else:
-            self._rows = list(read_rows(cfg, seed))
+            rows = list(read_rows(cfg, seed))
+            self._rows = [r for r in rows if r.data is None or prompt_key(r.data.get(cfg.input_key)) not in exclude]
+            self.held_out = len(rows) - len(self._rows)
             if not self._rows:
-                raise DataError(f"data.path {cfg.path!r}: no rows")
+                raise DataError(f"data.path {cfg.path!r}: no rows" + (f" ({self.held_out} held out)" if self.held_out else ""))
             self._order = self._permutation(0)
 
     def __len__(self) -> int:

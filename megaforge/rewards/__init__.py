@@ -72,11 +72,20 @@ class RewardManager:
         self._tally = {name: [0, 0, 0] for name in self.names}  # calls, errors, timeouts
 
     def score(self, prompts: Sequence[str], responses: Sequence[str], targets: Sequence) -> tuple[list[float], dict]:
+        """Each sample's weighted reward sum, and the metrics: ``reward/<name>`` (mean unweighted value of
+        each function), ``reward/errors``, ``reward/timeouts``."""
+        totals, _, metrics = self.score_components(prompts, responses, targets)
+        return totals, metrics
+
+    def score_components(self, prompts: Sequence[str], responses: Sequence[str],
+                         targets: Sequence) -> tuple[list[float], dict[str, list[float]], dict]:
+        """As :meth:`score`, plus every function's unweighted value per sample: {name: [value, ...]}."""
         n, k = len(responses), len(self.specs)
         # sample-major: the rewards of one sample travel together, a hanging one holds back no other reward
         calls = [self._call(j, prompts[i], responses[i], targets[i]) for i in range(n) for j in range(k)]
         outcomes = self.executor.collect(self.executor.submit(calls))
         totals = [0.0] * n
+        components: dict[str, list[float]] = {}
         metrics: dict[str, float] = {"reward/errors": 0.0, "reward/timeouts": 0.0}
         for j, (name, spec) in enumerate(zip(self.names, self.specs)):
             values = []
@@ -91,8 +100,9 @@ class RewardManager:
                 v = out.value if out.ok else 0.0
                 values.append(v)
                 totals[i] += spec.weight * v
+            components[name] = values
             metrics[f"reward/{name}"] = sum(values) / max(n, 1)
-        return totals, metrics
+        return totals, components, metrics
 
     def check_step(self, step: int) -> None:
         """RewardError when a reward failed on every sample scored since :meth:`start_step`."""

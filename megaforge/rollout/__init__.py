@@ -35,6 +35,12 @@ def check_context(cfg) -> None:
     except (OSError, ValueError):
         return  # an unreadable model is reported where it is loaded, with its own message
     limit = context_limit(hf)
+    if cfg.eval.sets and cfg.eval.max_new_tokens > cfg.rollout.max_new_tokens:
+        need = cfg.data.max_prompt_len + cfg.eval.max_new_tokens
+        if limit and need > limit:
+            raise ConfigError(f"config keys 'data.max_prompt_len' ({cfg.data.max_prompt_len}) + 'eval.max_new_tokens' "
+                              f"({cfg.eval.max_new_tokens}) = {need} tokens exceed the model's context of {limit}; "
+                              f"lower one of them")
     need = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     if limit and need > limit:
         src = cfg.model.path or cfg.model.config

@@ -1,0 +1,116 @@
+"""Evaluation through the rollout engine: held-out prompts -> responses -> rewards -> metrics.
+
+The responses come from the run's own engine through :func:`megaforge.rollout.manager.generate_samples`
+(the same requests and, with ``rollout.generate_fn``, the same multi-turn rollout as training), so
+every engine (embedded, embedded_server, sglang) evaluates the weights it serves. Per set:
+
+    greedy   one response per prompt at temperature 0                     -> greedy/pass@1
+    sampled  eval.n_samples responses per prompt (eval.temperature,       -> sampled/pass@k (unbiased)
+             rollout.top_p / top_k), seeded per (prompt, sample) and the
+             same at every evaluation (common random numbers across steps)
+
+A response is correct when the reward ``eval.correct_reward`` (default: the first of rewards.functions)
+is >= ``eval.correct_threshold``. Metrics (:func:`megaforge.eval.stats.summarize`) are returned as
+``eval/<set>/<key>``; with ``eval.write_samples`` every response is written to
+``<out_dir>/<set>/step_NNNNNN.jsonl`` (prompt, response, label, reward and its components, verdict).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Optional
+
+from megaforge.eval.sets import EvalSet
+from megaforge.eval.stats import SampleResult, summarize
+from megaforge.rollout.manager import generate_samples
+from megaforge.types import SamplingParams
+
+#: the ``step`` the evaluation's request seeds are derived from (training steps are >= 1)
+EVAL_SEED_STEP = -1
+
+
+def is_due(cfg, step: int) -> bool:
+    """Whether the run evaluates after RL step ``step`` (0: before the first step): eval.before_train
+    at 0, then every eval.interval steps and after the last step (cfg.max_steps)."""
+    e = cfg.eval
+    if not e.sets:
+        return False
+    if step == 0:
+        return e.before_train
+    return e.interval > 0 and (step % e.interval == 0 or step == cfg.max_steps)
+
+
+class Evaluator:
+    """Evaluates the configured sets with an engine (main rank). ``rewards``: the run's RewardManager;
+    ``out_dir``: where the per-sample files go (None: not written)."""
+
+    def __init__(self, cfg, sets: list[EvalSet], tokenizer, rewards, stop_ids, out_dir: Optional[str] = None):
+        self.cfg, self.sets, self.tokenizer, self.rewards = cfg, sets, tokenizer, rewards
+        self.stop_ids = list(stop_ids)
+        self.out_dir = out_dir if cfg.eval.write_samples else None
+        # the component that decides correctness, named as RewardManager names it (module part dropped)
+        self.correct_name = (cfg.eval.correct_reward or cfg.rewards.functions[0].name).rsplit(":", 1)[-1]
+
+    def _params(self, temperature: float) -> SamplingParams:
+        r, e = self.cfg.rollout, self.cfg.eval
+        greedy = temperature == 0
+        return SamplingParams(temperature=temperature, top_p=1.0 if greedy else r.top_p,
+                              top_k=-1 if greedy else r.top_k, max_new_tokens=e.max_new_tokens or r.max_new_tokens,
+                              stop_token_ids=list(self.stop_ids), stop=list(r.stop))
+
+    def run(self, engine, step: int) -> dict:
+        """Every set at the weights ``engine`` serves: ``eval/<set>/...`` metrics, ``eval/weight_version``
+        and ``time/eval``."""
+        t0 = time.perf_counter()
+        out: dict = {}
+        for s in self.sets:
+            metrics, _ = self.evaluate_set(engine, s, step)
+            out.update({f"eval/{s.name}/{k}": v for k, v in metrics.items()})
+        out["eval/weight_version"] = float(engine.weight_version)
+        out["time/eval"] = time.perf_counter() - t0
+        return out
+
+    def evaluate_set(self, engine, s: EvalSet, step: int) -> tuple[dict, list[dict]]:
+        """Metrics of one set (keys without the ``eval/<set>/`` prefix) and its per-response records."""
+        e = self.cfg.eval
+        modes = ([("greedy", 1, 0.0)] if e.greedy else []) + \
+                ([("sampled", e.n_samples, e.temperature or self.cfg.grpo.temperature)] if e.n_samples else [])
+        results: list[SampleResult] = []
+        records: list[dict] = []
+        errors = 0.0
+        for mode, n, temp in modes:
+            samples = generate_samples(engine, s.rows, n, self._params(temp), self.cfg.seed, EVAL_SEED_STEP, 0,
+                                       self.tokenizer, self.cfg)
+            totals, comps, m = self.rewards.score_components([x.prompt_text for x in samples],
+                                                             [x.response_text for x in samples],
+                                                             [x.label for x in samples])
+            errors += m["reward/errors"] + m["reward/timeouts"]
+            for k, x in enumerate(samples):
+                c = {name: vals[k] for name, vals in comps.items()}
+                reward = totals[k] + float(x.metadata.get("env_reward", 0.0))
+                r = SampleResult(prompt_index=k // n, mode=mode, reward=reward, components=c,
+                                 correct=c[self.correct_name] >= e.correct_threshold,
+                                 response_len=len(x.response_ids), finish_reason=x.finish_reason)
+                results.append(r)
+                row = s.rows[k // n]
+                records.append({"step": step, "set": s.name, "prompt_index": r.prompt_index, "where": row.where,
+                                "mode": mode, "sample": k % n, "prompt": x.prompt_text, "response": x.response_text,
+                                "label": row.label, "reward": reward, "components": c, "correct": r.correct,
+                                "response_len": r.response_len, "finish_reason": r.finish_reason,
+                                "weight_version": x.weight_version})
+        metrics = summarize(results, len(s.rows), e.ks, e.n_samples or None)
+        metrics["reward_errors"] = errors
+        if self.out_dir is not None:
+            write_jsonl(os.path.join(self.out_dir, s.name, f"step_{step:06d}.jsonl"), records)
+        return metrics, records
+
+
+def write_jsonl(path: str, records: list[dict]) -> None:
+    """``records`` as one JSON object per line, written to a temporary file and renamed."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for rec in records:
+            f.write(json.dumps(rec, default=str) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,80 @@
+"""tools/evaluate.py: one JSON line with a run's metric keys and a per-sample file, from an HF folder or
+a run checkpoint; on a run's checkpoint it reproduces the evaluation the run logged at that step.
+The tool runs in this process (its ``main``, as the script calls it), from the repository root."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+from eval_helpers import EVAL, ROOT, eval_part, launch, samples
+
+_spec = importlib.util.spec_from_file_location("megaforge_evaluate_tool", os.path.join(ROOT, "tools", "evaluate.py"))
+TOOL = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(TOOL)
+
+
+@pytest.fixture
+def evaluate(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)  # a run's config.yaml holds paths relative to where it was started
+
+    def run(*args, expect_rc=0):
+        rc = TOOL.main(list(args))
+        out, err = capsys.readouterr()
+        assert rc == expect_rc, out[-3000:] + err[-3000:]
+        return (json.loads(out.strip().splitlines()[-1]) if rc == 0 else None), err
+
+    return run
+
+
+def test_checkpoint_evaluation_equals_the_runs_own(tmp_path, evaluate):
+    out = str(tmp_path)
+    recs = launch(out, "r", "--max_steps", "2", "--eval.interval", "2", *EVAL)
+    run = os.path.join(out, "r")
+    got, _ = evaluate("--model", run, "--k", "4", "--out", str(tmp_path / "s.jsonl"), "--eval.pass_k", "[1, 2, 4]")
+    assert got["weights"] == "step_000002" and got["engine"] == "embedded"
+    logged = {k: v for k, v in eval_part(recs[2]).items() if k != "eval/weight_version"}
+    assert {k: v for k, v in got.items() if k.startswith("eval/")} == logged
+    tool_rows = samples(str(tmp_path / "s.jsonl"))
+    run_rows = samples(os.path.join(run, "eval", "held", "step_000002.jsonl"))
+    assert [r["response"] for r in tool_rows] == [r["response"] for r in run_rows]
+    # the same checkpoint named directly; without --k the run's eval.n_samples (4) holds
+    again, _ = evaluate("--model", os.path.join(run, "checkpoints", "step_000002"), "--max_rows", "2",
+                        "--out", str(tmp_path / "two.jsonl"))
+    assert again["eval/held/prompts"] == 2 and len(samples(str(tmp_path / "two.jsonl"))) == 2 * (1 + 4)
+
+
+def test_hf_folder_and_a_data_file(tmp_path, tiny_model_dir, evaluate):
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"q": f"What is {a} + 1?", "a": str(a + 1)}) + "\n" for a in range(3)))
+    got, _ = evaluate("--model", tiny_model_dir, "--data", str(data), "--input_key", "q", "--label_key", "a",
+                      "--k", "2", "--out", str(tmp_path / "x.jsonl"), "--rollout.max_new_tokens", "6",
+                      "--data.apply_chat_template", "false", "--data.max_prompt_len", "64")
+    assert got["weights"] == "hf" and got["eval/sums/prompts"] == 3
+    for k in ("greedy/pass@1", "sampled/pass@1", "sampled/pass@2", "greedy/reward/math", "sampled/response_len/mean"):
+        assert f"eval/sums/{k}" in got, k
+    rows = samples(str(tmp_path / "x.jsonl"))
+    assert [r["mode"] for r in rows] == ["greedy"] * 3 + ["sampled"] * 6
+    assert all(r["response_len"] <= 6 for r in rows) and rows[0]["label"] == "1"
+
+
+def test_bad_model_and_bad_rows_are_named(tmp_path, tiny_model_dir, evaluate):
+    _, err = evaluate("--model", str(tmp_path / "nope"), "--data", "x.jsonl", expect_rc=1)
+    assert "--model" in err and "no such folder" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "What is 1 + 1?"}) + "\n")
+    _, err = evaluate("--model", tiny_model_dir, "--data", str(bad), "--data.max_prompt_len", "64", expect_rc=1)
+    assert "bad.jsonl:1: missing field 'answer'" in err and "Traceback" not in err
+
+
+
+def test_megatron_checkpoint_evaluation_equals_the_runs_own(tmp_path, evaluate):
+    pytest.importorskip("megatron.core")
+    out = str(tmp_path)
+    recs = launch(out, "m", "--max_steps", "2", "--eval.interval", "2", "--trainer.backend", "megatron", *EVAL)
+    # the checkpoint's dist shards -> tools/convert_megatron_to_hf.py -> an HF folder -> the same engine
+    got, _ = evaluate("--model", os.path.join(out, "m"), "--out", str(tmp_path / "m.jsonl"))
+    assert got["weights"] == "step_000002"
+    logged = {k: v for k, v in eval_part(recs[2]).items() if k != "eval/weight_version"}
+    assert {k: v for k, v in got.items() if k.startswith("eval/")} == logged
+    assert 0.0 < logged["eval/held/sampled/pass@1"] < 1.0  # the comparison is not between two zeros

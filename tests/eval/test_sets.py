@@ -1,0 +1,124 @@
+"""Held-out sets: prompt keys, the held-out part of data.path (left out of training), and the refusal
+of a set that shares a prompt with the training data, naming the set and the row."""
+import json
+
+import pytest
+
+from megaforge.config import load_config
+from megaforge.data.holdout import choose_held_out, prompt_key
+from megaforge.data.prompts import PromptSource
+from megaforge.data.sources import DataError
+from megaforge.eval.sets import load_eval_sets
+
+
+def write(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+def cfg_for(train, *extra):
+    return load_config(["--model.config", "configs/models/tiny-qwen2", "--model.tokenizer", "assets/tiny-tokenizer",
+                        "--data.path", train, "--max_steps", "1", *extra])
+
+
+def test_prompt_key_normalises_whitespace_and_drops_sft_targets():
+    assert prompt_key("What is  2 +\n2?") == prompt_key(" What is 2 + 2? ")
+    assert prompt_key("What is 2 + 2?") != prompt_key("What is 2 + 3?")
+    chat = [{"role": "user", "content": "hi  there"}]
+    assert prompt_key(chat + [{"role": "assistant", "content": "hello"}]) == prompt_key(chat)
+    assert prompt_key(chat) != prompt_key("hi there")  # a chat turn is not the bare text
+    assert prompt_key("   ") is None and prompt_key(3) is None
+
+
+def test_choose_held_out_is_seeded_over_distinct_prompts_in_any_order():
+    keys = [f"q{i}" for i in range(50)] * 3  # every prompt three times
+    a = choose_held_out(keys, 0.2, seed=1)
+    assert len(a) == 10
+    assert a == choose_held_out(list(reversed(keys)), 0.2, seed=1)
+    assert a != choose_held_out(keys, 0.2, seed=2)
+    assert len(choose_held_out(["a", "b"], 0.9, 0)) == 1  # always leaves something to train on
+    with pytest.raises(ValueError):
+        choose_held_out(["a"], 0.5, 0)
+
+
+def test_holdout_rows_leave_the_training_data(tmp_path, tokenizer):
+    rows = [{"prompt": f"What is {i % 40} + 1?", "answer": str(i % 40 + 1)} for i in range(120)]  # 40 prompts x 3
+    cfg = cfg_for(write(tmp_path / "t.jsonl", rows), "--eval.sets", "[{name: held, holdout: 0.25}]",
+                  "--eval.interval", "1")
+    sets, held = load_eval_sets(cfg, tokenizer)
+    assert [s.name for s in sets] == ["held"] and len(held) == 10
+    assert len(sets[0].rows) == 10  # one row per held-out prompt, the first row that has it
+    lines = [int(r.where.rsplit(":", 1)[1]) for r in sets[0].rows]
+    assert {prompt_key(rows[i - 1]["prompt"]) for i in lines} == held and max(lines) <= 40
+    assert all(r.label == rows[i - 1]["answer"] for r, i in zip(sets[0].rows, lines))
+    src = PromptSource(cfg.data, tokenizer, cfg.seed, exclude=held)
+    assert len(src) == 90 and src.held_out == 30
+    trained = {prompt_key(r.prompt_text.split("user\n")[1].split("<|im_end|>")[0]) for r in src.next_batch(90)}
+    assert len(trained) == 30 and not trained & held
+
+
+def test_a_set_sharing_a_training_prompt_is_refused_naming_set_and_row(tmp_path, tokenizer):
+    train = write(tmp_path / "train.jsonl", [{"prompt": f"Q{i}", "answer": "1"} for i in range(5)])
+    test = write(tmp_path / "test.jsonl", [{"q": "fresh", "a": "1"}, {"q": " Q3 ", "a": "1"}])
+    args = ["--eval.sets", f"[{{name: t, path: {test}, input_key: q, label_key: a}}]", "--eval.interval", "1"]
+    with pytest.raises(DataError, match=r"eval set 't': row .*test.jsonl:2 has the same prompt as training row "
+                                        r".*train.jsonl:4 \(1 of its 2 rows"):
+        load_eval_sets(cfg_for(train, *args), tokenizer)
+    sets, held = load_eval_sets(cfg_for(train, *args, "--eval.check_disjoint", "false"), tokenizer)
+    assert len(sets[0].rows) == 2 and held == frozenset()
+    # the SFT data counts as training data when the warm start runs
+    sft = write(tmp_path / "sft.jsonl", [{"prompt": "fresh", "response": "x"}])
+    with pytest.raises(DataError, match="sft.jsonl:1"):
+        load_eval_sets(cfg_for(train, *args[:2], "--eval.sets", f"[{{name: t, path: {test}, input_key: q, "
+                               f"label_key: a, max_rows: 1}}]", "--eval.interval", "1", "--sft.max_steps", "1",
+                               "--sft.data", f"{{path: {sft}}}"), tokenizer)
+
+
+def test_bad_rows_and_empty_sets_name_the_set(tmp_path, tokenizer):
+    train = write(tmp_path / "train.jsonl", [{"prompt": "Q", "answer": "1"}])
+    bad = write(tmp_path / "bad.jsonl", [{"prompt": "fine", "answer": "1"}, {"prompt": "no label"}])
+    with pytest.raises(DataError, match=r"eval set 'b': .*bad.jsonl:2: missing field 'answer'"):
+        load_eval_sets(cfg_for(train, "--eval.sets", f"[{{name: b, path: {bad}}}]", "--eval.interval", "1"), tokenizer)
+    sets, _ = load_eval_sets(cfg_for(train, "--eval.sets", f"[{{name: b, path: {bad}, max_rows: 1}}]",
+                                     "--eval.interval", "1"), tokenizer)
+    assert len(sets[0].rows) == 1
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--eval.sets", "[{name: a, holdout: 0.1}]"], "never evaluated"),
+    (["--eval.sets", "[{name: a}]", "--eval.interval", "1"], "eval.sets[0].holdout"),
+    (["--eval.sets", "[{name: a, path: x.jsonl, holdout: 0.1}]", "--eval.interval", "1"], "eval.sets[0].holdout"),
+    (["--eval.sets", "[{name: a/b, holdout: 0.1}]", "--eval.interval", "1"], "eval.sets[0].name"),
+    (["--eval.sets", "[{name: a, path: x}, {name: a, path: y}]", "--eval.interval", "1"], "names more than one"),
+    (["--eval.sets", "[{name: a, holdout: 0.1}, {name: b, holdout: 0.1}]", "--eval.interval", "1"], "at most one"),
+    (["--eval.n_samples", "4", "--eval.pass_k", "[1, 8]"], "eval.pass_k"),
+    (["--eval.correct_reward", "maths"], "eval.correct_reward"),
+    (["--eval.greedy", "false", "--eval.sets", "[{name: a, path: x}]", "--eval.interval", "1"], "eval.greedy"),
+])
+def test_config_errors_name_the_key(args, msg):
+    from megaforge.configtree import ConfigError
+
+    with pytest.raises(ConfigError, match=msg.replace("[", r"\[").replace("]", r"\]")):
+        cfg_for("x.jsonl", *args)
+
+
+def test_unknown_eval_key_suggests_the_nearest():
+    from megaforge.configtree import ConfigError
+
+    with pytest.raises(ConfigError, match=r"did you mean 'eval.sets\[0\].holdout'"):
+        cfg_for("x.jsonl", "--eval.sets", "[{name: a, holdot: 0.1}]", "--eval.interval", "1")
+    with pytest.raises(ConfigError, match="did you mean 'eval.before_train'"):
+        cfg_for("x.jsonl", "--eval.before_trian", "true")
+
+
+def test_eval_response_limit_must_fit_the_context():
+    from megaforge.configtree import ConfigError
+    from megaforge.rollout import check_context
+
+    # tiny-qwen2 serves 512 positions: 64 prompt tokens + 448 response tokens fit, 449 do not
+    args = ["--data.max_prompt_len", "64", "--eval.sets", "[{name: a, holdout: 0.1}]", "--eval.interval", "1"]
+    check_context(cfg_for("x.jsonl", *args, "--eval.max_new_tokens", "448"))
+    with pytest.raises(ConfigError, match=r"'eval.max_new_tokens' \(449\) = 513 tokens exceed the model's context of 512"):
+        check_context(cfg_for("x.jsonl", *args, "--eval.max_new_tokens", "449"))

@@ -1,0 +1,224 @@
+"""Evaluate a model on held-out prompts: greedy pass@1, sampled pass@k, rewards, response length.
+
+    python tools/evaluate.py --model HF_DIR --data test.jsonl [--k 8] [--out samples.jsonl] [--key value ...]
+    python tools/evaluate.py --model RUN_DIR                  # the run's latest checkpoint, its eval.sets
+    python tools/evaluate.py --model RUN_DIR/checkpoints/step_000040 --data gsm8k_test.jsonl --k 8
+
+``--model`` is a Hugging Face folder (also a run's ``hf/step_N`` export) or a run checkpoint (a run
+folder: its newest complete checkpoint), whose weights are written to a temporary HF folder first
+(torch backend: the saved state dict into the run's model; megatron: tools/convert_megatron_to_hf.py).
+The prompts, chat template, rewards and engine are those of a run's ``config.yaml`` (or ``--config
+FILE``), with megaforge's defaults otherwise; any config key can be overridden (``--rollout.engine
+embedded_server``, ``--data.system_prompt "..."``, ``--eval.max_new_tokens 512``). ``--data`` evaluates
+one set (a .jsonl / .parquet file or folder, or a `datasets` dataset with ``--split``); without it the
+run's ``eval.sets``. For a run, the set is checked disjoint from the run's training prompts
+(``--eval.check_disjoint false`` to score training prompts on purpose).
+
+It runs through the same engine and code as the evaluation inside a run (megaforge.eval), prints one
+JSON line with the same keys as a run's metrics row (``eval/<set>/greedy/pass@1``,
+``eval/<set>/sampled/pass@8``, ...), and writes every response to ``--out`` (default
+``evaluate_<set>.jsonl``; one file per set, the set name inserted before ``.jsonl`` when there are
+several).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+class EvaluateError(RuntimeError):
+    pass
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage=__doc__.split("\n\n")[1])
+    p.add_argument("--model", required=True, help="HF folder, run folder or run checkpoint")
+    p.add_argument("--data", default="", help="prompts to evaluate (default: the run's eval.sets)")
+    p.add_argument("--split", default="test", help="split of a `datasets` dataset")
+    p.add_argument("--subset", default="", help="configuration of a `datasets` hub dataset")
+    p.add_argument("--input_key", default="", help="row key of the prompt (default: data.input_key)")
+    p.add_argument("--label_key", default="", help="row key of the answer (default: data.label_key)")
+    p.add_argument("--name", default="", help="set name in the metric keys (default: from --data)")
+    p.add_argument("--max_rows", type=int, default=0, help="first N prompts only (0: all)")
+    p.add_argument("--k", type=int, default=None,
+                   help="sampled responses per prompt: pass@1 and pass@k (0: greedy only; default: the run's "
+                        "eval.n_samples, else 0)")
+    p.add_argument("--no_greedy", action="store_true", help="sampled responses only")
+    p.add_argument("--out", default="", help="per-sample jsonl (default evaluate_<set>.jsonl)")
+    p.add_argument("--config", default="", help="config YAML (default: the run's config.yaml, if any)")
+    return p.parse_known_args(argv)
+
+
+# ------------------------------------------------------------------------------ what --model is
+def locate(model: str) -> tuple[str, str | None]:
+    """(kind, checkpoint): ``("hf", None)`` for an HF folder, ``("checkpoint", path)`` for a run or one
+    of its checkpoints."""
+    from megaforge import checkpoint
+
+    if not os.path.isdir(model):
+        raise EvaluateError(f"--model {model}: no such folder (a hub id cannot be evaluated offline; give a folder)")
+    if os.path.exists(os.path.join(model, "config.json")):
+        return "hf", None
+    if os.path.isdir(os.path.join(model, "checkpoints")):
+        ckpt = checkpoint.latest_valid(os.path.join(model, "checkpoints"), log=lambda m: print(m, file=sys.stderr))
+        if ckpt is None:
+            raise EvaluateError(f"--model {model}: the run has no complete checkpoint under checkpoints/")
+        return "checkpoint", ckpt
+    if os.path.isdir(os.path.join(model, "trainer")):
+        why = checkpoint.verify(model)
+        if why is not None:
+            raise EvaluateError(f"--model {model}: not a usable checkpoint: {why}")
+        return "checkpoint", model
+    raise EvaluateError(f"--model {model}: neither an HF folder (config.json) nor a run / run checkpoint")
+
+
+def run_dir_of(ckpt: str) -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
+
+
+def checkpoint_to_hf(ckpt: str, run_cfg, out: str) -> None:
+    """The policy weights of a run checkpoint as an HF folder ``out`` (tokenizer included)."""
+    from megaforge import checkpoint
+
+    checkpoint.check_loadable(ckpt)
+    trainer_dir = os.path.join(ckpt, "trainer")
+    if run_cfg.trainer.backend == "megatron":
+        cmd = [sys.executable, os.path.join(ROOT, "tools", "convert_megatron_to_hf.py"), "--ckpt", trainer_dir,
+               "--out", out]
+        if subprocess.run(cmd, cwd=ROOT).returncode != 0:
+            raise EvaluateError(f"converting {trainer_dir} to HF failed (command: {' '.join(cmd)})")
+        return
+    import torch
+
+    from megaforge.hf import load_hf_model, load_tokenizer
+
+    f = os.path.join(trainer_dir, "trainer.pt")
+    state = torch.load(f, map_location="cpu", weights_only=True)
+    model = load_hf_model(run_cfg.model, torch.device("cpu"))
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise EvaluateError(f"{f}: the saved weights do not fit the run's model.*: {e}") from None
+    model.save_pretrained(out, safe_serialization=True)
+    load_tokenizer(run_cfg.model).save_pretrained(out)
+
+
+# ---------------------------------------------------------------------------------------- config
+def build_config(args, overrides: list[str], model_dir: str, run_dir: str | None):
+    """The evaluation's Config: the base (``--config`` / the run's config.yaml / defaults), the model
+    folder, one set from ``--data`` (or the run's sets), and the command line's overrides."""
+    import yaml
+
+    from megaforge import configtree
+    from megaforge.config import Config
+
+    base = args.config or (os.path.join(run_dir, "config.yaml") if run_dir else "")
+    tree: dict = {}
+    if base:
+        with open(base) as f:
+            tree = yaml.safe_load(f) or {}
+    tree.setdefault("model", {}).update(path=model_dir, config="", tokenizer="")
+    tree["max_steps"] = 0
+    ev = tree.setdefault("eval", {})
+    if args.data:
+        name = args.name or os.path.splitext(os.path.basename(os.path.normpath(args.data)))[0] or "data"
+        ev["sets"] = [{"name": "".join(c if c.isalnum() or c in "_.-" else "_" for c in name), "path": args.data,
+                       "split": args.split, "subset": args.subset, "input_key": args.input_key,
+                       "label_key": args.label_key, "max_rows": args.max_rows}]
+    elif args.max_rows:
+        for s in ev.get("sets", []):
+            s["max_rows"] = args.max_rows
+    ev.update(before_train=True, interval=0, greedy=not args.no_greedy, write_samples=False)
+    if args.k is not None:
+        ev.update(n_samples=args.k, pass_k=sorted({1, args.k}) if args.k else [])
+    if not (tree.get("data") or {}).get("path"):
+        ev["check_disjoint"] = False  # no training data is known: nothing to be disjoint from
+    _, cli = configtree.parse_cli(overrides)
+    configtree.check_keys(Config, cli)
+    for k, v in cli.items():
+        configtree.set_dotted(tree, k, v)
+    cfg = configtree.build(Config, tree)
+    if not cfg.eval.sets:
+        raise EvaluateError("nothing to evaluate: give --data (the run has no eval.sets)")
+    return cfg
+
+
+def evaluate(cfg, out_arg: str) -> dict:
+    from megaforge.eval.runner import Evaluator, write_jsonl
+    from megaforge.eval.sets import load_eval_sets
+    from megaforge.hf import load_tokenizer
+    from megaforge.rewards import RewardManager
+    from megaforge.rollout import build_engine, preflight
+    from megaforge.rollout.manager import stop_token_ids
+
+    preflight(cfg)
+    tok = load_tokenizer(cfg.model)
+    sets, _ = load_eval_sets(cfg, tok)
+    rewards = RewardManager(cfg.rewards)
+    engine = build_engine(cfg, tok)
+    out: dict = {}
+    try:
+        ev = Evaluator(cfg, sets, tok, rewards, stop_token_ids(tok, cfg.model.path))
+        for s in sets:
+            metrics, records = ev.evaluate_set(engine, s, step=0)
+            out.update({f"eval/{s.name}/{k}": v for k, v in metrics.items()})
+            path = out_arg or f"evaluate_{s.name}.jsonl"
+            if out_arg and len(sets) > 1:
+                path = f"{os.path.splitext(out_arg)[0]}_{s.name}.jsonl"
+            write_jsonl(path, records)
+            out[f"samples/{s.name}"] = os.path.abspath(path)
+    finally:
+        engine.shutdown()
+        rewards.close()
+    return out
+
+
+def main(argv=None) -> int:
+    from megaforge.configtree import ConfigError
+    from megaforge.data.sources import DataError
+
+    args, overrides = parse_args(argv)
+    t0 = time.perf_counter()
+    tmp = None
+    try:
+        _, ckpt = locate(args.model)
+        run_dir = run_dir_of(ckpt) if ckpt else None
+        model_dir = os.path.abspath(args.model)
+        if ckpt:
+            from megaforge.config import load_config
+
+            if not os.path.exists(os.path.join(run_dir, "config.yaml")):
+                raise EvaluateError(f"{ckpt}: no config.yaml in its run folder {run_dir}")
+            run_cfg = load_config(["--config", os.path.join(run_dir, "config.yaml")])
+            tmp = tempfile.mkdtemp(prefix="megaforge-evaluate-")
+            model_dir = os.path.join(tmp, "hf")
+            checkpoint_to_hf(ckpt, run_cfg, model_dir)
+        cfg = build_config(args, overrides, model_dir, run_dir)
+        result = {"model": os.path.abspath(args.model), "weights": os.path.basename(ckpt) if ckpt else "hf",
+                  "engine": cfg.rollout.engine, **evaluate(cfg, args.out)}
+    except (EvaluateError, ConfigError, DataError) as e:
+        print(f"evaluate: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a model / tokenizer / data path that does not resolve from here
+        print(f"evaluate: error: {e} (a run's config.yaml holds paths relative to the folder the run was "
+              f"started from: run this tool from there)", file=sys.stderr)
+        return 1
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    result["time_s"] = round(time.perf_counter() - t0, 2)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
