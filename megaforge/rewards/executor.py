@@ -35,6 +35,9 @@
   outcome of a call counts.
 * A worker that dies in a call (a crash, the OOM killer) fails that call naming its exit status
   and is replaced; so is one killed at a deadline (``restarts`` counts both), up to ``workers``.
+* A thread of the executor (the pump) dispatches queued calls as workers free up and reads results
+  as they arrive, so calls submitted while the caller goes on (generating more samples) are scored
+  meanwhile; :meth:`collect` only waits.
 * :meth:`close` kills the workers at once: nothing waits on a stuck call at the end of a run.
 
 A reward value must be a finite number (``float(v)``); anything else, or an exception, is an
@@ -237,49 +240,104 @@ class RewardExecutor:
         self._queue: collections.deque[int] = collections.deque()
         self._done: dict[int, RewardOutcome] = {}
         self._next_id = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # all state; the pump notifies it when calls are decided
+        self._closed, self._fatal = False, ""
         self.restarts = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
         self._workers = [_Worker(self._init) for _ in range(workers)]
         try:
             self._wait_ready(time.monotonic() + start_timeout_s)
         except BaseException:
             self.close()
             raise
+        self._thread = threading.Thread(target=self._pump, name="megaforge-reward-pump", daemon=True)
+        self._thread.start()
 
     # -------------------------------------------------------------------------------- public
     def submit(self, calls: Sequence[RewardCall]) -> list[int]:
-        """Queue ``calls`` (each must finish within ``timeout_s`` from now); returns their ids."""
+        """Queue ``calls`` (each must finish within ``timeout_s`` from now); returns their ids. They
+        are dispatched, and their results read, by the executor's thread while the caller goes on."""
         with self._lock:
+            self._check()
             deadline = time.monotonic() + self.timeout_s
             ids = list(range(self._next_id, self._next_id + len(calls)))
             self._next_id += len(calls)
             for i, c in zip(ids, calls):
                 self._pending[i] = (c, deadline)
                 self._queue.append(i)
-            self._dispatch(time.monotonic())
-            return ids
+        self._wake()
+        return ids
 
     def collect(self, ids: Sequence[int]) -> list[RewardOutcome]:
         """Wait until every call of ``ids`` is decided (at the latest at its deadline)."""
         with self._lock:
             while True:
-                now = time.monotonic()
-                self._expire(now)
-                self._unstall(now)
-                self._dispatch(now)
-                waiting = [self._pending[i][1] for i in ids if i in self._pending]
-                if not waiting:
+                self._check()
+                if not any(i in self._pending for i in ids):
                     return [self._done.pop(i) for i in ids]
-                wait_s = max(0.0, min(min(waiting) - now, self.stall_s / 2))
-                for conn in mpc.wait([w.conn for w in self._workers], timeout=wait_s):
-                    w = next((w for w in self._workers if w.conn is conn), None)
-                    if w is not None:
-                        self._receive(w)
+                self._lock.wait(1.0)
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        if getattr(self, "_thread", None) is not None:
+            self._wake()
+            self._thread.join(timeout=10)
         for w in getattr(self, "_workers", []):
             w.kill()
         self._workers = []
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_r = self._wake_w = -1
+
+    # ------------------------------------------------------------------------------- the pump
+    def _check(self) -> None:
+        if self._fatal:
+            raise RuntimeError(self._fatal)
+        if self._closed:
+            raise RuntimeError("the reward executor is closed")
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):  # already awake (a full pipe), or closed
+            pass
+
+    def _pump(self) -> None:
+        """The executor's thread: deadlines, stalls and dispatch, then the workers' results as they
+        come (waiting on their pipes and on the wake-up pipe of submit / close)."""
+        while True:
+            with self._lock:
+                if self._closed or self._fatal:
+                    return
+                try:
+                    now = time.monotonic()
+                    self._expire(now)
+                    self._unstall(now)
+                    self._dispatch(now)
+                except Exception as e:  # noqa: BLE001 - e.g. a replacement worker failed to start
+                    self._fatal = f"reward executor: {type(e).__name__}: {e}"
+                self._lock.notify_all()
+                deadlines = [d for _, d in self._pending.values()]
+                wait_s = max(0.0, min(min(deadlines) - now, self.stall_s / 2)) if deadlines else None
+                conns = {w.conn: w for w in self._workers}
+            ready = mpc.wait(list(conns) + [self._wake_r], timeout=wait_s)
+            with self._lock:
+                if self._closed:
+                    return
+                try:
+                    if self._wake_r in ready:
+                        os.read(self._wake_r, 4096)
+                    for conn in ready:
+                        if conn in conns and conns[conn] in self._workers:
+                            self._receive(conns[conn])
+                except Exception as e:  # noqa: BLE001
+                    self._fatal = f"reward executor: {type(e).__name__}: {e}"
+                self._lock.notify_all()
 
     # ------------------------------------------------------------------------------- internals
     def _wait_ready(self, deadline: float) -> None:
