@@ -25,6 +25,12 @@ REWARDS.register("math", MathReward)
 REWARDS.register("thinking", ThinkingReward)
 
 
+def _register_services() -> None:
+    from megaforge.rewards.remote import RemoteReward
+
+    REWARDS.register("remote", RemoteReward, from_spec=True)
+
+
 def build_reward(spec) -> Callable:
     """The callable of one ``rewards.functions`` entry (built in each reward worker)."""
     obj = REWARDS.get(spec.name)
@@ -54,3 +60,5 @@ def own_workers(spec) -> Optional[int]:
         return spec.workers
     return REWARDS.declared(spec.name).get("workers")
 
+
+_register_services()

@@ -66,3 +66,11 @@ def slow_length(prompt, response, target):
 REWARDS.register("test_length_rank", length_rank, level="group")
 REWARDS.register("test_group_wrong_length", group_wrong_length, level="group")
 REWARDS.register("test_batch_size", BatchSize)
+
+
+def raises_on_marker(prompt, response, target):
+    if "RAISE" in response:
+        raise ArithmeticError("cannot score this one")
+    if "INF" in response:
+        return math.inf
+    return float(len(response))
