@@ -26,11 +26,13 @@ REWARDS.register("thinking", ThinkingReward)
 
 
 def _register_services() -> None:
+    from megaforge.rewards.judge import LLMJudge
     from megaforge.rewards.remote import RemoteReward
     from megaforge.rewards.reward_model import RewardModel
 
     REWARDS.register("remote", RemoteReward, from_spec=True)
     REWARDS.register("reward_model", RewardModel, from_spec=True, workers=1)
+    REWARDS.register("llm_judge", LLMJudge, from_spec=True, workers=1)
 
 
 def build_reward(spec) -> Callable:
