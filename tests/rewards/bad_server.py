@@ -7,6 +7,11 @@ Single form (the response text of the sample): ``500`` -> HTTP 500; ``junk`` -> 
 connection, then 0.75; anything else: ``{"reward": len(response)}``. Batched form: the list's first
 response ``short-list`` -> a list one short; ``object`` -> an object instead of a list; ``errors``
 -> ``{"error": ...}`` for every other entry. The Authorization header seen last is kept for /seen.
+
+``POST /mode/M`` applies one behaviour to every request (whole runs, whose responses are the
+model's): ``M`` one of the single-form texts above (``500``, ``junk``, ``nan``, ...), ``alternate``
+(every second request answers HTTP 500, the others ``len(response)``) or ``delay`` (answers
+``len(response)`` after 0.1 s).
 """
 import asyncio
 import collections
@@ -60,6 +65,21 @@ async def reward(request):
     return one(resp)
 
 
+async def mode(request):
+    m = request.match_info["mode"]
+    body = json.loads(await request.read())
+    resp = body["response"]
+    if m == "alternate":
+        COUNTS["alternate"] += 1
+        return one("500" if COUNTS["alternate"] % 2 == 0 else resp)
+    if m == "delay":
+        await asyncio.sleep(0.1)
+        return one(resp)
+    if m == "slow":
+        await asyncio.sleep(3)
+    return one(m)
+
+
 async def seen(request):
     return web.json_response(SEEN)
 
@@ -67,6 +87,7 @@ async def seen(request):
 async def main():
     app = web.Application()
     app.router.add_post("/", reward)
+    app.router.add_post("/mode/{mode}", mode)
     app.router.add_get("/seen", seen)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
