@@ -71,7 +71,7 @@ class RewardManager:
             for members, workers, spares in plans:
                 self.pools.append(RewardExecutor(build_reward, [self.specs[j] for j in members], workers,
                                                  cfg.timeout_s, plugins=list(plugins),
-                                                 start_timeout_s=getattr(cfg, "start_timeout_s", 120.0),
+                                                 start_timeout_s=cfg.start_timeout_s,
                                                  levels=[self.levels[j] for j in members], spares=spares))
                 for k, j in enumerate(members):
                     self._route[j] = (len(self.pools) - 1, k)

@@ -40,7 +40,7 @@ import signal
 import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Optional
 
 log = logging.getLogger("megaforge.rewards.serve")
 

@@ -1,7 +1,6 @@
 """The learned reward model: a tiny random Qwen2ForSequenceClassification scored in batches on CPU,
 against an unpadded one-sequence reference; the chat template and the truncation policy; the model
 in its own reward worker, and served over HTTP."""
-import os
 
 import pytest
 import torch

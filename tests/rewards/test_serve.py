@@ -3,8 +3,6 @@ math reward by name, a plug-in), request validation, body bounds, auth and the b
 import subprocess
 import sys
 
-import pytest
-
 from megaforge.config import RewardSpec
 from megaforge.rewards import MathReward
 from megaforge.rewards.remote import RemoteReward
