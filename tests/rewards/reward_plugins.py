@@ -74,3 +74,13 @@ def raises_on_marker(prompt, response, target):
     if "INF" in response:
         return math.inf
     return float(len(response))
+
+
+def group_mean_centered(prompt, responses, target):
+    """Group-level through its attribute (a package.module:callable plug-in has no registry entry):
+    each response's length minus the group's mean length."""
+    lens = [float(len(r)) for r in responses]
+    return [x - sum(lens) / len(lens) for x in lens]
+
+
+group_mean_centered.reward_level = "group"

@@ -34,6 +34,16 @@ def test_group_level_rewards_get_each_group_and_weights_add_up():
         m.close()
 
 
+def test_a_plugin_path_declares_group_level_by_attribute():
+    m = manager(RewardSpec("reward_plugins:group_mean_centered"))
+    try:
+        assert m.levels == ["group"]
+        totals, _ = m.score(["p"] * 4, ["a", "bbb", "cc", "cccc"], ["t"] * 4, [0, 0, 1, 1])
+        assert totals == [-1.0, 1.0, -1.0, 1.0]
+    finally:
+        m.close()
+
+
 def test_a_failing_group_reward_fails_every_sample_of_the_group():
     m = manager(RewardSpec("test_group_wrong_length"))
     try:
