@@ -10,8 +10,8 @@ response ``short-list`` -> a list one short; ``object`` -> an object instead of 
 
 ``POST /mode/M`` applies one behaviour to every request (whole runs, whose responses are the
 model's): ``M`` one of the single-form texts above (``500``, ``junk``, ``nan``, ...), ``alternate``
-(every second request answers HTTP 500, the others ``len(response)``) or ``delay`` (answers
-``len(response)`` after 0.1 s).
+(every second request answers HTTP 500, the others ``len(response)``), ``delay`` (answers
+``len(response)`` after 0.1 s) or ``alternate-delay`` (both: every answer after 0.1 s).
 """
 import asyncio
 import collections
@@ -69,11 +69,12 @@ async def mode(request):
     m = request.match_info["mode"]
     body = json.loads(await request.read())
     resp = body["response"]
-    if m == "alternate":
+    if m.endswith("delay"):
+        await asyncio.sleep(0.1)
+    if m.startswith("alternate"):
         COUNTS["alternate"] += 1
         return one("500" if COUNTS["alternate"] % 2 == 0 else resp)
     if m == "delay":
-        await asyncio.sleep(0.1)
         return one(resp)
     if m == "slow":
         await asyncio.sleep(3)
