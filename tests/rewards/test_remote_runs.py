@@ -7,7 +7,6 @@ import socket
 import subprocess
 import sys
 
-
 from run_helpers import lines, stable
 from service_helpers import ROOT, bad_server, serve
 
