@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from run_helpers import lines, stable
 from service_helpers import ROOT, bad_server, serve
 
@@ -31,6 +33,7 @@ def remote(url, **kw):
     return f"[{{name: remote, label: math, url: '{url}', weight: 0.9{extra}}}, {{name: thinking, weight: 0.1}}]"
 
 
+@pytest.mark.slow
 def test_the_demo_with_its_math_reward_served_remotely_equals_the_local_one(tmp_path):
     """60 SFT steps (the model then answers some sums right) and 3 RL steps, twice: every metric but
     wall times is equal, reward/mean included (rewards are exact: 0.9 x {0, 1} + 0.1 x {0, 1})."""
