@@ -115,6 +115,7 @@ def main(argv=None) -> int:
     out_dir = tempfile.mkdtemp(prefix="bench-grpo-step-")
     cfg = load_config(["--config", a.config, *over, "--output_dir", out_dir, "--run_name", "bench",
                        "--max_steps", str(max(a.steps, 2)), "--checkpoint.interval", "0", "--metrics.progress", "false"])
+    from megaforge.driver.steps import needs_ref
     from megaforge.loop import Run
 
     res = {"bench": "grpo_step", "config": os.path.relpath(a.config, ROOT), "overrides": over, "steps": []}
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
         again = copy.deepcopy(batch)
         sync(dev)
         t = time.perf_counter()
-        if run._needs_ref():
+        if needs_ref(run.cfg):
             again.ref_logprobs = run.trainer.compute_logprobs(again, "ref")
         sync(dev)
         t_ref = time.perf_counter() - t
