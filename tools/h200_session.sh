@@ -54,7 +54,7 @@ for stage in "$@"; do
       cp "$RUNS/grpo_h200_colocated/logs/engine_0.log" "$OUT/recipe_engine.log" 2>/dev/null
       rm -rf "$RUNS/grpo_h200_colocated/checkpoints" ;;  # 24 GB each: the disk is 64 GiB
     bench_step)
-      timeout -k 30 300 $TORCHRUN tools/bench_grpo_step.py --config configs/grpo_h200_colocated.yaml \
+      timeout -k 30 540 $TORCHRUN tools/bench_grpo_step.py --config configs/grpo_h200_colocated.yaml \
         --rollout.engine_env "$(engine_env)" --raw_steps 1 > "$OUT/bench_grpo_step.log" 2>&1; echo "exit $?"
       grep -v -i warn "$OUT/bench_grpo_step.log" | grep "^\[bench\|^{" | tail -14
       grep '^{"bench"' "$OUT/bench_grpo_step.log" > "$OUT/bench_grpo_step.json" ;;

@@ -70,6 +70,7 @@ def test_bad_model_and_bad_rows_are_named(tmp_path, tiny_model_dir, evaluate):
 
 
 
+@pytest.mark.slow
 def test_megatron_checkpoint_evaluation_equals_the_runs_own(tmp_path, evaluate):
     pytest.importorskip("megatron.core")
     out = str(tmp_path)
