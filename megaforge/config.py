@@ -475,7 +475,7 @@ class SFTConfig:
 class LoopConfig:
     mode: Literal["sync", "off_policy"] = "sync"
     """sync: rollout then train; off_policy: rollout of step N+1 overlaps training of step N (needs the
-    engine in its own process: rollout.engine embedded_server or sglang). See megaforge.loop_offpolicy."""
+    engine in its own process: rollout.engine embedded_server or sglang). See megaforge.driver.offpolicy."""
     max_staleness: int = 1
     """K: no token is ever trained at staleness > K, where staleness = (trainer weight version when the
     step trains) - (weight version that generated the token). off_policy needs K >= trainer.mini_batches

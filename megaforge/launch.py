@@ -59,7 +59,8 @@ def main(mode: str, argv=None) -> None:
         raise SystemExit(dry_run(cfg, mode, plan_opts, path))
     from megaforge import cluster, placement
     from megaforge.hf import DeviceError
-    from megaforge.loop import RunError, RunStopped, run_grpo, run_sft
+    from megaforge.driver.common import RunError, RunStopped
+    from megaforge.loop import run_grpo, run_sft
 
     together = False  # the run ended the same way on every rank (done, or a shared stop)
     try:

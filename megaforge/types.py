@@ -124,7 +124,7 @@ class TrainBatch:
     num_tokens: int = 0  # sum of loss_mask over the *global* batch (all DP ranks)
     num_seqs: int = 0  # sequences with at least one trained token, global
 
-    _TENSOR_FIELDS = (
+    TENSOR_FIELDS = (
         "tokens", "lengths", "loss_mask", "advantages", "rollout_logprobs", "old_logprobs",
         "ref_logprobs", "values", "returns", "rewards", "group_ids", "weight_versions",
     )
@@ -153,7 +153,7 @@ class TrainBatch:
 
     def apply(self, fn) -> "TrainBatch":
         """A batch with ``fn(tensor)`` for every tensor field that is set (counts unchanged)."""
-        kw = {n: (None if getattr(self, n) is None else fn(getattr(self, n))) for n in self._TENSOR_FIELDS}
+        kw = {n: (None if getattr(self, n) is None else fn(getattr(self, n))) for n in self.TENSOR_FIELDS}
         return TrainBatch(**kw, num_tokens=self.num_tokens, num_seqs=self.num_seqs)
 
     def to(self, device) -> "TrainBatch":

@@ -259,7 +259,6 @@ def main(argv=None) -> int:
                                           dev, tempfile.mkdtemp(prefix="bench-colocate-model-"))
         res["workload"]["params_b"] = round(n / 1e9, 3)
         from megaforge.loop import Run
-        from megaforge.loop_offpolicy import build_driver
         from megaforge.rewards import RewardManager
         from megaforge.data.prompts import PromptSource
         from megaforge.rollout.manager import stop_token_ids
@@ -279,9 +278,8 @@ def main(argv=None) -> int:
         run.rewards = RewardManager(cfg.rewards)
         run.trainer.reset_optimizer(cfg.trainer.lr, cfg.max_steps, 0, "constant")
         run.trainer.snapshot_reference()
-        run._sync_weights({})
         run.stop_ids = stop_token_ids(run.tokenizer, cfg.model.path)
-        run.driver = build_driver(run)
+        run.start_driver()  # the trainer's weights pushed, the step driver
         for name, phase in (("steps", lambda: phase_steps(a, run, res)),
                          ("offload", lambda: phase_offload(a, run, res, dev)),
                          ("sync", lambda: phase_sync(a, run, res, run.engine, "sync", 100)),

@@ -84,6 +84,7 @@ def main(argv=None) -> int:
     out_dir = tempfile.mkdtemp(prefix="bench-grpo-step-")
     cfg = load_config(["--config", a.config, *over, "--output_dir", out_dir, "--run_name", "bench",
                        "--max_steps", str(max(a.steps, 2)), "--checkpoint.interval", "0", "--metrics.progress", "false"])
+    from megaforge.driver.steps import needs_ref
     from megaforge.loop import Run
 
     res = {"bench": "grpo_step", "config": os.path.relpath(a.config, ROOT), "overrides": over, "steps": []}
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
         run.trainer.onload()
         again = copy.deepcopy(batch)
         with Stopwatch(dev) as ref:
-            if run._needs_ref():
+            if needs_ref(run.cfg):
                 again.ref_logprobs = run.trainer.compute_logprobs(again, "ref")
         with Stopwatch(dev) as train:
             run.trainer.train_step(again)

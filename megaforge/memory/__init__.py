@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -124,15 +123,6 @@ def phase(metrics: dict, name: str, device=None):
             peak = torch.cuda.max_memory_allocated(dev) / GIB
             key = f"memory/peak_gib/{name}"
             metrics[key] = max(metrics.get(key, 0.0), peak)
-
-
-@contextlib.contextmanager
-def timed(metrics: dict, key: str):
-    t = time.perf_counter()
-    try:
-        yield
-    finally:
-        metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - t
 
 
 def onloaded(method):

@@ -34,9 +34,9 @@ def test_overlong_penalty_hand_computed():
     assert torch.all(overlong_penalty(lens, 20, 0) == 0)
 
 
-# ------------------------------------------------------------- the loop's over-sampling (Run._rollout)
+# ------------------------------------------------------ the loop's over-sampling (StepParts.rollout)
 def _fake_run(reward_rounds, batch_size=3, n=2, oversample=1.0, max_rounds=4):
-    """A stand-in for Run with a scripted ``_generate``: round k returns groups with the rewards of
+    """A stand-in for StepParts with a scripted ``_generate``: round k returns groups with the rewards of
     ``reward_rounds[k]`` (one list of n rewards per prompt)."""
     from megaforge.config import load_config
 
@@ -67,7 +67,7 @@ def _fake_run(reward_rounds, batch_size=3, n=2, oversample=1.0, max_rounds=4):
 
 
 def test_dynamic_sampling_refills_the_batch():
-    from megaforge.loop import Run
+    from megaforge.driver.steps import StepParts
 
     rounds = [
         [[1, 1], [0, 1], [0, 0], [1, 1]],  # 1 group kept of 3 asked (oversample 1.0 -> 3 prompts)
@@ -76,7 +76,7 @@ def test_dynamic_sampling_refills_the_batch():
     ]
     fake, calls = _fake_run(rounds)
     m = {}
-    batch = Run._rollout(fake, 1, m, SimpleNamespace(write=lambda s: None))
+    batch = StepParts.rollout(fake, 1, m, SimpleNamespace(write=lambda s: None))
     assert calls == [(3, 0), (2, 3), (1, 5)]  # group ids continue across rounds
     assert batch.batch_size == 6 and batch.group_ids.tolist() == [1, 1, 3, 3, 5, 5]
     assert batch.rewards.tolist() == [0, 1, 0, 1, 1, 0]
@@ -88,18 +88,18 @@ def test_dynamic_sampling_refills_the_batch():
 
 
 def test_dynamic_sampling_bounded_rounds_and_fallback():
-    from megaforge.loop import Run
+    from megaforge.driver.steps import StepParts
 
     # oversample 2: 3 wanted -> 6 prompts per round; nothing ever has variance; 2 rounds at most
     flat = [[[1, 1]] * 6, [[0, 0]] * 6]
     fake, calls = _fake_run(flat, oversample=2.0, max_rounds=2)
     m = {}
-    batch = Run._rollout(fake, 1, m, SimpleNamespace(write=lambda s: None))
+    batch = StepParts.rollout(fake, 1, m, SimpleNamespace(write=lambda s: None))
     assert calls == [(6, 0), (6, 6)]
     assert m["dynamic_sampling/fallback"] == 1 and m["dynamic_sampling/kept_groups"] == 0
     # the step trains on batch_size groups of the last round (advantages will be 0)
     assert batch.group_ids.tolist() == [6, 6, 7, 7, 8, 8]
     # more than enough kept in one round: only the first batch_size groups train
     fake, calls = _fake_run([[[0, 1]] * 6], oversample=2.0)
-    batch = Run._rollout(fake, 1, {}, SimpleNamespace(write=lambda s: None))
+    batch = StepParts.rollout(fake, 1, {}, SimpleNamespace(write=lambda s: None))
     assert calls == [(6, 0)] and batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2]

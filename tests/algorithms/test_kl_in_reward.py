@@ -1,12 +1,11 @@
 """algo.kl_in_reward: the per-token KL penalty is taken from the trainer's old log-probs (pi_old under
 the current policy, as verl), not from the engine's rollout log-probs (issue 21, item 7)."""
 import math
-from types import SimpleNamespace
 
 import torch
 
 from megaforge.config import config_from_dict
-from megaforge.loop import Run, needs_old_logprobs
+from megaforge.driver.steps import batch_advantages, needs_old_logprobs
 from megaforge.types import TrainBatch
 
 
@@ -36,7 +35,7 @@ def batch():
 def test_kl_penalty_comes_from_the_trainers_old_logprobs(in_root):
     cfg = kl_cfg()
     b = batch()
-    adv = Run._advantages(SimpleNamespace(cfg=cfg), b)
+    adv = batch_advantages(b, cfg)
     # reference: r_t = -beta * (old_t - ref_t) on trained tokens, + R at each row's last trained token,
     # G_t = sum_{s >= t} r_s (gamma 1), whitened over the 3 trained tokens (population std)
     beta = 0.5

@@ -1,9 +1,10 @@
 """The RL loop beyond one synchronous step: ``loop.mode: off_policy`` (rollout of step N+1 overlaps
 training of step N), ``loop.partial_rollouts`` and weight pushes every ``sync.interval`` steps.
 
-:func:`build_driver` returns an :class:`AsyncDriver` when any of those is configured; ``Run.rl`` then
-calls :meth:`AsyncDriver.step` instead of ``Run.rl_step``. Rollouts are still ``Run._rollout`` (DAPO
-dynamic sampling, rewards, metrics) and training is ``Run._train_batch``.
+:func:`is_async` says when any of those is configured; ``Run.rl`` then runs its steps through an
+:class:`AsyncDriver` instead of the :class:`~megaforge.driver.sync.SyncDriver`. Both are made of the
+same :class:`~megaforge.driver.steps.StepParts`: rollouts are ``parts.rollout`` (DAPO dynamic
+sampling, the partial-rollout pool, rewards, metrics), training ``parts.train``, pushes ``parts.push``.
 
 Off-policy step s (main rank; the rollout thread drives the engine, which runs in its own process):
 
@@ -54,86 +55,78 @@ from typing import Optional
 import torch
 
 from megaforge import dist
+from megaforge.config import Config
+from megaforge.data.batch import set_denominators
+from megaforge.driver.common import Driver, RunError, on_main, say, timed
+from megaforge.driver.steps import StepParts
 from megaforge.types import TrainBatch
 
-_FIELDS = TrainBatch._TENSOR_FIELDS
 
-
-def build_driver(run) -> Optional["AsyncDriver"]:
-    cfg = run.cfg
-    if cfg.loop.mode == "off_policy" or cfg.loop.partial_rollouts or cfg.sync.interval > 1:
-        return AsyncDriver(run)
-    return None
+def is_async(cfg: Config) -> bool:
+    """The run's steps need an :class:`AsyncDriver`: overlap, partial rollouts or a sync interval."""
+    return cfg.loop.mode == "off_policy" or cfg.loop.partial_rollouts or cfg.sync.interval > 1
 
 
 def batch_to_state(batch: TrainBatch) -> dict:
     """A TrainBatch as plain JSON (exact: float32 values survive the round trip through doubles)."""
     return {name: {"dtype": str(getattr(batch, name).dtype).removeprefix("torch."), "data": getattr(batch, name).tolist()}
-            for name in _FIELDS if getattr(batch, name) is not None}
+            for name in TrainBatch.TENSOR_FIELDS if getattr(batch, name) is not None}
 
 
 def batch_from_state(st: dict) -> TrainBatch:
-    from megaforge.data.batch import set_denominators
-
     kw = {name: torch.tensor(v["data"], dtype=getattr(torch, v["dtype"])) for name, v in st.items()}
     return set_denominators(TrainBatch(**kw))
 
 
-class AsyncDriver:
-    """Runs RL steps with overlap / partial rollouts / a sync interval (see the module docstring)."""
+class AsyncDriver(Driver):
+    """Runs RL steps with overlap / partial rollouts / a sync interval (see the module docstring) over
+    ``parts``; ``state`` is the loop state it starts from (a resumed run's: the rollout saved in
+    flight, the partial pool, the push schedule)."""
 
-    def __init__(self, run):
-        from megaforge.rollout.manager import sampling_params
-
-        self.run, self.cfg = run, run.cfg
+    def __init__(self, parts: StepParts, state: dict):
+        self.parts, self.cfg = parts, parts.cfg
         cfg = self.cfg
         self.overlap = cfg.loop.mode == "off_policy"
         self.K, self.M, self.policy = cfg.loop.max_staleness, cfg.sync.interval, cfg.loop.stale_policy
         self.updates = cfg.trainer.mini_batches * cfg.trainer.epochs
         self.main = dist.is_main()
-        self.partial = None
-        if cfg.loop.partial_rollouts and self.main:
-            from megaforge.rollout.partial import PartialPool
-
-            self.partial = PartialPool(run.engine, run.data, run.tokenizer, cfg, run._score,
-                                       sampling_params(cfg, run.stop_ids))
+        self.partial = parts.partial  # main rank, loop.partial_rollouts: the pool rollouts draw from
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="megaforge-rollout") if self.overlap and self.main else None
         self.inflight: Optional[cf.Future] = None  # main rank: the next step's rollout
         self.ready: Optional[dict] = None  # main rank: a rollout drained or restored, not trained yet
-        self.engine_version = run.trainer.version  # every rank: rl() pushed the trainer's weights
-        self._data_pos = run.state.get("data")  # data position after the last rollout handed to a step
-        st = run.state.get("offpolicy") or {}
+        self.engine_version = parts.trainer.version  # every rank: start_rl pushed the trainer's weights
+        self._data_pos = state.get("data")  # data position after the last rollout handed to a step
+        st = state.get("offpolicy") or {}
         if self.main and st.get("next"):
             self.ready = {"batch": batch_from_state(st["next"]["batch"]), "metrics": st["next"]["metrics"],
-                          "data_after": run.state.get("data")}
+                          "data_after": state.get("data")}
         if self.partial is not None and st.get("pool"):
             self.partial.load_state_dict(st["pool"])
         saved_engine = st.get("engine_version")
         if saved_engine is not None:
-            pushes_next = run.state["rl_step"] % self.M == 0  # the uninterrupted run pushes before its next rollout
-            if saved_engine != self.engine_version and not pushes_next and self.main:
-                print(f"[megaforge] resume: the engine served weight version {saved_engine} at the checkpoint; it now "
-                      f"starts from the trainer's {self.engine_version} (rollouts differ from an uninterrupted run)",
-                      flush=True)
+            pushes_next = state["rl_step"] % self.M == 0  # the uninterrupted run pushes before its next rollout
+            if saved_engine != self.engine_version and not pushes_next:
+                say(f"resume: the engine served weight version {saved_engine} at the checkpoint; it now "
+                    f"starts from the trainer's {self.engine_version} (rollouts differ from an uninterrupted run)")
             self.engine_version = int(saved_engine)  # the push schedule continues as in the uninterrupted run
 
     # ------------------------------------------------------------------------------------ rollouts
     def _produce(self, step: int, train_version: int, bar) -> dict:
         """Main rank (rollout thread or main thread): the rollout of ``step`` as a TrainBatch."""
-        run = self.run
+        parts = self.parts
         m: dict = {}
-        data_before = run.data.state_dict()
+        data_before = parts.data.state_dict()
         pool_before = self.partial.state_dict() if self.partial is not None else None
         if self.partial is not None:
             self.partial.train_version = train_version
         try:
-            batch = run._rollout(step, m, bar)
+            batch = parts.rollout(step, m, bar)
         except BaseException:
             self._data_pos = data_before  # the failed rollout's rows are read again after a resume
             if pool_before is not None:
                 self.partial.load_state_dict(pool_before)
             raise
-        return {"batch": batch, "metrics": m, "data_after": run.data.state_dict()}
+        return {"batch": batch, "metrics": m, "data_after": parts.data.state_dict()}
 
     def _collect(self, step: int, train_version: int, bar) -> dict:
         if self.ready is not None:
@@ -148,15 +141,15 @@ class AsyncDriver:
 
     # ------------------------------------------------------------------------------------- weights
     def _push(self, m: dict, forced: bool) -> None:
-        self.run._sync_weights(m)
-        self.engine_version = self.run.trainer.version
+        self.parts.push(m)
+        self.engine_version = self.parts.trainer.version
         m["sync/pushed"] = 1.0
         m["sync/forced"] = m.get("sync/forced", 0.0) + float(forced)
 
     def _maybe_push(self, step: int, next_train_version: int, m: dict) -> None:
         """Push when due (after step ``step - 1``) or, with stale_policy correct, when the next rollout
         would otherwise be trained at staleness > K. Same decision on every rank (pushes are collective)."""
-        if self.engine_version == self.run.trainer.version:
+        if self.engine_version == self.parts.trainer.version:
             return
         if step > 1 and (step - 1) % self.M == 0:
             self._push(m, forced=False)
@@ -165,16 +158,14 @@ class AsyncDriver:
 
     # ---------------------------------------------------------------------------------------- step
     def step(self, step: int, bar) -> dict:
-        from megaforge.loop import on_main, timed
-
-        run, cfg = self.run, self.cfg
+        parts, cfg = self.parts, self.cfg
         m: dict = {"sync/pushed": 0.0, "sync/forced": 0.0, "staleness/dropped_samples": 0.0}
         t0 = time.perf_counter()
-        V = run.trainer.version
+        V = parts.trainer.version
         if not self.overlap:
             self._maybe_push(step, V, m)
-            if run.engine is not None:
-                run.engine.resume_memory(["weights", "kv_cache", "cuda_graph"])  # released while training
+            if parts.engine is not None:
+                parts.engine.resume_memory(["weights", "kv_cache", "cuda_graph"])  # released while training
         with timed(m, "time/wait_rollout"):
             got = on_main(lambda: self._collect(step, V, bar))
         batch = got["batch"]
@@ -182,7 +173,7 @@ class AsyncDriver:
         trained = batch.loss_mask.sum(-1) > 0
         if bool(((V - batch.weight_versions) > self.K)[trained].any()):  # stale_policy drop (correct never gets here)
             m["staleness/dropped_samples"] = float(batch.batch_size)
-            if self.engine_version != run.trainer.version:
+            if self.engine_version != parts.trainer.version:
                 self._push(m, forced=True)
             with timed(m, "time/wait_rollout"):
                 got = on_main(lambda: self._produce(step, V, bar))
@@ -195,19 +186,13 @@ class AsyncDriver:
             if self.main and step < cfg.max_steps:
                 self.inflight = self._pool.submit(self._produce, step + 1, V + self.updates, bar)
         self._staleness(step, batch, V, m)
-        run._train_batch(batch, m, colocated=not self.overlap)
-        m["weight_version"] = float(run.trainer.version)
+        parts.train(batch, m, colocated=not self.overlap)
         m["engine/weight_version"] = float(self.engine_version)
-        m["time/step"] = time.perf_counter() - t0
-        m["throughput/tokens_per_s"] = float(batch.lengths.sum()) / max(m["time/step"], 1e-9)
-        m.setdefault("kl", 0.0)
         m.setdefault("time/sync", 0.0)
-        return m
+        return parts.step_metrics(m, batch, t0)
 
     def _staleness(self, step: int, batch: TrainBatch, V: int, m: dict) -> None:
         """staleness/mean and /max over the samples that have trained tokens; > K is a RunError."""
-        from megaforge.loop import RunError
-
         trained = batch.loss_mask.sum(-1) > 0
         st = (V - batch.weight_versions)[trained].float()
         m["staleness/mean"] = float(st.mean()) if st.numel() else 0.0
@@ -224,13 +209,13 @@ class AsyncDriver:
         if self.inflight is not None:
             fut, self.inflight = self.inflight, None
             self.ready = fut.result()
-        if self.run.engine is not None:
-            self.run.engine.resume_memory(["weights", "kv_cache", "cuda_graph"])
+        if self.parts.engine is not None:
+            self.parts.engine.resume_memory(["weights", "kv_cache", "cuda_graph"])
 
     # ------------------------------------------------------------------------- checkpoints, close
-    def before_save(self) -> None:
+    def before_save(self, state: dict) -> None:
         """Every rank, before a checkpoint: drain the rollout in flight and put it, the partial
-        pool and the data position after them into the run state (main rank)."""
+        pool and the data position after them into the loop ``state`` (main rank)."""
         if not self.main:
             return
         if self.inflight is not None:
@@ -242,18 +227,18 @@ class AsyncDriver:
         st: dict = {"engine_version": self.engine_version}
         if self.ready is not None:
             st["next"] = {"batch": batch_to_state(self.ready["batch"]), "metrics": self.ready["metrics"]}
-            self.run.state["data"] = self.ready["data_after"]
+            state["data"] = self.ready["data_after"]
         else:
-            self.run.state["data"] = self._data_pos
+            state["data"] = self._data_pos
         if self.partial is not None:
             st["pool"] = self.partial.state_dict()
-        self.run.state["offpolicy"] = st
+        state["offpolicy"] = st
 
     def close(self) -> None:
         """Stop the rollout thread: an unfinished rollout is aborted and its result discarded."""
         if self.inflight is not None and not self.inflight.done():
             try:
-                self.run.engine.abort()
+                self.parts.engine.abort()
             except Exception:  # noqa: BLE001  (best effort on the way out)
                 pass
         if self.inflight is not None:

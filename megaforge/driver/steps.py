@@ -1,0 +1,218 @@
+"""The step primitives both drivers (:mod:`megaforge.driver.sync`, :mod:`megaforge.driver.offpolicy`)
+are made of: :meth:`StepParts.rollout` (prompts -> scored samples -> TrainBatch, with DAPO's dynamic
+sampling and the partial-rollout pool), :meth:`StepParts.train` (reference / old log-probs, values,
+advantages, the optimizer step(s), with the colocated memory choreography) and :meth:`StepParts.push`
+(the trainer's weights to the engine). The order of one step: DESIGN.md "One RL step"."""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from megaforge import dist, memory
+from megaforge.algorithms import (ADVANTAGES, AdvantageInputs, first_groups, kl_reward_penalty, nonzero_variance_groups,
+                                  overlong_penalty, value_targets)
+from megaforge.config import Config
+from megaforge.data.batch import samples_to_batch, set_denominators
+from megaforge.driver.common import timed
+from megaforge.rollout.manager import generate_samples, sampling_params, score
+from megaforge.sync import push_weights
+from megaforge.types import TrainBatch
+
+
+class StepParts:
+    """The pieces of an RL step over one run's trainer and engine. ``data`` (the PromptSource),
+    ``rewards`` (the RewardManager) and ``stop_ids`` are the main rank's (None / [] elsewhere); so is
+    the partial-rollout pool :attr:`partial` (``loop.partial_rollouts``; None otherwise).
+    :meth:`rollout` runs on the main rank; :meth:`train` and :meth:`push` on every rank (collective)."""
+
+    def __init__(self, cfg: Config, trainer, engine, data, rewards, tokenizer, stop_ids: list):
+        self.cfg, self.trainer, self.engine = cfg, trainer, engine
+        self.data, self.rewards, self.tokenizer, self.stop_ids = data, rewards, tokenizer, stop_ids
+        self.partial = None
+        if cfg.loop.partial_rollouts and dist.is_main():
+            from megaforge.rollout.partial import PartialPool
+
+            self.partial = PartialPool(engine, data, tokenizer, cfg, self.score, sampling_params(cfg, stop_ids))
+
+    # ------------------------------------------------------------------------------------ rollout
+    def _generate(self, step: int, n_prompts: int, offset: int, m: dict) -> list:
+        """``n_prompts`` prompts x grpo.n_samples scored samples (group ids from ``offset``), with DAPO's
+        overlong shaping added to the rewards when ``algo.overlong_buffer`` > 0."""
+        cfg = self.cfg
+        if self.partial is not None:  # rounds that carry unfinished samples
+            return self.partial.generate(step, n_prompts, offset, m)
+        per_call = cfg.rewards.stream_prompts or n_prompts  # rewards.stream_prompts: rewards overlap generation
+        stream = self.rewards.stream() if per_call < n_prompts else None
+        with timed(m, "time/rollout"):
+            rows = self.data.next_batch(n_prompts)
+            samples = []
+            for a in range(0, len(rows), per_call):  # the same seeded requests whatever the split
+                part = generate_samples(self.engine, rows[a:a + per_call], cfg.grpo.n_samples,
+                                        sampling_params(cfg, self.stop_ids), cfg.seed, step, offset + a, self.tokenizer, cfg)
+                if stream is not None:
+                    stream.add_samples(part)  # scored in the reward workers while the next part generates
+                samples += part
+        return self.score(samples, m, stream)
+
+    def score(self, samples: list, m: dict, stream=None) -> list:
+        """Rewards (plus DAPO's overlong shaping) of finished samples (already in ``stream`` when it is
+        given); metrics added to ``m``."""
+        cfg = self.cfg
+        for k, v in score(samples, self.rewards, stream).items():  # counts and times add up, means average over rounds
+            summed = k in ("reward/errors", "reward/timeouts") or k.startswith("time/")
+            m[k] = m.get(k, 0.0) + (v if summed else v * len(samples))
+        if cfg.algo.overlong_buffer > 0:
+            pen = overlong_penalty(torch.tensor([len(s.response_ids) for s in samples]), cfg.rollout.max_new_tokens,
+                                   cfg.algo.overlong_buffer, cfg.algo.overlong_penalty)
+            for s, p in zip(samples, pen.tolist()):
+                s.reward += p
+            m["reward/overlong_penalty"] = m.get("reward/overlong_penalty", 0.0) + float(pen.sum())
+        return samples
+
+    def rollout(self, step: int, m: dict, bar) -> TrainBatch:
+        """Main rank: prompts -> samples with rewards -> TrainBatch (advantages not yet set).
+
+        Dynamic sampling (``algo.dynamic_sampling``, DAPO): groups with equal rewards are dropped and
+        more prompts sampled, up to ``algo.dynamic_sampling_max_rounds`` rounds, until
+        ``rollout.batch_size`` groups are kept; then the first ``batch_size`` kept groups train. If no
+        group survives, the last round's groups train (their advantages are 0)."""
+        cfg = self.cfg
+        target, n = cfg.rollout.batch_size, cfg.grpo.n_samples
+        self.engine.ensure_healthy()  # a dead or hung engine is restarted and re-synced (rollout.max_restarts)
+        self.rewards.start_step()
+        if not cfg.algo.dynamic_sampling:
+            generated = samples = self._generate(step, target, 0, m)
+        else:
+            generated, samples, rounds, last = [], [], 0, []
+            while len(samples) < target * n and rounds < cfg.algo.dynamic_sampling_max_rounds:
+                want = target - len(samples) // n
+                last = self._generate(step, math.ceil(want * cfg.loop.oversample), len(generated) // n, m)
+                generated += last
+                keep = nonzero_variance_groups(torch.tensor([s.reward for s in last]),
+                                               torch.tensor([s.group_id for s in last]))
+                samples += [s for s, k in zip(last, keep.tolist()) if k]
+                rounds += 1
+            m["dynamic_sampling/rounds"] = float(rounds)
+            m["dynamic_sampling/kept_groups"] = float(min(len(samples) // n, target))
+            m["dynamic_sampling/generated_groups"] = float(len(generated) // n)
+            m["dynamic_sampling/fallback"] = float(not samples)
+            if not samples:
+                samples = last
+            keep = first_groups(torch.tensor([s.group_id for s in samples]), target)
+            samples = [s for s, k in zip(samples, keep.tolist()) if k]
+        for k in [k for k in m if k.startswith(("reward/", "episode/")) and k not in ("reward/errors", "reward/timeouts")]:
+            m[k] /= len(generated)
+        self.rewards.check_step(step)  # RewardError (the run stops) when a reward failed on every sample
+        if m["reward/errors"] or m["reward/timeouts"]:
+            for msg in self.rewards.step_errors.values():  # one line per failing reward, naming it (a service: its URL)
+                bar.write(f"[megaforge] step {step}: {msg}")
+        r = torch.tensor([s.reward for s in generated])  # metrics describe everything generated
+        lens = torch.tensor([len(s.response_ids) for s in generated], dtype=torch.float32)
+        m.update({
+            "reward/mean": float(r.mean()), "reward/std": float(r.std()) if len(r) > 1 else 0.0,
+            "response_len/mean": float(lens.mean()), "response_len/max": float(lens.max()),
+            "response/length_frac": sum(s.finish_reason == "length" for s in generated) / len(generated),
+            "response/empty_frac": float((lens == 0).float().mean()),
+            "data/skipped_rows": float(self.data.skipped), "data/epoch": float(self.data.epoch),
+            **self.engine.health_metrics(),
+        })
+        for s in generated[: cfg.metrics.log_samples]:
+            bar.write(f"[step {step}] reward={s.reward:.2f} | {s.prompt_text!r} -> {s.response_text!r}")
+        return samples_to_batch(samples, self.tokenizer.pad_token_id)
+
+    # -------------------------------------------------------------------------------------- train
+    def train(self, batch: TrainBatch, m: dict, colocated: bool = True, keep_weights: bool = False) -> None:
+        """Reference / old logprobs, values, advantages and the optimizer step(s) on ``batch``. Colocated
+        choreography (megaforge.memory): engine memory out, trainer state in, train, trainer state out
+        (the weights stay on the device with ``keep_weights``: a weight sync follows)."""
+        if self.engine is not None and colocated:
+            with timed(m, "time/release"):
+                self.engine.release_memory(["weights", "kv_cache"])
+        outside = memory.outside_torch_gib()  # contexts, communicators, what the engine did not free
+        if outside is not None:
+            m["memory/outside_torch_gib"] = outside
+        with memory.phase(m, "train"):
+            self._train_on_device(batch, m, keep_weights)
+
+    def _train_on_device(self, batch, m: dict, keep_weights: bool) -> None:
+        cfg = self.cfg
+        with timed(m, "time/onload"):
+            self.trainer.onload()
+        with timed(m, "time/train"):
+            if needs_ref(cfg):
+                batch.ref_logprobs = self.trainer.compute_logprobs(batch, "ref")
+            if needs_old_logprobs(cfg):
+                batch.old_logprobs = self.trainer.compute_logprobs(batch, "policy")
+            if cfg.critic_enabled:
+                batch.values = self.trainer.compute_values(batch)
+            batch.advantages = batch_advantages(batch, cfg)
+            set_denominators(batch)
+            m.update(self.trainer.train_step(batch))
+        with timed(m, "time/offload"):
+            self.trainer.offload(["state"] if keep_weights else None)
+
+    def push(self, m: dict) -> None:
+        """Trainer state out (weights on the device), engine weights in, weights streamed, trainer weights
+        out and caches released, engine KV cache and CUDA graphs in (megaforge.memory, DESIGN.md)."""
+        with memory.phase(m, "sync"):
+            with timed(m, "time/offload"):
+                self.trainer.offload(["state"])  # already out after a step: nothing to do
+            with timed(m, "time/onload"):
+                self.trainer.onload(["weights"])  # already in after a step: nothing to do
+            if self.engine is not None:
+                with timed(m, "time/resume"):
+                    self.engine.resume_memory(["weights"])
+            with timed(m, "time/sync"):
+                push_weights(self.trainer, self.engine, self.cfg.sync.bucket_mb << 20, self.trainer.version,
+                             check_equal=self.cfg.sync.check_equal)
+            with timed(m, "time/offload"):
+                self.trainer.offload(["weights"])
+                memory.release_cached()  # IPC blocks and torch's cache back before the engine allocates
+        if self.engine is not None:
+            with timed(m, "time/resume"):
+                self.engine.resume_memory(["kv_cache", "cuda_graph"])
+
+    def step_metrics(self, m: dict, batch: TrainBatch, t0: float) -> dict:
+        """``m`` completed at the end of a step that began at ``t0`` (``time.perf_counter``) and trained
+        ``batch``: the trainer's weight version, the step's wall time and its tokens per second."""
+        m["weight_version"] = float(self.trainer.version)
+        m["time/step"] = time.perf_counter() - t0
+        m["throughput/tokens_per_s"] = float(batch.lengths.sum()) / max(m["time/step"], 1e-9)
+        m.setdefault("kl", 0.0)
+        return m
+
+
+def needs_ref(cfg: Config) -> bool:
+    """The step computes the reference policy's log-probs (the KL term: ``grpo.beta`` > 0)."""
+    return cfg.grpo.beta > 0
+
+
+def kl_in_reward(cfg: Config) -> bool:
+    """The KL to the reference is a per-token reward penalty (``algo.kl_in_reward`` with beta > 0)."""
+    return cfg.algo.kl_in_reward and cfg.grpo.beta > 0
+
+
+def needs_old_logprobs(cfg: Config) -> bool:
+    """The trainer computes pi_old's log-probs before the update: several updates per batch (the ratio
+    needs a fixed pi_old), or the KL penalty in the reward (it is taken from them)."""
+    return cfg.trainer.mini_batches * cfg.trainer.epochs > 1 or kl_in_reward(cfg)
+
+
+def batch_advantages(batch, cfg: Config) -> torch.Tensor:
+    """``algo.advantage`` of ``batch`` [B, T]; sets ``batch.returns`` (the critic's targets) when the
+    batch has critic values. With :func:`kl_in_reward` the token rewards are
+    :func:`~megaforge.algorithms.kl.kl_reward_penalty` of the trainer's old log-probs (as verl), not of
+    the engine's rollout log-probs."""
+    token_rewards = None
+    if kl_in_reward(cfg):
+        if batch.old_logprobs is None or batch.ref_logprobs is None:
+            raise RuntimeError("algo.kl_in_reward: the batch lacks the trainer's old or reference log-probs")
+        token_rewards = kl_reward_penalty(batch.old_logprobs, batch.ref_logprobs, batch.loss_mask, cfg.grpo.beta,
+                                          cfg.algo.kl_estimator)
+    inp = AdvantageInputs(rewards=batch.rewards, group_ids=batch.group_ids, loss_mask=batch.loss_mask,
+                          token_rewards=token_rewards, values=batch.values)
+    if batch.values is not None:  # the critic's targets: lambda-returns
+        batch.returns = value_targets(inp, cfg.algo)
+    return ADVANTAGES.get(cfg.algo.advantage)(inp, cfg.algo)
