@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 import torch
 
 from megaforge import dist
-from megaforge.algorithms import LossParams, policy_objective
+from megaforge.algorithms import ObjectiveParams, policy_objective
 from megaforge.hf import hf_state_names, load_hf_model, resolve_device
 from megaforge.memory import build_offloader, onloaded
 from megaforge.checkpoint import write_torch
@@ -38,7 +38,7 @@ class TorchTrainer(Trainer):
         if dist.world() > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.module = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
-        self.params = LossParams.from_config(cfg)
+        self.params = ObjectiveParams.from_config(cfg)
         self.temperature = cfg.grpo.temperature
         self.ref: Optional[torch.nn.Module] = None
         self.critic = None  # megaforge.trainer.critic.TorchCritic when the run trains one (PPO)

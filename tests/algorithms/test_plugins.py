@@ -42,7 +42,7 @@ def test_seed_custom_loss_by_path_and_by_name():
     old = torch.tensor([[math.log(0.3), math.log(0.6)]], dtype=torch.float64)
     lp = lp_for_ratio([[1.5, 0.5]], old)
     A = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
-    loss, st = fn(lp, old, A, torch.ones_like(A), params(plugin_kwargs={"clip_range": 0.2}))
+    loss, st = fn(lp, old, A, torch.ones_like(A), params(seed_custom_clip_range=0.2))
     assert torch.allclose(loss, torch.tensor([[-1.2, 0.8]], dtype=torch.float64))
     assert st["clip_frac"].tolist() == [[1.0, 1.0]]
     resolve_components(_cfg("--algo.plugins", "[examples.custom_loss.seed_loss]", "--algo.loss", "seed_custom"))

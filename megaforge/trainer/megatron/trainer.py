@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from megaforge.algorithms import LossParams, policy_objective
+from megaforge.algorithms import ObjectiveParams, policy_objective
 from megaforge.dist import all_gather_rows, shard_range
 from megaforge.hf import DTYPES
 from megaforge.memory import build_offloader, onloaded
@@ -103,7 +103,7 @@ class MegatronTrainer(Trainer):
         self.ddp = wrap_ddp(self.tconfig, self.bm.model, t.distributed_optimizer)
         self.tconfig.no_sync_func = self.ddp.no_sync
         self.tconfig.finalize_model_grads_func = self._finalize_grads
-        self.params = LossParams.from_config(cfg)
+        self.params = ObjectiveParams.from_config(cfg)
         self.temperature = cfg.grpo.temperature
         self.ref = None
         self.critic = None  # megaforge.trainer.megatron.critic.MegatronCritic when the run trains one (PPO)
