@@ -6,6 +6,7 @@ The mechanics (type checks, unknown-key suggestions) live in :mod:`megaforge.con
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
@@ -128,15 +129,6 @@ class AlgoConfig:
     """Masked importance sampling lower bound: weight 0 where the ratio is below this (null: none)."""
     mis_level: Literal["token", "sequence", "geometric"] = "token"
     """MIS ratio: per token, the sequence's product of ratios, or its geometric mean (rejection only)."""
-    sapo_tau_pos: float = 1.0
-    """SAPO gate temperature for positive-advantage tokens (paper default 1.0)."""
-    sapo_tau_neg: float = 1.05
-    """SAPO gate temperature for negative-advantage tokens (paper default 1.05)."""
-    cispo_clip_low: Optional[float] = None
-    """CISPO weight lower bound is 1 - cispo_clip_low (null: no lower bound, as in the paper); the
-    upper bound is 1 + grpo.clip_high."""
-    reinforce_clip: Optional[float] = None
-    """``reinforce`` loss: clip the detached ratio pi/pi_old to [1 - c, 1 + c] (null: no clipping)."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (zero advantage) and sample more prompts to keep
     rollout.batch_size groups; DAPO. Prompts per extra round: missing groups * loop.oversample."""
@@ -156,7 +148,33 @@ class AlgoConfig:
     """Modules imported at start-up so that the losses / advantages / rewards they register by name
     (``@POLICY_LOSSES.register("my_loss")``) can be used by that name."""
     plugin_kwargs: dict = field(default_factory=dict)
-    """Extra keyword arguments passed to plug-in losses / advantages."""
+    """Extra untyped values for plug-in losses / advantages (``p.plugin_kwargs``); typed knobs are
+    declared by the plug-in's registry entry (``params=``) and set as ``algo.<entry>_<field>``."""
+    components: dict = field(default_factory=lambda: {p: c() for p, c in algo_components({}).items()},
+                             metadata={"extensions": lambda data: algo_components(data)})
+    """(Not a key.) The typed parameters that registry entries declare (``register("sapo",
+    params=SapoParams)``), by key prefix: field ``tau_pos`` is key ``algo.sapo_tau_pos``
+    (megaforge.algorithms.params). Built-in: sapo_tau_pos, sapo_tau_neg, cispo_clip_low, reinforce_clip."""
+
+
+def algo_components(data: dict) -> dict[str, type]:
+    """{key prefix: parameters dataclass} of the registered algorithm components, the extension keys of
+    the ``algo`` section (megaforge.configtree): megaforge's and those of the modules of ``algo.plugins``
+    in ``data``, which are imported first."""
+    # imported when a config is built, not with this module: the algorithms import torch, and reward
+    # worker processes import this module (RewardSpec) within a reward's start-up deadline
+    from megaforge.algorithms.params import component_classes, load_plugins
+
+    plugins = configtree.coerce(data.get("plugins", []), list[str], "algo.plugins")
+    load_plugins(plugins)
+    classes = component_classes(plugins)
+    own = {f.name for f in dataclasses.fields(AlgoConfig)}
+    for prefix, c in classes.items():
+        for f in dataclasses.fields(c):
+            if prefix + f.name in own:
+                raise ConfigError(f"config key 'algo.{prefix}{f.name}' is AlgoConfig's own and also a field of "
+                                  f"{c.__name__}: rename the field or the registry entry")
+    return classes
 
 
 @dataclass
@@ -302,9 +320,9 @@ class RewardsConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["embedded", "embedded_server", "sglang", "megatron"] = "embedded"
+    engine: Literal["embedded", "embedded_server", "sglang"] = "embedded"
     """Rollout engine: HF transformers in-process (embedded), the same behind HTTP
-    (embedded_server), SGLang servers, or megatron-core inference."""
+    (embedded_server), or SGLang servers."""
     batch_size: int = 16
     """Prompts per RL step (each sampled grpo.n_samples times)."""
     max_new_tokens: int = 128
@@ -779,10 +797,6 @@ class Config:
              "needs algo.mis_threshold (the upper bound)")
         need(a.mis_threshold is None or a.mis_threshold_low is None or a.mis_threshold_low < a.mis_threshold,
              "algo.mis_threshold_low", "must be < algo.mis_threshold")
-        need(a.sapo_tau_pos > 0, "algo.sapo_tau_pos", "must be > 0")
-        need(a.sapo_tau_neg > 0, "algo.sapo_tau_neg", "must be > 0")
-        need(a.cispo_clip_low is None or 0 <= a.cispo_clip_low <= 1, "algo.cispo_clip_low", "must be in [0, 1] (or null)")
-        need(a.reinforce_clip is None or 0 <= a.reinforce_clip < 1, "algo.reinforce_clip", "must be in [0, 1) (or null)")
         need(a.dynamic_sampling_max_rounds >= 1, "algo.dynamic_sampling_max_rounds", "must be >= 1")
         need(a.overlong_buffer >= 0, "algo.overlong_buffer", "must be >= 0")
         need(a.overlong_buffer < self.rollout.max_new_tokens or a.overlong_buffer == 0, "algo.overlong_buffer",

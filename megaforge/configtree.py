@@ -10,6 +10,14 @@ Rules:
   with the key, the expected type and the value.
 * CLI values are parsed as YAML scalars (``4`` -> int, ``true`` -> bool, ``null`` -> None,
   ``[a, b]`` -> list); ``--flag`` with no value means ``true``.
+* A dataclass's ``validate()`` may raise :class:`FieldError` about one of its own fields; the error
+  names the dotted key, wherever the dataclass sits in the tree.
+* Extension keys: a section may also take keys that other modules declare (the typed parameters of
+  registered algorithm components). Its dataclass has a dict field with
+  ``metadata={"extensions": provider}``, ``provider(section_data) -> {key prefix: dataclass}``: key
+  ``<prefix><name>`` of the section is field ``name`` of that dataclass, built and checked like any
+  section into ``field_value[prefix]`` and written back flat by :func:`to_dict`. The field itself is
+  not a key.
 """
 from __future__ import annotations
 
@@ -28,6 +36,15 @@ import yaml
 
 class ConfigError(ValueError):
     """A config problem; the message names the dotted key."""
+
+
+class FieldError(ValueError):
+    """Raised by a dataclass's ``validate()`` about its own field ``field``; :func:`build` turns it into
+    a ConfigError naming the dotted key."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 # ----------------------------------------------------------------------------------- introspection
@@ -56,15 +73,37 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def all_keys(cls, prefix: str = "") -> list[str]:
-    """Every valid dotted key of a dataclass tree (including section names)."""
+def _extension_field(cls) -> dataclasses.Field | None:
+    return next((f for f in dataclasses.fields(cls) if "extensions" in f.metadata), None)
+
+
+def extensions(cls, data: dict | None = None) -> dict[str, type]:
+    """{key prefix: dataclass} of the extension keys section ``cls`` takes given its ``data`` ({}: none)."""
+    f = _extension_field(cls)
+    return f.metadata["extensions"](data if isinstance(data, dict) else {}) if f is not None else {}
+
+
+def _extension_keys(ext: dict[str, type]) -> dict[str, tuple[str, str]]:
+    """{flat key: (prefix, field name)} of extension classes ``ext``."""
+    return {prefix + f.name: (prefix, f.name) for prefix, c in ext.items() for f in dataclasses.fields(c)}
+
+
+def _own_fields(cls) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if "extensions" not in f.metadata]
+
+
+def all_keys(cls, prefix: str = "", data: dict | None = None) -> list[str]:
+    """Every valid dotted key of a dataclass tree (including section names); ``data`` (the tree's
+    values) decides the extension keys, see the module doc."""
+    data = data if isinstance(data, dict) else {}
     keys = []
-    for f in dataclasses.fields(cls):
+    for f in _own_fields(cls):
         key = prefix + f.name
         keys.append(key)
         t = _hints(cls)[f.name]
         if dataclasses.is_dataclass(t):
-            keys.extend(all_keys(t, key + "."))
+            keys.extend(all_keys(t, key + ".", data.get(f.name)))
+    keys.extend(prefix + k for k in _extension_keys(extensions(cls, data)))
     return keys
 
 
@@ -164,22 +203,38 @@ def build(cls, data: dict | None, prefix: str = ""):
     """Build dataclass ``cls`` from a nested dict, checking keys and types."""
     data = dict(data or {})
     hints = _hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in _own_fields(cls)}
+    ext = extensions(cls, data)
+    ext_keys = _extension_keys(ext)
     for k in data:
-        if k not in names:
-            valid = [prefix + n for n in names]
+        if k not in names and k not in ext_keys:
+            valid = [prefix + n for n in sorted(names | set(ext_keys))]
             raise ConfigError(f"unknown config key '{prefix}{k}'{_nearest(prefix + k, valid)}")
-    kwargs = {k: coerce(v, hints[k], prefix + k) for k, v in data.items()}
+    kwargs = {k: coerce(v, hints[k], prefix + k) for k, v in data.items() if k in names}
+    ext_field = _extension_field(cls)
+    if ext_field is not None:
+        parts: dict[str, dict] = {p: {} for p in ext}
+        for k, (p, name) in ext_keys.items():
+            if k in data:
+                parts[p][name] = data[k]
+        kwargs[ext_field.name] = {p: build(c, parts[p], prefix + p) for p, c in ext.items()}
     obj = cls(**kwargs)
     if hasattr(obj, "validate"):
-        obj.validate()
+        try:
+            obj.validate()
+        except FieldError as e:
+            raise ConfigError(f"config key '{prefix}{e.field}': {e}") from None
     return obj
 
 
 def to_dict(obj) -> Any:
     """A dataclass tree as plain dicts/lists (YAML- and JSON-ready)."""
     if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        out = {f.name: to_dict(getattr(obj, f.name)) for f in _own_fields(obj)}
+        ext_field = _extension_field(obj)
+        if ext_field is not None:  # extension keys written back flat
+            out.update({p + k: v for p, ext in getattr(obj, ext_field.name).items() for k, v in to_dict(ext).items()})
+        return out
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):
@@ -293,8 +348,9 @@ def set_dotted(tree: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def check_keys(cls, overrides: dict[str, Any]) -> None:
-    valid = all_keys(cls)
+def check_keys(cls, overrides: dict[str, Any], tree: dict | None = None) -> None:
+    """Every key of ``overrides`` is one of ``cls`` (with the extension keys that ``tree`` selects)."""
+    valid = all_keys(cls, data=tree)
     for k in overrides:
         if k not in valid:
             raise ConfigError(f"unknown config key '{k}'{_nearest(k, valid)}")
@@ -315,9 +371,9 @@ def load(cls, argv: list[str]):
         if not isinstance(tree, dict):
             raise ConfigError(f"--config {path}: the top level must be a mapping")
         check_expansion(tree, f"--config {path}")
-    check_keys(cls, overrides)
     for k, v in overrides.items():
         set_dotted(tree, k, v)
+    check_keys(cls, overrides, tree)
     return build(cls, tree)
 
 
@@ -326,17 +382,24 @@ def help_text(cls, prefix: str = "") -> str:
     lines = []
     docs = field_docs(cls)
     hints = _hints(cls)
-    for f in dataclasses.fields(cls):
+    for f in _own_fields(cls):
         t = hints[f.name]
         if dataclasses.is_dataclass(t):
             lines.append(f"{prefix}{f.name}:  {docs.get(f.name, '')}")
             lines.append(help_text(t, prefix + f.name + "."))
             continue
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            default = f.default_factory()  # type: ignore[misc]
-        else:
-            default = "required"
-        lines.append(f"  {prefix}{f.name} ({_type_name(t)}, default {default!r}): {docs.get(f.name, '')}")
+        lines.append(_help_line(prefix + f.name, t, f, docs.get(f.name, "")))
+    for p, c in extensions(cls).items():
+        c_docs, c_hints = field_docs(c), _hints(c)
+        lines.extend(_help_line(prefix + p + f.name, c_hints[f.name], f, c_docs.get(f.name, "")) for f in dataclasses.fields(c))
     return "\n".join(lines)
+
+
+def _help_line(key: str, t, f: dataclasses.Field, doc: str) -> str:
+    if f.default is not dataclasses.MISSING:
+        default = f.default
+    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        default = f.default_factory()  # type: ignore[misc]
+    else:
+        default = "required"
+    return f"  {key} ({_type_name(t)}, default {default!r}): {doc}"

@@ -10,7 +10,9 @@
     LOSSES.get("ppo_clp")              # ValueError naming the registered ones
 
 An entry may carry declarations (``@LOSSES.register("gspo", loss_agg="seq_mean_token_mean")``),
-read back with ``LOSSES.declared("gspo")`` (empty for plug-ins given as ``package.module:callable``).
+read back with ``LOSSES.declared("gspo")`` (empty for plug-ins given as ``package.module:callable``),
+and its own typed parameters (``@LOSSES.register("sapo", params=SapoParams)``: a dataclass, read back
+with ``LOSSES.params_classes()``; megaforge.config reads them from the config).
 """
 from __future__ import annotations
 
@@ -41,15 +43,19 @@ class Registry:
         self.kind = kind
         self._items: dict[str, Callable] = {}
         self._declared: dict[str, dict] = {}
+        self._params: dict[str, type] = {}
 
-    def register(self, name: str, obj: Callable | None = None, **declared):
-        """Register ``obj`` under ``name`` (usable as a decorator), with optional declarations."""
+    def register(self, name: str, obj: Callable | None = None, params: type | None = None, **declared):
+        """Register ``obj`` under ``name`` (usable as a decorator), with optional declarations and
+        ``params``, the dataclass of the entry's own parameters."""
 
         def deco(o):
             if name in self._items and self._items[name] is not o:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self._items[name] = o
             self._declared[name] = dict(declared)
+            if params is not None:
+                self._params[name] = params
             return o
 
         return deco(obj) if obj is not None else deco
@@ -67,6 +73,10 @@ class Registry:
     def declared(self, name: str) -> dict:
         """The declarations registered with ``name`` ({} for none, or for a ``package.module:callable``)."""
         return dict(self._declared.get(name, {}))
+
+    def params_classes(self) -> dict[str, type]:
+        """{entry name: its parameters' dataclass} of the entries registered with ``params``."""
+        return dict(self._params)
 
     def names(self) -> Iterable[str]:
         return sorted(self._items)

@@ -187,13 +187,11 @@ def phase_sync(a, run, res, engine, key: str, version0: int):
 
 
 def phase_tms(a, run, res, dev):
-    from megaforge.memory.state import megatron_entries, torch_entries
     from megaforge.memory.tms import TmsOffloader
 
     tr = run.trainer
     tr.onload()  # every tensor resident: the pinned offloader is out of the way
-    entries = (lambda tags: torch_entries(tr, tags)) if a.backend == "torch" else (lambda tags: megatron_entries(tr, tags))
-    tms = TmsOffloader(entries, dev)
+    tms = TmsOffloader(tr.offload_entries, dev)
     with Stopwatch() as migration:
         tms.offload()
         tms.onload()
@@ -268,10 +266,8 @@ def main(argv=None) -> int:
         run = Run(cfg, "grpo")
         if not cuda:  # the copy engine on CPU-emulated buffers (memory.offload pinned is a no-op on a CPU trainer)
             from megaforge.memory.offload import PinnedOffloader
-            from megaforge.memory.state import megatron_entries, torch_entries
 
-            entries_of = torch_entries if a.backend == "torch" else megatron_entries
-            run.trainer._mem = PinnedOffloader(lambda tags: entries_of(run.trainer, tags), "cpu")
+            run.trainer._mem = PinnedOffloader(run.trainer.offload_entries, "cpu")
         say("engine server")
         run.engine = run._build_engine()
         run.data = PromptSource(cfg.data, run.tokenizer, cfg.seed)

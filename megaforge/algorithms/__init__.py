@@ -8,14 +8,18 @@ A new algorithm is a function plus a registry entry::
     def my_loss(logprobs, old_logprobs, advantages, mask, p): ...
 
 or ``algo.loss: my_pkg.losses:my_loss`` in the config (or ``algo.plugins: [my_pkg.losses]`` and
-``algo.loss: my_loss``). The loop never changes for it. Families: advantages (grpo, dr_grpo, rloo,
+``algo.loss: my_loss``). The loop never changes for it. ``p`` is the run's
+:class:`~megaforge.algorithms.params.ObjectiveParams`; ``register("my_loss", params=MyParams)``
+gives the loss typed knobs of its own, config keys ``algo.my_loss_<field>``. Families: advantages (grpo, dr_grpo, rloo,
 reinforce_pp, reinforce_pp_baseline, gae), policy losses (ppo_clip, gspo, cispo, sapo, reinforce),
 aggregations, KL estimators, train/inference mismatch corrections (objective), the critic's value
-loss (value) and DAPO's filters and overlong shaping (filters).
+loss (value) and DAPO's filters and overlong shaping (filters); the parameters they all read (params).
 """
 from megaforge.algorithms.core import (  # noqa: F401
-    ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES, AdvantageInputs, LossParams,
-    group_stats, load_plugins, masked_mean, resolve_components,
+    ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES, AdvantageInputs, group_stats, masked_mean,
+)
+from megaforge.algorithms.params import (  # noqa: F401
+    ObjectiveParams, component_classes, load_plugins, resolve_components, resolve_loss_agg,
 )
 from megaforge.algorithms import advantages, aggregation, kl, losses  # noqa: F401  (registration)
 from megaforge.algorithms.aggregation import aggregate  # noqa: F401

@@ -1,4 +1,4 @@
-"""Advantage estimators. Each: ``fn(inputs: AdvantageInputs, cfg: AlgoConfig) -> advantages [B, T]``.
+"""Advantage estimators. Each: ``fn(inputs: AdvantageInputs, p: ObjectiveParams) -> advantages [B, T]``.
 
 Sequence-level estimators (grpo, dr_grpo, rloo) broadcast one value per row over its trained
 tokens; token-level ones (reinforce_pp, reinforce_pp_baseline, gae) turn the sequence reward plus
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from megaforge.algorithms.core import ADVANTAGES, AdvantageInputs, group_centered, group_moments
+from megaforge.algorithms.params import ObjectiveParams
 
 
 def _broadcast(seq_adv: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -17,7 +18,7 @@ def _broadcast(seq_adv: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 @ADVANTAGES.register("grpo")
-def grpo_advantage(inp: AdvantageInputs, cfg) -> torch.Tensor:
+def grpo_advantage(inp: AdvantageInputs, p: ObjectiveParams) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300), outcome supervision.
 
     A_i = (r_i - mean_g(r)) / (std_g(r) + eps) for sample i of group g, std with Bessel's
@@ -26,14 +27,14 @@ def grpo_advantage(inp: AdvantageInputs, cfg) -> torch.Tensor:
     std_eps 0. Arithmetic in float64 (:func:`~megaforge.algorithms.core.group_moments`).
     """
     mean, std, count, equal = group_moments(inp.rewards, inp.group_ids)
-    denom = std + cfg.std_eps
+    denom = std + p.std_eps
     adv = (inp.rewards.to(torch.float64) - mean) / torch.where(denom > 0, denom, torch.ones_like(denom))
     adv = torch.where((count > 1) & ~equal & (denom > 0), adv, torch.zeros_like(adv))
     return _broadcast(adv, inp.loss_mask)
 
 
 @ADVANTAGES.register("dr_grpo")
-def dr_grpo_advantage(inp: AdvantageInputs, cfg) -> torch.Tensor:
+def dr_grpo_advantage(inp: AdvantageInputs, p: ObjectiveParams) -> torch.Tensor:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783).
 
     A_i = r_i - mean_g(r): no std normalisation. Pair it with ``loss_agg: seq_mean_token_sum_norm``
@@ -43,7 +44,7 @@ def dr_grpo_advantage(inp: AdvantageInputs, cfg) -> torch.Tensor:
 
 
 @ADVANTAGES.register("rloo")
-def rloo_advantage(inp: AdvantageInputs, cfg) -> torch.Tensor:
+def rloo_advantage(inp: AdvantageInputs, p: ObjectiveParams) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740): leave-one-out baseline.
 
     A_i = r_i - (1 / (n - 1)) * sum_{j != i} r_j = n / (n - 1) * (r_i - mean_g(r)) for a group of n;
@@ -105,7 +106,7 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @ADVANTAGES.register("reinforce_pp")
-def reinforce_pp_advantage(inp: AdvantageInputs, cfg) -> torch.Tensor:
+def reinforce_pp_advantage(inp: AdvantageInputs, p: ObjectiveParams) -> torch.Tensor:
     """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large
     Language Models", arXiv:2501.03262).
 
@@ -113,22 +114,22 @@ def reinforce_pp_advantage(inp: AdvantageInputs, cfg) -> torch.Tensor:
     token; returns G_t = sum_{s >= t} gamma^(s - t) r_s; advantages normalised over the whole batch:
         A_t = (G_t - mean_batch(G)) / (std_batch(G) + std_eps)    (mean/std over trained tokens)
     """
-    g = discounted_returns(token_rewards(inp, inp.rewards), inp.loss_mask, cfg.gamma)
-    return whiten(g, inp.loss_mask, cfg.std_eps)
+    g = discounted_returns(token_rewards(inp, inp.rewards), inp.loss_mask, p.gamma)
+    return whiten(g, inp.loss_mask, p.std_eps)
 
 
 @ADVANTAGES.register("reinforce_pp_baseline")
-def reinforce_pp_baseline_advantage(inp: AdvantageInputs, cfg) -> torch.Tensor:
+def reinforce_pp_baseline_advantage(inp: AdvantageInputs, p: ObjectiveParams) -> torch.Tensor:
     """REINFORCE++-baseline (Hu 2025, arXiv:2501.03262, the group-baseline variant): the group mean
     reward is subtracted first, then as ``reinforce_pp``:
         R'_i = R_i - mean_g(R);  r_t = -beta * KL_t + R'_i [t = last];  A = batch-normalised G
     (R'_i is exactly 0 in a group of equal rewards.)
     """
-    g = discounted_returns(token_rewards(inp, group_centered(inp.rewards, inp.group_ids)), inp.loss_mask, cfg.gamma)
-    return whiten(g, inp.loss_mask, cfg.std_eps)
+    g = discounted_returns(token_rewards(inp, group_centered(inp.rewards, inp.group_ids)), inp.loss_mask, p.gamma)
+    return whiten(g, inp.loss_mask, p.std_eps)
 
 
-def gae(inp: AdvantageInputs, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(inp: AdvantageInputs, p: ObjectiveParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016, arXiv:1506.02438) over trained tokens:
 
         delta_t = r_t + gamma * V_next - V_t        (V_next = 0 after the last trained token)
@@ -150,8 +151,8 @@ def gae(inp: AdvantageInputs, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     next_a = torch.zeros_like(next_v)
     for t in range(T - 1, -1, -1):
         m = mask[:, t] > 0
-        delta = r[:, t] + cfg.gamma * next_v - v[:, t]
-        a = delta + cfg.gamma * cfg.lam * next_a
+        delta = r[:, t] + p.gamma * next_v - v[:, t]
+        a = delta + p.gamma * p.lam * next_a
         adv[:, t] = torch.where(m, a, torch.zeros_like(a))
         next_v = torch.where(m, v[:, t], next_v)
         next_a = torch.where(m, a, next_a)
@@ -159,14 +160,14 @@ def gae(inp: AdvantageInputs, cfg) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @ADVANTAGES.register("gae")
-def gae_advantage(inp: AdvantageInputs, cfg) -> torch.Tensor:
+def gae_advantage(inp: AdvantageInputs, p: ObjectiveParams) -> torch.Tensor:
     """PPO's advantages (Schulman et al. 2017, arXiv:1707.06347; as in InstructGPT, Ouyang et al.
     2022): :func:`gae` whitened over the batch's trained tokens, A = (A - mean) / (std + std_eps).
     The critic is trained on the unwhitened :func:`gae` returns with the clipped value loss."""
-    adv, _ = gae(inp, cfg)
-    return whiten(adv, inp.loss_mask, cfg.std_eps)
+    adv, _ = gae(inp, p)
+    return whiten(adv, inp.loss_mask, p.std_eps)
 
 
-def value_targets(inp: AdvantageInputs, cfg) -> torch.Tensor:
+def value_targets(inp: AdvantageInputs, p: ObjectiveParams) -> torch.Tensor:
     """The critic's regression targets: the lambda-returns of :func:`gae` [B, T]."""
-    return gae(inp, cfg)[1]
+    return gae(inp, p)[1]

@@ -1,109 +1,20 @@
-"""Shared pieces of the RL math: registries, masked reductions, the parameters every loss reads.
+"""Shared pieces of the RL math: registries, masked reductions, group statistics.
 
 Shapes: ``B`` sequences (rows), ``T`` tokens (token-aligned, see :mod:`megaforge.types`).
 """
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from megaforge.configtree import ConfigError
 from megaforge.registry import Registry
 
 ADVANTAGES = Registry("advantage estimator")
 POLICY_LOSSES = Registry("policy loss")
 LOSS_AGGS = Registry("loss aggregation")
 KL_ESTIMATORS = Registry("KL estimator")
-
-
-@dataclass(frozen=True)
-class LossParams:
-    """Everything a policy loss, KL term or aggregation reads (built from the config)."""
-
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    clip_c: Optional[float] = None
-    beta: float = 0.0
-    kl_estimator: str = "low_var_kl"
-    kl_in_reward: bool = False
-    entropy_coef: float = 0.0
-    loss: str = "ppo_clip"
-    loss_agg: str = "token_mean"
-    loss_agg_norm: float = 0.0
-    tis_cap: Optional[float] = None
-    tis_level: str = "token"
-    mis_threshold: Optional[float] = None
-    mis_threshold_low: Optional[float] = None
-    mis_level: str = "token"
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    cispo_clip_low: Optional[float] = None
-    reinforce_clip: Optional[float] = None
-    plugin_kwargs: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, cfg) -> "LossParams":
-        """Read the config; imports ``algo.plugins`` and checks that every named component exists,
-        so a typo fails at start-up with the config key and the registered names."""
-        a, g = cfg.algo, cfg.grpo
-        resolve_components(cfg)
-        return cls(
-            clip_low=g.clip_low, clip_high=g.clip_high, clip_c=a.clip_c, beta=g.beta,
-            kl_estimator=a.kl_estimator, kl_in_reward=a.kl_in_reward, entropy_coef=a.entropy_coef,
-            loss=a.loss, loss_agg=resolve_loss_agg(a),
-            loss_agg_norm=a.loss_agg_norm or float(cfg.rollout.max_new_tokens),
-            tis_cap=a.tis_cap, tis_level=a.tis_level, mis_threshold=a.mis_threshold,
-            mis_threshold_low=a.mis_threshold_low, mis_level=a.mis_level,
-            sapo_tau_pos=a.sapo_tau_pos, sapo_tau_neg=a.sapo_tau_neg, cispo_clip_low=a.cispo_clip_low,
-            reinforce_clip=a.reinforce_clip, plugin_kwargs=dict(a.plugin_kwargs),
-        )
-
-
-def load_plugins(modules) -> None:
-    """Import each module of ``algo.plugins`` (their import registers losses, advantages, rewards)."""
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except ImportError as e:
-            raise ConfigError(f"config key 'algo.plugins': cannot import module {name!r}: {e}") from e
-
-
-def resolve_components(cfg) -> None:
-    """Import ``algo.plugins``, then look up every configured algorithm component; an unknown name
-    raises ConfigError (a ValueError) naming the config key and listing the registered names."""
-    a = cfg.algo
-    load_plugins(a.plugins)
-    for key, reg in (("algo.advantage", ADVANTAGES), ("algo.loss", POLICY_LOSSES),
-                     ("algo.loss_agg", LOSS_AGGS), ("algo.kl_estimator", KL_ESTIMATORS)):
-        name = getattr(a, key.split(".")[1])
-        if name is None:  # algo.loss_agg null: the loss's own (resolve_loss_agg)
-            continue
-        try:
-            reg.get(name)
-        except ValueError as e:
-            raise ConfigError(f"config key '{key}': {e}") from e
-    resolve_loss_agg(a)
-
-
-DEFAULT_LOSS_AGG = "token_mean"
-
-
-def resolve_loss_agg(algo) -> str:
-    """The aggregation of ``algo.loss``: ``algo.loss_agg`` when set, else the one the loss's registry
-    entry declares (its paper's objective), else token_mean. An explicit ``algo.loss_agg`` that
-    contradicts the declared one raises ConfigError naming both keys: under another aggregation the
-    loss is not its paper's objective (register the function under another name to run a variant)."""
-    declared = POLICY_LOSSES.declared(algo.loss).get("loss_agg")
-    if algo.loss_agg is None:
-        return declared or DEFAULT_LOSS_AGG
-    if declared is not None and algo.loss_agg != declared:
-        raise ConfigError(f"config key 'algo.loss_agg': {algo.loss_agg!r} contradicts algo.loss {algo.loss!r}, "
-                          f"whose paper's objective aggregates {declared!r}; set algo.loss_agg to {declared!r} "
-                          f"or null (the loss's own)")
-    return algo.loss_agg
 
 
 @dataclass
@@ -120,10 +31,6 @@ class AdvantageInputs:
     loss_mask: torch.Tensor
     token_rewards: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
-
-
-def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum()
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, eps: float = 0.0) -> torch.Tensor:

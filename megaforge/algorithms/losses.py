@@ -1,4 +1,4 @@
-"""Policy losses. Each: ``fn(logprobs, old_logprobs, advantages, mask, p: LossParams)
+"""Policy losses. Each: ``fn(logprobs, old_logprobs, advantages, mask, p: ObjectiveParams)
 -> (per_token_loss [B, T], stats)`` where ``stats`` maps a metric name to a per-token tensor [B, T]
 (e.g. a 0/1 "clipped" indicator) that the objective averages over trained tokens.
 
@@ -7,18 +7,61 @@ against) and ``advantages`` are constants.
 
 A loss whose paper fixes how the per-token terms are averaged declares it in its registry entry
 (``loss_agg=...``): ``algo.loss_agg: null`` then selects it, and a different explicit value is a
-config error (:func:`megaforge.algorithms.core.resolve_loss_agg`). gspo and sapo declare
+config error (:func:`megaforge.algorithms.params.resolve_loss_agg`). gspo and sapo declare
 ``seq_mean_token_mean``, the mean over the group's sequences of each sequence's token mean.
+
+A loss with knobs of its own declares them (``params=SapoParams``): field ``tau_pos`` of entry
+``sapo`` is config key ``algo.sapo_tau_pos``, read with ``p.of(SapoParams)``
+(:mod:`megaforge.algorithms.params`).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
-from megaforge.algorithms.core import POLICY_LOSSES, LossParams
+from megaforge.algorithms.core import POLICY_LOSSES
+from megaforge.algorithms.params import ObjectiveParams
+from megaforge.configtree import FieldError
+
+
+@dataclass(frozen=True)
+class CispoParams:
+    clip_low: Optional[float] = None
+    """CISPO weight lower bound is 1 - cispo_clip_low (null: no lower bound, as in the paper); the
+    upper bound is 1 + grpo.clip_high."""
+
+    def validate(self) -> None:
+        if self.clip_low is not None and not 0 <= self.clip_low <= 1:
+            raise FieldError("clip_low", "must be in [0, 1] (or null)")
+
+
+@dataclass(frozen=True)
+class SapoParams:
+    tau_pos: float = 1.0
+    """SAPO gate temperature for positive-advantage tokens (paper default 1.0)."""
+    tau_neg: float = 1.05
+    """SAPO gate temperature for negative-advantage tokens (paper default 1.05)."""
+
+    def validate(self) -> None:
+        for name in ("tau_pos", "tau_neg"):
+            if getattr(self, name) <= 0:
+                raise FieldError(name, "must be > 0")
+
+
+@dataclass(frozen=True)
+class ReinforceParams:
+    clip: Optional[float] = None
+    """``reinforce`` loss: clip the detached ratio pi/pi_old to [1 - c, 1 + c] (null: no clipping)."""
+
+    def validate(self) -> None:
+        if self.clip is not None and not 0 <= self.clip < 1:
+            raise FieldError("clip", "must be in [0, 1) (or null)")
 
 
 @POLICY_LOSSES.register("ppo_clip")
-def ppo_clip_loss(logprobs, old_logprobs, advantages, mask, p: LossParams):
+def ppo_clip_loss(logprobs, old_logprobs, advantages, mask, p: ObjectiveParams):
     """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347) with clip-higher
     (DAPO, Yu et al. 2025, arXiv:2503.14476) and dual-clip (Ye et al. 2020, arXiv:1912.09729).
 
@@ -50,7 +93,7 @@ def _seq_log_ratio(logprobs, old_logprobs, mask):
 
 
 @POLICY_LOSSES.register("gspo", loss_agg="seq_mean_token_mean")
-def gspo_loss(logprobs, old_logprobs, advantages, mask, p: LossParams):
+def gspo_loss(logprobs, old_logprobs, advantages, mask, p: ObjectiveParams):
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071).
 
     Sequence-level ratio, the geometric mean of the token ratios of response i:
@@ -76,8 +119,8 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, p: LossParams):
     return loss, stats
 
 
-@POLICY_LOSSES.register("cispo")
-def cispo_loss(logprobs, old_logprobs, advantages, mask, p: LossParams):
+@POLICY_LOSSES.register("cispo", params=CispoParams)
+def cispo_loss(logprobs, old_logprobs, advantages, mask, p: ObjectiveParams):
     """CISPO (MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
     Attention", arXiv:2506.13585).
 
@@ -88,15 +131,16 @@ def cispo_loss(logprobs, old_logprobs, advantages, mask, p: LossParams):
         L_t  = -sg[w_t] * A_t * logp_t        grad L_t = -w_t A_t grad logp_t
     """
     ratio = torch.exp((logprobs - old_logprobs).clamp(-20.0, 20.0)).detach()
-    lo = 0.0 if p.cispo_clip_low is None else 1.0 - p.cispo_clip_low
+    clip_low = p.of(CispoParams).clip_low
+    lo = 0.0 if clip_low is None else 1.0 - clip_low
     hi = 1.0 + p.clip_high
     w = ratio.clamp(lo, hi)
     loss = -w * advantages * logprobs
     return loss, {"clip_frac": ((ratio > hi) | (ratio < lo)).float(), "ratio": ratio}
 
 
-@POLICY_LOSSES.register("sapo", loss_agg="seq_mean_token_mean")
-def sapo_loss(logprobs, old_logprobs, advantages, mask, p: LossParams):
+@POLICY_LOSSES.register("sapo", loss_agg="seq_mean_token_mean", params=SapoParams)
+def sapo_loss(logprobs, old_logprobs, advantages, mask, p: ObjectiveParams):
     """SAPO (Gao et al. 2025, Qwen team, "Soft Adaptive Policy Optimization", arXiv:2511.20347).
 
     Hard clipping is replaced by a smooth, temperature-controlled gate of the token ratio:
@@ -110,16 +154,17 @@ def sapo_loss(logprobs, old_logprobs, advantages, mask, p: LossParams):
     terms per sequence, then over the group: J = (1/G) sum_i (1/|y_i|) sum_t f(r_it) A_it, so this
     entry declares ``loss_agg: seq_mean_token_mean``.
     """
+    q = p.of(SapoParams)
     ratio = torch.exp((logprobs - old_logprobs).clamp(-20.0, 20.0))
-    tau = torch.where(advantages > 0, torch.full_like(ratio, p.sapo_tau_pos), torch.full_like(ratio, p.sapo_tau_neg))
+    tau = torch.where(advantages > 0, torch.full_like(ratio, q.tau_pos), torch.full_like(ratio, q.tau_neg))
     sig = torch.sigmoid(tau * (ratio - 1.0))
     loss = -(sig * 4.0 / tau) * advantages
     gate = (4.0 * sig * (1.0 - sig)).detach()
     return loss, {"sapo_gate": gate, "ratio": ratio.detach()}
 
 
-@POLICY_LOSSES.register("reinforce")
-def reinforce_loss(logprobs, old_logprobs, advantages, mask, p: LossParams):
+@POLICY_LOSSES.register("reinforce", params=ReinforceParams)
+def reinforce_loss(logprobs, old_logprobs, advantages, mask, p: ObjectiveParams):
     """REINFORCE (Williams 1992) with an optional clipped, detached importance ratio (the seed's
     torchforge ``ReinforceLoss(clip_ratio=c)``).
 
@@ -133,8 +178,9 @@ def reinforce_loss(logprobs, old_logprobs, advantages, mask, p: LossParams):
     ratio = torch.exp((logprobs - old_logprobs).clamp(-20.0, 20.0)).detach()
     stats = {"ratio": ratio}
     w = ratio
-    if p.reinforce_clip is not None:
-        lo, hi = 1.0 - p.reinforce_clip, 1.0 + p.reinforce_clip
+    clip = p.of(ReinforceParams).clip
+    if clip is not None:
+        lo, hi = 1.0 - clip, 1.0 + clip
         w = ratio.clamp(lo, hi)
         stats["clip_frac"] = ((ratio > hi) | (ratio < lo)).float()
     return -w * advantages * logprobs, stats

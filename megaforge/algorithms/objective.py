@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 
 from megaforge.algorithms.aggregation import aggregate
-from megaforge.algorithms.core import KL_ESTIMATORS, POLICY_LOSSES, LossParams
+from megaforge.algorithms.core import KL_ESTIMATORS, POLICY_LOSSES
+from megaforge.algorithms.params import ObjectiveParams
 from megaforge.types import TrainBatch
 
 
@@ -35,7 +36,7 @@ def _level_log_ratio(log_r: torch.Tensor, mask: torch.Tensor, level: str) -> tor
     raise ValueError(f"unknown importance-sampling level {level!r}; valid: token, sequence, geometric")
 
 
-def mismatch_weights(old_logprobs, rollout_logprobs, mask, p: LossParams) -> tuple[torch.Tensor, dict]:
+def mismatch_weights(old_logprobs, rollout_logprobs, mask, p: ObjectiveParams) -> tuple[torch.Tensor, dict]:
     """Importance weights correcting the trainer/engine mismatch, [B, T] (no gradient).
 
     With rho = pi_old / pi_rollout taken at a *level* (token: rho_t; sequence: prod_t rho_t over the
@@ -77,7 +78,7 @@ def mismatch_weights(old_logprobs, rollout_logprobs, mask, p: LossParams) -> tup
 def policy_objective(
     logprobs: torch.Tensor,
     mb: TrainBatch,
-    p: LossParams,
+    p: ObjectiveParams,
     entropy: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of micro-batch ``mb`` given the policy's token-aligned ``logprobs`` [B, T] (with grad).

@@ -9,7 +9,7 @@ an SFT'd model then boxes only part of the time, and RL has to learn the verifia
 from __future__ import annotations
 
 import random
-from typing import Callable, Iterator
+from typing import Callable
 
 from megaforge.registry import Registry
 
@@ -52,7 +52,3 @@ def synthetic_rows(name: str, n: int, seed: int, **kwargs) -> list[dict]:
         return fn(n, seed=seed, **kwargs)
     except TypeError as e:
         raise ValueError(f"synthetic task {name!r}: bad data.synthetic_kwargs {kwargs}: {e}") from e
-
-
-def iter_rows(name: str, n: int, seed: int, **kwargs) -> Iterator[dict]:
-    yield from synthetic_rows(name, n, seed, **kwargs)

@@ -1,4 +1,7 @@
-"""What each trainer backend offloads, as tagged :class:`~megaforge.memory.offload.Entry` lists.
+"""What a trainer offloads, as tagged :class:`~megaforge.memory.offload.Entry` lists.
+
+Each backend lists its own tensors (``Trainer.offload_entries``) with the functions here, which take
+modules and optimizers, never a trainer.
 
 Tags: ``weights`` = the policy parameters :meth:`iter_hf_buckets` reads (kept on the device until
 the weight sync is done); ``state`` = everything else: gradients, optimizer state (fp32 main
@@ -38,63 +41,54 @@ def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _optimizer_tensors(opt) -> list[torch.Tensor]:
-    return [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+def on_device(entries: Iterable[Entry], dev: torch.device) -> list[Entry]:
+    """``entries`` whose tensor is on ``dev``, each tensor once (the first entry naming it)."""
+    seen, out = set(), []
+    for e in entries:
+        if id(e.tensor) not in seen and _on(dev, e.tensor):
+            seen.add(id(e.tensor))
+            out.append(e)
+    return out
 
 
-def torch_entries(tr, tags: Sequence[str]) -> list[Entry]:
-    """Entries of a :class:`megaforge.trainer.torch_backend.TorchTrainer`."""
-    dev, out = tr.device, []
-    params = _unique(tr.model.parameters())
-    if "weights" in tags:
-        out += [Entry(p, "weights") for p in params]
-    if "state" in tags:
-        out += [Entry(p.grad, "state") for p in params if p.grad is not None]
-        out += [Entry(t, "state") for t in _unique(_optimizer_tensors(tr.opt))]
-        if getattr(tr, "ref", None) is not None:
-            out += [Entry(p, "state") for p in _unique(tr.ref.parameters())]
-        critic = getattr(tr, "critic", None)
-        if critic is not None:
-            cp = _unique(critic.net.parameters())
-            out += [Entry(p, "state") for p in cp]
-            out += [Entry(p.grad, "state") for p in cp if p.grad is not None]
-            out += [Entry(t, "state") for t in _unique(_optimizer_tensors(critic.opt))]
-    return [e for e in out if _on(dev, e.tensor)]
+def param_entries(module: torch.nn.Module, tag: str) -> list[Entry]:
+    """The parameters of ``module`` (tied ones once), movable, kept."""
+    return [Entry(p, tag) for p in _unique(module.parameters())]
 
 
-def _megatron_optimizers(opt) -> list:
+def grad_entries(module: torch.nn.Module) -> list[Entry]:
+    """The ``.grad`` of ``module``'s parameters where set (``state``)."""
+    return [Entry(p.grad, "state") for p in _unique(module.parameters()) if p.grad is not None]
+
+
+def optimizer_entries(opt) -> list[Entry]:
+    """The state tensors of torch optimizer ``opt`` (``state``)."""
+    return [Entry(t, "state") for t in _unique(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v))]
+
+
+def megatron_parts(opt) -> list:
+    """The members of megatron optimizer ``opt`` (a ChainedOptimizer's, else ``opt`` itself) that hold
+    a torch optimizer (``.optimizer``)."""
     return [o for o in getattr(opt, "chained_optimizers", [opt]) if getattr(o, "optimizer", None) is not None]
 
 
-def megatron_entries(tr, tags: Sequence[str]) -> list[Entry]:
-    """Entries of a :class:`megaforge.trainer.megatron.trainer.MegatronTrainer`."""
-    dev, out = tr.device, []
-    models = [(tr.ddp, tr.optimizer)]
-    if getattr(tr, "critic", None) is not None:  # the PPO critic: its weights are trainer state, not the policy's
-        models.append((tr.critic.ddp, tr.critic.optimizer))
-    for k, (ddp, optimizer) in enumerate(models):
-        buffers = list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []) or [])
-        if "weights" in tags and k == 0:
-            out += [Entry(b.param_data, "weights", keep=True, movable=False) for b in buffers if b.param_data is not None]
-        if "state" in tags:
-            if k > 0:  # the critic's weights
-                out += [Entry(b.param_data, "state", keep=True, movable=False) for b in buffers if b.param_data is not None]
-            out += [Entry(b.grad_data, "state", keep=False, movable=False) for b in buffers if b.grad_data is not None]
-            in_buffer = {b.param_data.untyped_storage()._cdata for b in buffers if b.param_data is not None}
-            for o in _megatron_optimizers(optimizer):
-                inner = o.optimizer
-                for group in inner.param_groups:
-                    out += [Entry(p, "state") for p in group["params"] if p.untyped_storage()._cdata not in in_buffer]
-                out += [Entry(t, "state") for t in _optimizer_tensors(inner)]
+def ddp_entries(ddp, optimizer, tags: Sequence[str], weights_tag: str = "weights") -> list[Entry]:
+    """Entries of a megatron DDP model and its megatron optimizer: the buffers' ``param_data`` under
+    ``weights_tag`` (kept, fixed: the parameters are views of it), and for ``state`` the buffers'
+    ``grad_data`` (fixed, not kept: zero between steps), the optimizer's parameters outside those
+    buffers (fp32 main copies) and its state tensors."""
+    buffers = list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []) or [])
+    out = []
+    if weights_tag in tags:
+        out += [Entry(b.param_data, weights_tag, keep=True, movable=False) for b in buffers if b.param_data is not None]
     if "state" in tags:
-        if tr.ref is not None and tr.cfg.trainer.ref_device != "cpu":
-            out += [Entry(p, "state") for p in tr.ref.parameters()]
-    seen, uniq = set(), []
-    for e in out:
-        if id(e.tensor) not in seen and _on(dev, e.tensor):
-            seen.add(id(e.tensor))
-            uniq.append(e)
-    return uniq
+        out += [Entry(b.grad_data, "state", keep=False, movable=False) for b in buffers if b.grad_data is not None]
+        in_buffer = {b.param_data.untyped_storage()._cdata for b in buffers if b.param_data is not None}
+        for o in megatron_parts(optimizer):
+            for group in o.optimizer.param_groups:
+                out += [Entry(p, "state") for p in group["params"] if p.untyped_storage()._cdata not in in_buffer]
+            out += optimizer_entries(o.optimizer)
+    return out
 
 
 def _lazy_adam_bytes(optimizers) -> int:
@@ -125,13 +119,3 @@ def host_reservation(entries_fn, optimizers=()) -> dict[str, int]:
                 n += align_up(st.nbytes()) + ALIGN
         out[tag] = n + (_lazy_adam_bytes(optimizers) if tag == "state" else 0)
     return out
-
-
-def torch_optimizers(tr) -> list:
-    critic = getattr(tr, "critic", None)
-    return [getattr(tr, "opt", None)] + ([critic.opt] if critic is not None else [])
-
-
-def megatron_optimizers(tr) -> list:
-    opts = [tr.optimizer] + ([tr.critic.optimizer] if getattr(tr, "critic", None) is not None else [])
-    return [o.optimizer for opt in opts if opt is not None for o in _megatron_optimizers(opt)]

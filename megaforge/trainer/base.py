@@ -1,19 +1,32 @@
-"""The trainer interface every backend implements (torch: HF modules; megatron: megatron-core).
+"""The trainer interface every backend implements (torch: HF modules; megatron: megatron-core), and
+the training skeleton they share.
 
 The loop only ever talks to a trainer through these methods, so a backend plugs in without
 touching the loop. All ranks of the trainer's process group call every method collectively;
 batches are given whole to every rank (the backend takes its data-parallel share itself).
+
+The skeleton (:class:`Trainer`): ``train_step`` / ``sft_step`` split the batch into
+``trainer.mini_batches`` mini-batches (each with the token / sequence counts its objective divides by),
+for ``trainer.epochs`` passes; a mini-batch without a trained token is skipped (no optimizer step:
+a zero gradient would still move the weights through Adam's momentum); each other one is a
+backend's forward/backward (:meth:`Trainer._forward_backward`) and one optimizer step (LR schedule
+:func:`~megaforge.trainer.optim.lr_at`, then the backend's :meth:`Trainer._clip_and_step`; a
+non-finite gradient norm skips it); metrics are averaged over the steps (:class:`StepMetrics`). The
+PPO critic (:class:`Critic`) is updated the same way after the policy.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 
 from megaforge import dist
+from megaforge.algorithms import ObjectiveParams, policy_objective
 from megaforge.memory.offload import PinnedOffloader
 from megaforge.memory.state import host_reservation
+from megaforge.trainer.optim import lr_at
 from megaforge.types import TrainBatch
 
 HFBucket = list[tuple[str, torch.Tensor]]
@@ -31,32 +44,201 @@ def modules_weights(**modules) -> Iterator[tuple[str, torch.Tensor]]:
                 yield f"{prefix}.{name}", p
 
 
+#: the metrics of one mini-batch's forward/backward, read once the optimizer step is under way
+MetricsReader = Callable[[], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What a backend's forward/backward computes for one kind of update: token-aligned logprobs at
+    ``temperature`` (and the policy entropy when ``entropy``; rows packed several per row where the
+    backend can when ``packed``), then ``loss(logprobs [b, T], entropy [b, T] or None, micro_batch)
+    -> (scalar loss contribution, {metric: scalar contribution})`` with the micro-batch's rows on the
+    trainer's device."""
+
+    temperature: float
+    entropy: bool
+    packed: bool
+    loss: Callable
+
+
+def sft_loss(logprobs: torch.Tensor, entropy, mb: TrainBatch):
+    """-sum of the response tokens' logprobs / the mini-batch's trained-token count."""
+    loss = -(logprobs * mb.loss_mask.to(logprobs.dtype)).sum() / mb.num_tokens
+    return loss, {"loss": loss.detach()}
+
+
+SFT = Objective(temperature=1.0, entropy=False, packed=True, loss=sft_loss)
+
+
+class Critic(ABC):
+    """The PPO value model a backend trains beside the policy (:meth:`Trainer.init_critic`); the
+    skeleton runs its updates like the policy's (same mini-batches and epochs)."""
+
+    @abstractmethod
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """Token-aligned values [B, T] (float32, CPU, every rank), no gradient."""
+
+    @abstractmethod
+    def forward_backward(self, mini: TrainBatch) -> MetricsReader:
+        """Value-loss gradients of this rank's share of mini-batch ``mini`` (which has ``values`` = V_old
+        and ``returns``); returns the reader of the ``critic/...`` metrics summed over ranks."""
+
+    @abstractmethod
+    def step(self) -> dict[str, float]:
+        """Clipped optimizer step at the constant ``critic.lr``: ``{"grad_norm": norm}``."""
+
+    @abstractmethod
+    def offload_entries(self, tags) -> list:
+        """The critic's tensors an offload moves (all are ``state``)."""
+
+
 class Trainer(ABC):
     #: weight version: 0 at start, +1 after every optimizer step
     version: int = 0
+    #: the backend's megaforge.memory offloader (None: nothing to move, e.g. on CPU)
+    _mem = None
+
+    def __init__(self, cfg, tokenizer=None):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.params = ObjectiveParams.from_config(cfg)
+        self.temperature = cfg.grpo.temperature
+        self.ref = None  # the frozen reference policy (snapshot_reference)
+        self.critic: Critic | None = None  # the PPO critic (init_critic)
+        self.version = 0
+        self.sched: dict = {}
 
     @abstractmethod
     def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> torch.Tensor:
         """Token-aligned logprobs [B, T] (temperature applied) of ``model`` in {"policy", "ref"},
         on CPU, float32; 0 at t = 0 and on padding. No gradient."""
 
-    @abstractmethod
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One RL update on ``batch`` (mini-batches x epochs as configured) with the objective of
-        :func:`megaforge.algorithms.policy_objective`. Returns batch-level metrics (at least
-        ``loss``, ``pg_loss``, ``entropy``, ``clip_frac``, ``train_rollout_logprob_abs_diff``,
-        ``grad_norm``, ``lr``; ``kl`` when a reference is used)."""
+        :func:`megaforge.algorithms.policy_objective`, then the critic's when there is one and the batch
+        has returns. Returns batch-level metrics (at least ``loss``, ``pg_loss``, ``entropy``,
+        ``clip_frac``, ``train_rollout_logprob_abs_diff``, ``grad_norm``, ``lr``; ``kl`` when a
+        reference is used; ``critic/...``)."""
+        rl = Objective(self.temperature, entropy=True, packed=False, loss=self._policy_loss)
+        out = self._updates(batch, lambda mini: self._forward_backward(mini, rl), self._optimizer_step)
+        if self.critic is not None and batch.returns is not None:
+            out.update(self.train_critic(batch))
+        return out
 
-    @abstractmethod
     def sft_step(self, batch: TrainBatch) -> dict[str, float]:
         """One supervised step: loss = -mean of logprobs over ``loss_mask`` tokens (no temperature)."""
+        return self._updates(batch, lambda mini: self._forward_backward(mini, SFT), self._optimizer_step)
+
+    def _policy_loss(self, logprobs, entropy, mb: TrainBatch):
+        if self.params.entropy_coef == 0.0 and entropy is not None:
+            entropy = entropy.detach()  # logged only
+        return policy_objective(logprobs, mb, self.params, entropy)
+
+    def train_critic(self, batch: TrainBatch) -> dict[str, float]:
+        """The critic's value-loss updates on ``batch`` (needs ``values`` = V_old and ``returns``), over
+        the policy's mini-batches x epochs; :meth:`train_step` runs them after the policy's. Returns
+        the ``critic/...`` metrics averaged over the optimizer steps."""
+        if batch.values is None or batch.returns is None:
+            raise ValueError("train_critic: the batch needs values (V_old) and returns")
+        out = self._updates(batch, self.critic.forward_backward, self.critic.step)
+        return {("critic/grad_norm" if k == "grad_norm" else k): v for k, v in out.items()
+                if k.startswith("critic/") or k == "grad_norm"}
+
+    def _mini_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        """``trainer.mini_batches`` contiguous slices of ``batch``, each with the trained-token and
+        sequence counts of its own rows (the global batch of one optimizer step)."""
+        m = self.cfg.trainer.mini_batches
+        if m > batch.batch_size:
+            raise ValueError(f"trainer.mini_batches={m} exceeds the batch of {batch.batch_size} sequences")
+        out = []
+        for k in range(m):
+            lo, hi = dist.shard_range(batch.batch_size, k, m)
+            mini = batch.select(slice(lo, hi))
+            mini.num_tokens = int(mini.loss_mask.sum())
+            mini.num_seqs = int((mini.loss_mask.sum(-1) > 0).sum())
+            out.append(mini)
+        return out
+
+    def _updates(self, batch: TrainBatch, forward_backward: Callable[[TrainBatch], MetricsReader],
+                 step: Callable[[], dict]) -> dict[str, float]:
+        """Mini-batches x epochs of ``forward_backward(mini)`` and ``step()``; empty mini-batches are
+        skipped on every rank alike (their counts are global)."""
+        acc = StepMetrics()
+        for _ in range(self.cfg.trainer.epochs):
+            for mini in self._mini_batches(batch):
+                if mini.num_tokens == 0:
+                    acc.add_empty()
+                    continue
+                read = forward_backward(mini)
+                stepped = step()
+                acc.add({**read(), **stepped})
+        return acc.result()
 
     @abstractmethod
+    def _forward_backward(self, mini: TrainBatch, objective: Objective) -> MetricsReader:
+        """Gradients of ``objective`` on this rank's share of ``mini`` (micro-batches summed: the losses
+        are contributions to the mini-batch's objective); returns the reader of its metrics summed
+        over micro-batches and data-parallel ranks."""
+
+    # ---------------------------------------------------------------------- optimizer
     def reset_optimizer(self, lr: float, total_steps: int, warmup_steps: int = 0,
                         schedule: str = "constant", min_lr: float = 0.0) -> None:
-        """Fresh optimizer and LR schedule (the loop calls it when a phase starts: SFT warm start,
-        then RL). ``schedule`` in constant | cosine | linear, over ``total_steps`` optimizer steps
-        after ``warmup_steps`` of linear warm-up."""
+        """Fresh optimizer state and LR schedule (the loop calls it when a phase starts: SFT warm start,
+        then RL); the optimizer itself is built once, by the constructor. ``schedule`` in constant |
+        cosine | linear, over ``total_steps`` optimizer steps after ``warmup_steps`` of linear warm-up."""
+        self._clear_optimizer_state()
+        self.sched = dict(peak=lr, total=total_steps, warmup=warmup_steps, schedule=schedule, min_lr=min_lr, step=0)
+        self._set_lr()
+
+    def _set_lr(self) -> float:
+        s = self.sched
+        lr = lr_at(s["step"], s["peak"], s["total"], s["warmup"], s["schedule"], s["min_lr"])
+        self._apply_lr(lr)
+        return lr
+
+    def _optimizer_step(self) -> dict[str, float]:
+        """LR of the schedule, then the backend's clipped step; a non-finite gradient norm skips it
+        (``skipped``: the loop counts consecutive skips against ``trainer.max_bad_steps``)."""
+        lr = self._set_lr()
+        norm, stepped = self._clip_and_step()
+        if stepped:
+            self.sched["step"] += 1
+            self.version += 1
+        return {"grad_norm": norm, "lr": lr, "skipped": 0.0 if stepped else 1.0}
+
+    @abstractmethod
+    def _clear_optimizer_state(self) -> None:
+        """Forget the optimizer's state (Adam moments, step counts), as if it were new."""
+
+    @abstractmethod
+    def _apply_lr(self, lr: float) -> None:
+        """Set the policy optimizer's learning rate."""
+
+    @abstractmethod
+    def _clip_and_step(self) -> tuple[float, bool]:
+        """Clip the policy's ready gradients by ``trainer.grad_clip`` and step: (grad norm, stepped)."""
+
+    # ------------------------------------------------------------------ models
+    def _select_model(self, model: str, policy):
+        """``policy``, or the frozen reference, for ``compute_logprobs(model=...)``."""
+        if model == "policy":
+            return policy
+        if model == "ref":
+            if self.ref is None:
+                raise RuntimeError("compute_logprobs(model='ref'): no reference model (snapshot_reference not called)")
+            return self.ref
+        raise ValueError(f"compute_logprobs: model must be 'policy' or 'ref', got {model!r}")
+
+    @abstractmethod
+    def init_critic(self) -> None:
+        """A fresh critic (PPO / gae), a copy of the policy as it is now (the loop calls it at RL start,
+        after any SFT warm start) with a zero value head."""
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """Critic values [B, T] (token-aligned, float32, CPU, every rank, no gradient)."""
+        if self.critic is None:
+            raise RuntimeError("compute_values: no critic (init_critic not called; see critic.enabled)")
+        return self.critic.compute_values(batch)
 
     @abstractmethod
     def snapshot_reference(self) -> None:
@@ -98,9 +280,6 @@ class Trainer(ABC):
     def export_hf(self, path: str) -> None:
         """A Hugging Face model directory (safetensors + config) loadable by transformers."""
 
-    #: the backend's megaforge.memory offloader (None: nothing to move, e.g. on CPU)
-    _mem = None
-
     def reserve_offload(self) -> None:
         """Start pinning the host buffers of the coming offloads on a background thread
         (``memory.offload: pinned``), so that the first step's offload only copies. The loop calls it
@@ -108,20 +287,19 @@ class Trainer(ABC):
         if isinstance(self._mem, PinnedOffloader):
             self._mem.reserve(self.offload_reservation())
 
+    @abstractmethod
     def offload_entries(self, tags) -> list:
         """The tagged tensors an offload moves (:class:`megaforge.memory.offload.Entry`)."""
-        return []
 
+    @abstractmethod
     def inner_optimizers(self) -> list:
         """The torch optimizers whose state the offload moves (for :meth:`offload_reservation`)."""
-        return []
 
     def offload_reservation(self) -> dict:
         """{tag: host bytes} of the offloads to come: the current weights and state, the Adam moments
         the optimizers create at their first step, and the frozen reference the run will snapshot."""
         out = host_reservation(self.offload_entries, self.inner_optimizers())
-        cfg = getattr(self, "cfg", None)
-        if cfg is not None and cfg.grpo.beta > 0 and cfg.trainer.ref_device != "cpu" and getattr(self, "ref", None) is None:
+        if self.cfg.grpo.beta > 0 and self.cfg.trainer.ref_device != "cpu" and self.ref is None:
             out["state"] += out["weights"]  # a copy of the policy's parameters
         return out
 

@@ -6,18 +6,21 @@ which token ``t`` is generated, read from the backbone's hidden state at positio
 start) or ``critic.path``; the head starts at zero, so the first values are 0.
 
 Training: the clipped value loss of :mod:`megaforge.algorithms.value` on ``batch.returns`` with
-``batch.values`` as V_old, over the same mini-batches x epochs as the policy, its own AdamW
-(``critic.lr``) and the trainer's gradient clip. Data parallel like the policy (DDP, loss x world).
+``batch.values`` as V_old, over the same mini-batches x epochs as the policy (the trainer's skeleton
+runs :meth:`TorchCritic.forward_backward` and :meth:`TorchCritic.step`), its own AdamW (``critic.lr``)
+and the trainer's gradient clip. Data parallel like the policy (:mod:`megaforge.trainer.torch_ddp`).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import torch
 
 from megaforge import dist
 from megaforge.algorithms.value import value_objective
+from megaforge.memory.state import grad_entries, optimizer_entries, param_entries
+from megaforge.trainer import torch_ddp
+from megaforge.trainer.base import Critic
 from megaforge.trainer.logprobs import valid_positions
 from megaforge.types import TrainBatch
 
@@ -56,7 +59,7 @@ def _backbone(cfg, policy: torch.nn.Module, device) -> torch.nn.Module:
     return copy.deepcopy(base).to(device)
 
 
-class TorchCritic:
+class TorchCritic(Critic):
     def __init__(self, cfg, policy: torch.nn.Module, device: torch.device):
         self.cfg, self.device = cfg, device
         backbone = _backbone(cfg, policy, device)
@@ -64,13 +67,8 @@ class TorchCritic:
         self.net = ValueModel(backbone, hidden).to(device)
         if cfg.trainer.gradient_checkpointing and hasattr(backbone, "gradient_checkpointing_enable"):
             backbone.gradient_checkpointing_enable()
-        self.module = self.net
-        if dist.world() > 1:
-            ids = [device.index] if device.type == "cuda" else None
-            self.module = torch.nn.parallel.DistributedDataParallel(self.net, device_ids=ids)
-        t = cfg.trainer
-        self.opt = torch.optim.AdamW(self.net.parameters(), lr=cfg.critic.lr, betas=tuple(t.betas), eps=t.eps,
-                                     weight_decay=t.weight_decay)
+        self.module = torch_ddp.wrap(self.net, device)
+        self.opt = torch_ddp.adamw(self.net.parameters(), cfg.critic.lr, cfg.trainer)
         self.steps = 0
 
     @torch.no_grad()
@@ -86,57 +84,29 @@ class TorchCritic:
         local_v = torch.cat(parts) if parts else torch.zeros((0, batch.tokens.shape[1]))
         return dist.all_gather_rows(local_v, batch.batch_size)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """Value-loss updates on ``batch`` (needs ``values`` = V_old and ``returns``)."""
-        if batch.values is None or batch.returns is None:
-            raise ValueError("critic.train_step: the batch needs values (V_old) and returns")
+    def forward_backward(self, mini: TrainBatch):
         self.net.train()
-        m = self.cfg.trainer.mini_batches
-        scale = float(dist.world())
-        totals: dict[str, float] = {}
-        n_updates = 0
-        for _ in range(self.cfg.trainer.epochs):
-            for k in range(m):
-                lo, hi = dist.shard_range(batch.batch_size, k, m)
-                mini = batch.select(slice(lo, hi))
-                n_tok = int(mini.loss_mask.sum())
-                if n_tok == 0:
-                    continue
-                a, b = dist.shard_range(mini.batch_size)
-                local = mini.select(slice(a, b))
-                mbs = list(local.micro_batches(self.cfg.trainer.micro_batch_size))
-                sums: dict[str, torch.Tensor] = {}
-                for i, mb in enumerate(mbs):
-                    sync = i == len(mbs) - 1 or not hasattr(self.module, "no_sync")
-                    with (contextlib.nullcontext() if sync else self.module.no_sync()):
-                        v = self.module(mb.tokens.to(self.device), mb.lengths.to(self.device))
-                        loss, met = value_objective(v, mb.values.to(self.device), mb.returns.to(self.device),
-                                                    mb.loss_mask.to(self.device), n_tok, self.cfg.critic.value_clip)
-                        (loss * scale).backward()
-                    for key, val in met.items():
-                        sums[key] = sums.get(key, 0.0) + val.detach().float().cpu()
-                keys = sorted(sums)
-                vec = dist.all_reduce_sum(torch.stack([torch.as_tensor(sums[key]) for key in keys]))
-                for i, key in enumerate(keys):
-                    totals[key] = totals.get(key, 0.0) + float(vec[i])
-                totals["critic/grad_norm"] = totals.get("critic/grad_norm", 0.0) + self._optimizer_step()
-                n_updates += 1
-        return {k: v / max(n_updates, 1) for k, v in totals.items()}
+        clip = self.cfg.critic.value_clip
 
-    def _optimizer_step(self) -> float:
-        params = [p for p in self.net.parameters() if p.grad is not None]
-        clip = self.cfg.trainer.grad_clip
-        if clip > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
-        else:
-            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params])))
-        if torch.isfinite(torch.tensor(norm)):
-            self.opt.step()
-            self.steps += 1
-        self.opt.zero_grad(set_to_none=True)
-        return norm
+        def loss_fn(mb: TrainBatch):
+            mb = mb.to(self.device)
+            v = self.module(mb.tokens, mb.lengths)
+            return value_objective(v, mb.values, mb.returns, mb.loss_mask, mb.num_tokens, clip)
 
-    # ------------------------------------------------------------------ state and placement
+        metrics = torch_ddp.accumulate(self.module, torch_ddp.local_rows(mini), self.cfg.trainer.micro_batch_size, loss_fn)
+        return lambda: metrics
+
+    def step(self) -> dict[str, float]:
+        norm, stepped = torch_ddp.clipped_step(self.net.parameters(), self.opt, self.cfg.trainer.grad_clip)
+        self.steps += int(stepped)
+        return {"grad_norm": norm}
+
+    def offload_entries(self, tags) -> list:
+        if "state" not in tags:
+            return []
+        return param_entries(self.net, "state") + grad_entries(self.net) + optimizer_entries(self.opt)
+
+    # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return {"model": self.net.state_dict(), "optimizer": self.opt.state_dict(), "steps": self.steps}
 
@@ -144,10 +114,3 @@ class TorchCritic:
         self.net.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.steps = int(state["steps"])
-
-    def to(self, device) -> None:
-        self.net.to(device)
-        for st in self.opt.state.values():
-            for k, v in st.items():
-                if torch.is_tensor(v) and k != "step":
-                    st[k] = v.to(device)

@@ -1,92 +1,65 @@
-"""The torch trainer backend: a Hugging Face CausalLM, AdamW, data parallelism through DDP.
-
-Every rank receives the whole batch and trains on its contiguous share of each mini-batch. Losses
-are contributions to the global objective (see megaforge.algorithms.aggregation), so gradients are
-*summed* over ranks: DDP averages, hence the loss is multiplied by the world size.
+"""The torch trainer backend: a Hugging Face CausalLM, AdamW, data parallelism through DDP
+(:mod:`megaforge.trainer.torch_ddp`: every rank trains on its contiguous share of each mini-batch,
+gradients summed over ranks). The training skeleton is :class:`megaforge.trainer.base.Trainer`'s.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
-import shutil
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 
 from megaforge import dist
-from megaforge.algorithms import LossParams, policy_objective
 from megaforge.hf import hf_state_names, load_hf_model, resolve_device
 from megaforge.memory import build_offloader, onloaded
 from megaforge.checkpoint import write_torch
-from megaforge.memory.state import torch_entries, torch_optimizers
-from megaforge.trainer.base import HFBucket, StepMetrics, Trainer, modules_weights
+from megaforge.memory.state import grad_entries, on_device, optimizer_entries, param_entries
+from megaforge.trainer import torch_ddp
+from megaforge.trainer.base import HFBucket, Objective, Trainer, modules_weights
+from megaforge.trainer.critic import TorchCritic
 from megaforge.trainer.logprobs import token_logprobs
-from megaforge.trainer.optim import lr_at
 from megaforge.types import TrainBatch
 
 
 class TorchTrainer(Trainer):
     def __init__(self, cfg, tokenizer=None):
-        self.cfg = cfg
-        self.tokenizer = tokenizer
-        self.device = resolve_device(cfg.trainer.device)
+        super().__init__(cfg, tokenizer)
+        t = cfg.trainer
+        self.device = resolve_device(t.device)
         self.model = load_hf_model(cfg.model, self.device)
-        if cfg.trainer.gradient_checkpointing:
+        if t.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
-        self.module = self.model
-        if dist.world() > 1:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            self.module = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
-        self.params = LossParams.from_config(cfg)
-        self.temperature = cfg.grpo.temperature
-        self.ref: Optional[torch.nn.Module] = None
-        self.critic = None  # megaforge.trainer.critic.TorchCritic when the run trains one (PPO)
-        self.version = 0
-        self.reset_optimizer(cfg.trainer.lr, cfg.max_steps * cfg.trainer.mini_batches * cfg.trainer.epochs,
-                             cfg.trainer.warmup_steps, cfg.trainer.lr_schedule, cfg.trainer.min_lr)
+        self.module = torch_ddp.wrap(self.model, self.device)
+        self.opt = torch_ddp.adamw(self.model.parameters(), t.lr, t)
+        self.reset_optimizer(t.lr, cfg.max_steps * t.mini_batches * t.epochs, t.warmup_steps, t.lr_schedule, t.min_lr)
         # memory.offload: pinned host buffers / torch_memory_saver (megaforge.memory); None: resident
         self._mem = build_offloader(cfg.memory.offload, self.device, self.offload_entries)
 
     # ------------------------------------------------------------------------------- optimizer
-
     def offload_entries(self, tags) -> list:
-        return torch_entries(self, tags)
+        """Parameters (``weights``); gradients, AdamW state, reference, critic (``state``)."""
+        out = param_entries(self.model, "weights") if "weights" in tags else []
+        if "state" in tags:
+            out += grad_entries(self.model) + optimizer_entries(self.opt)
+            if self.ref is not None:
+                out += param_entries(self.ref, "state")
+            if self.critic is not None:
+                out += self.critic.offload_entries(tags)
+        return on_device(out, self.device)
 
     def inner_optimizers(self) -> list:
-        return torch_optimizers(self)
+        return [self.opt] + ([self.critic.opt] if self.critic is not None else [])
 
-    def reset_optimizer(self, lr, total_steps, warmup_steps=0, schedule="constant", min_lr=0.0):
-        t = self.cfg.trainer
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=tuple(t.betas), eps=t.eps,
-                                     weight_decay=t.weight_decay)
-        self.sched = dict(peak=lr, total=total_steps, warmup=warmup_steps, schedule=schedule, min_lr=min_lr, step=0)
-        self._set_lr()
+    def _clear_optimizer_state(self) -> None:
+        self.opt.state.clear()
 
-    def _set_lr(self) -> float:
-        s = self.sched
-        lr = lr_at(s["step"], s["peak"], s["total"], s["warmup"], s["schedule"], s["min_lr"])
+    def _apply_lr(self, lr: float) -> None:
         for g in self.opt.param_groups:
             g["lr"] = lr
-        return lr
 
-    def _optimizer_step(self) -> dict:
-        clip = self.cfg.trainer.grad_clip
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, clip)
-        else:
-            norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params]))
-        norm = float(norm)
-        lr = self._set_lr()
-        if not torch.isfinite(torch.tensor(norm)):
-            self.opt.zero_grad(set_to_none=True)
-            return {"grad_norm": norm, "lr": lr, "skipped": 1.0}
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.sched["step"] += 1
-        self.version += 1
-        return {"grad_norm": norm, "lr": lr, "skipped": 0.0}
+    def _clip_and_step(self) -> tuple[float, bool]:
+        return torch_ddp.clipped_step(self.model.parameters(), self.opt, self.cfg.trainer.grad_clip)
 
     # -------------------------------------------------------------------------------- forward
     def _forward(self, module, mb: TrainBatch, temperature: float, with_entropy: bool):
@@ -98,14 +71,7 @@ class TorchTrainer(Trainer):
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> torch.Tensor:
-        if model == "ref":
-            if self.ref is None:
-                raise RuntimeError("compute_logprobs(model='ref'): no reference model (snapshot_reference not called)")
-            module = self.ref
-        elif model == "policy":
-            module = self.model
-        else:
-            raise ValueError(f"compute_logprobs: model must be 'policy' or 'ref', got {model!r}")
+        module = self._select_model(model, self.model)
         lo, hi = dist.shard_range(batch.batch_size)
         local = batch.select(slice(lo, hi))
         ref_dev = next(module.parameters()).device
@@ -126,15 +92,7 @@ class TorchTrainer(Trainer):
     @onloaded
     def init_critic(self) -> None:
         """A fresh critic (PPO / gae): copy of the current policy backbone (or critic.path), zero head."""
-        from megaforge.trainer.critic import TorchCritic
-
         self.critic = TorchCritic(self.cfg, self.model, self.device)
-
-    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
-        """Critic values [B, T] (token-aligned, CPU, no gradient)."""
-        if self.critic is None:
-            raise RuntimeError("compute_values: no critic (init_critic not called; see critic.enabled)")
-        return self.critic.compute_values(batch)
 
     @onloaded
     def snapshot_reference(self) -> None:
@@ -144,66 +102,19 @@ class TorchTrainer(Trainer):
             p.requires_grad_(False)
 
     # -------------------------------------------------------------------------------- training
-    def _mini_batches(self, batch: TrainBatch) -> list[TrainBatch]:
-        m = self.cfg.trainer.mini_batches
-        n = batch.batch_size
-        if m > n:
-            raise ValueError(f"trainer.mini_batches={m} exceeds the batch of {n} sequences")
-        out = []
-        for k in range(m):
-            lo, hi = dist.shard_range(n, k, m)
-            mini = batch.select(slice(lo, hi))
-            mask = mini.loss_mask
-            mini.num_tokens = int(mask.sum())
-            mini.num_seqs = int((mask.sum(-1) > 0).sum())
-            out.append(mini)
-        return out
-
-    def _run(self, batch: TrainBatch, loss_fn) -> dict[str, float]:
-        """Mini-batches x epochs of optimizer steps; ``loss_fn(mb) -> (loss, metrics)``."""
+    def _forward_backward(self, mini: TrainBatch, objective: Objective):
         self.module.train()
-        acc = StepMetrics()
-        scale = float(dist.world())
-        for _ in range(self.cfg.trainer.epochs):
-            for mini in self._mini_batches(batch):
-                if mini.num_tokens == 0:  # the same on every rank: all skip together
-                    acc.add_empty()
-                    continue
-                lo, hi = dist.shard_range(mini.batch_size)
-                local = mini.select(slice(lo, hi))
-                if local.batch_size == 0:
-                    raise ValueError(
-                        f"a mini-batch of {mini.batch_size} sequences cannot feed {dist.world()} data-parallel "
-                        "ranks: raise rollout.batch_size * grpo.n_samples or lower trainer.mini_batches")
-                sums: dict[str, torch.Tensor] = {}
-                mbs = list(local.micro_batches(self.cfg.trainer.micro_batch_size))
-                for i, mb in enumerate(mbs):
-                    sync = i == len(mbs) - 1 or not hasattr(self.module, "no_sync")
-                    with (contextlib.nullcontext() if sync else self.module.no_sync()):
-                        loss, metrics = loss_fn(mb)
-                        (loss * scale).backward()
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + v.detach().float().cpu()
-                keys = sorted(sums)
-                vec = dist.all_reduce_sum(torch.stack([torch.as_tensor(sums[k]) for k in keys])) if keys else None
-                step_metrics = {k: float(vec[i]) for i, k in enumerate(keys)} if keys else {}
-                step_metrics.update(self._optimizer_step())
-                acc.add(step_metrics)
-        return acc.result()
+        packed = objective.packed and self.cfg.sft.pack
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        need_entropy = True
+        def loss_fn(mb: TrainBatch):
+            if packed:
+                lp, ent = self._forward_packed(self.module, mb, objective.temperature), None
+            else:
+                lp, ent = self._forward(self.module, mb, objective.temperature, objective.entropy)
+            return objective.loss(lp, ent, mb.to(self.device))
 
-        def loss_fn(mb):
-            lp, ent = self._forward(self.module, mb, self.temperature, need_entropy)
-            if self.params.entropy_coef == 0.0 and ent is not None:
-                ent = ent.detach()
-            return policy_objective(lp, mb.to(self.device), self.params, ent)
-
-        out = self._run(batch, loss_fn)
-        if self.critic is not None and batch.returns is not None:
-            out.update(self.critic.train_step(batch))
-        return out
+        metrics = torch_ddp.accumulate(self.module, torch_ddp.local_rows(mini), self.cfg.trainer.micro_batch_size, loss_fn)
+        return lambda: metrics
 
     def _forward_packed(self, module, mb: TrainBatch, temperature: float):
         """Token-aligned logprobs [B, T] of ``mb``'s rows, computed on packed rows (several rows per
@@ -217,18 +128,6 @@ class TorchTrainer(Trainer):
         full = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=self.device)
         lp, _ = token_logprobs(logits, tokens, full, temperature)
         return pk.unpack(lp * (pos >= 1).float())
-
-    def sft_step(self, batch: TrainBatch) -> dict[str, float]:
-        def loss_fn(mb):
-            if self.cfg.sft.pack:
-                lp = self._forward_packed(self.module, mb, 1.0)
-            else:
-                lp, _ = self._forward(self.module, mb, 1.0, False)
-            mask = mb.loss_mask.to(self.device)
-            loss = -(lp * mask).sum() / mb.num_tokens
-            return loss, {"loss": loss.detach()}
-
-        return self._run(batch, loss_fn)
 
     # --------------------------------------------------------------------------------- weights
     def iter_hf_buckets(self, max_bytes: int) -> Iterator[HFBucket]:

@@ -29,9 +29,10 @@ def lp_for_ratio(ratios, old):
 
 
 def params(**kw):
-    from megaforge.algorithms import LossParams
+    """ObjectiveParams from flat values named like the config keys (``clip_low``, ``sapo_tau_pos``, ...)."""
+    from megaforge.algorithms import ObjectiveParams
 
-    return LossParams(**kw)
+    return ObjectiveParams.of_values(**kw)
 
 
 def run_launcher(mode: str, argv: list[str], out_dir: str, run_name: str) -> str:

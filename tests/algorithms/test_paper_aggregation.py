@@ -12,7 +12,7 @@ compared with megaforge's objective built from a config that leaves algo.loss_ag
 import pytest
 import torch
 
-from megaforge.algorithms import LossParams, POLICY_LOSSES, policy_objective
+from megaforge.algorithms import ObjectiveParams, POLICY_LOSSES, policy_objective
 from megaforge.config import config_from_dict
 from megaforge.configtree import ConfigError
 from megaforge.types import TrainBatch
@@ -27,9 +27,9 @@ NEW = [[-0.9, -0.55], [-1.9, -0.35, -0.6, -1.0], [-0.5]]
 ADV = [1.2, -0.7, 0.4]
 
 
-def params_for(loss: str, **algo) -> LossParams:
+def params_for(loss: str, **algo) -> ObjectiveParams:
     cfg = config_from_dict({**BASE, "algo": {"loss": loss, **algo}, "grpo": {"clip_low": 0.2, "clip_high": 0.28}})
-    return LossParams.from_config(cfg)
+    return ObjectiveParams.from_config(cfg)
 
 
 def batch_and_logprobs():
@@ -86,7 +86,7 @@ def test_default_config_gives_the_papers_objective_value_and_gradient(in_root, l
     assert float(ours.detach()) == pytest.approx(float(expect.detach()), rel=1e-12, abs=1e-12)
     assert torch.allclose(g_ours * b.loss_mask, g_ref * b.loss_mask, atol=1e-12)
     # the token mean (the old default) is another objective: the long sequence counts 4/7, not 1/3
-    tm, _ = policy_objective(lp, b, LossParams(**{**p.__dict__, "loss_agg": "token_mean"}))
+    tm, _ = policy_objective(lp, b, ObjectiveParams(**{**p.__dict__, "loss_agg": "token_mean"}))
     assert abs(float(tm.detach()) - float(expect.detach())) > 1e-3
 
 

@@ -42,7 +42,7 @@ def test_seed_custom_loss_by_path_and_by_name():
     old = torch.tensor([[math.log(0.3), math.log(0.6)]], dtype=torch.float64)
     lp = lp_for_ratio([[1.5, 0.5]], old)
     A = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
-    loss, st = fn(lp, old, A, torch.ones_like(A), params(plugin_kwargs={"clip_range": 0.2}))
+    loss, st = fn(lp, old, A, torch.ones_like(A), params(seed_custom_clip_range=0.2))
     assert torch.allclose(loss, torch.tensor([[-1.2, 0.8]], dtype=torch.float64))
     assert st["clip_frac"].tolist() == [[1.0, 1.0]]
     resolve_components(_cfg("--algo.plugins", "[examples.custom_loss.seed_loss]", "--algo.loss", "seed_custom"))
@@ -98,3 +98,31 @@ def test_custom_advantage_and_reward_in_a_run(tmp_path, in_root, monkeypatch):
 def test_algorithm_config_validation_names_the_key(argv, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         _cfg(*argv)
+
+
+def test_a_plugin_loss_knob_is_a_typed_config_key(in_root):
+    """examples/custom_loss: the seed's loss declares params=SeedCustomParams; its field is the key
+    algo.seed_custom_clip_range, read from the YAML, checked, suggested on a typo."""
+    from examples.custom_loss.seed_loss import SeedCustomParams
+
+    from megaforge.algorithms import ObjectiveParams
+    from megaforge.config import load_config
+
+    yaml_cfg = ["--config", "examples/custom_loss/seed_loss.yaml"]
+    assert ObjectiveParams.from_config(load_config(yaml_cfg)).of(SeedCustomParams).clip_range == 0.2
+    p = ObjectiveParams.from_config(load_config([*yaml_cfg, "--algo.seed_custom_clip_range", "0.1"]))
+    old = torch.tensor([[math.log(0.3), math.log(0.6)]], dtype=torch.float64)
+    loss, _ = POLICY_LOSSES.get(p.loss)(lp_for_ratio([[1.5, 0.5]], old), old, torch.tensor([[1.0, -1.0]], dtype=torch.float64),
+                                        torch.ones(1, 2, dtype=torch.float64), p)
+    # ratios 1.5 and 0.5 clipped to 1.1 and 0.9; float64, two operations: 1e-12
+    assert torch.allclose(loss, torch.tensor([[-1.1, 0.9]], dtype=torch.float64), atol=1e-12)
+    with pytest.raises(ConfigError, match=r"unknown config key 'algo.seed_custom_clip_rang'; did you mean "
+                                          r"'algo.seed_custom_clip_range'"):
+        load_config([*yaml_cfg, "--algo.seed_custom_clip_rang", "0.1"])
+    with pytest.raises(ConfigError, match=r"config key 'algo.seed_custom_clip_range': must be in \(0, 1\)"):
+        load_config([*yaml_cfg, "--algo.seed_custom_clip_range", "1.5"])
+    with pytest.raises(ConfigError, match=r"config key 'algo.seed_custom_clip_range': expected float"):
+        load_config([*yaml_cfg, "--algo.seed_custom_clip_range", "wide"])
+    # the key exists only where the config names the plug-in, whatever this process imported before
+    with pytest.raises(ConfigError, match=r"unknown config key 'algo.seed_custom_clip_range'"):
+        _cfg("--algo.seed_custom_clip_range", "0.1")

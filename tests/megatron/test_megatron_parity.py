@@ -134,3 +134,15 @@ def test_train_tied_llama_tp2_pp2_then_tp2_dp2_sp(tiny_models, tmp_path):
     assert hf.config.tie_word_embeddings and hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     assert torch.equal(hf.model.embed_tokens.weight, r["weights2"]["model.embed_tokens.weight"])
     assert "lm_head.weight" not in r["weights2"]
+
+
+def test_reset_optimizer_makes_the_one_optimizer_fresh(tiny_models, tmp_path):
+    """The optimizer is built once; reset_optimizer (a phase's start) clears its Adam state: after steps
+    at lr 0 (moments and step counts, the weights unmoved), a reset trainer's RL step equals a fresh
+    trainer's. Exact: the same ops in the same order in one process (not a cross-machine rounding
+    claim); without the reset, the moments and bias correction move the weights by ~lr."""
+    r = run_workers("reset", 1, {"model": tiny_models["qwen2"], "layout": {"dist_opt": True}}, tmp_path)[0]
+    assert r["state_before"] > 0 and r["state_after"] == 0 and r["same_optimizer"]
+    assert r["metrics"] == r["fresh_metrics"]
+    for k, v in r["fresh_weights"].items():
+        assert torch.equal(r["weights"][k], v), f"{k}: reset trainer differs from a fresh one"

@@ -7,6 +7,7 @@ Scenarios:
   compute_logprobs of the shared batch (packed several rows per micro-batch, and one per micro-batch).
 * ``train``: train / SFT steps at one layout, HF weights via iter_hf_buckets, save; reload at a
   second layout, logprobs and weights again, more steps, export_hf.
+* ``reset``: ``reset_optimizer`` after steps against a fresh trainer (the optimizer is built once).
 Results go to OUTDIR/SCENARIO.rank{R}.pt.
 """
 from __future__ import annotations
@@ -116,7 +117,7 @@ def critic_steps(tr, batch, n: int) -> tuple[list, list]:
     metrics, values = [], []
     for _ in range(n):
         batch.values = tr.compute_values(batch)
-        metrics.append(tr.critic.train_step(batch))
+        metrics.append(tr.train_critic(batch))
         values.append(tr.compute_values(batch))
     return metrics, values
 
@@ -140,12 +141,38 @@ def scenario_critic(spec, res):
     tr.close()
 
 
+def scenario_reset(spec, res):
+    """Steps at lr 0 (Adam moments and step counts, the weights unmoved), reset_optimizer, one RL step;
+    and a fresh trainer's first RL step, for comparison."""
+    from mt_helpers import make_batch, trainer_cfg
+    from megaforge.memory.state import megatron_parts
+    from megaforge.trainer.megatron import MegatronTrainer
+
+    batch, cfg = make_batch(), trainer_cfg(spec["model"], layout=spec["layout"])
+    tr = MegatronTrainer(cfg)
+    opt = tr.optimizer
+    tr.reset_optimizer(0.0, 4)
+    run_steps(tr, batch, ["rl", "sft"])
+    res["state_before"] = sum(len(o.optimizer.state) for o in megatron_parts(tr.optimizer))
+    tr.reset_optimizer(cfg.trainer.lr, 4)
+    res["same_optimizer"] = tr.optimizer is opt
+    res["state_after"] = sum(len(o.optimizer.state) for o in megatron_parts(tr.optimizer))
+    res["metrics"] = run_steps(tr, batch, ["rl"])
+    res["weights"], _ = hf_weights(tr, 1 << 30)
+    tr.close()
+    fresh = MegatronTrainer(cfg)
+    res["fresh_metrics"] = run_steps(fresh, batch, ["rl"])
+    res["fresh_weights"], _ = hf_weights(fresh, 1 << 30)
+    fresh.close()
+
+
 def main():
     scenario, spec_file, outdir = sys.argv[1:4]
     with open(spec_file) as f:
         spec = json.load(f)
     res = {}
-    {"logprobs": scenario_logprobs, "train": scenario_train, "critic": scenario_critic}[scenario](spec, res)
+    {"logprobs": scenario_logprobs, "train": scenario_train, "critic": scenario_critic,
+     "reset": scenario_reset}[scenario](spec, res)
     from mt_helpers import save_rank_result
 
     save_rank_result(res, outdir, scenario)

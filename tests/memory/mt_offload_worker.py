@@ -29,7 +29,7 @@ def run(model_dir: str, dtype: str, offload: bool) -> dict:
     from mt_helpers import make_batch, trainer_cfg
 
     from megaforge.memory.offload import PinnedOffloader
-    from megaforge.memory.state import _megatron_optimizers, megatron_entries
+    from megaforge.memory.state import megatron_parts
     from megaforge.trainer.megatron import MegatronTrainer
 
     cfg = trainer_cfg(model_dir, layout={"dist_opt": True})
@@ -38,7 +38,7 @@ def run(model_dir: str, dtype: str, offload: bool) -> dict:
     tr.snapshot_reference()
     tr.init_critic()  # its DDP buffers and optimizer are trainer state too
     if offload:
-        tr._mem = PinnedOffloader(lambda tags: megatron_entries(tr, tags), "cpu", chunk_bytes=64 << 10)
+        tr._mem = PinnedOffloader(tr.offload_entries, "cpu", chunk_bytes=64 << 10)
     batch = make_batch()
     returns = torch.randn(batch.tokens.shape, generator=torch.Generator().manual_seed(1)) * batch.loss_mask
     out = {"metrics": [], "checks": {}, "host_allocs": []}
@@ -51,9 +51,9 @@ def run(model_dir: str, dtype: str, offload: bool) -> dict:
         out["metrics"].append(tr.train_step(b))
         if not offload:
             continue
-        ents = megatron_entries(tr, ("weights", "state"))
+        ents = tr.offload_entries(("weights", "state"))
         ck["kinds"] = sorted({(e.tag, e.keep, e.movable) for e in ents})
-        group_params = {id(p) for o in _megatron_optimizers(tr.optimizer) for g in o.optimizer.param_groups
+        group_params = {id(p) for o in megatron_parts(tr.optimizer) for g in o.optimizer.param_groups
                         for p in g["params"]}
         ck["main_params"] = sum(1 for e in ents if e.tag == "state" and id(e.tensor) in group_params)
         vals = {id(e.tensor): (e, e.tensor.detach().clone()) for e in ents}

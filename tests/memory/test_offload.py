@@ -149,14 +149,13 @@ def test_torch_trainer_round_trips_and_trains_like_a_resident_one(tiny_model_dir
     """TorchTrainer's own entries (policy, AdamW state, reference) through the copy engine between real
     train steps, the colocated order (state out, weights read, weights out), a checkpoint saved while
     offloaded: the same weights, metrics and checkpoint as a trainer that never offloads."""
-    from megaforge.memory.state import torch_entries
     from megaforge.trainer.torch_backend import TorchTrainer
 
     cfg = torch_trainer_cfg(tiny_model_dir)
     a, b = TorchTrainer(cfg), TorchTrainer(cfg)
     for tr in (a, b):
         tr.snapshot_reference()
-    a._mem = PinnedOffloader(lambda tags: torch_entries(a, tags), "cpu")
+    a._mem = PinnedOffloader(a.offload_entries, "cpu")
     batch = make_batch(vocab=512)
     for step in range(3):
         ma, mb = [], []

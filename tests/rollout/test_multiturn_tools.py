@@ -53,7 +53,7 @@ def episodes(cfg, tok, engine, n_rows=3, n=2, max_tool_tokens=5):
 
 
 def test_env_tokens_are_masked_on_the_batch_and_get_zero_gradient(setup):
-    from megaforge.algorithms import LossParams, policy_objective
+    from megaforge.algorithms import ObjectiveParams as LossParams, policy_objective
     from megaforge.trainer.logprobs import token_logprobs
 
     cfg, tok, engine = setup

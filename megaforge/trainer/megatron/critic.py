@@ -15,15 +15,23 @@ each rank (megatron counts a replicated parameter once in the gradient norm). Th
 as a copy of the policy's current weights (after the SFT warm start). ``critic.path`` (another
 backbone) is a torch-backend option.
 
-Calling it: collective like the trainer; the trainer's ``train_step`` runs :meth:`train_step` after
-the policy's update when the batch has returns; checkpoints hold the critic and its optimizer under
+Calling it: collective like the trainer; the trainer's ``train_step`` updates it after the policy
+when the batch has returns (the skeleton of :mod:`megaforge.trainer.base` drives
+:meth:`MegatronCritic.forward_backward` and :meth:`MegatronCritic.step`); checkpoints hold the critic and its optimizer under
 ``critic.`` / ``critic_optimizer`` keys (:mod:`megaforge.trainer.megatron.checkpoint`).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+from torch.profiler import record_function
 
 from megaforge.algorithms.value import value_objective
+from megaforge.memory.state import ddp_entries
+from megaforge.trainer.base import Critic
+from megaforge.trainer.megatron import model as mmodel
+from megaforge.trainer.megatron.optim import adam_optimizer, clipped_step, finalize_grads, set_lr_and_decay, wrap_ddp
 from megaforge.types import TrainBatch
 
 
@@ -51,12 +59,8 @@ def _value_head_class():
     return ValueHead
 
 
-class MegatronCritic:
+class MegatronCritic(Critic):
     def __init__(self, tr):
-        import dataclasses
-
-        from megaforge.trainer.megatron import model as mmodel
-        from megaforge.trainer.megatron.optim import adam_optimizer, wrap_ddp
 
         cfg, t = tr.cfg, tr.cfg.trainer
         if cfg.critic.path:
@@ -79,7 +83,7 @@ class MegatronCritic:
                 p.copy_(src[name])
         self.ddp = wrap_ddp(self.tconfig, model, t.distributed_optimizer)
         self.tconfig.no_sync_func = self.ddp.no_sync
-        self.tconfig.finalize_model_grads_func = tr._finalize_grads
+        self.tconfig.finalize_model_grads_func = finalize_grads
         self.optimizer = adam_optimizer(t, self.ddp, tr.dtype, cfg.critic.lr)
         self.tconfig.grad_scale_func = self.optimizer.scale_loss
         self.steps = 0
@@ -99,24 +103,22 @@ class MegatronCritic:
                            lambda mb, v: (v.sum() * 0.0, {"values": self._values(v, mb)}), forward_only=True)
         return tr._gather_rows(out, "values", local.batch_size, B, T, torch.float32)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """Value-loss updates on ``batch`` (needs ``values`` = V_old and ``returns``)."""
-        if batch.values is None or batch.returns is None:
-            raise ValueError("critic.train_step: the batch needs values (V_old) and returns")
+    def forward_backward(self, mini: TrainBatch):
         clip = self.cfg.critic.value_clip
 
         def loss_fn(mb, v):
             b = mb.batch
             return value_objective(self._values(v, mb), b.values, b.returns, b.loss_mask, b.num_tokens, clip)
 
-        out = self.tr._run(batch, loss_fn, self.ddp, self.optimizer, self._optimizer_step)
-        return {("critic/grad_norm" if k == "grad_norm" else k): v for k, v in out.items()
-                if k.startswith("critic/") or k == "grad_norm"}
+        return self.tr.schedule_backward(self.ddp, self.optimizer, mini, loss_fn)
 
-    def _optimizer_step(self) -> dict[str, float]:
-        from megaforge.trainer.megatron.optim import clipped_step, set_lr_and_decay
-
+    def step(self) -> dict[str, float]:
         set_lr_and_decay(self.optimizer, self.cfg.critic.lr, self.cfg.trainer.weight_decay)  # constant critic.lr
-        norm, stepped = clipped_step(self.optimizer, self.cfg.trainer.grad_clip)
+        with record_function("megaforge.optimizer_step"):
+            norm, stepped = clipped_step(self.optimizer, self.cfg.trainer.grad_clip)
         self.steps += int(stepped)
         return {"grad_norm": norm}
+
+    def offload_entries(self, tags) -> list:
+        """The critic's DDP buffers (weights and gradients, both ``state``) and optimizer tensors."""
+        return ddp_entries(self.ddp, self.optimizer, tags, weights_tag="state")

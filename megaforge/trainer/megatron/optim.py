@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from megaforge.memory.state import megatron_parts
+
 
 def wrap_ddp(tconfig, module, distributed_optimizer: bool):
     """megatron's DistributedDataParallel as the trainer uses it: gradients reduced in fp32, no
@@ -13,6 +15,14 @@ def wrap_ddp(tconfig, module, distributed_optimizer: bool):
 
     return DistributedDataParallel(config=tconfig, module=module, ddp_config=DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer))
+
+
+def finalize_grads(models, num_tokens=None, *args, **kwargs):
+    """megatron's finalize_model_grads without the token-count rescaling: the losses are already
+    contributions to the mini-batch's objective (see megaforge.trainer.megatron.trainer)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(models, None)
 
 
 def adam_optimizer(t, ddp, dtype: torch.dtype, lr: float, min_lr: float = 0.0):
@@ -53,3 +63,24 @@ def clipped_step(opt, clip: float) -> tuple[float, bool]:
             clip_grad_by_total_norm_fp32(params, max_norm=clip, total_norm=norm)
     opt.step_with_ready_grads()
     return norm, True
+
+
+def state_resetter(opt):
+    """A function that makes megatron optimizer ``opt`` as it is now, fresh: Adam moments and step
+    counts dropped (torch Adam keeps them per parameter, TE/apex FusedAdam's count is per group), the
+    fp32 main copies of low-precision parameters copied again from the model's current weights, the
+    fp16 loss scaler back to its initial state. The result is the optimizer a new
+    :func:`adam_optimizer` would build over the same model, without allocating a second one."""
+    parts = megatron_parts(opt)
+    scalers = [dict(o.grad_scaler.state_dict()) if getattr(o, "grad_scaler", None) is not None else None for o in parts]
+
+    def reset() -> None:
+        for o, scaler in zip(parts, scalers):
+            o.optimizer.state.clear()
+            for g in o.optimizer.param_groups:
+                g.pop("step", None)
+            o.reload_model_params()
+            if scaler is not None:
+                o.grad_scaler.load_state_dict(scaler)
+
+    return reset

@@ -35,19 +35,19 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from megaforge.algorithms import LossParams, policy_objective
 from megaforge.dist import all_gather_rows, shard_range
 from megaforge.hf import DTYPES
 from megaforge.memory import build_offloader, onloaded
-from megaforge.memory.state import megatron_entries, megatron_optimizers
+from megaforge.memory.state import ddp_entries, megatron_parts, on_device, param_entries
 from megaforge.convert import families
-from megaforge.trainer.base import HFBucket, StepMetrics, Trainer, modules_weights
+from megaforge.trainer.base import HFBucket, Objective, Trainer, modules_weights
 from megaforge.trainer.megatron import cpu_compat, parallel
 from megaforge.trainer.megatron import model as mmodel
+from megaforge.trainer.megatron.critic import MegatronCritic
 from megaforge.trainer.megatron.logprobs import vocab_parallel_argmax, vocab_parallel_logprobs
-from megaforge.trainer.megatron.optim import adam_optimizer, clipped_step, set_lr_and_decay, wrap_ddp
+from megaforge.trainer.megatron.optim import (adam_optimizer, clipped_step, finalize_grads, set_lr_and_decay,
+                                              state_resetter, wrap_ddp)
 from megaforge.trainer.megatron.packing import Packed, pack, padded_lengths, to_device
-from megaforge.trainer.optim import lr_at
 from megaforge.types import TrainBatch
 
 
@@ -81,7 +81,7 @@ class MegatronTrainer(Trainer):
     def __init__(self, cfg, tokenizer=None):
         from megatron.core import tensor_parallel
 
-        self.cfg, self.tokenizer = cfg, tokenizer
+        super().__init__(cfg, tokenizer)
         t = cfg.trainer
         self.device = parallel.pick_device(t.device)
         if self.device.type == "cpu":
@@ -102,12 +102,11 @@ class MegatronTrainer(Trainer):
         mmodel.load_weights(self.bm, source)
         self.ddp = wrap_ddp(self.tconfig, self.bm.model, t.distributed_optimizer)
         self.tconfig.no_sync_func = self.ddp.no_sync
-        self.tconfig.finalize_model_grads_func = self._finalize_grads
-        self.params = LossParams.from_config(cfg)
-        self.temperature = cfg.grpo.temperature
-        self.ref = None
-        self.critic = None  # megaforge.trainer.megatron.critic.MegatronCritic when the run trains one (PPO)
-        self.version = 0
+        self.tconfig.finalize_model_grads_func = finalize_grads
+        # Adam(W), distributed when configured; weight decay applies to every parameter
+        self.optimizer = adam_optimizer(t, self.ddp, self.dtype, t.lr, t.min_lr)
+        self.tconfig.grad_scale_func = self.optimizer.scale_loss
+        self._reset_optimizer_state = state_resetter(self.optimizer)
         self.reset_optimizer(t.lr, cfg.max_steps * t.mini_batches * t.epochs, t.warmup_steps, t.lr_schedule, t.min_lr)
 
         # memory.offload: DDP buffers, optimizer state, reference to pinned host buffers (megaforge.memory)
@@ -130,43 +129,29 @@ class MegatronTrainer(Trainer):
     def _last_stage(self) -> bool:
         return self._ps().is_pipeline_last_stage()
 
-    def _finalize_grads(self, models, num_tokens=None, *args, **kwargs):
-        """megatron's finalize_model_grads without the token-count rescaling (see module doc)."""
-        from megatron.core.distributed import finalize_model_grads
-
-        finalize_model_grads(models, None)
-
     # --------------------------------------------------------------------------- optimizer
     def offload_entries(self, tags) -> list:
-        return megatron_entries(self, tags)
+        """DDP buffers and optimizer tensors of the policy (and critic), the reference's parameters."""
+        out = ddp_entries(self.ddp, self.optimizer, tags)
+        if self.critic is not None:
+            out += self.critic.offload_entries(tags)
+        if "state" in tags and self.ref is not None and self.cfg.trainer.ref_device != "cpu":
+            out += param_entries(self.ref, "state")
+        return on_device(out, self.device)
 
     def inner_optimizers(self) -> list:
-        return megatron_optimizers(self)
+        opts = [self.optimizer] + ([self.critic.optimizer] if self.critic is not None else [])
+        return [o.optimizer for opt in opts for o in megatron_parts(opt)]
 
-    def reset_optimizer(self, lr, total_steps, warmup_steps=0, schedule="constant", min_lr=0.0):
-        """Fresh Adam(W) state (megatron optimizer, distributed when configured) and LR schedule
-        :func:`megaforge.trainer.optim.lr_at`. Weight decay applies to every parameter."""
-        self.optimizer = adam_optimizer(self.cfg.trainer, self.ddp, self.dtype, lr, min_lr)
-        self.tconfig.grad_scale_func = self.optimizer.scale_loss
-        self.sched = dict(peak=lr, total=total_steps, warmup=warmup_steps, schedule=schedule, min_lr=min_lr, step=0)
-        self._set_lr()
+    def _clear_optimizer_state(self) -> None:
+        self._reset_optimizer_state()
 
-    def _set_lr(self) -> float:
-        s = self.sched
-        lr = lr_at(s["step"], s["peak"], s["total"], s["warmup"], s["schedule"], s["min_lr"])
+    def _apply_lr(self, lr: float) -> None:
         set_lr_and_decay(self.optimizer, lr, self.cfg.trainer.weight_decay)
-        return lr
 
-    def _optimizer_step(self) -> dict[str, float]:
-        """Clip by the global gradient norm and step; a non-finite norm skips the step
-        (``skipped``: the loop counts consecutive skips against ``trainer.max_bad_steps``)."""
-        lr = self._set_lr()
-        norm, stepped = clipped_step(self.optimizer, self.cfg.trainer.grad_clip)
-        if not stepped:
-            return {"grad_norm": norm, "lr": lr, "skipped": 1.0}
-        self.sched["step"] += 1
-        self.version += 1
-        return {"grad_norm": norm, "lr": lr, "skipped": 0.0}
+    def _clip_and_step(self) -> tuple[float, bool]:
+        with record_function("megaforge.optimizer_step"):
+            return clipped_step(self.optimizer, self.cfg.trainer.grad_clip)
 
     # ------------------------------------------------------------------------------ batches
     def _dp_rows(self, batch: TrainBatch) -> TrainBatch:
@@ -255,14 +240,7 @@ class MegatronTrainer(Trainer):
         """Token-aligned [B, T] tensors on every rank, CPU: ``logprobs`` (float32, temperature
         applied) and/or ``argmax`` (long: the model's most likely token at t given tokens[:t]).
         0 at t = 0 and on padding."""
-        if model == "policy":
-            module = self.ddp
-        elif model == "ref":
-            if self.ref is None:
-                raise RuntimeError("compute_logprobs(model='ref'): no reference model (snapshot_reference not called)")
-            module = self.ref
-        else:
-            raise ValueError(f"compute_logprobs: model must be 'policy' or 'ref', got {model!r}")
+        module = self._select_model(model, self.ddp)
         unknown = set(fields) - {"logprobs", "argmax"}
         if unknown:
             raise ValueError(f"forward_rows: unknown fields {sorted(unknown)}; valid: logprobs, argmax")
@@ -331,84 +309,34 @@ class MegatronTrainer(Trainer):
         return ctx()
 
     # ----------------------------------------------------------------------------- training
-    def _mini_batches(self, batch: TrainBatch) -> list[TrainBatch]:
-        m = self.cfg.trainer.mini_batches
-        if m > batch.batch_size:
-            raise ValueError(f"trainer.mini_batches={m} exceeds the batch of {batch.batch_size} sequences")
-        out = []
-        for k in range(m):
-            lo, hi = shard_range(batch.batch_size, k, m)
-            mini = batch.select(slice(lo, hi))
-            mini.num_tokens = int(mini.loss_mask.sum())
-            mini.num_seqs = int((mini.loss_mask.sum(-1) > 0).sum())
-            out.append(mini)
-        return out
-
-    def _run(self, batch: TrainBatch, loss_fn, ddp=None, optimizer=None, step_fn=None) -> dict[str, float]:
-        """Mini-batches x epochs optimizer steps; ``loss_fn(mb, logits) -> (loss, metrics)``. The
-        policy's by default; the critic passes its own DDP module, optimizer and step function."""
-        ps = self._ps()
-        ddp, optimizer = ddp or self.ddp, optimizer or self.optimizer
-        step_fn = step_fn or self._optimizer_step
-        ddp.train()
-        acc = StepMetrics()
-        for _ in range(self.cfg.trainer.epochs):
-            for mini in self._mini_batches(batch):
-                if mini.num_tokens == 0:  # the same on every rank: all skip together
-                    acc.add_empty()
-                    continue
-                ddp.zero_grad_buffer()
-                optimizer.zero_grad()
-                mbs = self._micro_batches(self._dp_rows(mini))
-                out = self._schedule(ddp, mbs, loss_fn, forward_only=False)
-                keys = self._obj_from_last_stage(sorted(out[0]) if self._last_stage() else None)
-                vec = None
-                if self._last_stage():
-                    vec = torch.stack([sum(d[k].float() for d in out) for k in keys]).to(self.device)
-                    dist.all_reduce(vec, group=ps.get_data_parallel_group())
-                values = _to_host_later(self._from_last_stage(vec, (len(keys),)))
-                with record_function("megaforge.optimizer_step"):
-                    stepped = step_fn()
-                step = dict(zip(keys, values()))
-                step.update(stepped)
-                acc.add(step)
-        return acc.result()
-
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        coef = self.params.entropy_coef
-
+    def _forward_backward(self, mini: TrainBatch, objective: Objective):
         def loss_fn(mb: _MicroBatch, logits):
-            lp, ent = self._token_values(logits, mb, self.temperature, entropy=True)
-            if coef == 0.0:
-                ent = ent.detach()
-            return policy_objective(lp, mb.batch, self.params, ent)
+            lp, ent = self._token_values(logits, mb, objective.temperature, objective.entropy)
+            return objective.loss(lp, ent, mb.batch)
 
-        out = self._run(batch, loss_fn)
-        if self.critic is not None and batch.returns is not None:
-            out.update(self.critic.train_step(batch))
-        return out
+        return self.schedule_backward(self.ddp, self.optimizer, mini, loss_fn)
+
+    def schedule_backward(self, ddp, optimizer, mini: TrainBatch, loss_fn):
+        """Gradients of ``loss_fn(mb, logits) -> (loss, metrics)`` over this DP rank's share of ``mini``
+        through megatron's schedule, for ``ddp`` (the policy's or the critic's) and its optimizer.
+        Returns the reader of the metrics summed over micro-batches and DP ranks: their copy to the
+        host overlaps the optimizer step."""
+        ddp.train()
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        out = self._schedule(ddp, self._micro_batches(self._dp_rows(mini)), loss_fn, forward_only=False)
+        keys = self._obj_from_last_stage(sorted(out[0]) if self._last_stage() else None)
+        vec = None
+        if self._last_stage():
+            vec = torch.stack([sum(d[k].float() for d in out) for k in keys]).to(self.device)
+            dist.all_reduce(vec, group=self._ps().get_data_parallel_group())
+        values = _to_host_later(self._from_last_stage(vec, (len(keys),)))
+        return lambda: dict(zip(keys, values()))
 
     def init_critic(self) -> None:
         """A fresh critic (PPO / gae): the policy's current backbone with a zero value head
         (:mod:`megaforge.trainer.megatron.critic`), at the policy's layout."""
-        from megaforge.trainer.megatron.critic import MegatronCritic
-
         self.critic = MegatronCritic(self)
-
-    @torch.no_grad()
-    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
-        """Token-aligned values [B, T] (float32, CPU, every rank); see TorchCritic for the alignment."""
-        if self.critic is None:
-            raise RuntimeError("compute_values: no critic (init_critic not called; see critic.enabled)")
-        return self.critic.compute_values(batch)
-
-    def sft_step(self, batch: TrainBatch) -> dict[str, float]:
-        def loss_fn(mb: _MicroBatch, logits):
-            lp, _ = self._token_values(logits, mb, 1.0, entropy=False)
-            loss = -(lp * mb.batch.loss_mask.to(lp.dtype)).sum() / mb.batch.num_tokens
-            return loss, {"loss": loss.detach()}
-
-        return self._run(batch, loss_fn)
 
     # ------------------------------------------------------------------- weights and state
     def iter_hf_buckets(self, max_bytes: int) -> Iterator[HFBucket]:

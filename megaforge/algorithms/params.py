@@ -1,0 +1,180 @@
+"""The objective's parameters: one frozen object that advantages, losses, KL terms and aggregations read.
+
+:class:`ObjectiveParams` is built once from the config (:meth:`ObjectiveParams.from_config`). Its
+fields are named after the config keys they come from (``algo.<name>``; ``clip_low``, ``clip_high``
+and ``beta`` from ``grpo.``), whose docstrings in :mod:`megaforge.config` say what each means.
+
+A registry entry may declare its own typed parameters, a frozen dataclass with a docstring per field::
+
+    @dataclass(frozen=True)
+    class SapoParams:
+        tau_pos: float = 1.0
+        # a docstring per field: what --help prints
+
+    @POLICY_LOSSES.register("sapo", params=SapoParams)
+    def sapo_loss(logprobs, old_logprobs, advantages, mask, p):
+        tau = p.of(SapoParams).tau_pos
+
+Field ``tau_pos`` of entry ``sapo`` is config key ``algo.sapo_tau_pos`` (``algo.<entry>_<field>``),
+type-checked, listed by ``--help`` and suggested on a typo like every other key; the dataclass's
+``validate()`` may raise :class:`~megaforge.configtree.FieldError` about a field, and the error names
+the key. A plug-in's keys exist when the module defining its dataclass is in ``algo.plugins``: the
+config imports those modules before it reads the keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from megaforge import configtree
+from megaforge.algorithms.core import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
+from megaforge.configtree import ConfigError
+
+#: the registries whose entries' parameters are config keys of the ``algo`` section
+REGISTRIES = (ADVANTAGES, POLICY_LOSSES, LOSS_AGGS, KL_ESTIMATORS)
+DEFAULT_LOSS_AGG = "token_mean"
+#: ObjectiveParams fields read from the ``grpo`` section (all others: ``algo``)
+GRPO_KEYS = ("clip_low", "clip_high", "beta")
+
+
+def _defined_in(cls: type, modules) -> bool:
+    m = cls.__module__
+    return any(m == p or m.startswith(p + ".") for p in ("megaforge", *modules))
+
+
+def component_classes(plugins: Optional[list[str]] = None) -> dict[str, type]:
+    """{key prefix ``<entry>_``: parameters dataclass} of the registered entries that declare some:
+    all of them, or with ``plugins`` (``algo.plugins``) those whose dataclass is megaforge's or defined
+    in one of these modules, so that a config's keys depend on the config alone (not on what else
+    this process imported). ValueError when two entries' keys collide or one class serves two."""
+    out: dict[str, type] = {}
+    owner: dict[str, str] = {}
+    for reg in REGISTRIES:
+        for name, cls in reg.params_classes().items():
+            if plugins is not None and not _defined_in(cls, plugins):
+                continue
+            if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):
+                raise ValueError(f"{reg.kind} {name!r}: params={cls!r} must be a frozen dataclass")
+            if cls in out.values():
+                raise ValueError(f"{reg.kind} {name!r}: params {cls.__name__} already serves another entry")
+            for f in dataclasses.fields(cls):
+                key = f"{name}_{f.name}"
+                if key in owner:
+                    raise ValueError(f"config key 'algo.{key}' is declared by {owner[key]} and by {reg.kind} {name!r}")
+                owner[key] = f"{reg.kind} {name!r}"
+            out[f"{name}_"] = cls
+    return out
+
+
+def default_components() -> dict[type, Any]:
+    """{parameters dataclass: its defaults} of every registered entry."""
+    return {cls: cls() for cls in component_classes().values()}
+
+
+@dataclass(frozen=True)
+class ObjectiveParams:
+    """What every advantage estimator, policy loss, KL term and aggregation reads (frozen)."""
+
+    advantage: str = "grpo"
+    loss: str = "ppo_clip"
+    loss_agg: str = DEFAULT_LOSS_AGG
+    """Resolved: never null (:func:`resolve_loss_agg`)."""
+    loss_agg_norm: float = 0.0
+    """Resolved: ``algo.loss_agg_norm``, or rollout.max_new_tokens when that is 0."""
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    clip_c: Optional[float] = None
+    beta: float = 0.0
+    kl_estimator: str = "low_var_kl"
+    kl_in_reward: bool = False
+    entropy_coef: float = 0.0
+    std_eps: float = 1e-6
+    gamma: float = 1.0
+    lam: float = 1.0
+    tis_cap: Optional[float] = None
+    tis_level: str = "token"
+    mis_threshold: Optional[float] = None
+    mis_threshold_low: Optional[float] = None
+    mis_level: str = "token"
+    plugin_kwargs: dict = field(default_factory=dict)
+    """``algo.plugin_kwargs``: untyped extras for plug-ins (typed ones: declare ``params``)."""
+    components: dict = field(default_factory=default_components)
+    """{parameters dataclass: value} of every registered entry that declares parameters."""
+
+    def of(self, cls: type):
+        """The configured parameters of the entry that declared dataclass ``cls``."""
+        if cls not in self.components:
+            raise KeyError(f"no parameters {cls.__name__} in this objective (it has: "
+                           f"{', '.join(sorted(c.__name__ for c in self.components)) or 'none'}): register the entry "
+                           f"with params={cls.__name__} and put {cls.__module__} in algo.plugins")
+        return self.components[cls]
+
+    @classmethod
+    def from_config(cls, cfg) -> "ObjectiveParams":
+        """Read the config; imports ``algo.plugins`` and checks that every named component exists,
+        so a typo fails at start-up with the config key and the registered names."""
+        a = cfg.algo
+        resolve_components(cfg)
+        resolved = {"loss_agg": resolve_loss_agg(a), "loss_agg_norm": a.loss_agg_norm or float(cfg.rollout.max_new_tokens),
+                    "plugin_kwargs": dict(a.plugin_kwargs), "components": {type(v): v for v in a.components.values()}}
+        return cls(**resolved, **{f.name: getattr(cfg.grpo if f.name in GRPO_KEYS else a, f.name)
+                                  for f in dataclasses.fields(cls) if f.name not in resolved})
+
+    @classmethod
+    def of_values(cls, **values) -> "ObjectiveParams":
+        """From flat values named like the config keys (``clip_low=0.2``, ``sapo_tau_pos=1.0``), the rest
+        at their defaults, component parameters type-checked as in the config. For code that calls a
+        loss or an estimator directly (tests, tools); a run uses :meth:`from_config`."""
+        classes = component_classes()
+        flat = {p + f.name: (p, f.name) for p, c in classes.items() for f in dataclasses.fields(c)}
+        own = {f.name for f in dataclasses.fields(cls)} - {"components"}
+        parts: dict[str, dict] = {p: {} for p in classes}
+        for key in set(values) - own:
+            if key not in flat:
+                raise ConfigError(f"unknown objective parameter {key!r}; valid: {', '.join(sorted(own | set(flat)))}")
+            prefix, name = flat[key]
+            parts[prefix][name] = values.pop(key)
+        return cls(**values, components={c: configtree.build(c, parts[p], p) for p, c in classes.items()})
+
+
+def load_plugins(modules) -> None:
+    """Import each module of ``algo.plugins`` (their import registers losses, advantages, rewards)."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ConfigError(f"config key 'algo.plugins': cannot import module {name!r}: {e}") from e
+
+
+def resolve_components(cfg) -> None:
+    """Import ``algo.plugins``, then look up every configured algorithm component; an unknown name
+    raises ConfigError (a ValueError) naming the config key and listing the registered names."""
+    a = cfg.algo
+    load_plugins(a.plugins)
+    for key, reg in (("algo.advantage", ADVANTAGES), ("algo.loss", POLICY_LOSSES),
+                     ("algo.loss_agg", LOSS_AGGS), ("algo.kl_estimator", KL_ESTIMATORS)):
+        name = getattr(a, key.split(".")[1])
+        if name is None:  # algo.loss_agg null: the loss's own (resolve_loss_agg)
+            continue
+        try:
+            reg.get(name)
+        except ValueError as e:
+            raise ConfigError(f"config key '{key}': {e}") from e
+    resolve_loss_agg(a)
+
+
+def resolve_loss_agg(algo) -> str:
+    """The aggregation of ``algo.loss``: ``algo.loss_agg`` when set, else the one the loss's registry
+    entry declares (its paper's objective), else token_mean. An explicit ``algo.loss_agg`` that
+    contradicts the declared one raises ConfigError naming both keys: under another aggregation the
+    loss is not its paper's objective (register the function under another name to run a variant)."""
+    declared = POLICY_LOSSES.declared(algo.loss).get("loss_agg")
+    if algo.loss_agg is None:
+        return declared or DEFAULT_LOSS_AGG
+    if declared is not None and algo.loss_agg != declared:
+        raise ConfigError(f"config key 'algo.loss_agg': {algo.loss_agg!r} contradicts algo.loss {algo.loss!r}, "
+                          f"whose paper's objective aggregates {declared!r}; set algo.loss_agg to {declared!r} "
+                          f"or null (the loss's own)")
+    return algo.loss_agg

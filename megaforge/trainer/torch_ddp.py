@@ -1,0 +1,77 @@
+"""Data parallelism of the torch backend (policy and critic): DDP wrapping, gradient accumulation over
+micro-batches, the clipped AdamW step.
+
+Every rank holds the whole mini-batch and trains on its contiguous share (:func:`local_rows`). Losses
+are contributions to the global objective (see megaforge.algorithms.aggregation), so gradients are
+*summed* over ranks: DDP averages, hence each micro-batch's loss is multiplied by the world size.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterable
+
+import torch
+
+from megaforge import dist
+from megaforge.types import TrainBatch
+
+
+def wrap(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``module`` in DistributedDataParallel when the world has several ranks, else itself."""
+    if dist.world() == 1:
+        return module
+    ids = [device.index] if device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids)
+
+
+def local_rows(mini: TrainBatch) -> TrainBatch:
+    """This rank's contiguous share of mini-batch ``mini``; ValueError when a rank would get no row."""
+    lo, hi = dist.shard_range(mini.batch_size)
+    local = mini.select(slice(lo, hi))
+    if local.batch_size == 0:
+        raise ValueError(
+            f"a mini-batch of {mini.batch_size} sequences cannot feed {dist.world()} data-parallel "
+            "ranks: raise rollout.batch_size * grpo.n_samples or lower trainer.mini_batches")
+    return local
+
+
+def accumulate(module: torch.nn.Module, rows: TrainBatch, micro_batch_size: int, loss_fn) -> dict[str, float]:
+    """Backward of ``loss_fn(micro_batch) -> (loss, {metric: scalar})`` over the micro-batches of
+    ``rows`` (gradients all-reduced once, after the last one); returns every metric summed over the
+    micro-batches and ranks."""
+    scale = float(dist.world())
+    sums: dict[str, torch.Tensor] = {}
+    mbs = list(rows.micro_batches(micro_batch_size))
+    for i, mb in enumerate(mbs):
+        sync = i == len(mbs) - 1 or not hasattr(module, "no_sync")
+        with (contextlib.nullcontext() if sync else module.no_sync()):
+            loss, metrics = loss_fn(mb)
+            (loss * scale).backward()
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + v.detach().float().cpu()
+    keys = sorted(sums)
+    if not keys:
+        return {}
+    vec = dist.all_reduce_sum(torch.stack([torch.as_tensor(sums[k]) for k in keys]))
+    return {k: float(vec[i]) for i, k in enumerate(keys)}
+
+
+def clipped_step(params: Iterable[torch.nn.Parameter], opt: torch.optim.Optimizer, clip: float) -> tuple[float, bool]:
+    """Clip the gradients of ``params`` to global norm ``clip`` (0: no clipping) and step ``opt``; a
+    non-finite norm skips the step. Gradients are cleared either way. Returns (norm, stepped)."""
+    params = [p for p in params if p.grad is not None]
+    if clip > 0:
+        norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+    else:
+        norm = float(torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params])))
+    stepped = math.isfinite(norm)
+    if stepped:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return norm, stepped
+
+
+def adamw(params, lr: float, t) -> torch.optim.AdamW:
+    """AdamW with trainer config ``t``'s betas, eps and weight decay."""
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay)
