@@ -226,10 +226,7 @@ class Run:
                                          cfg.trainer.lr_schedule, cfg.trainer.min_lr)
             if needs_ref(cfg):
                 self.trainer.snapshot_reference()
-        if self.cfg.critic_enabled and getattr(self.trainer, "critic", None) is None:
-            if not hasattr(self.trainer, "init_critic"):
-                raise RunError(f"critic.enabled / algo.advantage={cfg.algo.advantage}: trainer.backend "
-                               f"{cfg.trainer.backend} has no critic yet; use trainer.backend torch")
+        if self.cfg.critic_enabled and self.trainer.critic is None:
             self.trainer.init_critic()  # a copy of the policy as it starts RL (after SFT)
         self.stop_ids = stop_token_ids(self.tokenizer, cfg.model.path) if dist.is_main() else []
         from megaforge.eval.runner import Evaluator
