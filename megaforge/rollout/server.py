@@ -35,7 +35,7 @@ endpoint except ``/health*`` needs ``Authorization: Bearer <key>`` (SGLang's ``-
 401. ``/update_weights_from_disk`` reads only under ``--weight-root`` directories when any is given, and
 nothing when bound beyond loopback without one (403); it checks every file and tensor before the
 first weight changes (:mod:`megaforge.rollout.server_weights`). Weight payloads are unpickled with
-:mod:`megaforge.rollout.unpickle` (allowlist :mod:`megaforge.rollout.tensor_payload`).
+:mod:`megaforge.sync.unpickle` (allowlist :mod:`megaforge.sync.tensor_payload`).
 """
 from __future__ import annotations
 

@@ -118,7 +118,7 @@ def build_app(srv, api_key) -> web.Application:
         return _ok()
 
     async def from_tensor(request):
-        from megaforge.rollout import wire
+        from megaforge.sync import wire
 
         b = await body(request)
         if b["abort_all_requests"]:
@@ -190,7 +190,7 @@ def build_app(srv, api_key) -> web.Application:
                       f"{len(files)} files).", num_paused_requests=0)
 
     async def init_group(request):
-        from megaforge.rollout import weight_group
+        from megaforge.sync import weight_group
 
         b = await body(request)
         if b["group_name"] == "" or b["group_name"] in srv.groups:
@@ -214,7 +214,7 @@ def build_app(srv, api_key) -> web.Application:
         return _ok("Succeeded to initialize custom process group.")
 
     async def from_distributed(request):
-        from megaforge.rollout import weight_group
+        from megaforge.sync import weight_group
 
         b = await body(request)
         if b["abort_all_requests"]:
@@ -250,7 +250,7 @@ def build_app(srv, api_key) -> web.Application:
         return _failed(flush_refused(b)) if flush_refused(b) else _ok("Succeeded to update parameter online.")
 
     async def destroy_group(request):
-        from megaforge.rollout import weight_group
+        from megaforge.sync import weight_group
 
         b = await body(request)
         pg = srv.groups.pop(b["group_name"], None)

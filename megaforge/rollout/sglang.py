@@ -8,7 +8,7 @@ megaforge's embedded server (``rollout.engine: embedded_server``), through one c
   there is one. Every request asks ``return_logprob``; answers map to :class:`Completion`.
 * ``update_weights(buckets, version)`` by ``sync.transport``:
   ``auto`` / ``shm`` / ``ipc``: ``/update_weights_from_tensor`` with ``load_format:
-  "flattened_bucket"`` (:mod:`megaforge.rollout.wire`), inside ``/begin_weight_update`` ..
+  "flattened_bucket"`` (:mod:`megaforge.sync.wire`), inside ``/begin_weight_update`` ..
   ``/end_weight_update`` where the server's release needs that session (SGLang >= 0.5.21;
   :mod:`megaforge.rollout.versions`): ``shm`` copies every bucket into CPU shared memory, ``ipc``
   sends CUDA buckets as CUDA IPC handles, ``auto`` does whichever fits the trainer's tensors;
@@ -44,7 +44,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from megaforge.rollout import wire
+from megaforge.sync import wire
 from megaforge.rollout.base import MEMORY_TAGS, Engine, check_tags
 from megaforge.rollout.client import SGLangClient
 from megaforge.rollout.protocol import completion_from_output
@@ -313,7 +313,7 @@ class HTTPEngine(Recovery, Engine):
 
     def _join_group(self, clients: list, offsets: list[int], world: int, name: str, device: torch.device):
         """A weight-update group of this process (rank 0) and ``clients`` (from ``offsets``)."""
-        from megaforge.rollout import weight_group
+        from megaforge.sync import weight_group
         from megaforge.rollout.launcher import free_port
 
         addr = self._group_address()
@@ -377,7 +377,7 @@ class HTTPEngine(Recovery, Engine):
         if self.transport != "nccl" or self._group_device is None:
             self._call(self.clients[k].update_weights_from_disk(self.snapshot.path, weight_version=str(version)))
             return
-        from megaforge.rollout import weight_group
+        from megaforge.sync import weight_group
         from megaforge.rollout.snapshot import read_flat
 
         c, name = self.clients[k], f"{self.group_name}-resync-{k}-{self._epochs[k]}"
@@ -469,7 +469,7 @@ class HTTPEngine(Recovery, Engine):
         self.clients[k] = SGLangClient(proc.url, old.api_key, old.timeout_s, old.max_concurrency)
         self.caps[k] = self._read_caps(self.clients[k])
         if self._pg is not None:  # the group lost a member: dropped everywhere, rebuilt on the next update
-            from megaforge.rollout import weight_group
+            from megaforge.sync import weight_group
 
             others = [c for i, c in enumerate(self.clients) if i != k]
             self._call(_gather([c.destroy_weights_update_group(self.group_name) for c in others], return_exceptions=True))
@@ -494,7 +494,7 @@ class HTTPEngine(Recovery, Engine):
         self._closed = True
         try:
             if self._pg is not None:
-                from megaforge.rollout import weight_group
+                from megaforge.sync import weight_group
 
                 fut = self._submit(_gather([c.destroy_weights_update_group(self.group_name) for c in self.clients],
                                            return_exceptions=True))

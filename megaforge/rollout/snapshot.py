@@ -39,7 +39,7 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
 
 
 def write_flat(path: str, flat: torch.Tensor, metas) -> None:
-    """Write a flattened bucket (:func:`megaforge.rollout.wire.flatten`) as a safetensors file: the
+    """Write a flattened bucket (:func:`megaforge.sync.wire.flatten`) as a safetensors file: the
     header lists each tensor's byte range in ``flat``, then ``flat``'s bytes follow unchanged."""
     header, end = {}, 0
     for m in sorted(metas, key=lambda m: m.start_idx):
@@ -68,7 +68,7 @@ def _write_after(event, path: str, flat: torch.Tensor, metas) -> None:
 def read_flat(path: str):
     """(flat uint8 tensor, metadata) of a file :func:`write_flat` wrote: the bucket's bytes as they were
     sent, and each tensor's name, dtype, shape and byte range (in buffer order)."""
-    from megaforge.rollout.wire import FlattenedTensorMetadata
+    from megaforge.sync.wire import FlattenedTensorMetadata
 
     codes = {v: k for k, v in _ST_DTYPES.items()}
     with open(path, "rb") as f:

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(300)
 def test_flat_bucket_written_as_safetensors_bit_exact(tmp_path):
     from safetensors.torch import load_file
 
-    from megaforge.rollout import wire
+    from megaforge.sync import wire
     from megaforge.rollout.snapshot import WeightSnapshot
 
     g = torch.Generator().manual_seed(0)

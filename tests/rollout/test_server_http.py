@@ -36,6 +36,10 @@ def url(engine):
     return engine.clients[0].url
 
 
+def b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
 def _sample(engine, max_new=12, seed=11):
     from megaforge.types import GenerateRequest, SamplingParams
 
@@ -182,7 +186,7 @@ def _checksums(url):
 def test_malicious_tensor_payloads_are_400_and_later_updates_work(engine, url, long_model_dir):
     """Issue 21, item 5: each payload is refused with 400 naming serialized_named_tensors, nothing
     changes, and the shared-memory transport keeps working afterwards."""
-    from megaforge.rollout import wire
+    from megaforge.sync import wire
 
     before, version = _checksums(url), http(url, "GET", "/get_weight_version")[1]
     flat, metas = wire.flatten([("lm_head.weight", torch.zeros(512, 64))])
@@ -405,3 +409,29 @@ def test_restart_after_kill_then_resync(engine, long_model_dir):
     ref, named = perturbed_state(long_model_dir, seed=5)
     engine.update_weights(buckets_of(named, 2), version=11)
     _check_served_logprobs(engine, ref, 11)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+def test_cuda_engine_server_takes_ipc_updates_after_malicious_payloads(long_model_dir, tmp_path, tokenizer):
+    from engine_helpers import buckets_of, engine_config, hf_output_logprobs, http, perturbed_state
+    from megaforge.rollout import build_engine
+    from megaforge.types import GenerateRequest, SamplingParams
+
+    eng = build_engine(engine_config(tmp_path, long_model_dir, device="cuda"), tokenizer)
+    try:
+        url = eng.clients[0].url
+        assert http(url, "POST", "/begin_weight_update", {})[0] == 200
+        for raw in (BUILD_ON_CLASS, BYTEARRAY_CALL, BYTEARRAY8):
+            st, out = http(url, "POST", "/update_weights_from_tensor", {"serialized_named_tensors": [b64(raw)]})
+            assert st == 400 and out["param"] == "serialized_named_tensors", out
+        assert http(url, "POST", "/end_weight_update", {})[0] == 200
+        ref, named = perturbed_state(long_model_dir, seed=21)
+        eng.update_weights(buckets_of([(n, t.cuda()) for n, t in named], 3), version=21)  # CUDA IPC buckets
+        prompt = [5, 17, 33, 9]
+        c = eng.generate([GenerateRequest(prompt, SamplingParams(temperature=1.0, max_new_tokens=8, stop_token_ids=[],
+                                                                 seed=3), rid="r")])[0]
+        assert c.weight_version == 21
+        diff = (hf_output_logprobs(ref, prompt, c.output_ids) - torch.tensor(c.output_logprobs)).abs().max().item()
+        assert diff < 1e-3, diff  # float32 on the GPU against the CPU model: TF32-free, 2 layers, 8 tokens
+    finally:
+        eng.shutdown()

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "memory"))
 from mem_helpers import make_batch, torch_trainer_cfg  # noqa: E402
 
-from megaforge.rollout import wire  # noqa: E402
+from megaforge.sync import wire  # noqa: E402
 from megaforge.sync import WeightMismatchError, check_engine_weights, push_weights  # noqa: E402
 from megaforge.types import GenerateRequest, SamplingParams, TrainBatch  # noqa: E402
 

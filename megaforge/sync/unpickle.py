@@ -1,5 +1,5 @@
 """A restricted unpickler: only allowlisted globals, as opaque tokens; no object building but through
-checked builders. The allowlist of a tensor bucket is :data:`megaforge.rollout.tensor_payload.TENSOR_BUCKET`.
+checked builders. The allowlist of a tensor bucket is :data:`megaforge.sync.tensor_payload.TENSOR_BUCKET`.
 
 Rules (what :class:`RestrictedUnpickler` enforces; Python's pure-Python unpickler does the parsing):
 
@@ -34,7 +34,7 @@ class UnpicklingRefused(ValueError):
         hint = ""
         if global_name.endswith(".rebuild_storage_fd"):
             hint = (" (CPU tensors must be shared by file name: torch.multiprocessing's 'file_system' strategy, "
-                    "as megaforge.rollout.wire.serialize does; file descriptors do not cross unrelated processes)")
+                    "as megaforge.sync.wire.serialize does; file descriptors do not cross unrelated processes)")
         super().__init__(f"refused pickled global {global_name!r}: only torch tensor/storage rebuild "
                          f"functions, dtypes and plain containers may appear in serialized_named_tensors{hint}")
         self.global_name = global_name

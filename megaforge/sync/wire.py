@@ -21,8 +21,8 @@ file (torch's ``file_system`` strategy) and the pickle carries only its name, so
 few hundred bytes of JSON and the receiver maps the same pages. CUDA tensors travel as CUDA IPC
 handles with the device named by UUID (what SGLang's ``monkey_patch_torch_reductions`` sends).
 
-The receiving side (:func:`deserialize`) uses :class:`megaforge.rollout.unpickle.RestrictedUnpickler`
-with the allowlist of :mod:`megaforge.rollout.tensor_payload`: only containers, torch dtypes/sizes,
+The receiving side (:func:`deserialize`) uses :class:`megaforge.sync.unpickle.RestrictedUnpickler`
+with the allowlist of :mod:`megaforge.sync.tensor_payload`: only containers, torch dtypes/sizes,
 metadata records and torch's tensor/storage rebuild functions are built, their arguments and sizes
 checked first (any other global is refused with :class:`UnpicklingRefused` naming it);
 :func:`checked_layout` then checks every metadata record against the flat buffer before a view is taken.
@@ -40,9 +40,9 @@ from typing import Any, Iterable, Optional
 import torch
 from torch.multiprocessing import reductions as _red
 
-from megaforge.rollout.tensor_payload import (CUDA_DEVICE_ARG, DEFAULT_MAX_BYTES, FlattenedTensorMetadata,
+from megaforge.sync.tensor_payload import (CUDA_DEVICE_ARG, DEFAULT_MAX_BYTES, FlattenedTensorMetadata,
                                               cuda_device_uuid, load_payload)
-from megaforge.rollout.unpickle import PayloadError, UnpicklingRefused  # noqa: F401  (raised by deserialize)
+from megaforge.sync.unpickle import PayloadError, UnpicklingRefused  # noqa: F401  (raised by deserialize)
 
 FLATTENED_BUCKET = "flattened_bucket"
 
@@ -137,7 +137,7 @@ def flattened_bucket_payload(flat: torch.Tensor, metas: list[FlattenedTensorMeta
 # -------------------------------------------------------------------------------- deserialising
 def deserialize(payload: str | bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
     """Inverse of :func:`serialize` (base64 text or raw pickle bytes), with the restricted unpickler
-    (:mod:`megaforge.rollout.unpickle`, allowlist :data:`megaforge.rollout.tensor_payload.TENSOR_BUCKET`);
+    (:mod:`megaforge.sync.unpickle`, allowlist :data:`megaforge.sync.tensor_payload.TENSOR_BUCKET`);
     the storages it references may total ``max_bytes``. Refusals raise UnpicklingRefused / PayloadError."""
     if isinstance(payload, str):
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
+import os
 import pickle
 import subprocess
 import sys
@@ -14,8 +15,9 @@ from multiprocessing.reduction import ForkingPickler
 import pytest
 import torch
 
-from engine_helpers import ROOT
-from megaforge.rollout import wire
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rollout"))
+from engine_helpers import ROOT  # noqa: E402
+from megaforge.sync import wire  # noqa: E402
 
 MIXED = [("a.f32", torch.randn(3, 5)), ("b.i16", torch.arange(7, dtype=torch.int16)),
          ("c.bf16", torch.randn(33, 9).to(torch.bfloat16)), ("d.f64", torch.randn(2, dtype=torch.float64)),
@@ -38,7 +40,7 @@ def test_cpu_bucket_crosses_processes_through_shared_memory():
     flat, metas = wire.flatten(big)
     payload = wire.flattened_bucket_payload(flat, metas)
     assert flat.is_shared() and len(payload) < 4096  # the pickle carries a shared-memory name, not the bytes
-    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from megaforge.rollout import wire; "
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from megaforge.sync import wire; "
             "named = wire.named_tensors_from_payload(wire.deserialize(sys.stdin.read()), 'flattened_bucket'); "
             "import hashlib; print(hashlib.sha256(named[0][1].numpy().tobytes()).hexdigest())")
     r = subprocess.run([sys.executable, "-c", code, ROOT], input=payload, capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""The allowlist of a tensor bucket for :mod:`megaforge.rollout.unpickle` (what ``/update_weights_from_tensor``
+"""The allowlist of a tensor bucket for :mod:`megaforge.sync.unpickle` (what ``/update_weights_from_tensor``
 payloads may build), the flattened-bucket metadata record, and torch's legacy storage format.
 
 Builders check before they call torch: argument types; that a tensor view lies inside its storage
@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch.multiprocessing import reductions as _red
 
-from megaforge.rollout.unpickle import (Allowlist, OpcodeRestricted, PayloadError, RestrictedUnpickler, Token,
+from megaforge.sync.unpickle import (Allowlist, OpcodeRestricted, PayloadError, RestrictedUnpickler, Token,
                                         UnpicklingRefused, as_args, as_bool, as_class, as_int, as_ints, bad,
                                         global_name)
 
@@ -267,7 +267,10 @@ def _empty_record() -> FlattenedTensorMetadata:
 
 TENSOR_BUCKET = Allowlist(
     builders=BUILDERS, tokens=frozenset(_TENSOR_CLASSES) | frozenset(_STORAGE_CLASSES), values=_DTYPES,
-    records={"megaforge.rollout.tensor_payload.FlattenedTensorMetadata": _empty_record,
+    records={"megaforge.sync.tensor_payload.FlattenedTensorMetadata": _empty_record,
+             "megaforge.sync.wire.FlattenedTensorMetadata": _empty_record,
+             # where the record lived before issue 22 (a payload an older megaforge trainer pickled)
+             "megaforge.rollout.tensor_payload.FlattenedTensorMetadata": _empty_record,
              "megaforge.rollout.wire.FlattenedTensorMetadata": _empty_record,
              "sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata": _empty_record,
              "types.SimpleNamespace": types.SimpleNamespace},
