@@ -226,15 +226,6 @@ def global_name(module: str, name: str) -> str:
     return f"{module}.{name}"
 
 
-def global_name(module: str, name: str) -> str:
-    """``module.name``, with Python 2 names (protocol < 3 pickles) mapped as pickle.Unpickler does."""
-    if (module, name) in _compat_pickle.NAME_MAPPING:
-        module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-    else:
-        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
-    return f"{module}.{name}"
-
-
 class RestrictedUnpickler(OpcodeRestricted):
     """An unpickler that builds only what ``allow`` permits (see the module docstring)."""
 
