@@ -189,7 +189,7 @@ class TrainJob(submitit.helpers.Checkpointable):
             master = env.hostnames[0]
             port = self.master_port or 20000 + int(re.sub(r"\D", "", job_id) or 0) % 40000
         else:  # one node: loopback and a port free now
-            from megaforge.rollout.launcher import free_port
+            from megaforge.net import free_port
 
             master, port = "127.0.0.1", self.master_port or free_port()
         cmd = self.command(node, master, port, resume)

@@ -41,6 +41,8 @@ import urllib.error
 import urllib.request
 from typing import Callable, Optional
 
+from megaforge.net import connect_host, free_port
+
 PR_SET_PDEATHSIG = 1
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _ADDR_IN_USE = re.compile(r"address already in use|errno 98|EADDRINUSE", re.IGNORECASE)
@@ -71,11 +73,6 @@ def _preexec(parent_pid: int) -> Callable[[], None]:
     return run
 
 
-def connect_host(host: str) -> str:
-    """The address a client on this machine uses for a server bound to ``host``."""
-    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-
-
 def url_for(host: str, port: int) -> str:
     h = connect_host(host)
     return f"http://[{h}]:{port}" if ":" in h else f"http://{h}:{port}"
@@ -96,13 +93,6 @@ def bound_socket(host: str, port: int = 0) -> socket.socket:
         s.close()
         raise
     return s
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(fam, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def port_free(host: str, port: int) -> bool:

@@ -60,7 +60,7 @@ class EngineFailure(RuntimeError):
 
 class Recovery:
     """Mixin of HTTPEngine (which provides ``clients``, ``processes``, ``router``, ``snapshot``,
-    ``_released``, ``_call``, ``_pg``, ``restart_server``, ``_resync``)."""
+    ``_released``, ``_call``, ``restart_server``, ``_resync``)."""
 
     def _init_recovery(self, max_restarts: int, health_timeout_s: float, startup_timeout_s: float) -> None:
         if max_restarts < 0:
@@ -74,6 +74,10 @@ class Recovery:
         self._recover_lock = threading.RLock()
 
     # ---------------------------------------------------------------------------------- helpers
+    def epoch(self, k: int) -> int:
+        """Restarts of engine ``k`` so far (a failure seen at an older epoch is already handled)."""
+        return self._epochs[k]
+
     def _proc(self, k: int):
         return next((p for p in self.processes if p.name == f"engine_{k}"), None)
 
@@ -100,7 +104,7 @@ class Recovery:
         except FAULTS as e:
             return f"{path}: {type(e).__name__}: {e}"
 
-    def _is_fault(self, k: int, exc: BaseException) -> bool:
+    def is_fault(self, k: int, exc: BaseException) -> bool:
         """Whether ``exc`` from engine ``k`` (or ROUTER) means a dead or hung engine (see the module doc)."""
         if isinstance(exc, FAULTS):
             return True
@@ -189,7 +193,7 @@ class Recovery:
         for k, why in bad:
             self._recover(k, f"{_why(cause)}; {why}", epochs[k])
 
-    def _guarded_all(self, fn) -> list:
+    def guarded_all(self, fn) -> list:
         """``fn(client)`` on every engine concurrently; an engine that fails with a fault is recovered and
         ``fn`` run on it again (bounded by the restart budget)."""
         todo = list(range(len(self.clients)))
@@ -203,7 +207,7 @@ class Recovery:
             failed = []
             for k, ep, r in zip(todo, epochs, self._call(run())):
                 if isinstance(r, BaseException):
-                    if not isinstance(r, Exception) or not self._is_fault(k, r):
+                    if not isinstance(r, Exception) or not self.is_fault(k, r):
                         raise r
                     failed.append((k, ep, r))
                 else:

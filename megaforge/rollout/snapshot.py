@@ -156,6 +156,12 @@ class WeightSnapshot:
         with open(os.path.join(self.path, "snapshot.json")) as f:
             return [os.path.join(self.path, name) for name in json.load(f)["files"]]
 
+    def buckets(self):
+        """The (flat, metadata) buckets of the complete snapshot (:func:`read_flat`), in the order they
+        were sent, each read when it is reached."""
+        for path in self.files():
+            yield read_flat(path)
+
     def add_named(self, named) -> None:
         """Written now (the disk transport's engines read the files right after)."""
         from safetensors.torch import save_file

@@ -85,7 +85,7 @@ def test_crafted_checkpoint_is_refused_and_run_dir_config_is_not_imported(tmp_pa
 @pytest.fixture(scope="module")
 def mcore_checkpoint(tmp_path_factory):
     pytest.importorskip("megatron.core")
-    from megaforge.rollout.launcher import free_port
+    from megaforge.net import free_port
 
     d = str(tmp_path_factory.mktemp("mcore") / "ckpt")
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",

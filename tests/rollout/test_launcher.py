@@ -136,7 +136,8 @@ def test_early_exit_reports_exit_code_and_log_tail(tmp_path):
 
 
 def test_non_loopback_bind_needs_api_key_and_admin_needs_token(tmp_path, tiny_model_dir):
-    from megaforge.rollout.launcher import ServerProcess, child_env, free_port
+    from megaforge.net import free_port
+    from megaforge.rollout.launcher import ServerProcess, child_env
     from megaforge.rollout.server import API_KEY_ENV
 
     refused = subprocess.run([sys.executable, "-m", "megaforge.rollout.server", "--model", tiny_model_dir, "--host",

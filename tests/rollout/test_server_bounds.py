@@ -235,7 +235,7 @@ def test_a_slow_body_times_out(srv):
 
 
 def test_weight_group_to_a_closed_port_fails_fast_and_does_not_hold_the_engine(srv):
-    from megaforge.rollout.launcher import free_port
+    from megaforge.net import free_port
 
     port = free_port()  # nothing listens there
     box = {}

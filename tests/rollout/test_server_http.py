@@ -121,7 +121,7 @@ def test_update_from_distributed_gloo_matches_hf(engine, url, long_model_dir):
     dist_engine = HTTPEngine([url], transport="nccl")  # CPU tensors: a gloo group, this process is rank 0
     try:
         dist_engine.update_weights(buckets_of(named, 3), version=10)
-        assert dist_engine._pg is not None
+        assert dist_engine.weight_transport.group is not None
         st, info = http(url, "GET", "/server_info")
         assert info["weight_update_groups"] == ["megaforge_weight_update"]
     finally:
@@ -357,7 +357,7 @@ def test_client_error_names_endpoint_status_and_body(engine):
         engine._call(engine.clients[0].update_weights_from_disk("/nonexistent/dir"))
     assert e.value.status == 400 and e.value.endpoint == "/update_weights_from_disk"
     assert "/update_weights_from_disk answered HTTP 400" in str(e.value) and "/nonexistent/dir" in str(e.value)
-    from megaforge.rollout.launcher import free_port
+    from megaforge.net import free_port
 
     dead = SGLangClient(f"http://127.0.0.1:{free_port()}", retries=2, backoff_s=0.05)
     t0 = time.time()
