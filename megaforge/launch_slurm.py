@@ -147,10 +147,9 @@ def _child_setup() -> None:
     makes torchrun stop its ranks."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    from megaforge.rollout.launcher import _PRCTL, PR_SET_PDEATHSIG
+    from megaforge.rollout.http.processes import die_with_parent
 
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    die_with_parent(signal.SIGTERM)
 
 
 class TrainJob(submitit.helpers.Checkpointable):

@@ -4,7 +4,7 @@
         [--tokenizer DIR] [--device cpu] [--dtype float32] [--log-file F] [--weight-version V]
         [--generate-delay S]
 
-Endpoints (request/answer fields as sglang 0.5.23; schemas in :mod:`megaforge.rollout.protocol`):
+Endpoints (request/answer fields as sglang 0.5.23; schemas in :mod:`megaforge.rollout.http.protocol`):
 ``/generate``, ``/update_weights_from_tensor``, ``/update_weights_from_disk``,
 ``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
 ``/begin_weight_update``, ``/end_weight_update``, ``/update_weight_version``,
@@ -41,10 +41,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import os
-import secrets
 import signal
 import socket
 import sys
@@ -52,19 +50,11 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from megaforge.rollout.protocol import StateError
+from megaforge.net import is_loopback
+from megaforge.rollout.http.auth import API_KEY_ENV
+from megaforge.rollout.http.protocol import StateError
 
-API_KEY_ENV = "MEGAFORGE_ENGINE_API_KEY"
 log = logging.getLogger("megaforge.engine_server")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name other than localhost: treat as reachable from outside
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -154,7 +144,7 @@ class Server:
     async def _prompts(self, body: dict) -> tuple[list[list[int]], bool, str]:
         """(token ids of every prompt, single, the field they came from); each checked against the
         vocabulary and the context."""
-        from megaforge.rollout import protocol as P
+        from megaforge.rollout.http import protocol as P
 
         if (body["text"] is None) == (body["input_ids"] is None):
             raise P.FieldError("input_ids", "give exactly one of `input_ids` and `text`")
@@ -193,7 +183,7 @@ class Server:
         return prompts, single, field
 
     async def _requests(self, body: dict) -> tuple[list, bool]:
-        from megaforge.rollout import protocol as P
+        from megaforge.rollout.http import protocol as P
         from megaforge.types import GenerateRequest, SamplingParams
 
         prompts, single, field = await self._prompts(body)
@@ -262,7 +252,7 @@ class Server:
         return [done.get(r.rid) or Completion(r.rid, [], [], "abort", 0, "") for r, _, _ in items], version
 
     def _answer(self, req, sp: dict, want_lp: bool, c, version: str) -> dict:
-        from megaforge.rollout.protocol import finish_reason_json
+        from megaforge.rollout.http.protocol import finish_reason_json
 
         text = ""
         if self.tokenizer is not None:
@@ -311,7 +301,7 @@ class Server:
             self.aborted_rids.add(rid)
 
     def release(self, tags) -> None:
-        from megaforge.rollout.protocol import MEMORY_TAGS
+        from megaforge.rollout.http.protocol import MEMORY_TAGS
 
         tags = list(tags or MEMORY_TAGS)
         if self.busy:
@@ -323,7 +313,7 @@ class Server:
         self.released |= set(tags)
 
     def resume(self, tags) -> None:
-        from megaforge.rollout.protocol import MEMORY_TAGS
+        from megaforge.rollout.http.protocol import MEMORY_TAGS
 
         tags = list(tags or MEMORY_TAGS)
         missing = [t for t in tags if t not in self.released]
@@ -484,10 +474,6 @@ def main(argv=None) -> None:
     asyncio.run(serve(args, sock))
     logging.shutdown()
     os._exit(0)  # do not wait on a worker thread blocked in a rendezvous
-
-
-def new_api_key() -> str:
-    return secrets.token_urlsafe(24)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 
 from aiohttp import web
 
-from megaforge.rollout import protocol as P
+from megaforge.net import is_loopback
+from megaforge.rollout.http import protocol as P
+from megaforge.rollout.http.auth import bearer_ok
 
 log = logging.getLogger("megaforge.engine_server")
 NO_SESSION = "{} must run between begin_weight_update() and end_weight_update()"
@@ -37,9 +38,7 @@ def build_app(srv, api_key) -> web.Application:
     @web.middleware
     async def guard(request: web.Request, handler):
         if api_key and not request.path.startswith("/health"):
-            auth = request.headers.get("Authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), api_key.encode()):
+            if not bearer_ok(request.headers.get("Authorization", ""), api_key):
                 log.warning("401 %s %s from %s", request.method, request.path, request.remote)
                 return web.json_response({"error": "Unauthorized"}, status=401)
         if srv.guard is not None:
@@ -164,7 +163,6 @@ def build_app(srv, api_key) -> web.Application:
 
     async def from_disk(request):
         from megaforge.rollout import server_weights as W
-        from megaforge.rollout.server import is_loopback
 
         b = await body(request)
         if b["abort_all_requests"]:

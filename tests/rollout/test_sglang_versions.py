@@ -73,7 +73,7 @@ def test_weight_update_speaks_each_release(api, long_model_dir, tmp_path, tokeni
 
 # ------------------------------------------------------------------------- server environments
 def test_servers_never_inherit_torchruns_rendezvous(monkeypatch, tmp_path):
-    from megaforge.rollout.launcher import ServerProcess, child_env, is_rendezvous_var
+    from megaforge.rollout.http.processes import ServerProcess, child_env, is_rendezvous_var
 
     torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
                 "ROLE_RANK": "0", "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
@@ -102,7 +102,7 @@ def _fake_dist(root, name: str, version: str) -> str:
 
 def test_engine_python_and_env_select_the_sglang_that_is_checked(tmp_path, long_model_dir):
     from megaforge.configtree import ConfigError
-    from megaforge.rollout.http_launch import installed_versions, require_sglang
+    from megaforge.rollout.http.launch import installed_versions, require_sglang
 
     cfg = engine_config(tmp_path, long_model_dir, engine="sglang")
     cfg.rollout.engine_env = {"PYTHONPATH": _fake_dist(tmp_path / "new", "sglang", "0.5.16")}

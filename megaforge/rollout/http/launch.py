@@ -1,6 +1,6 @@
 """Launching HTTP engines: ``rollout.num_engines`` servers (SGLang or megaforge's embedded one), GPUs,
-the router, and the :class:`megaforge.rollout.sglang.HTTPEngine` over them (with its weight snapshot
-for fault tolerance, :mod:`megaforge.rollout.recovery`)."""
+the router, and the :class:`megaforge.rollout.http.engine.HTTPEngine` over them (with its weight snapshot
+for fault tolerance, :mod:`megaforge.rollout.http.recovery`)."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,8 @@ from typing import Optional
 
 import torch
 
-from megaforge.rollout.sglang import HTTPEngine
+from megaforge.net import is_loopback
+from megaforge.rollout.http.engine import HTTPEngine
 
 from megaforge.rollout.versions import TESTED as SGLANG_TESTED  # noqa: F401  (release -> how it was tested)
 
@@ -29,7 +30,7 @@ def engine_python(cfg) -> str:
 def engine_env(cfg, gpus: Optional[list[int]] = None, extra: Optional[dict] = None, repo_on_path: bool = False) -> dict:
     """Environment of an engine server or router: this process's without torchrun's rendezvous
     variables, ``rollout.engine_env`` on top (then ``extra``)."""
-    from megaforge.rollout.launcher import child_env
+    from megaforge.rollout.http.processes import child_env
 
     return child_env(gpus, {**cfg.rollout.engine_env, **(extra or {})}, repo_on_path=repo_on_path)
 
@@ -97,7 +98,8 @@ def gpu_assignment(num_engines: int, tp: int, num_gpus: int, local_world: int, v
     return [ids[base + k * tp: base + (k + 1) * tp] for k in range(num_engines)]
 
 
-def _visible_gpus() -> Optional[list[int]]:
+def visible_gpus() -> Optional[list[int]]:
+    """The GPU ids this process sees: ``CUDA_VISIBLE_DEVICES`` when set, else all (None without CUDA)."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None and env.strip():
         return [int(x) for x in env.split(",") if x.strip()]
@@ -141,8 +143,8 @@ def build_http_engine(cfg, tokenizer, kind: str, node=None) -> Optional[HTTPEngi
     engines (``node.engine_ids`` on ``node.gpus``); the URLs of all nodes' engines are gathered and
     rank 0 gets the engine, other node leaders None (``node`` keeps their servers)."""
     from megaforge.hf import resolve_device
-    from megaforge.rollout.launcher import ServerProcess, child_env, start_all
-    from megaforge.rollout.server import API_KEY_ENV, is_loopback, new_api_key
+    from megaforge.rollout.http.processes import ServerProcess, child_env, start_all
+    from megaforge.rollout.http.auth import API_KEY_ENV, engine_api_key
 
     r = cfg.rollout
     if kind == "sglang":
@@ -151,7 +153,7 @@ def build_http_engine(cfg, tokenizer, kind: str, node=None) -> Optional[HTTPEngi
         raise ValueError("rollout.tensor_parallel: the embedded server runs TP 1 (use rollout.num_engines)")
     elif r.router and r.num_engines > 1:
         require_sglang(cfg, router=True)
-    api_key = r.api_key or ("" if is_loopback(r.host) else new_api_key())
+    api_key = engine_api_key(r.api_key, r.host)
     if node is not None:
         api_key = node.share(api_key)  # rank 0's key on every node
     model_dir, cleanup = _model_dir(cfg)
@@ -162,7 +164,7 @@ def build_http_engine(cfg, tokenizer, kind: str, node=None) -> Optional[HTTPEngi
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     device = resolve_device(r.device) if kind == "embedded_server" else torch.device("cuda")
     ids = list(range(r.num_engines)) if node is None else node.engine_ids
-    gpus = (gpu_assignment(r.num_engines, r.tensor_parallel, r.num_gpus, local_world, _visible_gpus()) if node is None
+    gpus = (gpu_assignment(r.num_engines, r.tensor_parallel, r.num_gpus, local_world, visible_gpus()) if node is None
             else node.gpus) if device.type == "cuda" else [None] * len(ids)
     gpus = dict(zip(ids, gpus))
     roots = [] if is_loopback(r.host) else weight_roots(cfg)

@@ -15,8 +15,8 @@ megaforge's embedded server (``rollout.engine: embedded_server``), through one c
 * ``weight_version`` asks every server (``/model_info``) and fails if they disagree.
 * ``caps``: each server's release and abilities (:class:`megaforge.rollout.versions.ServerCaps`), read
   from ``/server_info`` when the engine is built and after every restart.
-* fault tolerance (:mod:`megaforge.rollout.recovery`): a dead or hung engine is restarted, re-synced
-  from the weight snapshot (:mod:`megaforge.rollout.snapshot`, written by every update), its memory
+* fault tolerance (:mod:`megaforge.rollout.http.recovery`): a dead or hung engine is restarted, re-synced
+  from the weight snapshot (:mod:`megaforge.rollout.http.snapshot`, written by every update), its memory
   state restored and its unfinished requests re-issued, ``rollout.max_restarts`` times per step.
 
 The sync methods run coroutines on a private event-loop thread; ``abort()`` is safe from any thread.
@@ -34,15 +34,15 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from megaforge.rollout.base import MEMORY_TAGS, Engine, check_tags
-from megaforge.rollout.client import SGLangClient
-from megaforge.rollout.protocol import completion_from_output
-from megaforge.rollout.recovery import ROUTER, EngineFailure, Recovery  # noqa: F401  (EngineFailure: re-export)
-from megaforge.rollout.snapshot import WeightSnapshot
+from megaforge.rollout.http.client import SGLangClient
+from megaforge.rollout.http.protocol import completion_from_output
+from megaforge.rollout.http.recovery import ROUTER, Recovery
+from megaforge.rollout.http.snapshot import WeightSnapshot
 from megaforge.rollout.versions import ServerCaps, caps_from_server_info
 from megaforge.sync.transports import make_transport
 from megaforge.types import Completion, GenerateRequest
 
-log = logging.getLogger("megaforge.rollout.sglang")
+log = logging.getLogger("megaforge.rollout.http.engine")
 
 
 class EngineStateError(RuntimeError):
@@ -60,7 +60,7 @@ class HTTPEngine(Recovery, Engine):
                  max_concurrency: int = 256, group_name: str = "megaforge_weight_update",
                  max_restarts: int = 0, snapshot_dir: str = "", health_timeout_s: float = 30.0,
                  startup_timeout_s: float = 600.0):
-        """``max_restarts`` > 0 turns fault tolerance on (:mod:`megaforge.rollout.recovery`): every weight
+        """``max_restarts`` > 0 turns fault tolerance on (:mod:`megaforge.rollout.http.recovery`): every weight
         update also writes the snapshot (under ``snapshot_dir``, a temporary folder when empty)."""
         self.weight_transport = make_transport(transport, self, model_dir, group_name)  # checks the name first
         if not urls:
@@ -229,7 +229,7 @@ class HTTPEngine(Recovery, Engine):
     def restart_server(self, k: int, timeout_s: float = 600.0, reason: str = "", restore_memory: bool = True) -> None:
         """Restart engine ``k`` (one this engine launched). It comes back with its initial weights and
         version 0 (``restore_memory``: in the engines' memory state); the recovery path
-        (:mod:`megaforge.rollout.recovery`) re-syncs its weights from the snapshot, then its memory."""
+        (:mod:`megaforge.rollout.http.recovery`) re-syncs its weights from the snapshot, then its memory."""
         proc = self._proc(k)
         if proc is None:
             raise ValueError(f"engine {k} was not launched by this HTTPEngine; it cannot restart it")
@@ -274,15 +274,3 @@ class HTTPEngine(Recovery, Engine):
                 shutil.rmtree(d, ignore_errors=True)
             if self.snapshot is not None:
                 self.snapshot.close()
-
-
-
-_MOVED = ("SGLANG_TESTED", "require_sglang", "gpu_assignment", "build_http_engine")
-
-
-def __getattr__(name):  # the launching code lives in megaforge.rollout.http_launch
-    if name in _MOVED:
-        from megaforge.rollout import http_launch
-
-        return getattr(http_launch, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

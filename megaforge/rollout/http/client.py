@@ -10,7 +10,7 @@ One :class:`SGLangClient` per server URL. Every call:
 * raises :class:`EngineHTTPError` (endpoint, status, body) on a non-2xx answer, and on a 2xx answer
   whose JSON says ``"success": false``.
 
-Request fields are sglang 0.5.23's (see :mod:`megaforge.rollout.protocol`).
+Request fields are sglang 0.5.23's (see :mod:`megaforge.rollout.http.protocol`).
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from typing import Any, Optional
 
 import aiohttp
 
-from megaforge.rollout.protocol import parse_version
+from megaforge.rollout.http.protocol import parse_version
 
-log = logging.getLogger("megaforge.rollout.client")
+log = logging.getLogger("megaforge.rollout.http.client")
 
 
 class EngineHTTPError(RuntimeError):

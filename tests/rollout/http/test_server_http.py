@@ -96,7 +96,7 @@ def test_update_from_tensor_matches_hf_and_advances_version(engine, long_model_d
 
 
 def test_update_from_disk_matches_hf(engine, url, long_model_dir, tmp_path):
-    from megaforge.rollout.sglang import HTTPEngine
+    from megaforge.rollout.http.engine import HTTPEngine
 
     ref, named = perturbed_state(long_model_dir, seed=2)
     ref.save_pretrained(tmp_path / "w")
@@ -115,7 +115,7 @@ def test_update_from_disk_matches_hf(engine, url, long_model_dir, tmp_path):
 
 
 def test_update_from_distributed_gloo_matches_hf(engine, url, long_model_dir):
-    from megaforge.rollout.sglang import HTTPEngine
+    from megaforge.rollout.http.engine import HTTPEngine
 
     ref, named = perturbed_state(long_model_dir, seed=4)
     dist_engine = HTTPEngine([url], transport="nccl")  # CPU tensors: a gloo group, this process is rank 0
@@ -266,7 +266,7 @@ def test_update_from_disk_is_all_or_nothing(engine, url, long_model_dir, tmp_pat
 
 
 def test_memory_release_resume_state_is_checked(engine, url, long_model_dir):
-    from megaforge.rollout.sglang import EngineStateError
+    from megaforge.rollout.http.engine import EngineStateError
 
     engine.release_memory(["weights", "kv_cache"])
     st, out = http(url, "POST", "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
@@ -351,7 +351,7 @@ def test_flush_health_info_endpoints(engine, url):
 
 
 def test_client_error_names_endpoint_status_and_body(engine):
-    from megaforge.rollout.client import EngineHTTPError, EngineUnreachable, SGLangClient
+    from megaforge.rollout.http.client import EngineHTTPError, EngineUnreachable, SGLangClient
 
     with pytest.raises(EngineHTTPError) as e:
         engine._call(engine.clients[0].update_weights_from_disk("/nonexistent/dir"))
@@ -383,7 +383,7 @@ def test_flush_cache_retries_while_requests_drain(engine, url):
 
 
 def test_transport_choices_are_checked(url):
-    from megaforge.rollout.sglang import HTTPEngine
+    from megaforge.rollout.http.engine import HTTPEngine
 
     with pytest.raises(ValueError, match="inproc"):
         HTTPEngine([url], transport="inproc")

@@ -12,7 +12,7 @@
 * a port chosen safely: the embedded server inherits a socket we bound and hold (``--sock-fd``), so no
   other process can take the port in between; SGLang gets a port picked by binding port 0, and is
   relaunched on a fresh port when its log says the address was in use;
-* restart (engine fault tolerance, :mod:`megaforge.rollout.recovery`): stop, a line saying why appended
+* restart (engine fault tolerance, :mod:`megaforge.rollout.http.recovery`): stop, a line saying why appended
   to the same log, start again on the same port when it can be bound again (so a router in front keeps
   its worker URL), else a fresh one;
 * readiness: ``GET /health_generate`` (``/health`` for the router) polled until HTTP 200; a server
@@ -41,10 +41,11 @@ import urllib.error
 import urllib.request
 from typing import Callable, Optional
 
+import megaforge
 from megaforge.net import connect_host, free_port
 
 PR_SET_PDEATHSIG = 1
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(megaforge.__file__)))
 _ADDR_IN_USE = re.compile(r"address already in use|errno 98|EADDRINUSE", re.IGNORECASE)
 
 
@@ -64,10 +65,16 @@ def _libc_prctl():
 _PRCTL = _libc_prctl()  # resolved before any fork: the child only calls it
 
 
+def die_with_parent(sig: int) -> None:
+    """In a child before exec (``preexec_fn``): the kernel sends ``sig`` when the parent (thread) dies
+    (``PR_SET_PDEATHSIG``, Linux; nothing elsewhere)."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
 def _preexec(parent_pid: int) -> Callable[[], None]:
     def run():
-        if _PRCTL is not None:
-            _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        die_with_parent(signal.SIGKILL)
         if os.getppid() != parent_pid:  # the parent died before prctl took effect
             os._exit(1)
     return run
@@ -146,7 +153,8 @@ _LIVE_LOCK = threading.Lock()
 _HOOKED = False
 
 
-def _stop_all() -> None:
+def stop_all() -> None:
+    """Stop every server process started here and still running."""
     with _LIVE_LOCK:
         procs = list(_LIVE)
     for p in procs:
@@ -158,7 +166,7 @@ def _install_hooks() -> None:
     if _HOOKED:
         return
     _HOOKED = True
-    atexit.register(_stop_all)
+    atexit.register(stop_all)
     if threading.current_thread() is not threading.main_thread():
         return  # signal handlers can only be set from the main thread; atexit + PDEATHSIG still apply
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -166,7 +174,7 @@ def _install_hooks() -> None:
             continue  # the program handles it (e.g. the loop's graceful stop): its exit path stops the servers
 
         def handler(signum, frame):
-            _stop_all()
+            stop_all()
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 

@@ -1,4 +1,4 @@
-"""Engine fault tolerance of :class:`megaforge.rollout.sglang.HTTPEngine` (``rollout.engine``
+"""Engine fault tolerance of :class:`megaforge.rollout.http.engine.HTTPEngine` (``rollout.engine``
 ``embedded_server`` and ``sglang``).
 
 When an engine fails:
@@ -9,11 +9,11 @@ When an engine fails:
   refused or dropped, or no answer came within ``rollout.request_timeout_s`` (a hung engine). An HTTP
   error answer is a fault only when the process is gone, or it is a 5xx and ``/health_generate``
   fails too; other errors (HTTP 400: a bad request) are raised as they are.
-* **restarted** (:meth:`megaforge.rollout.launcher.ServerProcess.restart`): SIGTERM then SIGKILL (a
+* **restarted** (:meth:`megaforge.rollout.http.processes.ServerProcess.restart`): SIGTERM then SIGKILL (a
   stopped process too), the same command, on the same port when it can be bound again (required
   with a router in front), the reason appended to ``<run dir>/logs/engine_K.log``;
 * **re-synced** to the version the engines serve, from the weight snapshot
-  (:mod:`megaforge.rollout.snapshot`: the bytes the last update sent, written by the update itself):
+  (:mod:`megaforge.rollout.http.snapshot`: the bytes the last update sent, written by the update itself):
   with ``sync.transport nccl`` over a weight-update group of the restarted engine alone (the same
   broadcast as an update), else through ``/update_weights_from_disk``; the served version is checked
   afterwards;
@@ -42,9 +42,9 @@ from typing import Optional
 
 import aiohttp
 
-from megaforge.rollout.client import EngineHTTPError, EngineUnreachable, SGLangClient
+from megaforge.rollout.http.client import EngineHTTPError, EngineUnreachable, SGLangClient
 
-log = logging.getLogger("megaforge.rollout.recovery")
+log = logging.getLogger("megaforge.rollout.http.recovery")
 ROUTER = -1  # target index of requests sent through the router
 
 FAULTS = (EngineUnreachable, aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
@@ -145,7 +145,7 @@ class Recovery:
                                     f"engine_{k}")
             while True:
                 if self._step_restarts[k] >= self.max_restarts:
-                    from megaforge.rollout.launcher import tail
+                    from megaforge.rollout.http.processes import tail
 
                     raise EngineFailure(
                         f"{self._name(k)} failed: {_why(cause)}. It was restarted {self._step_restarts[k]} time(s) in "

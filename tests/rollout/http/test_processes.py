@@ -1,4 +1,4 @@
-"""The engine launcher: no orphans (parent SIGKILL / SIGTERM), readiness errors with the log tail,
+"""Engine server processes and their launch: no orphans (parent SIGKILL / SIGTERM), readiness errors with the log tail,
 API-key rules on a non-loopback bind, GPU assignment, the sglang extra."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(240)
 PARENT = textwrap.dedent("""
     import signal, sys, time
     sys.path.insert(0, {root!r})
-    from megaforge.rollout.launcher import ServerProcess, child_env
+    from megaforge.rollout.http.processes import ServerProcess, child_env
     kind, arg, log = sys.argv[1:4]
     stop = []
     if arg == "graceful":  # the program handles SIGTERM itself, like the RL loop
@@ -114,7 +114,7 @@ def test_program_sigterm_handler_is_kept_and_atexit_stops_servers(tmp_path):
 
 
 def test_readiness_timeout_reports_log_tail_and_kills(tmp_path):
-    from megaforge.rollout.launcher import ServerProcess, ServerStartError, child_env
+    from megaforge.rollout.http.processes import ServerProcess, ServerStartError, child_env
 
     cmd = lambda port, fd: [sys.executable, "-c", "print('loading shard 3 of 7', flush=True); import time; time.sleep(120)"]
     s = ServerProcess("engine_0", cmd, str(tmp_path / "logs" / "engine_0.log"), env=child_env())
@@ -125,7 +125,7 @@ def test_readiness_timeout_reports_log_tail_and_kills(tmp_path):
 
 
 def test_early_exit_reports_exit_code_and_log_tail(tmp_path):
-    from megaforge.rollout.launcher import ServerProcess, ServerStartError, child_env
+    from megaforge.rollout.http.processes import ServerProcess, ServerStartError, child_env
 
     cmd = lambda port, fd: [sys.executable, "-m", "megaforge.rollout.server", "--model", str(tmp_path / "nope"),
                             "--port", str(port), "--sock-fd", str(fd)]
@@ -137,8 +137,8 @@ def test_early_exit_reports_exit_code_and_log_tail(tmp_path):
 
 def test_non_loopback_bind_needs_api_key_and_admin_needs_token(tmp_path, tiny_model_dir):
     from megaforge.net import free_port
-    from megaforge.rollout.launcher import ServerProcess, child_env
-    from megaforge.rollout.server import API_KEY_ENV
+    from megaforge.rollout.http.processes import ServerProcess, child_env
+    from megaforge.rollout.http.auth import API_KEY_ENV
 
     refused = subprocess.run([sys.executable, "-m", "megaforge.rollout.server", "--model", tiny_model_dir, "--host",
                               "0.0.0.0", "--port", str(free_port())], env=child_env({API_KEY_ENV: ""}),
@@ -176,8 +176,8 @@ def test_non_loopback_server_reads_weights_only_under_its_roots(tmp_path, tiny_m
     """Issue 21, item 5: --weight-root bounds /update_weights_from_disk (symbolic links resolved)."""
     import shutil
 
-    from megaforge.rollout.launcher import ServerProcess, child_env
-    from megaforge.rollout.server import API_KEY_ENV
+    from megaforge.rollout.http.processes import ServerProcess, child_env
+    from megaforge.rollout.http.auth import API_KEY_ENV
 
     allowed, outside = tmp_path / "allowed", tmp_path / "outside"
     shutil.copytree(tiny_model_dir, allowed / "ckpt")
@@ -209,7 +209,7 @@ def test_non_loopback_server_reads_weights_only_under_its_roots(tmp_path, tiny_m
 def test_weight_roots_of_a_non_loopback_launch(tmp_path, tiny_model_dir):
     import tempfile
 
-    from megaforge.rollout.http_launch import weight_roots
+    from megaforge.rollout.http.launch import weight_roots
 
     cfg = engine_config(tmp_path, tiny_model_dir, host="0.0.0.0", weight_roots=[str(tmp_path / "mine")])
     assert weight_roots(cfg) == [str(tmp_path / "mine"), tempfile.gettempdir()]  # + default snapshots' folder
@@ -218,7 +218,7 @@ def test_weight_roots_of_a_non_loopback_launch(tmp_path, tiny_model_dir):
 
 
 def test_gpu_assignment():
-    from megaforge.rollout.sglang import gpu_assignment
+    from megaforge.rollout.http.launch import gpu_assignment
 
     assert gpu_assignment(2, 2, 0, 4, [0, 1, 2, 3]) == [[0, 1], [2, 3]]  # colocated
     assert gpu_assignment(2, 1, 2, 2, [4, 5, 6, 7]) == [[6], [7]]  # the node's last 2 GPUs, mapped
