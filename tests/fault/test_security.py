@@ -37,7 +37,7 @@ class Evil:
 def test_engine_servers_bind_loopback_by_default():
     from megaforge.config import Config
     from megaforge.net import is_loopback
-    from megaforge.rollout.server import parse_args
+    from megaforge.rollout.server.cli import parse_args
 
     assert parse_args(["--model", "m"]).host == "127.0.0.1" and Config().rollout.host == "127.0.0.1"
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
