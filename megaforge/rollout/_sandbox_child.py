@@ -111,7 +111,8 @@ def blocked_ancestor(path: str, uid: int, gids: set):
     return None
 
 
-def _under(path: str, root: str) -> bool:
+def under(path: str, root: str) -> bool:
+    """Whether ``path`` is ``root`` or lies below it (both absolute, normalised)."""
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
@@ -123,7 +124,7 @@ def _hide(hidden: list, keep: dict, uid: int, gid: int) -> None:
             continue
         _mount("tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, f"size=1m,mode=0755,uid={uid},gid={gid}")
         for path, fd in keep.items():
-            if _under(path, h):
+            if under(path, h):
                 os.makedirs(path, 0o755, exist_ok=True)
                 _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
         _mount(None, h, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
@@ -157,7 +158,7 @@ def _verify() -> None:
     if any(int(v, 16) for v in caps.values()):
         raise SetupError(f"capabilities left after dropping them: {caps}")
     for point, _ in _mounts():
-        if _under(point, "/tmp"):
+        if under(point, "/tmp"):
             continue
         try:
             writable = not os.statvfs(point).f_flag & os.ST_RDONLY

@@ -22,16 +22,12 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from megaforge.rollout.base import MEMORY_TAGS, Engine, check_tags
+from megaforge.rollout.base import MEMORY_TAGS, Engine, EngineStateError, check_tags
 from megaforge.rollout.sampling import sample_tokens
 from megaforge.types import Completion, GenerateRequest
 
 
 log = logging.getLogger(__name__)
-
-
-class EngineStateError(RuntimeError):
-    pass
 
 
 class EmbeddedEngine(Engine):
@@ -172,7 +168,7 @@ class EmbeddedEngine(Engine):
                 logps[b].append(lp_l[b])
                 if tok_l[b] in stop_ids[b]:
                     reason[b] = "stop"
-                elif stop_strs[b] and self._hit_stop_string(outputs[b], stop_strs[b]):
+                elif stop_strs[b] and self.hit_stop_string(outputs[b], stop_strs[b]):
                     reason[b] = "stop"
                 elif len(outputs[b]) >= max_new[b]:
                     reason[b] = "length"
@@ -189,7 +185,8 @@ class EmbeddedEngine(Engine):
             comps.append(Completion(r.rid, outputs[b], logps[b], reason[b] or "length", self._version, text))
         return comps
 
-    def _hit_stop_string(self, out_ids: list[int], stops: list[str]) -> bool:
+    def hit_stop_string(self, out_ids: list[int], stops: list[str]) -> bool:
+        """Whether one of ``stops`` occurs in the text of the last 16 tokens of ``out_ids``."""
         tail = self.tokenizer.decode(out_ids[-16:], skip_special_tokens=False)
         return any(s in tail for s in stops)
 
@@ -280,6 +277,11 @@ class EmbeddedEngine(Engine):
     @property
     def released(self) -> set[str]:
         return set(self._released)
+
+    @property
+    def aborting(self) -> bool:
+        """True from :meth:`abort` until the next :meth:`generate` starts."""
+        return self._abort.is_set()
 
     def abort(self) -> None:
         self._abort.set()

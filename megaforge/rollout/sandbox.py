@@ -111,7 +111,7 @@ def _interpreter_dirs() -> list[str]:
     """Directories the sandboxed interpreter must read (its prefixes and executable's folder)."""
     dirs = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
                                           os.path.dirname(os.path.realpath(sys.executable)))}
-    return sorted(d for d in dirs if not any(d != o and child._under(d, o) for o in dirs))
+    return sorted(d for d in dirs if not any(d != o and child.under(d, o) for o in dirs))
 
 
 def _hidden_dirs(keep: list[str]) -> list[str]:

@@ -238,7 +238,7 @@ def test_weight_version_is_served(engine):
 
 
 def test_release_and_resume_by_tag_free_the_memory(engine, trainer):
-    from megaforge.rollout.http.engine import EngineStateError
+    from megaforge.rollout.base import EngineStateError
     from megaforge.sync import push_weights
 
     torch.cuda.synchronize()

@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from megaforge.rollout.embedded import EmbeddedEngine, EngineStateError
+from megaforge.rollout.base import EngineStateError
+from megaforge.rollout.embedded import EmbeddedEngine
 from megaforge.rollout.fast import FastDecoder, batch_bucket, kv_bucket, prefill_bucket
 from megaforge.rollout.sampling import process_logits
 from megaforge.trainer.logprobs import token_logprobs

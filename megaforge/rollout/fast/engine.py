@@ -263,7 +263,7 @@ class _Run:
         self.free = list(range(cap))
         s.fin.fill_(True)
         while True:
-            if self.eng._abort.is_set():
+            if self.eng.aborting:
                 for r in range(len(self.reqs)):
                     if self.reason[r] is None:
                         self.reason[r] = "abort"
@@ -296,7 +296,7 @@ class _Run:
             for t, lp in zip(toks, lps):
                 self.out_ids[r].append(t)
                 self.out_lp[r].append(lp)
-                if t in self.stopset[r] or self.eng._hit_stop_string(self.out_ids[r], stops):
+                if t in self.stopset[r] or self.eng.hit_stop_string(self.out_ids[r], stops):
                     self.reason[r] = "stop"
                     return True
         else:

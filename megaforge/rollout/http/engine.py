@@ -33,7 +33,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from megaforge.rollout.base import MEMORY_TAGS, Engine, check_tags
+from megaforge.rollout.base import MEMORY_TAGS, Engine, EngineStateError, check_tags
 from megaforge.rollout.http.client import SGLangClient
 from megaforge.rollout.http.protocol import completion_from_output
 from megaforge.rollout.http.recovery import ROUTER, Recovery
@@ -43,10 +43,6 @@ from megaforge.sync.transports import make_transport
 from megaforge.types import Completion, GenerateRequest
 
 log = logging.getLogger("megaforge.rollout.http.engine")
-
-
-class EngineStateError(RuntimeError):
-    pass
 
 
 async def _gather(coros, return_exceptions: bool = False):

@@ -266,7 +266,7 @@ def test_update_from_disk_is_all_or_nothing(engine, url, long_model_dir, tmp_pat
 
 
 def test_memory_release_resume_state_is_checked(engine, url, long_model_dir):
-    from megaforge.rollout.http.engine import EngineStateError
+    from megaforge.rollout.base import EngineStateError
 
     engine.release_memory(["weights", "kv_cache"])
     st, out = http(url, "POST", "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
