@@ -13,7 +13,7 @@ megaforge's embedded server (``rollout.engine: embedded_server``), through one c
 * ``release_memory`` / ``resume_memory`` send only tags whose state changes (SGLang fails on resuming
   a tag that was not released), and the engine refuses weight updates while ``weights`` is released.
 * ``weight_version`` asks every server (``/model_info``) and fails if they disagree.
-* ``caps``: each server's release and abilities (:class:`megaforge.rollout.versions.ServerCaps`), read
+* ``caps``: each server's release and abilities (:class:`megaforge.rollout.http.versions.ServerCaps`), read
   from ``/server_info`` when the engine is built and after every restart.
 * fault tolerance (:mod:`megaforge.rollout.http.recovery`): a dead or hung engine is restarted, re-synced
   from the weight snapshot (:mod:`megaforge.rollout.http.snapshot`, written by every update), its memory
@@ -38,7 +38,7 @@ from megaforge.rollout.http.client import SGLangClient
 from megaforge.rollout.http.protocol import completion_from_output
 from megaforge.rollout.http.recovery import ROUTER, Recovery
 from megaforge.rollout.http.snapshot import WeightSnapshot
-from megaforge.rollout.versions import ServerCaps, caps_from_server_info
+from megaforge.rollout.http.versions import ServerCaps, caps_from_server_info
 from megaforge.sync.transports import make_transport
 from megaforge.types import Completion, GenerateRequest
 

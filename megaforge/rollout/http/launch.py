@@ -14,7 +14,7 @@ import torch
 from megaforge.net import is_loopback
 from megaforge.rollout.http.engine import HTTPEngine
 
-from megaforge.rollout.versions import TESTED as SGLANG_TESTED  # noqa: F401  (release -> how it was tested)
+from megaforge.rollout.http.versions import TESTED as SGLANG_TESTED  # noqa: F401  (release -> how it was tested)
 
 ROUTER_TESTED = "0.3.2"
 _VERSION_PROBE = ("import importlib.metadata as m, sys\n"
@@ -59,7 +59,7 @@ def require_sglang(cfg, router: bool = False) -> str:
     """The sglang release the engine interpreter runs; fails early, naming what to install, when
     sglang (or the router) is missing there or older than megaforge supports."""
     from megaforge.configtree import ConfigError
-    from megaforge.rollout.versions import UnsupportedServer, caps_for_release
+    from megaforge.rollout.http.versions import UnsupportedServer, caps_for_release
 
     pkgs = ("sglang",) + (("sglang-router",) if router else ())
     found = installed_versions(cfg, pkgs)

@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sglang-api", default="0.5.23", choices=["0.5.16", "0.5.23"],
                    help="the SGLang release whose weight-update API to speak: 0.5.23 brackets tensor and distributed "
                         "updates by /begin_weight_update .. /end_weight_update and has no /get_weight_version; "
-                        "0.5.16 is the other way round (megaforge.rollout.versions)")
+                        "0.5.16 is the other way round (megaforge.rollout.http.versions)")
     p.add_argument("--log-file", default=None)
     p.add_argument("--sock-fd", type=int, default=None, help="serve on this inherited, bound socket")
     p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds for weight-update group set-up")

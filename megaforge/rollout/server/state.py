@@ -32,7 +32,7 @@ class Server:
         self.guard = None  # the ConnectionGuard, once serving
         self.released: set[str] = set()
         self.session_open = False
-        self.needs_session = self.args.sglang_api != "0.5.16"  # SGLang >= 0.5.21 (megaforge.rollout.versions)
+        self.needs_session = self.args.sglang_api != "0.5.16"  # SGLang >= 0.5.21 (megaforge.rollout.http.versions)
         self.groups: dict = {}
         self.queued: dict[str, int] = {}  # rid -> abort epoch at submission (not started yet)
         self.running: set[str] = set()

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (megaforge.rollout.multiturn) and tools: environment tokens carry mask 0 on the
+"""Multi-turn rollouts (megaforge.rollout.agent.multiturn) and tools: environment tokens carry mask 0 on the
 TrainBatch and get exactly zero gradient; tool-call parsing; the calculator; the generate_fn checks."""
 import os
 
@@ -10,10 +10,10 @@ from megaforge.data.batch import samples_to_batch
 from megaforge.hf import load_hf_model, load_tokenizer
 from megaforge.rollout.embedded import EmbeddedEngine
 from megaforge.rollout.manager import make_requests, sampling_params, score, stop_token_ids
-from megaforge.rollout.multiturn import ToolEnv, call_generate_fn, run_episodes
-from megaforge.rollout.tools import Calculator, build_tools, parse_call
+from megaforge.rollout.agent.multiturn import ToolEnv, call_generate_fn, run_episodes
+from megaforge.rollout.agent.tools import Calculator, build_tools, parse_call
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
 OBS = "<result>again</result>"
 

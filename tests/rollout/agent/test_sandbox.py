@@ -1,4 +1,4 @@
-"""The code-execution tool's sandbox (megaforge.rollout.sandbox): a kernel boundary, probed the way
+"""The code-execution tool's sandbox (megaforge.rollout.agent.sandbox): a kernel boundary, probed the way
 model-written code would try to escape it. Every escape probe first tries to switch off any
 Python-level guard (``__main__.BLOCKED.clear()``, what broke the old audit hook), so what holds
 is the kernel: namespaces, an unprivileged uid, read-only mounts, rlimits."""
@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from megaforge.rollout import sandbox
-from megaforge.rollout.sandbox import SandboxUnavailable, run_code
-from megaforge.rollout.tools import PythonTool
+from megaforge.rollout.agent import sandbox
+from megaforge.rollout.agent.sandbox import SandboxUnavailable, run_code
+from megaforge.rollout.agent.tools import PythonTool
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 DISABLE_GUARDS = "try:\n    import __main__; __main__.BLOCKED.clear()\nexcept Exception:\n    pass\n"
 
 
@@ -236,7 +236,7 @@ def test_trainer_environment_is_not_readable():
         seen.append(repr(dict(os.environ)))
         print('LEAKED' if any('hunter2' in s for s in seen) else 'clean', os.getppid())
     """)
-    trainer = ("import os, sys; from megaforge.rollout.sandbox import run_code\n"
+    trainer = ("import os, sys; from megaforge.rollout.agent.sandbox import run_code\n"
                f"r = run_code({code!r}.replace('TRAINER', str(os.getpid())))\n"
                "print(r.stdout.strip() or r.stderr)")
     env = dict(os.environ, MEGAFORGE_TEST_SECRET="hunter2", PYTHONPATH=ROOT)
@@ -310,7 +310,7 @@ def test_refuses_clearly_when_the_kernel_denies_namespaces(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("building a namespace that forbids user namespaces needs root here")
     marker = tmp_path / "ran"
-    trainer = ("from megaforge.rollout.sandbox import run_code, SandboxUnavailable\n"
+    trainer = ("from megaforge.rollout.agent.sandbox import run_code, SandboxUnavailable\n"
                f"try:\n    run_code(\"open({str(marker)!r}, 'w')\")\n    print('RAN')\n"
                "except SandboxUnavailable as e:\n    print('REFUSED', e)\n")
     out = subprocess.run([sys.executable, "-c", NO_NESTED_USERNS, sys.executable, "-c", trainer],

@@ -3,7 +3,7 @@
     res = run_code("print(6 * 7)", timeout_s=5, memory_mb=512)   # res.stdout == "42\\n"
 
 The boundary is the kernel's, not Python's (a PEP 578 audit hook is no sandbox: the code can switch
-it off). Every call starts :mod:`megaforge.rollout._sandbox_child` from an argument list (no
+it off). Every call starts :mod:`megaforge.rollout.agent.sandbox_child` from an argument list (no
 shell; the code is a file, never part of a command line), which puts the code in
 
 * its own **user, mount, PID, network and IPC namespaces**;
@@ -45,7 +45,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from megaforge.rollout import _sandbox_child as child
+from megaforge.rollout.agent import sandbox_child as child
 
 CHILD = os.path.abspath(child.__file__)
 SANDBOX_UID_BASE = 2_000_000_000  # + the sandbox's pid (< 2**22): below 2**31, far from real accounts

@@ -14,7 +14,7 @@ Per generate call (``B`` = slots = min(max_batch, requests) rounded up to a powe
           finished rows free their slots and waiting requests take them (continuous refill);
           with nobody waiting, busy rows are compacted into the lowest slots so Bb shrinks.
 
-Sampling is :func:`~megaforge.rollout.sampling.sample_from_uniform` (the simple engine's math) with
+Sampling is :func:`~megaforge.rollout.embedded.sampling.sample_from_uniform` (the simple engine's math) with
 ``u = counter_uniform(seed, index of the generated token)``; a request without a seed gets one drawn
 from the engine's seed generator, so every row is batch-independent. Stop strings and aborts are
 checked on the host at chunk boundaries (rows decoded past a stop string are truncated there).
@@ -28,8 +28,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from megaforge.rollout.fast.forward import StaticForward
-from megaforge.rollout.sampling import counter_uniform, sample_from_uniform
+from megaforge.rollout.embedded.fast.forward import StaticForward
+from megaforge.rollout.embedded.sampling import counter_uniform, sample_from_uniform
 from megaforge.types import Completion, GenerateRequest
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ The interface. ``rollout.generate_fn: package.module:callable`` names a function
   ``metadata["episode"]`` ({name: number}, averaged into ``episode/<name>`` metrics).
 * The caller sets ``group_id`` and ``label`` and checks the rest (:func:`call_generate_fn`).
 
-The tool driver. :func:`tool_rollout` (``rollout.generate_fn: megaforge.rollout.multiturn:tool_rollout``,
+The tool driver. :func:`tool_rollout` (``rollout.generate_fn: megaforge.rollout.agent.multiturn:tool_rollout``,
 ``rollout.generate_kwargs: {tools: [calculator]}``) runs one :class:`ToolEnv` per sample through
 :func:`run_episodes`:
 
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
 from megaforge.registry import import_callable
-from megaforge.rollout.tools import build_tools, parse_call
+from megaforge.rollout.agent.tools import build_tools, parse_call
 from megaforge.types import GenerateRequest, Sample, SamplingParams
 
 
@@ -161,7 +161,7 @@ def tool_rollout(engine, requests, rows, tokenizer, cfg, tools=("calculator",), 
                  close_tag: str = "</tool>", result_format: str = "<result>{}</result>",
                  max_turn_tokens: int = 0) -> list[Sample]:
     """The built-in tool-use rollout function (see the module docstring); ``tools``: names,
-    ``package.module:callable`` paths or ``{name, kwargs}`` (:func:`megaforge.rollout.tools.build_tools`)."""
+    ``package.module:callable`` paths or ``{name, kwargs}`` (:func:`megaforge.rollout.agent.tools.build_tools`)."""
     table = build_tools(tools)
     envs = [ToolEnv(table, open_tag, close_tag, result_format) for _ in requests]
     r = cfg.rollout

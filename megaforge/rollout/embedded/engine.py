@@ -9,7 +9,7 @@ A row finishes on a stop token (kept in the output, like SGLang with ``no_stop_t
 string, ``max_new_tokens`` or an abort. Memory release/resume is tracked: generating while the
 weights are released is an error.
 
-``fast`` (``rollout.fast``): ``auto`` serves generate with :mod:`megaforge.rollout.fast` (static KV
+``fast`` (``rollout.fast``): ``auto`` serves generate with :mod:`megaforge.rollout.embedded.fast` (static KV
 cache, continuous refill, CUDA graphs) on CUDA devices for supported models (Llama, Qwen2, Qwen3),
 ``on`` forces it (also on CPU, without graphs: the tests' mode), ``off`` keeps this simple loop.
 """
@@ -23,7 +23,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from megaforge.rollout.base import MEMORY_TAGS, Engine, EngineStateError, check_tags
-from megaforge.rollout.sampling import sample_tokens
+from megaforge.rollout.embedded.sampling import sample_tokens
 from megaforge.types import Completion, GenerateRequest
 
 
@@ -71,7 +71,7 @@ class EmbeddedEngine(Engine):
             raise ValueError(f"rollout.fast {fast!r}: valid: auto, on, off")
         if fast == "off" or (fast == "auto" and self.device.type != "cuda"):
             return None
-        from megaforge.rollout.fast import FastDecoder, unsupported_reason
+        from megaforge.rollout.embedded.fast import FastDecoder, unsupported_reason
 
         why = unsupported_reason(self.model)
         if why is not None:
@@ -83,7 +83,7 @@ class EmbeddedEngine(Engine):
 
     @property
     def fast(self):
-        """The :class:`~megaforge.rollout.fast.FastDecoder` serving generate (None: the simple loop)."""
+        """The :class:`~megaforge.rollout.embedded.fast.FastDecoder` serving generate (None: the simple loop)."""
         return self._fast
 
     # ------------------------------------------------------------------------------- construction

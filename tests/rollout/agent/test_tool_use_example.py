@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 CONFIG = os.path.join(ROOT, "examples", "tool_use", "tool_use.yaml")
 STEPS = 12
 # the example's recipe, shortened: 280 SFT steps of 48 traces, half of them calling the tool (the copy of
@@ -67,7 +67,7 @@ def test_trained_model_tool_episodes_mask_the_results(run):
     from megaforge.hf import load_tokenizer
     from megaforge.rollout.embedded import EmbeddedEngine
     from megaforge.rollout.manager import generate_samples, sampling_params, stop_token_ids
-    from megaforge.rollout.tools import Calculator, parse_call
+    from megaforge.rollout.agent.tools import Calculator, parse_call
 
     run_dir, _ = run
     cfg = load_config(["--config", CONFIG, "--model.path", os.path.join(run_dir, "hf", f"step_{STEPS}")])

@@ -1,12 +1,12 @@
 """Tools a model can call between turns, and the call syntax.
 
 A call is ``<tool>NAME: ARGS</tool>`` in the model's turn (generation stops at ``</tool>``); the
-environment answers ``<result>OUTPUT</result>`` (see :class:`megaforge.rollout.multiturn.ToolEnv`).
+environment answers ``<result>OUTPUT</result>`` (see :class:`megaforge.rollout.agent.multiturn.ToolEnv`).
 A tool is any callable ``tool(args: str) -> str``; it reports bad input as text (``error: ...``), which
 the model then sees, and never raises for it.
 
 Registered: ``calculator`` (:class:`Calculator`, exact arithmetic over an expression tree, no
-``eval``) and ``python`` (:class:`PythonTool`, code run by :func:`megaforge.rollout.sandbox.run_code`).
+``eval``) and ``python`` (:class:`PythonTool`, code run by :func:`megaforge.rollout.agent.sandbox.run_code`).
 A user tool is ``package.module:callable`` (a class is instantiated with its kwargs).
 """
 from __future__ import annotations
@@ -89,17 +89,17 @@ class Calculator:
 class PythonTool:
     """Runs the call's arguments as Python code in the sandbox; answers its stdout (stripped), or
     ``error: <last line of stderr>`` (e.g. ``MemoryError``, ``TimeoutError: ...``). Built only where
-    the sandbox works (:func:`megaforge.rollout.sandbox.require`, which logs its isolation): a
+    the sandbox works (:func:`megaforge.rollout.agent.sandbox.require`, which logs its isolation): a
     machine that cannot isolate the code fails at start-up, not in the middle of a rollout."""
 
     def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 2048):
-        from megaforge.rollout.sandbox import require
+        from megaforge.rollout.agent.sandbox import require
 
         self.timeout_s, self.memory_mb, self.max_output_bytes = timeout_s, memory_mb, max_output_bytes
         require()
 
     def __call__(self, args: str) -> str:
-        from megaforge.rollout.sandbox import run_code
+        from megaforge.rollout.agent.sandbox import run_code
 
         code = args.strip()
         if code.startswith("```"):  # a fenced block: drop the fences

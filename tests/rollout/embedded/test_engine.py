@@ -4,7 +4,7 @@ import torch
 
 from megaforge.rollout.base import EngineStateError
 from megaforge.rollout.embedded import EmbeddedEngine
-from megaforge.rollout.sampling import process_logits, sample_tokens
+from megaforge.rollout.embedded.sampling import process_logits, sample_tokens
 from megaforge.trainer.logprobs import token_logprobs
 from megaforge.types import GenerateRequest, SamplingParams
 

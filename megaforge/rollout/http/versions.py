@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-log = logging.getLogger("megaforge.rollout.versions")
+log = logging.getLogger("megaforge.rollout.http.versions")
 
 #: release -> how it was tested
 TESTED = {

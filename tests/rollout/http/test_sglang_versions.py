@@ -1,4 +1,4 @@
-"""SGLang compatibility as a tested matrix (megaforge.rollout.versions): the client derives what a
+"""SGLang compatibility as a tested matrix (megaforge.rollout.http.versions): the client derives what a
 server can do from its release and speaks each release's weight-update API. On the CPU the client
 runs against megaforge's embedded server speaking the 0.5.16 and the 0.5.23 API (``--sglang-api``:
 0.5.16 has no /begin_weight_update and takes updates without a session; 0.5.23 refuses updates
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.mark.parametrize("version,session", [("0.5.16", False), ("0.5.20", False), ("0.5.21", True),
                                              ("0.5.23", True), ("0.5.15.post1", None), ("0.4.9", None)])
 def test_caps_follow_the_release(version, session):
-    from megaforge.rollout.versions import UnsupportedServer, caps_from_server_info
+    from megaforge.rollout.http.versions import UnsupportedServer, caps_from_server_info
 
     if session is None:
         with pytest.raises(UnsupportedServer, match="older than the oldest release"):
@@ -35,7 +35,7 @@ def test_caps_follow_the_release(version, session):
 
 
 def test_caps_of_the_embedded_server_and_unknown_servers():
-    from megaforge.rollout.versions import UnsupportedServer, caps_from_server_info
+    from megaforge.rollout.http.versions import UnsupportedServer, caps_from_server_info
 
     emb = caps_from_server_info({"frontend": "megaforge-embedded", "version": "0.1.0", "sglang_api": "0.5.16"})
     assert not emb.weight_update_session and emb.weights_checksum and not emb.weights_checker

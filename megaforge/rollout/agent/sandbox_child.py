@@ -1,6 +1,6 @@
-"""The sandboxed side of :func:`megaforge.rollout.sandbox.run_code` (standard library only).
+"""The sandboxed side of :func:`megaforge.rollout.agent.sandbox.run_code` (standard library only).
 
-    python -I _sandbox_child.py '{"script": ..., "status_fd": ..., "ctl_fd": ..., limits...}'
+    python -I sandbox_child.py '{"script": ..., "status_fd": ..., "ctl_fd": ..., limits...}'
 
 Three processes (the kernel is the boundary; nothing here relies on the code's good will):
 

@@ -13,12 +13,12 @@ import torch
 
 from megaforge.rollout.base import EngineStateError
 from megaforge.rollout.embedded import EmbeddedEngine
-from megaforge.rollout.fast import FastDecoder, batch_bucket, kv_bucket, prefill_bucket
-from megaforge.rollout.sampling import process_logits
+from megaforge.rollout.embedded.fast import FastDecoder, batch_bucket, kv_bucket, prefill_bucket
+from megaforge.rollout.embedded.sampling import process_logits
 from megaforge.trainer.logprobs import token_logprobs
 from megaforge.types import GenerateRequest, SamplingParams
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TOKENIZER = os.path.join(ROOT, "assets", "tiny-tokenizer")
 FAMILIES = ("llama", "qwen2", "qwen3")
 

@@ -4,8 +4,8 @@
 (``auto``: on CUDA devices, for the model families :data:`SUPPORTED` lists); the simple HF
 DynamicCache loop stays the CPU default and the tests' oracle.
 """
-from megaforge.rollout.fast.engine import FastDecoder, batch_bucket, kv_bucket, prefill_bucket
-from megaforge.rollout.fast.forward import SUPPORTED, StaticForward, StaticKVCache, unsupported_reason
+from megaforge.rollout.embedded.fast.engine import FastDecoder, batch_bucket, kv_bucket, prefill_bucket
+from megaforge.rollout.embedded.fast.forward import SUPPORTED, StaticForward, StaticKVCache, unsupported_reason
 
 __all__ = ["FastDecoder", "StaticForward", "StaticKVCache", "SUPPORTED", "unsupported_reason",
            "batch_bucket", "kv_bucket", "prefill_bucket"]
