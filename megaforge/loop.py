@@ -379,18 +379,26 @@ class Run:
         cfg = self.cfg
         if self.driver is not None and self.driver.partial is not None:  # rounds that carry unfinished samples
             return self.driver.partial.generate(step, n_prompts, offset, m)
+        per_call = cfg.rewards.stream_prompts or n_prompts  # rewards.stream_prompts: rewards overlap generation
+        stream = self.rewards.stream() if per_call < n_prompts else None
         with timed(m, "time/rollout"):
             rows = self.data.next_batch(n_prompts)
-            samples = generate_samples(self.engine, rows, cfg.grpo.n_samples, sampling_params(cfg, self.stop_ids),
-                                       cfg.seed, step, offset, self.tokenizer, cfg)
-        return self._score(samples, m)
+            samples = []
+            for a in range(0, len(rows), per_call):  # the same seeded requests whatever the split
+                part = generate_samples(self.engine, rows[a:a + per_call], cfg.grpo.n_samples,
+                                        sampling_params(cfg, self.stop_ids), cfg.seed, step, offset + a, self.tokenizer, cfg)
+                if stream is not None:
+                    stream.add_samples(part)  # scored in the reward workers while the next part generates
+                samples += part
+        return self._score(samples, m, stream)
 
-    def _score(self, samples: list, m: dict) -> list:
-        """Rewards (plus DAPO's overlong shaping) of finished samples; metrics added to ``m``."""
+    def _score(self, samples: list, m: dict, stream=None) -> list:
+        """Rewards (plus DAPO's overlong shaping) of finished samples (already in ``stream`` when it is
+        given); metrics added to ``m``."""
         cfg = self.cfg
-        with timed(m, "time/reward"):
-            for k, v in score(samples, self.rewards).items():  # counts add up, means average over rounds
-                m[k] = m.get(k, 0.0) + (v if k in ("reward/errors", "reward/timeouts") else v * len(samples))
+        for k, v in score(samples, self.rewards, stream).items():  # counts and times add up, means average over rounds
+            summed = k in ("reward/errors", "reward/timeouts") or k.startswith("time/")
+            m[k] = m.get(k, 0.0) + (v if summed else v * len(samples))
         if cfg.algo.overlong_buffer > 0:
             pen = overlong_penalty(torch.tensor([len(s.response_ids) for s in samples]), cfg.rollout.max_new_tokens,
                                    cfg.algo.overlong_buffer, cfg.algo.overlong_penalty)
@@ -433,8 +441,9 @@ class Run:
         for k in [k for k in m if k.startswith(("reward/", "episode/")) and k not in ("reward/errors", "reward/timeouts")]:
             m[k] /= len(generated)
         self.rewards.check_step(step)  # RewardError (the run stops) when a reward failed on every sample
-        if self.rewards.last_error and (m["reward/errors"] or m["reward/timeouts"]):
-            bar.write(f"[megaforge] step {step}: {self.rewards.last_error}")
+        if m["reward/errors"] or m["reward/timeouts"]:
+            for msg in self.rewards.step_errors.values():  # one line per failing reward, naming it (a service: its URL)
+                bar.write(f"[megaforge] step {step}: {msg}")
         r = torch.tensor([s.reward for s in generated])  # metrics describe everything generated
         lens = torch.tensor([len(s.response_ids) for s in generated], dtype=torch.float32)
         m.update({

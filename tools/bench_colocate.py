@@ -33,7 +33,6 @@ fails or when ``--budget`` seconds are spent):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -41,22 +40,17 @@ import tempfile
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import torch
 
-import torch  # noqa: E402
+from common import GIB, MODELS, ROOT, Stopwatch, device_name, emit, model_config, stage_logger, write_random_model
 
 T0 = time.time()
-GIB = float(1 << 30)
-
-
-def say(msg: str) -> None:
-    print(f"[bench_colocate {time.time() - T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+say = stage_logger("bench_colocate")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model_config", default=os.path.join(ROOT, "configs", "models", "qwen3-1.7b"))
+    p.add_argument("--model_config", default=os.path.join(MODELS, "qwen3-1.7b"))
     p.add_argument("--backend", default="torch", choices=["torch", "megatron"])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--prompts", type=int, default=16)
@@ -71,7 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="CPU: tiny model, the code paths only")
     a = p.parse_args(argv)
     if a.tiny:
-        a.model_config = os.path.join(ROOT, "configs", "models", "tiny-qwen2")
+        a.model_config = os.path.join(MODELS, "tiny-qwen2")
         a.prompts, a.samples, a.new_tokens, a.micro_batch_size, a.rounds = 2, 2, 8, 4, 2
     return a
 
@@ -102,26 +96,6 @@ def build_config(a, out: str, model_dir: str, device: str, transport: str, run_n
         "sync": {"transport": transport, "bucket_mb": a.bucket_mb},
         "metrics": {"progress": False, "tensorboard": False, "log_samples": 0},
     })
-
-
-def random_model_dir(a, dtype: torch.dtype) -> tuple[str, int]:
-    """Random weights of the config, saved once for the trainer and the engine servers."""
-    from transformers import AutoModelForCausalLM
-
-    from megaforge.config import ModelConfig
-    from megaforge.hf import hf_config
-
-    d = tempfile.mkdtemp(prefix="bench-colocate-model-")
-    cfg = hf_config(ModelConfig(config=a.model_config))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
-        with torch.device(dev):  # initialised on the GPU: seconds instead of a minute on the CPU
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    model.save_pretrained(d)
-    n = sum(p.numel() for p in model.parameters())
-    del model
-    return d, n
 
 
 def state_bytes(mem) -> int:
@@ -201,9 +175,9 @@ def phase_sync(a, run, res, engine, key: str, version0: int):
     engine.resume_memory(["weights"])
     secs, stats = [], None
     for k in range(a.rounds):
-        t = time.perf_counter()
-        stats = push_weights(tr, engine, a.bucket_mb << 20, version0 + k)
-        secs.append(time.perf_counter() - t)
+        with Stopwatch() as w:  # push_weights returns once every bucket is loaded
+            stats = push_weights(tr, engine, a.bucket_mb << 20, version0 + k)
+        secs.append(w.seconds)
     tr.offload(["weights"])
     memory.release_cached()
     res[key] = {"transport": engine.transport, "bytes_gb": round(stats["bytes"] / 1e9, 3), "buckets": stats["buckets"],
@@ -220,16 +194,15 @@ def phase_tms(a, run, res, dev):
     tr.onload()  # every tensor resident: the pinned offloader is out of the way
     entries = (lambda tags: torch_entries(tr, tags)) if a.backend == "torch" else (lambda tags: megatron_entries(tr, tags))
     tms = TmsOffloader(entries, dev)
-    t = time.perf_counter()
-    tms.offload()
-    tms.onload()
-    migration = time.perf_counter() - t
+    with Stopwatch() as migration:
+        tms.offload()
+        tms.onload()
     ons, offs = [], []
     for _ in range(max(1, a.rounds - 1)):
         offs.append(dict(tms.offload()))
         ons.append(dict(tms.onload()))
     b = offs[-1]["bytes"]
-    res["tms"] = {"bytes_gib": round(b / GIB, 3), "migration_s": round(migration, 3),
+    res["tms"] = {"bytes_gib": round(b / GIB, 3), "migration_s": round(migration.seconds, 3),
                   "pause_gib_s": round(b / GIB / median([o["seconds"] for o in offs]), 2),
                   "resume_gib_s": round(b / GIB / median([o["seconds"] for o in ons]), 2),
                   "pause_s": [round(o["seconds"], 4) for o in offs], "resume_s": [round(o["seconds"], 4) for o in ons]}
@@ -250,15 +223,14 @@ def phase_nccl(a, run, res, model_dir, out, dev):
     try:
         before = memory.outside_torch_gib(dev)
         run.trainer.onload(["weights"])
-        t = time.perf_counter()
         from megaforge.sync import push_weights
 
-        push_weights(run.trainer, eng, a.bucket_mb << 20, 1000)  # creates the weight-update group
-        first = time.perf_counter() - t
+        with Stopwatch() as first:
+            push_weights(run.trainer, eng, a.bucket_mb << 20, 1000)  # creates the weight-update group
         after = memory.outside_torch_gib(dev)
         run.trainer.offload(["weights"])
         phase_sync(a, run, res, eng, "nccl", 1001)
-        res["nccl"].update(first_update_with_group_setup_s=round(first, 3),
+        res["nccl"].update(first_update_with_group_setup_s=round(first.seconds, 3),
                            outside_torch_gib_before=None if before is None else round(before, 3),
                            outside_torch_gib_after_group=None if after is None else round(after, 3),
                            communicator_gib=None if before is None else round(after - before, 3))
@@ -276,14 +248,15 @@ def main(argv=None) -> int:
         res["notes"].append("no CUDA device: ran the --tiny CPU path")
         a = parse_args((argv or sys.argv[1:]) + ["--tiny"])
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    res["device"] = torch.cuda.get_device_name(0) if cuda else "cpu"
+    res["device"] = device_name(dev)
     res["workload"] = {"model_config": os.path.relpath(a.model_config, ROOT), "backend": a.backend,
                        "prompts": a.prompts, "samples": a.samples, "new_tokens": a.new_tokens, "bucket_mb": a.bucket_mb}
     out = tempfile.mkdtemp(prefix="bench-colocate-")
     run = None
     try:
-        say("random weights")
-        model_dir, n = random_model_dir(a, torch.float32 if a.tiny else torch.bfloat16)
+        say("random weights")  # saved once for the trainer and the engine servers
+        model_dir, n = write_random_model(model_config(a.model_config), torch.float32 if a.tiny else torch.bfloat16,
+                                          dev, tempfile.mkdtemp(prefix="bench-colocate-model-"))
         res["workload"]["params_b"] = round(n / 1e9, 3)
         from megaforge.loop import Run
         from megaforge.loop_offpolicy import build_driver
@@ -338,7 +311,7 @@ def main(argv=None) -> int:
     res["meets"] = {"offload": ok[0].get("offload_gib_s", 0) >= 40 and ok[0].get("onload_gib_s", 0) >= 40,
                     "sync": ok[1].get("gb_s", 0) >= 50, "share": 0 < ok[2].get("share_offload_onload_sync", 1) <= 0.05}
     res["wall_s"] = round(time.time() - T0, 1)
-    print(json.dumps(res), flush=True)
+    emit(res, dev)
     return 0 if "error" not in res else 1
 
 

@@ -21,19 +21,22 @@ Prints one JSON line (rank 0): bytes, seconds and GB/s (10^9 B/s) of both, their
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import device_name, emit, model_config, time_per_call
+
+TINY_MOE = dict(  # --tiny: a Qwen3-MoE small enough for the CPU, vocabulary padded at TP=1 (509 -> 512)
+    model_type="qwen3_moe", vocab_size=509, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=4,
+    num_experts_per_tok=2, max_position_embeddings=128, tie_word_embeddings=False)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hf-config", "--hf_config", dest="hf_config", default="configs/models/qwen3-1.7b",
-                   help="directory with an HF config.json")
+                   help="directory with an HF config.json, or a name under configs/models/")
     p.add_argument("--tiny", action="store_true", help="tiny Qwen3-MoE config on CPU (smoke run)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
@@ -51,22 +54,6 @@ def parse_args(argv=None):
     return a
 
 
-def tiny_config():
-    import transformers
-
-    return transformers.Qwen3MoeConfig(
-        vocab_size=509, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=128, tie_word_embeddings=False)
-
-
-def sync(device):
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -78,12 +65,7 @@ def main(argv=None) -> int:
     from megaforge.trainer.megatron import model as mmodel
     from megaforge.trainer.megatron.hf_export import iter_hf_buckets
 
-    if args.tiny:
-        hf_config = tiny_config()
-    else:
-        import transformers
-
-        hf_config = transformers.AutoConfig.from_pretrained(args.hf_config)
+    hf_config = model_config(TINY_MOE if args.tiny else args.hf_config)
     layout = Layout(args.tp, args.pp, args.ep, args.etp)
     device = mconvert.setup(layout, args.device)
     dtype = getattr(torch, args.dtype)
@@ -91,6 +73,7 @@ def main(argv=None) -> int:
     n_params = sum(p.numel() for p in bm.model.parameters())
     limit = int(args.bucket_mb * (1 << 20))
     rank0 = dist.get_rank() == 0
+    passes = []  # (HF bytes, buckets, largest bucket's bytes) of each pass
 
     def one_pass():
         nbytes, buckets, largest = 0, 0, 0
@@ -99,41 +82,26 @@ def main(argv=None) -> int:
             size = sum(t.numel() * t.element_size() for _, t in bucket)
             nbytes += size
             largest = max(largest, size)
-        sync(device)
-        return nbytes, buckets, largest
+        passes.append((nbytes, buckets, largest))
 
-    for _ in range(args.warmup):
-        one_pass()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(args.repeats):
-        nbytes, buckets, largest = one_pass()
-    dist.barrier()
-    iter_s = (time.perf_counter() - t0) / args.repeats
+    iter_s = time_per_call(one_pass, args.warmup, args.repeats, device)  # the slowest rank's
+    nbytes, buckets, largest = passes[-1]
 
-    out = None
     if rank0:
         src = torch.empty(nbytes, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
-        dst.copy_(src)
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(args.repeats):
-            dst.copy_(src)
-        sync(device)
-        copy_s = (time.perf_counter() - t0) / args.repeats
-        out = {
+        copy_s = time_per_call(lambda: dst.copy_(src), 1, args.repeats, device, across_ranks=False)
+        emit({
             "model": "tiny-qwen3-moe" if args.tiny else os.path.basename(os.path.abspath(args.hf_config)),
             "family": bm.family.name, "dtype": args.dtype, "device": str(device.type),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "gpu": device_name(device) if device.type == "cuda" else None,
             "world": dist.get_world_size(), "tp": args.tp, "pp": args.pp, "ep": args.ep, "etp": args.etp or args.tp, "layer_spec": bm.spec,
             "params_rank0": n_params, "hf_bytes": nbytes, "bucket_mb": args.bucket_mb, "buckets": buckets,
             "largest_bucket_bytes": largest,
             "iter_s": round(iter_s, 6), "iter_gbps": round(nbytes / iter_s / 1e9, 3),
             "copy_s": round(copy_s, 6), "copy_gbps": round(nbytes / copy_s / 1e9, 3),
             "iter_vs_copy": round(copy_s / iter_s, 4),
-        }
-        print(json.dumps(out), flush=True)
+        }, device)
     dist.barrier()
     dist.destroy_process_group()
     return 0

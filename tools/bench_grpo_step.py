@@ -14,19 +14,18 @@ trainer, its engines, its memory choreography), with dotted overrides after the 
    again with the trainer offloaded, as during the step: tok/s = sampled tokens / seconds.
 3. train alone: the last step's batch trained again (reference logprobs where the recipe uses them,
    the loss, the optimizer step) with the engine's memory released, the trainer resident.
-4. raw (megatron backend): megatron-core's pretraining step of tools/bench_train.py on the same model
+4. raw (megatron backend): megatron-core's pretraining step (tools/raw_megatron.py) on the same model
    and optimizer, over full rows holding as many real tokens as the batch.
 
 Figures and targets: ``overhead`` = (release + onload + offload + sync + resume) / step (<= 0.05);
 ``step_vs_parts`` = step / (engine alone + train alone) (<= 1.10); the first step's offload
 (<= 2 s); ``tokens_per_s_per_gpu`` = all tokens of the step (prompts and responses) / step time /
-GPUs; the train step's TFLOP/s against raw megatron-core's (bench_train's formula, real tokens).
+GPUs; the train step's TFLOP/s against raw megatron-core's (raw_megatron's formula, real tokens).
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import sys
 import tempfile
@@ -34,25 +33,17 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+from common import MODELS, ROOT, Stopwatch, device_name, emit, stage_logger, time_per_call
+from raw_megatron import flops, raw_microbatches, raw_step
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T0 = time.time()
+say = stage_logger("bench_grpo_step")
 CHOREOGRAPHY = ("time/release", "time/onload", "time/offload", "time/sync", "time/resume")
-TINY = ["--model.config", os.path.join(ROOT, "configs", "models", "tiny-qwen2"), "--model.dtype", "float32",
+TINY = ["--model.config", os.path.join(MODELS, "tiny-qwen2"), "--model.dtype", "float32",
         "--trainer.device", "cpu", "--trainer.layer_spec", "torch", "--trainer.micro_batch_size", "2",
         "--rollout.engine", "embedded_server", "--rollout.device", "cpu", "--rollout.batch_size", "2",
         "--rollout.max_new_tokens", "8", "--rollout.extra_args", "[]", "--rollout.snapshot_dir=",
         "--grpo.n_samples", "2", "--memory.offload", "none", "--sync.transport", "auto"]
-
-
-def say(msg: str) -> None:
-    print(f"[bench_grpo_step {time.time() - T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
-def sync(dev) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def parse_args(argv=None):
@@ -75,28 +66,6 @@ def recorded(obj, name: str, calls: list):
 
     setattr(obj, name, wrapper)
     return orig
-
-
-def model_shape(cfg, batch) -> dict:
-    """bench_train's shape dict of the policy (for its FLOP formula and raw step)."""
-    from megaforge.hf import hf_config
-
-    h = hf_config(cfg.model)
-    return dict(layers=h.num_hidden_layers, hidden=h.hidden_size, ffn=h.intermediate_size, heads=h.num_attention_heads,
-                kv=h.num_key_value_heads, vocab=h.vocab_size, seq=int(batch.lengths.max()),
-                mbs=cfg.trainer.micro_batch_size)
-
-
-def raw_data(shape: dict, tokens: int, dev) -> tuple[list, int]:
-    """Micro-batches of full rows of ``shape['seq']`` random tokens holding about ``tokens`` tokens."""
-    s, b = shape["seq"], shape["mbs"]
-    n_micro = max(1, round(tokens / (s * b)))
-    g = torch.Generator().manual_seed(1)
-    data = []
-    for _ in range(n_micro):
-        tok = torch.randint(0, shape["vocab"], (b, s + 1), generator=g)
-        data.append((tok[:, :-1].to(dev), torch.arange(s, device=dev)[None].expand(b, s).contiguous(), tok[:, 1:].to(dev)))
-    return data, n_micro
 
 
 def phase_sums(m: dict) -> dict:
@@ -124,9 +93,9 @@ def main(argv=None) -> int:
     reqs, batches = [], []
     try:
         say("engines (the offload's host buffers are pinned meanwhile), first weight sync")
-        t = time.perf_counter()
-        run.start_rl()
-        res["start_rl_s"] = round(time.perf_counter() - t, 2)
+        with Stopwatch() as w:
+            run.start_rl()
+        res["start_rl_s"] = round(w.seconds, 2)
         if run.engine is not None:
             recorded(run.engine, "generate", reqs)
         recorded(run.trainer, "train_step", batches)
@@ -149,11 +118,9 @@ def main(argv=None) -> int:
 
         if run.engine is not None:  # 2. the engine alone, on the same requests, trainer offloaded
             flat = [r for call in reqs for r in call]
-            sync(dev)
-            t = time.perf_counter()
-            comps = run.engine.generate(flat)
-            sync(dev)
-            dt = time.perf_counter() - t
+            with Stopwatch(dev) as w:
+                comps = run.engine.generate(flat)
+            dt = w.seconds
             sampled = sum(len(c.output_ids) for c in comps)
             res["engine_alone"] = {"seconds": round(dt, 3), "requests": len(flat), "sampled_tokens": sampled,
                                    "tok_s": round(sampled / dt, 1)}
@@ -162,16 +129,12 @@ def main(argv=None) -> int:
         # 3. the train step alone: same batch, trainer resident
         run.trainer.onload()
         again = copy.deepcopy(batch)
-        sync(dev)
-        t = time.perf_counter()
-        if run._needs_ref():
-            again.ref_logprobs = run.trainer.compute_logprobs(again, "ref")
-        sync(dev)
-        t_ref = time.perf_counter() - t
-        t1 = time.perf_counter()
-        run.trainer.train_step(again)
-        sync(dev)
-        t_train = time.perf_counter() - t1
+        with Stopwatch(dev) as ref:
+            if run._needs_ref():
+                again.ref_logprobs = run.trainer.compute_logprobs(again, "ref")
+        with Stopwatch(dev) as train:
+            run.trainer.train_step(again)
+        t_ref, t_train = ref.seconds, train.seconds
         res["train_alone"] = {"seconds": round(t_ref + t_train, 3), "ref_logprobs_s": round(t_ref, 3),
                               "train_step_s": round(t_train, 3)}
         say(f"train alone: {t_ref + t_train:.2f} s (reference {t_ref:.2f}, train step {t_train:.2f})")
@@ -179,16 +142,17 @@ def main(argv=None) -> int:
         res["step_vs_parts"] = round(last["time/step"] / parts, 3)
 
         if cfg.trainer.backend == "megatron":  # 4. raw megatron-core on the same model and optimizer
-            sys.path.insert(0, os.path.join(ROOT, "tools"))
-            from bench_train import flops, raw_step, timed
+            from megaforge.hf import hf_config
 
-            shape = model_shape(cfg, batch)
-            data, n_micro = raw_data(shape, tokens, dev)
-            t_raw = timed(lambda: raw_step(run.trainer, shape, n_micro, data), 1, a.raw_steps, dev)
-            raw_tok = shape["seq"] * shape["mbs"] * n_micro
-            ours = flops(shape, batch.lengths.tolist()) / t_train / world / 1e12
-            raw = flops(shape, [shape["seq"]] * (shape["mbs"] * n_micro)) / t_raw / world / 1e12
-            res["raw"] = {"seconds": round(t_raw, 3), "tokens": raw_tok, "seq": shape["seq"], "micro_batches": n_micro,
+            hf = hf_config(cfg.model)
+            seq, rows = int(batch.lengths.max()), cfg.trainer.micro_batch_size  # full rows as long as the longest
+            n_micro = max(1, round(tokens / (seq * rows)))  # about as many tokens as the batch
+            data = raw_microbatches(hf.vocab_size, seq, rows, n_micro, dev)
+            t_raw = time_per_call(lambda: raw_step(run.trainer, seq, rows, data), 1, a.raw_steps, dev)
+            raw_tok = seq * rows * n_micro
+            ours = flops(hf, batch.lengths.tolist()) / t_train / world / 1e12
+            raw = flops(hf, [seq] * (rows * n_micro)) / t_raw / world / 1e12
+            res["raw"] = {"seconds": round(t_raw, 3), "tokens": raw_tok, "seq": seq, "micro_batches": n_micro,
                           "ours_train_tflops_per_gpu": round(ours, 1), "raw_tflops_per_gpu": round(raw, 1),
                           "ratio": round(ours / raw, 3)}
             say(f"raw megatron-core: {t_raw:.2f} s for {raw_tok} tokens; train step {ours:.0f} vs raw {raw:.0f} TFLOP/s")
@@ -196,13 +160,13 @@ def main(argv=None) -> int:
                           "step_vs_parts_le_1.10": res["step_vs_parts"] <= 1.10,
                           "first_step_offload_le_2s": res["first_step_offload_s"] <= 2.0}
         if dev.type == "cuda":
-            res["device"] = torch.cuda.get_device_name(dev)
+            res["device"] = device_name(dev)
     finally:
         run.close_rl()
     res["torch"] = torch.__version__
     res["wall_s"] = round(time.time() - T0, 1)
     if dist.is_main():
-        print(json.dumps(res), flush=True)
+        emit(res, dev)
     return 0
 
 

@@ -11,14 +11,11 @@ the logits.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import PeakMemory, device_name, emit, time_per_call
 
 
 def main(argv=None) -> int:
@@ -30,9 +27,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     from megaforge.trainer.megatron.logprobs import vocab_parallel_logprobs
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    cuda = dev == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     N, V = a.tokens, a.vocab
     x = (3 * torch.randn(N, V, device=dev)).bfloat16()
@@ -46,31 +41,21 @@ def main(argv=None) -> int:
             logits.grad = None
             lp, ent = vocab_parallel_logprobs(logits, y, V, fused=fused)
             ((lp * w1).sum() + (ent * w2).sum()).backward()
-            return lp.detach(), ent.detach()
+            last[:] = lp.detach(), ent.detach()
 
-        sync()
-        base = torch.cuda.memory_allocated() if cuda else 0
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        for _ in range(a.warmup):
-            step()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(a.iters):
-            lp, ent = step()
-        sync()
-        ms = (time.perf_counter() - t0) / a.iters * 1e3
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
-        out[fused] = (lp, ent, logits.grad.float(), ms, peak)
+        last = [None, None]
+        with PeakMemory(dev) as peak:
+            ms = time_per_call(step, a.warmup, a.iters, dev) * 1e3
+        out[fused] = (*last, logits.grad.float(), ms, peak.above_start_gib)
     e, f = out[False], out[True]
-    print(json.dumps({
-        "tool": "bench_logprobs", "device": torch.cuda.get_device_name() if cuda else "cpu", "tokens": N, "vocab": V,
+    emit({
+        "tool": "bench_logprobs", "device": device_name(dev), "tokens": N, "vocab": V,
         "lp_max_diff": float((e[0] - f[0]).abs().max()), "entropy_max_diff": float((e[1] - f[1]).abs().max()),
         "grad_max_rel_diff": float((e[2] - f[2]).abs().max() / e[2].abs().max()),
         "eager_ms": round(e[3], 3), "fused_ms": round(f[3], 3), "speedup": round(e[3] / f[3], 2),
         "eager_extra_peak_gib": None if e[4] is None else round(e[4], 3),
         "fused_extra_peak_gib": None if f[4] is None else round(f[4], 3),
-    }), flush=True)
+    }, dev)
     return 0
 
 

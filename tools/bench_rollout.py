@@ -28,7 +28,8 @@ HF: the shape's random weights are saved with a tokenizer folder, ``python -m sg
 (``input_ids``, temperature 1, ``ignore_eos``, logprobs returned, as megaforge's rollout asks):
 a warm-up run, the prefix cache flushed, the timed run; then the server's memory is released and the
 fast engine runs the same requests. ``ratio`` = fast / sglang. Shapes default to qwen2-0.5b and
-qwen3-1.7b (Qwen3-1.7B's shape, configs/models/qwen3-1.7b).
+qwen3-1.7b (Qwen3-1.7B's shape, configs/models/qwen3-1.7b). Every shape is built with a 4,096-token
+position table and no BOS/EOS token (pad 0).
 
     python tools/bench_rollout.py                 # H200: 0.5B and 1.5B shapes, batch 64/256/1024
     python tools/bench_rollout.py --quick         # batch 256 only, no extras
@@ -39,38 +40,29 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
+from common import ROOT, Stopwatch, device_name, emit, model_config, random_model, stage_logger
 
-SHAPES = {
-    "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+QWEN2 = dict(model_type="qwen2", rope_theta=1e6, rms_norm_eps=1e-6)
+SHAPES = {  # HF config fields, or a name under configs/models/
+    "qwen2-0.5b": dict(QWEN2, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+    "qwen2-1.5b": dict(QWEN2, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen3-1.7b": dict(arch="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                       tie_word_embeddings=True),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    "qwen3-1.7b": "qwen3-1.7b",
+    "tiny": dict(QWEN2, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
 }
-TOKENIZER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny-tokenizer")
+NEVER_STOPS = dict(max_position_embeddings=4096, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+TOKENIZER = os.path.join(ROOT, "assets", "tiny-tokenizer")
 T0 = time.time()
-
-
-def say(msg: str) -> None:
-    print(f"[bench_rollout {time.time() - T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
-def sync(dev) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+say = stage_logger("bench_rollout")
 
 
 def is_oom(e: BaseException) -> bool:
@@ -84,16 +76,8 @@ def free(dev) -> None:
 
 
 def build_model(shape: str, dev, dtype):
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
-
-    kw = dict(SHAPES[shape])
-    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[kw.pop("arch", "qwen2")]
-    cfg = cls(max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6, eos_token_id=None,
-              bos_token_id=None, pad_token_id=0, **kw)
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    model.eval()
+    """Random weights of the shape (seed 0) on ``dev``; HF generate never stops at an EOS."""
+    model = random_model(model_config(SHAPES[shape], **NEVER_STOPS), dtype, dev)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -101,31 +85,23 @@ def build_model(shape: str, dev, dtype):
 
 def hf_run(model, prompts, new: int, cap: float) -> tuple[int, float]:
     """(sampled tokens, wall seconds) of one HF generate over ``prompts`` [B, P]."""
-    dev = prompts.device
-    sync(dev)
-    t = time.perf_counter()
-    with torch.no_grad():
+    with Stopwatch(prompts.device) as w, torch.no_grad():
         out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0,
                              top_k=0, top_p=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
                              max_time=cap)
-    sync(dev)
-    wall = time.perf_counter() - t
-    return (out.shape[1] - prompts.shape[1]) * prompts.shape[0], wall
+    return (out.shape[1] - prompts.shape[1]) * prompts.shape[0], w.seconds
 
 
 def fast_run(eng, reqs, cap: float) -> tuple[int, float, list]:
     """(sampled tokens, wall seconds, completions) of one engine.generate, aborted after ``cap`` s."""
     timer = threading.Timer(cap, eng.abort)
-    sync(eng.device)
-    t = time.perf_counter()
-    timer.start()
-    try:
-        comps = eng.generate(reqs)
-    finally:
-        timer.cancel()
-    sync(eng.device)
-    wall = time.perf_counter() - t
-    return sum(len(c.output_ids) for c in comps), wall, comps
+    with Stopwatch(eng.device) as w:
+        timer.start()
+        try:
+            comps = eng.generate(reqs)
+        finally:
+            timer.cancel()
+    return sum(len(c.output_ids) for c in comps), w.seconds, comps
 
 
 def requests(prompts, new: int, n_samples: int = 1, **sp):
@@ -200,7 +176,7 @@ def skipped_budget(args) -> dict:
 
 def batch_row(shape, model, B, args, dev) -> dict:
     """HF, fast and fast_compiled at batch B (same prompts), with their ratios."""
-    V = SHAPES[shape]["vocab_size"]
+    V = model.config.vocab_size
     prompts = torch.randint(3, V, (B, args.prompt), generator=torch.Generator().manual_seed(B)).to(dev)
     reqs = requests(prompts, args.new)
     row = {}
@@ -235,7 +211,7 @@ def batch_row(shape, model, B, args, dev) -> dict:
 def extra_rows(shape, model, args, dev) -> dict:
     """Refill, eager steps, top-p, greedy and shared-prefill runs of the fast path."""
     ex = {}
-    V = SHAPES[shape]["vocab_size"]
+    V = model.config.vocab_size
     Bmax = max(args.batches)
     mid = 256 if 256 in args.batches else args.batches[0]
     g2 = torch.Generator().manual_seed(2)
@@ -286,9 +262,9 @@ class SGLangServer:
                         "--port", str(port), "--sock-fd", str(fd), "--device", args.device, "--dtype", args.dtype_name,
                         "--max-batch", "4096"]
             proc = ServerProcess("embedded", cmd, log_path, env=child_env(), hold_socket=True)
-        t = time.perf_counter()
-        self.proc = proc.start_ready(900.0)
-        self.start_s = time.perf_counter() - t
+        with Stopwatch() as w:
+            self.proc = proc.start_ready(900.0)
+        self.start_s = w.seconds
         self.loop = asyncio.new_event_loop()
         self.client = SGLangClient(self.proc.url, timeout_s=1800.0)
         self.info = self.call(self.client.get_server_info())
@@ -309,10 +285,9 @@ def measure_sglang(srv: SGLangServer, prompts, new: int) -> dict:
                                     "ignore_eos": True}] * prompts.shape[0]}
 
     def once():
-        t = time.perf_counter()
-        outs = srv.call(srv.client.generate(payload))
-        wall = time.perf_counter() - t
-        return sum(len(o["output_ids"]) for o in outs), wall
+        with Stopwatch() as w:
+            outs = srv.call(srv.client.generate(payload))
+        return sum(len(o["output_ids"]) for o in outs), w.seconds
 
     w_tok, w_wall = once()
     srv.call(srv.client.flush_cache())
@@ -330,7 +305,7 @@ def sglang_rows(shape: str, model, args, dev, tmp: str) -> dict:
     d = os.path.join(tmp, shape)
     model.save_pretrained(d)
     AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(d)
-    V = SHAPES[shape]["vocab_size"]
+    V = model.config.vocab_size
     prompts = {B: torch.randint(3, V, (B, args.prompt), generator=torch.Generator().manual_seed(B)).to(dev)
                for B in args.batches}
     say(f"{shape}: starting the {args.sglang_server} server")
@@ -403,7 +378,7 @@ def main(argv=None) -> int:
     if args.sglang:
         return main_sglang(shapes, args, dev, dtype)
 
-    out = {"bench": "rollout", "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+    out = {"bench": "rollout", "device": device_name(dev),
            "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype).split(".")[-1],
            "prompt_tokens": args.prompt, "sampled_tokens": args.new, "cap_s": args.cap, "budget_s": args.budget,
            "shapes": {}}
@@ -430,14 +405,14 @@ def main(argv=None) -> int:
                              "ratio_compiled_B256": row.get("ratio_compiled")}
     out["target_B256"] = target
     out["total_s"] = round(time.time() - T0, 1)
-    print(json.dumps(out), flush=True)
+    emit(out, dev)
     return 0
 
 
 def main_sglang(shapes, args, dev, dtype) -> int:
     import tempfile
 
-    out = {"bench": "rollout_vs_sglang", "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+    out = {"bench": "rollout_vs_sglang", "device": device_name(dev),
            "torch": torch.__version__, "dtype": args.dtype_name, "prompt_tokens": args.prompt, "sampled_tokens": args.new,
            "server": args.sglang_server, "server_args": args.sglang_args, "shapes": {}}
     tmp = tempfile.mkdtemp(prefix="bench-rollout-sglang-")
@@ -456,7 +431,7 @@ def main_sglang(shapes, args, dev, dtype) -> int:
         shape: all(r.get("ratio", 0) >= 1.0 for b, r in v.get("batches", {}).items() if int(b) <= 256)
         for shape, v in out["shapes"].items()}
     out["total_s"] = round(time.time() - T0, 1)
-    print(json.dumps(out), flush=True)
+    emit(out, dev)
     return 0
 
 

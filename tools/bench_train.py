@@ -15,7 +15,7 @@ Both steps run on the *same* model, optimizer and layout (one MegatronTrainer, r
 
 TFLOP/s per GPU = (6 P n + 6 L h sum_d len_d^2) / time / GPUs, forward + backward, with P all
 parameters, n the real tokens of the step and the attention term summed over documents d (a full
-row of ``seq`` tokens gives the usual 6 L s h n). Prints one JSON line (rank 0).
+row of ``seq`` tokens gives the usual 6 L s h n; tools/raw_megatron.py). Prints one JSON line (rank 0).
 """
 from __future__ import annotations
 
@@ -25,13 +25,13 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import PeakMemory, Stopwatch, device_name, emit, model_config, rl_batch, sync, time_per_call
+from raw_megatron import flops, n_params, raw_microbatches, raw_step
 
-SHAPES = {  # layers, hidden, ffn, heads, kv heads, seq, vocab, mbs
+SHAPES = {  # Llama layouts: layers, hidden, ffn, heads, kv heads, seq (tokens a row), vocab, mbs (full rows a micro-batch)
     "8l": dict(layers=8, hidden=4096, ffn=14336, heads=32, kv=8, seq=4096, vocab=32000, mbs=1),
     "24l": dict(layers=24, hidden=2048, ffn=5632, heads=16, kv=4, seq=4096, vocab=32000, mbs=2),
     "tiny": dict(layers=2, hidden=64, ffn=128, heads=4, kv=2, seq=64, vocab=256, mbs=2),
@@ -67,21 +67,18 @@ def parse_args(argv=None):
     return a
 
 
-def write_hf_config(shape: dict, path: str) -> str:
-    import transformers
-
-    transformers.LlamaConfig(
-        vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["ffn"],
-        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"], num_key_value_heads=shape["kv"],
-        max_position_embeddings=shape["seq"], tie_word_embeddings=False, rope_theta=500000.0,
-    ).save_pretrained(path)
-    return path
+def hf_shape(shape: dict):
+    """The transformers LlamaConfig of a SHAPES entry (untied embedding, rope theta 5e5)."""
+    return model_config({
+        "model_type": "llama", "vocab_size": shape["vocab"], "hidden_size": shape["hidden"],
+        "intermediate_size": shape["ffn"], "num_hidden_layers": shape["layers"], "num_attention_heads": shape["heads"],
+        "num_key_value_heads": shape["kv"], "max_position_embeddings": shape["seq"], "tie_word_embeddings": False,
+        "rope_theta": 500000.0})
 
 
-def rl_batch(shape: dict, n_micro: int, seed: int = 0):
-    """Rows of mixed lengths, ``mbs * 2`` rows per micro-batch summing to ``mbs * seq`` tokens."""
-    from megaforge.types import TrainBatch
-
+def paired_batch(shape: dict, n_micro: int, seed: int = 0):
+    """Rows of mixed lengths, ``mbs * 2`` rows per micro-batch summing to ``mbs * seq`` tokens (the
+    loss on each row's last three quarters): (TrainBatch, rows per micro-batch)."""
     g = torch.Generator().manual_seed(seed)
     s, rows_per_mb = shape["seq"], 2 * shape["mbs"]
     lengths = []
@@ -89,67 +86,8 @@ def rl_batch(shape: dict, n_micro: int, seed: int = 0):
         a = int(torch.randint(s // 8, s - s // 8, (1,), generator=g))
         lengths += [a, s - a]
     lengths = torch.tensor(lengths)
-    B = len(lengths)
-    assert B == n_micro * rows_per_mb
-    t = torch.arange(s)[None]
-    valid = t < lengths[:, None]
-    tokens = torch.randint(0, shape["vocab"], (B, s), generator=g) * valid
-    mask = (valid & (t >= lengths[:, None] // 4)).float()
-    adv = torch.randn(B, 1, generator=g).expand(B, s) * mask
-    roll = (-2.0 + 0.1 * torch.randn(B, s, generator=g)) * mask
-    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=mask, advantages=adv.contiguous(),
-                      rollout_logprobs=roll, num_tokens=int(mask.sum()), num_seqs=B), rows_per_mb
-
-
-def n_params(shape: dict) -> int:
-    h, f, L, V = shape["hidden"], shape["ffn"], shape["layers"], shape["vocab"]
-    hd = h // shape["heads"]
-    attn = h * hd * (shape["heads"] + 2 * shape["kv"]) + shape["heads"] * hd * h
-    return L * (attn + 3 * h * f + 2 * h) + 2 * V * h + h
-
-
-def flops(shape: dict, doc_lengths) -> float:
-    n = sum(doc_lengths)
-    return 6.0 * n_params(shape) * n + 6.0 * shape["layers"] * shape["hidden"] * sum(x * x for x in doc_lengths)
-
-
-def raw_step(tr, shape: dict, n_micro: int, data):
-    """megatron-core's pretraining step on tr's model and optimizer."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    def forward_step(it, model):
-        tokens, pos, labels = next(it)
-        per_token = model(tokens, pos, None, labels=labels)  # [b, s] cross entropy
-
-        def loss_func(x):
-            loss = x.float().sum()
-            return loss, torch.tensor(x.numel(), device=x.device, dtype=torch.int), {"lm loss": loss.detach()}
-        return per_token, loss_func
-
-    tr.ddp.train()
-    tr.ddp.zero_grad_buffer()
-    tr.optimizer.zero_grad()
-    get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(data), model=[tr.ddp], num_microbatches=n_micro,
-        seq_length=shape["seq"], micro_batch_size=shape["mbs"], forward_only=False)
-    tr.optimizer.step()
-
-
-def timed(fn, warmup: int, steps: int, device) -> float:
-    import torch.distributed as dist
-
-    for _ in range(warmup):
-        fn()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    sync()
-    dt = torch.tensor([(time.perf_counter() - t0) / steps], device=device)  # NCCL reduces device tensors
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return float(dt)
+    assert len(lengths) == n_micro * rows_per_mb
+    return rl_batch(lengths, shape["vocab"], lengths // 4, width=s, generator=g), rows_per_mb
 
 
 def host_waits(prof, min_us: float = 50.0) -> list:
@@ -179,16 +117,13 @@ def _profiled(steps: dict, device, **profile_kw):
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for name, fn in steps.items():
-        sync()
+        sync(device)
         with profile(activities=acts, **profile_kw) as prof:
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            wall = time.perf_counter() - t0
+            with Stopwatch(device) as w:
+                fn()
         if dist.get_rank() == 0:
-            yield name, prof, wall
+            yield name, prof, w.seconds
 
 
 def profile_steps(out_dir: str, steps: dict, device, top: int = 12) -> None:
@@ -211,12 +146,11 @@ def profile_steps(out_dir: str, steps: dict, device, top: int = 12) -> None:
         with open(os.path.join(out_dir, f"{name}_host_waits.txt"), "w") as f:
             for (key, stack), (n, us) in waits[:20]:
                 f.write(f"{key}  calls {n}  cpu {us / 1e3:.1f} ms\n" + "".join(f"    {fr}\n" for fr in stack) + "\n")
-        print(json.dumps({"profile": name, "wall_s": round(wall, 4), "kernel_s": round(busy, 4),
-                          "busy_share": round(busy / wall, 3),
-                          "top": {e.key[:70]: round(getattr(e, attr) / 1e6, 4) for e in ev[:top]},
-                          "top_host": {e.key[:70]: round(e.self_cpu_time_total / 1e6, 4) for e in host[:top]},
-                          "host_waits": [[key, n, round(us / 1e6, 4), list(stack[:3])] for (key, stack), (n, us) in waits[:6]]}),
-              file=sys.stderr, flush=True)
+        emit({"profile": name, "wall_s": round(wall, 4), "kernel_s": round(busy, 4), "busy_share": round(busy / wall, 3),
+              "top": {e.key[:70]: round(getattr(e, attr) / 1e6, 4) for e in ev[:top]},
+              "top_host": {e.key[:70]: round(e.self_cpu_time_total / 1e6, 4) for e in host[:top]},
+              "host_waits": [[key, n, round(us / 1e6, 4), list(stack[:3])] for (key, stack), (n, us) in waits[:6]]},
+             device, file=sys.stderr)
 
 
 def trace_steps(out_dir: str, steps: dict, device) -> None:
@@ -236,7 +170,7 @@ def trace_steps(out_dir: str, steps: dict, device) -> None:
         with gzip.open(raw + ".gz", "wb") as g:
             g.write(text)
         if device.type == "cuda":
-            print(json.dumps({"trace": name, **gaps_report(json.loads(text)["traceEvents"])}), file=sys.stderr, flush=True)
+            emit({"trace": name, **gaps_report(json.loads(text)["traceEvents"])}, device, file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -247,7 +181,9 @@ def main(argv=None) -> int:
     from megaforge.trainer.megatron import MegatronTrainer
 
     shape = SHAPES[args.shape]
-    tmp = write_hf_config(shape, tempfile.mkdtemp(prefix="megaforge-bench-"))  # one per rank
+    hf = hf_shape(shape)
+    tmp = tempfile.mkdtemp(prefix="megaforge-bench-")  # one per rank
+    hf.save_pretrained(tmp)
     cfg = config_from_dict({
         "model": {"config": tmp, "dtype": args.dtype},
         "trainer": {"backend": "megatron", "tensor_parallel": args.tp, "pipeline_parallel": args.pp,
@@ -263,33 +199,28 @@ def main(argv=None) -> int:
     from megatron.core import parallel_state
 
     dp = parallel_state.get_data_parallel_world_size()
-    batch, _ = rl_batch(shape, n_micro * dp)
-    g = torch.Generator().manual_seed(1)
+    batch, _ = paired_batch(shape, n_micro * dp)
     s, b = shape["seq"], shape["mbs"]
-    data = []
-    for _ in range(n_micro):
-        tok = torch.randint(0, shape["vocab"], (b, s + 1), generator=g)
-        data.append((tok[:, :-1].to(dev), torch.arange(s, device=dev)[None].expand(b, s).contiguous(),
-                     tok[:, 1:].to(dev)))
+    data = raw_microbatches(shape["vocab"], s, b, n_micro, dev)
     world = dist.get_world_size()
-    t_raw = timed(lambda: raw_step(tr, shape, n_micro, data), args.warmup, args.steps, dev)
-    raw_flops = flops(shape, [s] * (b * n_micro * dp))
-    t_ours = timed(lambda: tr.train_step(batch), args.warmup, args.steps, dev)
-    ours_flops = flops(shape, batch.lengths.tolist())
-    mem = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
-    both = {"raw": lambda: raw_step(tr, shape, n_micro, data), "ours": lambda: tr.train_step(batch)}
+    with PeakMemory(dev) as peak:  # peak_mem_gib: the allocator's peak over both steps (model resident)
+        t_raw = time_per_call(lambda: raw_step(tr, s, b, data), args.warmup, args.steps, dev)
+        raw_flops = flops(hf, [s] * (b * n_micro * dp))
+        t_ours = time_per_call(lambda: tr.train_step(batch), args.warmup, args.steps, dev)
+        ours_flops = flops(hf, batch.lengths.tolist())
+    both = {"raw": lambda: raw_step(tr, s, b, data), "ours": lambda: tr.train_step(batch)}
     if args.profile:
         profile_steps(args.profile, both, dev)
     if args.trace:
         trace_steps(args.trace, both, dev)
     if dist.get_rank() == 0:
-        print(json.dumps({
+        emit({
             "shape": args.shape, "layer_spec": tr.spec, "fp8": args.fp8, "dtype": args.dtype, "tp": args.tp,
-            "pp": args.pp, "world_size": world, "params": n_params(shape), "tokens_per_step": int(batch.lengths.sum()),
+            "pp": args.pp, "world_size": world, "params": n_params(hf), "tokens_per_step": int(batch.lengths.sum()),
             "ours_tflops_per_gpu": ours_flops / t_ours / world / 1e12, "raw_tflops_per_gpu": raw_flops / t_raw / world / 1e12,
             "ours_step_s": t_ours, "raw_step_s": t_raw, "ratio": (ours_flops / t_ours) / (raw_flops / t_raw),
-            "peak_mem_gib": mem, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-        }), flush=True)
+            "peak_mem_gib": peak.gib, "device": device_name(dev),
+        }, dev)
     tr.close()
     dist.destroy_process_group()
     shutil.rmtree(tmp, ignore_errors=True)

@@ -30,17 +30,17 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from common import MODELS, ROOT, PeakMemory, device_name, emit, rl_batch, stage_logger
+
+progress = stage_logger("check_memory_estimate")  # a run cut by a time limit still shows how far it got
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model_config", default=os.path.join(ROOT, "configs", "models", "qwen3-1.7b"))
+    p.add_argument("--model_config", default=os.path.join(MODELS, "qwen3-1.7b"))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
@@ -63,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--measured", default=None, help="JSON lines of earlier GPU runs of this tool (--predict_only)")
     a = p.parse_args(argv)
     if a.cpu_smoke:
-        a.model_config = os.path.join(ROOT, "configs", "models", "tiny-qwen2")
+        a.model_config = os.path.join(MODELS, "tiny-qwen2")
         a.dtype, a.prompts, a.n_samples, a.prompt_len, a.new_tokens = "float32", 2, 2, 8, 8
         a.micro_batch_size, a.engine_batch_size = 2, 4
     return a
@@ -94,19 +94,9 @@ def build_config(a, device: str):
 
 def full_length_batch(cfg, vocab: int, seed: int = 0):
     """prompts x n_samples rows of prompt_len + new_tokens tokens, the loss on the response."""
-    from megaforge.types import TrainBatch
-
-    g = torch.Generator().manual_seed(seed)
     B = cfg.rollout.batch_size * cfg.grpo.n_samples
     P, N = cfg.data.max_prompt_len, cfg.rollout.max_new_tokens
-    T = P + N
-    tokens = torch.randint(0, vocab, (B, T), generator=g)
-    mask = torch.zeros(B, T)
-    mask[:, P:] = 1.0
-    adv = torch.randn(B, 1, generator=g).expand(B, T) * mask
-    roll = (-2.0 + 0.1 * torch.randn(B, T, generator=g)) * mask
-    return TrainBatch(tokens=tokens, lengths=torch.full((B,), T), loss_mask=mask, advantages=adv.contiguous(),
-                      rollout_logprobs=roll, num_tokens=int(mask.sum()), num_seqs=B)
+    return rl_batch(torch.full((B,), P + N), vocab, P, seed=seed)
 
 
 def rollout_requests(cfg, vocab: int, seed: int = 1):
@@ -120,30 +110,6 @@ def rollout_requests(cfg, vocab: int, seed: int = 1):
             sp = SamplingParams(temperature=1.0, max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=[], seed=i * 1000 + j)
             out.append(GenerateRequest(ids, sp, rid=f"{i}-{j}"))
     return out
-
-
-class Peak:
-    """max_memory_allocated of one phase (None on CPU), maximum over ranks."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def __enter__(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        return self
-
-    def __exit__(self, *exc):
-        import torch.distributed as dist
-
-        self.gib = None
-        if self.cuda and exc[0] is None:
-            torch.cuda.synchronize()
-            t = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            self.gib = float(t)
-        return False
 
 
 def compare(pred: float, meas):
@@ -162,15 +128,6 @@ def phase_report(phases: dict, measured: dict) -> dict:
     out["train"] = compare(phases["train"]["trainer_allocated_gib"], measured["train"])
     out["train"]["predicted_items_gib"] = {k: v for k, v in phases["train"]["items"].items() if "engine" not in k}
     return out
-
-
-def progress(msg: str, t0: list = [time.time()]) -> None:  # noqa: B006 (the tool's start time)
-    """A stage line on stderr (rank 0 / no group yet), with seconds since start: a run cut by a
-    time limit still shows how far it got."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"[check_memory_estimate {time.time() - t0[0]:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def predict_only(a) -> int:
@@ -194,9 +151,9 @@ def predict_only(a) -> int:
         if plan["exit_code"] == 1:
             raise SystemExit(f"{a.measured} line {i + 1}: the planner rejects this layout: {plan['errors']}")
         measured = {k: v["measured_gib"] for k, v in run["phases"].items()}
-        print(json.dumps({"tool": "check_memory_estimate", "predict_only": True, "measured_from": f"{a.measured}:{i + 1}",
-                          "device": run["device"], "world_size": run["world_size"], "layout": lay,
-                          "phases": phase_report(plan["phases"], measured)}), flush=True)
+        emit({"tool": "check_memory_estimate", "predict_only": True, "measured_from": f"{a.measured}:{i + 1}",
+              "device": run["device"], "world_size": run["world_size"], "layout": lay,
+              "phases": phase_report(plan["phases"], measured)})
     return 0
 
 
@@ -218,8 +175,7 @@ def main(argv=None) -> int:
     tr = MegatronTrainer(cfg)  # joins torchrun's group (or a one-process one)
     world, rank = dist.get_world_size(), dist.get_rank()
     if device == "cuda":
-        props = torch.cuda.get_device_properties(tr.device)
-        gpu, mem_gib = props.name, props.total_memory / 2**30
+        gpu, mem_gib = device_name(tr.device), torch.cuda.get_device_properties(tr.device).total_memory / 2**30
     else:
         gpu, mem_gib = "cpu", 80.0
     plan = make_plan(cfg, "grpo", {"nodes": 1, "gpus_per_node": world, "gpu": gpu, "gpu_memory_gib": mem_gib})
@@ -243,7 +199,7 @@ def main(argv=None) -> int:
         if a.offload != "none":
             tr.offload()
         progress(f"rollout phase: {a.prompts} x {a.n_samples} sequences of {a.new_tokens} new tokens")
-        with Peak(tr.device) as pk:
+        with PeakMemory(tr.device, across_ranks=True) as pk:
             engine = None
             if rank == 0:
                 from megaforge.rollout.embedded import EmbeddedEngine
@@ -259,7 +215,7 @@ def main(argv=None) -> int:
         if device == "cuda":
             torch.cuda.empty_cache()
     progress("train phase")
-    with Peak(tr.device) as pk:
+    with PeakMemory(tr.device, across_ranks=True) as pk:
         metrics = train_phase()
     measured["train"] = pk.gib
     out = {"tool": "check_memory_estimate", "device": gpu, "gpu_memory_gib": round(mem_gib, 2), "world_size": world,
@@ -269,7 +225,7 @@ def main(argv=None) -> int:
            "sequences": len(batch.lengths), "seq_len": int(batch.lengths[0]), "train_loss": metrics.get("loss")}
     out["phases"] = phase_report(phases, measured)
     if rank == 0:
-        print(json.dumps(out), flush=True)
+        emit(out, tr.device)
     tr.close()
     dist.destroy_process_group()
     return 0

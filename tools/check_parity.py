@@ -12,13 +12,11 @@ Run it before long jobs, and after adding a model family.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import emit, rl_batch
 
 
 def parse_args(argv=None):
@@ -39,14 +37,9 @@ def parse_args(argv=None):
 
 
 def random_batch(vocab: int, rows: int, seq: int, seed: int):
-    from megaforge.types import TrainBatch
-
-    g = torch.Generator().manual_seed(seed)
+    """``rows`` rows of random tokens, lengths spread evenly over [seq/4, seq], no loss positions."""
     lengths = torch.linspace(max(2, seq // 4), seq, rows).round().long()
-    tokens = torch.randint(0, vocab, (rows, seq), generator=g)
-    tokens = torch.where(torch.arange(seq)[None] < lengths[:, None], tokens, 0)
-    zeros = torch.zeros(rows, seq)
-    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=zeros, advantages=zeros, rollout_logprobs=zeros)
+    return rl_batch(lengths, vocab, prompt_lens=lengths, width=seq, seed=seed)
 
 
 def hf_rows(path: str, batch, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +92,7 @@ def main(argv=None) -> int:
         }
         ok = report["max_abs_logprob_diff"] <= args.tol
         report["ok"] = ok
-        print(json.dumps(report), flush=True)
+        emit(report, tr.device)
     box = [ok]
     dist.broadcast_object_list(box, src=0)
     tr.close()

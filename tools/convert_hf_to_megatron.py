@@ -23,9 +23,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megaforge.convert.launch import DTYPES  # noqa: E402  (after the sys.path line)
+from megaforge.convert.launch import DTYPES
 
 
 def parse_args(argv=None):

@@ -23,7 +23,6 @@ several).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -31,8 +30,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from common import ROOT, emit
 
 
 class EvaluateError(RuntimeError):
@@ -216,7 +214,7 @@ def main(argv=None) -> int:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     result["time_s"] = round(time.perf_counter() - t0, 2)
-    print(json.dumps(result), flush=True)
+    emit(result)
     return 0
 
 

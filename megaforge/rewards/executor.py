@@ -14,7 +14,15 @@
   runs in a session (process group) of its own and dies with the trainer (``PR_SET_PDEATHSIG``).
 * Dispatch: queued calls go to idle workers in chunks of up to ``chunk`` calls (one message for
   many cheap calls: the math reward takes ~0.1 ms); each result comes back on its own, in order, so
-  the call a worker is running is always known.
+  the call a worker is running is always known. A chunk is a list of *units* run one after the
+  other: a single call, or a *batch*: up to ``batch_size`` calls of one batched reward (an object
+  with ``score_batch(prompts, responses, targets) -> list`` and a ``batch_size`` attribute >= 1,
+  e.g. a reward model's forward or a service's batched request; its list holds a number or an
+  Exception per call) run as one; a chunk holding a batch holds nothing else. The calls of a batch
+  start, and time out, together.
+* Group-level rewards (``levels[fn] == "group"``): a call's ``response`` is the list of the
+  group's responses, the reward returns one number per response, and the outcome's ``value`` is
+  that list (all finite, of the right length, or the call fails).
 * Deadline: a call must finish within ``timeout_s`` of its submission (time in the queue
   included), so calls submitted together (a step's reward phase) are all decided within about
   ``timeout_s``, however many hang. At the deadline an unfinished call times out; the worker
@@ -27,15 +35,21 @@
   outcome of a call counts.
 * A worker that dies in a call (a crash, the OOM killer) fails that call naming its exit status
   and is replaced; so is one killed at a deadline (``restarts`` counts both), up to ``workers``.
+* A thread of the executor (the pump) dispatches queued calls as workers free up and reads results
+  as they arrive, so calls submitted while the caller goes on (generating more samples) are scored
+  meanwhile; :meth:`collect` only waits.
 * :meth:`close` kills the workers at once: nothing waits on a stuck call at the end of a run.
 
 A reward value must be a finite number (``float(v)``); anything else, or an exception, is an
-error outcome carrying ``"ExcType: message"``.
+error outcome carrying ``"ExcType: message"``; a ``TimeoutError`` (e.g. a service's per-request
+timeout) is a timed-out outcome. Every outcome records when it was decided (``at``, monotonic
+seconds): a reward phase that overlaps generation measures its span from these.
 """
 from __future__ import annotations
 
 import collections
 import ctypes
+import dataclasses
 import math
 import multiprocessing.connection as mpc
 import os
@@ -55,15 +69,16 @@ PR_SET_PDEATHSIG = 1
 class RewardCall:
     fn: int  # index of the reward in the executor's specs
     prompt: str
-    response: str
+    response: Any  # str; for a group-level reward the list of the group's responses
     target: Any
 
 
 @dataclass
 class RewardOutcome:
-    value: Optional[float] = None
+    value: Any = None  # float; a list of floats for a group-level call; None when it failed
     error: str = ""  # "ExcType: message" when the call raised or returned a non-finite / non-number
     timed_out: bool = False
+    at: float = 0.0  # time.monotonic() when it was decided
 
     @property
     def ok(self) -> bool:
@@ -92,21 +107,66 @@ def worker_entry() -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises it
         outbox.send(("error", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
         return
-    outbox.send(("ready",))
+    outbox.send(("ready", [batch_size(f) for f in fns]))
     while True:
         try:
             chunk = inbox.recv()
         except (EOFError, OSError):
             return
-        for cid, fn, prompt, response, target in chunk:
-            try:
-                v = float(fns[fn](prompt, response, target))
-                if not math.isfinite(v):
-                    raise ValueError(f"returned {v}")
-                out = (cid, v, "")
-            except Exception as e:  # noqa: BLE001 - a user reward may raise anything
-                out = (cid, None, f"{type(e).__name__}: {e}")
-            outbox.send(out)
+        for mode, fn, calls in chunk:
+            for out in run_unit(fns[fn], mode, calls):
+                outbox.send(out)
+
+
+def batch_size(fn) -> int:
+    """Calls a reward takes at once: its ``batch_size`` when it has ``score_batch``, else 0."""
+    if not callable(getattr(fn, "score_batch", None)):
+        return 0
+    return max(1, int(getattr(fn, "batch_size", 1) or 1))
+
+
+def _finite(v) -> float:
+    v = float(v)
+    if not math.isfinite(v):
+        raise ValueError(f"returned {v}")
+    return v
+
+
+def _failure(e: BaseException) -> tuple[str, bool]:
+    return f"{type(e).__name__}: {e}", isinstance(e, TimeoutError)
+
+
+def run_unit(fn, mode: str, calls: list) -> list[tuple]:
+    """The results ``(cid, value, error, timed_out)`` of one unit of a chunk, in call order.
+    ``mode``: ``one`` (``fn(prompt, response, target)``), ``batch`` (``fn.score_batch`` over the
+    calls) or ``group`` (one call whose response is a list: ``fn`` returns a list as long)."""
+    try:
+        if mode == "batch":
+            values = fn.score_batch([c[1] for c in calls], [c[2] for c in calls], [c[3] for c in calls])
+            if not isinstance(values, (list, tuple)) or len(values) != len(calls):
+                raise ValueError(f"score_batch returned {type(values).__name__} "
+                                 f"{len(values) if hasattr(values, '__len__') else ''} for {len(calls)} calls")
+        elif mode == "group":
+            (cid, prompt, responses, target), = calls
+            got = fn(prompt, responses, target)
+            if not isinstance(got, (list, tuple)) or len(got) != len(responses):
+                raise ValueError(f"a group-level reward must return a list of {len(responses)} numbers (one per "
+                                 f"response), got {type(got).__name__} {len(got) if hasattr(got, '__len__') else ''}")
+            return [(cid, [_finite(v) for v in got], "", False)]
+        else:
+            values = [fn(c[1], c[2], c[3]) for c in calls]
+    except Exception as e:  # noqa: BLE001 - a user reward may raise anything
+        error, late = _failure(e)
+        return [(c[0], None, error, late) for c in calls]
+    out = []
+    for c, v in zip(calls, values):
+        try:
+            if isinstance(v, BaseException):
+                raise v
+            out.append((c[0], _finite(v), "", False))
+        except Exception as e:  # noqa: BLE001
+            out.append((c[0], None, *_failure(e)))
+    return out
 
 
 class _Worker:
@@ -129,8 +189,14 @@ class _Worker:
         self.out.send_bytes(init)
         self.ready = False
         self.sent: collections.deque[tuple[int, float]] = collections.deque()  # (id, deadline) not answered yet
-        self.since = 0.0  # when the call it is running (sent[0]) started
+        self.units: collections.deque[int] = collections.deque()  # calls per unit of sent, in order
+        self.since = 0.0  # when the unit it is running (units[0] calls at the head of sent) started
         self.revoked = False  # the calls of its chunk it has not started were queued again
+
+    @property
+    def running(self) -> list[int]:
+        """The ids of the unit it is running (one call, or a whole batch)."""
+        return [cid for cid, _ in list(self.sent)[:self.units[0] if self.units else 1]]
 
     @property
     def exitcode(self):
@@ -154,60 +220,124 @@ class RewardExecutor:
     """See the module docstring."""
 
     def __init__(self, build: Callable, specs: Sequence, workers: int, timeout_s: float,
-                 plugins: Sequence[str] = (), chunk: int = 32, start_timeout_s: float = 120.0):
+                 plugins: Sequence[str] = (), chunk: int = 32, start_timeout_s: float = 120.0,
+                 levels: Optional[Sequence[str]] = None, spares: bool = True):
+        """``levels``: ``"sample"`` or ``"group"`` per spec (default all sample-level). ``spares``:
+        whether stalled calls may start spare workers (off for rewards that hold a model: a
+        spare loads another copy)."""
         if timeout_s <= 0 or workers < 1 or chunk < 1:
             raise ValueError(f"RewardExecutor: need timeout_s > 0, workers >= 1, chunk >= 1 "
                              f"(got {timeout_s}, {workers}, {chunk})")
         self._init = pickle.dumps((build, list(specs), list(plugins), list(sys.path), os.getpid()))
         self.timeout_s, self.chunk, self.base = float(timeout_s), int(chunk), int(workers)
         self.stall_s = self.timeout_s / 10
+        self.levels = list(levels) if levels is not None else ["sample"] * len(specs)
+        if len(self.levels) != len(specs) or set(self.levels) - {"sample", "group"}:
+            raise ValueError(f"RewardExecutor: levels must be 'sample' or 'group' per spec, got {self.levels}")
+        self.spares = spares
+        self.batch_sizes: Optional[list[int]] = None  # per spec, reported by the first worker ready
         self._pending: dict[int, tuple[RewardCall, float]] = {}  # id -> (call, deadline), not decided
         self._queue: collections.deque[int] = collections.deque()
         self._done: dict[int, RewardOutcome] = {}
         self._next_id = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # all state; the pump notifies it when calls are decided
+        self._closed, self._fatal = False, ""
         self.restarts = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
         self._workers = [_Worker(self._init) for _ in range(workers)]
         try:
             self._wait_ready(time.monotonic() + start_timeout_s)
         except BaseException:
             self.close()
             raise
+        self._thread = threading.Thread(target=self._pump, name="megaforge-reward-pump", daemon=True)
+        self._thread.start()
 
     # -------------------------------------------------------------------------------- public
     def submit(self, calls: Sequence[RewardCall]) -> list[int]:
-        """Queue ``calls`` (each must finish within ``timeout_s`` from now); returns their ids."""
+        """Queue ``calls`` (each must finish within ``timeout_s`` from now); returns their ids. They
+        are dispatched, and their results read, by the executor's thread while the caller goes on."""
         with self._lock:
+            self._check()
             deadline = time.monotonic() + self.timeout_s
             ids = list(range(self._next_id, self._next_id + len(calls)))
             self._next_id += len(calls)
             for i, c in zip(ids, calls):
                 self._pending[i] = (c, deadline)
                 self._queue.append(i)
-            self._dispatch(time.monotonic())
-            return ids
+        self._wake()
+        return ids
 
     def collect(self, ids: Sequence[int]) -> list[RewardOutcome]:
         """Wait until every call of ``ids`` is decided (at the latest at its deadline)."""
         with self._lock:
             while True:
-                now = time.monotonic()
-                self._expire(now)
-                self._unstall(now)
-                self._dispatch(now)
-                waiting = [self._pending[i][1] for i in ids if i in self._pending]
-                if not waiting:
+                self._check()
+                if not any(i in self._pending for i in ids):
                     return [self._done.pop(i) for i in ids]
-                wait_s = max(0.0, min(min(waiting) - now, self.stall_s / 2))
-                for conn in mpc.wait([w.conn for w in self._workers], timeout=wait_s):
-                    w = next((w for w in self._workers if w.conn is conn), None)
-                    if w is not None:
-                        self._receive(w)
+                self._lock.wait(1.0)
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        if getattr(self, "_thread", None) is not None:
+            self._wake()
+            self._thread.join(timeout=10)
         for w in getattr(self, "_workers", []):
             w.kill()
         self._workers = []
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_r = self._wake_w = -1
+
+    # ------------------------------------------------------------------------------- the pump
+    def _check(self) -> None:
+        if self._fatal:
+            raise RuntimeError(self._fatal)
+        if self._closed:
+            raise RuntimeError("the reward executor is closed")
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):  # already awake (a full pipe), or closed
+            pass
+
+    def _pump(self) -> None:
+        """The executor's thread: deadlines, stalls and dispatch, then the workers' results as they
+        come (waiting on their pipes and on the wake-up pipe of submit / close)."""
+        while True:
+            with self._lock:
+                if self._closed or self._fatal:
+                    return
+                try:
+                    now = time.monotonic()
+                    self._expire(now)
+                    self._unstall(now)
+                    self._dispatch(now)
+                except Exception as e:  # noqa: BLE001 - e.g. a replacement worker failed to start
+                    self._fatal = f"reward executor: {type(e).__name__}: {e}"
+                self._lock.notify_all()
+                deadlines = [d for _, d in self._pending.values()]
+                wait_s = max(0.0, min(min(deadlines) - now, self.stall_s / 2)) if deadlines else None
+                conns = {w.conn: w for w in self._workers}
+            ready = mpc.wait(list(conns) + [self._wake_r], timeout=wait_s)
+            with self._lock:
+                if self._closed:
+                    return
+                try:
+                    if self._wake_r in ready:
+                        os.read(self._wake_r, 4096)
+                    for conn in ready:
+                        if conn in conns and conns[conn] in self._workers:
+                            self._receive(conns[conn])
+                except Exception as e:  # noqa: BLE001
+                    self._fatal = f"reward executor: {type(e).__name__}: {e}"
+                self._lock.notify_all()
 
     # ------------------------------------------------------------------------------- internals
     def _wait_ready(self, deadline: float) -> None:
@@ -226,15 +356,21 @@ class RewardExecutor:
                                        f"(exit status {w.exitcode})") from None
                 if msg[0] == "error":
                     raise ValueError(msg[1])
-                w.ready = True
+                self._ready(w, msg)
+
+    def _ready(self, w: _Worker, msg: tuple) -> None:
+        w.ready = True
+        if self.batch_sizes is None:
+            self.batch_sizes = list(msg[1])
 
     def _decide(self, cid: int, outcome: RewardOutcome) -> None:
         if self._pending.pop(cid, None) is not None:  # the first outcome of a call counts
-            self._done[cid] = outcome
+            self._done[cid] = dataclasses.replace(outcome, at=time.monotonic())
 
     def _requeue_unstarted(self, w: _Worker) -> None:
         if not w.revoked:
-            self._queue.extendleft(reversed([cid for cid, _ in list(w.sent)[1:] if cid in self._pending]))
+            started = len(w.running)
+            self._queue.extendleft(reversed([cid for cid, _ in list(w.sent)[started:] if cid in self._pending]))
             w.revoked = True
 
     def _retire(self, w: _Worker, running: RewardOutcome) -> None:
@@ -242,7 +378,8 @@ class RewardExecutor:
         again; a new worker takes its place while the pool is below ``workers``."""
         w.kill()
         if w.sent:
-            self._decide(w.sent[0][0], running)
+            for cid in w.running:
+                self._decide(cid, running)
             self._requeue_unstarted(w)
         self._workers.remove(w)
         if len(self._workers) < self.base:
@@ -272,26 +409,52 @@ class RewardExecutor:
         for w in stalled:
             self._requeue_unstarted(w)
         free = [w for w in self._workers if not w.sent]  # idle, or starting
-        if self._queue and stalled and not free and len(self._workers) < 2 * self.base:
+        if self.spares and self._queue and stalled and not free and len(self._workers) < 2 * self.base:
             self._workers.append(_Worker(self._init))
+
+    def _batched(self, fn: int) -> int:
+        """Calls of reward ``fn`` that run as one batch (0: not batched)."""
+        if self.levels[fn] == "group" or not self.batch_sizes:
+            return 0
+        return self.batch_sizes[fn]
+
+    def _take_units(self) -> list[tuple[str, int, list[int]]]:
+        """The next chunk, as units ``(mode, fn, ids)``, removed from the queue: up to one batch of
+        the first queued call's reward when it is batched, else up to ``chunk`` single calls of
+        unbatched rewards (in queue order, shared out evenly over the workers)."""
+        live = [cid for cid in self._queue if cid in self._pending]
+        if not live:
+            self._queue = collections.deque()
+            return []
+        first = self._pending[live[0]][0].fn
+        cap = self._batched(first)
+        if cap:
+            same = [cid for cid in live if self._pending[cid][0].fn == first]
+            take = same[:max(1, min(cap, math.ceil(len(same) / len(self._workers))))]
+            units = [("batch", first, take)]
+        else:
+            single = [cid for cid in live if not self._batched(self._pending[cid][0].fn)]
+            take = single[:max(1, min(self.chunk, math.ceil(len(single) / len(self._workers))))]
+            units = [("group" if self.levels[f] == "group" else "one", f, [cid])
+                     for cid, f in ((cid, self._pending[cid][0].fn) for cid in take)]
+        taken = set(take)
+        self._queue = collections.deque(cid for cid in live if cid not in taken)
+        return units
 
     def _dispatch(self, now: float) -> None:
         idle = [w for w in self._workers if w.ready and not w.sent]
         while idle and self._queue:
-            w = idle.pop()
-            n = max(1, min(self.chunk, math.ceil(len(self._queue) / len(self._workers))))
-            ids = []
-            while self._queue and len(ids) < n:
-                cid = self._queue.popleft()
-                if cid in self._pending:
-                    ids.append(cid)
-            if not ids:
+            units = self._take_units()
+            if not units:
                 break
-            w.sent = collections.deque((cid, self._pending[cid][1]) for cid in ids)
+            w = idle.pop()
+            w.sent = collections.deque((cid, self._pending[cid][1]) for _, _, ids in units for cid in ids)
+            w.units = collections.deque(len(ids) for _, _, ids in units)
             w.since, w.revoked = now, False
             try:
-                w.out.send([(cid, c.fn, c.prompt, c.response, c.target)
-                             for cid, c in ((cid, self._pending[cid][0]) for cid in ids)])
+                w.out.send([(mode, fn, [(cid, c.prompt, c.response, c.target)
+                                        for cid, c in ((cid, self._pending[cid][0]) for cid in ids)])
+                            for mode, fn, ids in units])
             except OSError:  # BrokenPipeError: it died
                 self._died(w)
 
@@ -307,13 +470,16 @@ class RewardExecutor:
             while w.conn.poll():
                 msg = w.conn.recv()
                 if msg[0] == "ready":
-                    w.ready = True
+                    self._ready(w, msg)
                 elif msg[0] == "error":  # a new worker failed to build what the first ones built
                     raise RuntimeError(f"a restarted reward worker could not build the rewards: {msg[1]}")
                 else:
-                    cid, value, error = msg
+                    cid, value, error, timed_out = msg
                     w.sent.popleft()
-                    w.since = time.monotonic()
-                    self._decide(cid, RewardOutcome(value=value, error=error))
+                    w.units[0] -= 1
+                    if not w.units[0]:
+                        w.units.popleft()
+                        w.since = time.monotonic()
+                    self._decide(cid, RewardOutcome(value=value, error=error, timed_out=timed_out))
         except (EOFError, OSError):
             self._died(w)

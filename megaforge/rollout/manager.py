@@ -77,13 +77,18 @@ def generate_samples(engine, rows, n: int, base: SamplingParams, seed: int, step
     return call_generate_fn(cfg, engine, reqs, rows, n, tokenizer, group_offset)
 
 
-def score(samples: list[Sample], reward_manager) -> dict:
+def score(samples: list[Sample], reward_manager, stream=None) -> dict:
     """Each sample's reward: the configured reward functions on the whole response text (for a
     multi-turn episode: every turn and tool result), plus the environment's episode reward
-    ``metadata["env_reward"]`` when a rollout function set one (logged as ``reward/env``)."""
-    rewards, metrics = reward_manager.score([s.prompt_text for s in samples],
-                                            [s.response_text for s in samples],
-                                            [s.label for s in samples])
+    ``metadata["env_reward"]`` when a rollout function set one (logged as ``reward/env``).
+    ``stream``: a :class:`megaforge.rewards.RewardStream` the samples were already added to, in
+    this order, as they were generated (else they are scored here)."""
+    if stream is None:
+        stream = reward_manager.stream()
+        stream.add_samples(samples)
+    rewards, metrics = stream.finish()
+    if len(rewards) != len(samples):
+        raise RuntimeError(f"the reward stream scored {len(rewards)} samples for {len(samples)}")
     env = [float(s.metadata.get("env_reward", 0.0)) for s in samples]
     for s, r, e in zip(samples, rewards, env):
         s.reward = r + e

@@ -59,7 +59,8 @@ def _fake_run(reward_rounds, batch_size=3, n=2, oversample=1.0, max_rounds=4):
         return out
 
     fake = SimpleNamespace(cfg=cfg, _generate=generate, data=SimpleNamespace(skipped=0, epoch=0),
-                           rewards=SimpleNamespace(last_error=""), tokenizer=SimpleNamespace(pad_token_id=0),
+                           rewards=SimpleNamespace(last_error="", step_errors={}, start_step=lambda: None,
+                                                   check_step=lambda step: None), tokenizer=SimpleNamespace(pad_token_id=0),
                            # generation is scripted above; the engine's health hooks are the base no-ops
                            engine=SimpleNamespace(ensure_healthy=lambda: None, health_metrics=lambda: {}))
     return fake, calls

@@ -59,6 +59,7 @@ def test_eval_rows_samples_and_resume(tmp_path):
     check_against_samples(run, 6, resumed[6])
 
 
+@pytest.mark.slow
 def test_http_engine_and_off_policy_training_unchanged_by_evaluations(tmp_path):
     # a file set of sums the demo never trains on (operands > 9), so both runs train on the same data
     path = tmp_path / "big_sums.jsonl"

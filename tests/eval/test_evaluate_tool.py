@@ -4,11 +4,13 @@ The tool runs in this process (its ``main``, as the script calls it), from the r
 import importlib.util
 import json
 import os
+import sys
 
 import pytest
 
 from eval_helpers import EVAL, ROOT, eval_part, launch, samples
 
+sys.path.insert(0, os.path.join(ROOT, "tools"))  # as when run as a script: its folder's common.py
 _spec = importlib.util.spec_from_file_location("megaforge_evaluate_tool", os.path.join(ROOT, "tools", "evaluate.py"))
 TOOL = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(TOOL)
@@ -68,6 +70,7 @@ def test_bad_model_and_bad_rows_are_named(tmp_path, tiny_model_dir, evaluate):
 
 
 
+@pytest.mark.slow
 def test_megatron_checkpoint_evaluation_equals_the_runs_own(tmp_path, evaluate):
     pytest.importorskip("megatron.core")
     out = str(tmp_path)

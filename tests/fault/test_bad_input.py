@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
 TINY = ["--config", DEMO, "--sft.max_steps", "0", "--rollout.batch_size", "2", "--grpo.n_samples", "2",
@@ -26,6 +28,7 @@ def test_nan_loss_steps_skipped_then_stop(tmp_path):
     assert all(r["weight_version"] == 0.0 for r in recs)  # nothing was applied
 
 
+@pytest.mark.slow
 def test_malformed_row_mid_run_keeps_earlier_steps(tmp_path):
     data = tmp_path / "d.jsonl"
     rows = [json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) for i in range(4)]

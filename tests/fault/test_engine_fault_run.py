@@ -77,6 +77,7 @@ def reference(tmp_path_factory):
     return recs
 
 
+@pytest.mark.slow
 def test_kill9_mid_rollout_step_completes_with_identical_metrics(tmp_path, reference):
     out = str(tmp_path)
     run = os.path.join(out, "k")
@@ -95,6 +96,7 @@ def test_kill9_mid_rollout_step_completes_with_identical_metrics(tmp_path, refer
     assert log.count("-m megaforge.rollout.server --model") == 2
 
 
+@pytest.mark.slow
 def test_restart_limit_stops_the_run_naming_engine_and_log_then_resume(tmp_path, reference):
     out = str(tmp_path)
     run = os.path.join(out, "x")

@@ -105,6 +105,7 @@ def _alive(pid):
         return False
 
 
+@pytest.mark.slow
 def test_worker_dies_with_its_torchrun_agent(tmp_path):
     """SIGKILL to torchrun's agent: its worker used to train on, orphaned (and write the run
     directory while a --resume did); now it gets SIGKILL too, and the resume can take the lock."""

@@ -55,6 +55,7 @@ def run(out, name, *extra, marker=""):
                            "--run_name", name, *extra], env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_crafted_checkpoint_is_refused_and_run_dir_config_is_not_imported(tmp_path):
     from megaforge.checkpoint import write_manifest
 

@@ -22,6 +22,7 @@ from scaling_study import COLUMNS  # noqa: E402
 # ~1e-12 (rel 1e-6, abs below the smallest coefficient).
 
 
+@pytest.mark.slow
 def test_cpu_study_writes_table_plots_and_cost_model(tmp_path):
     spec = yaml.safe_load(open(os.path.join(ROOT, "tools", "scaling", "cpu_demo.yaml")))
     spec["points"] = [{"gpus": 2, "tp": 2}]  # the torch backend has no TP: the dry run says so

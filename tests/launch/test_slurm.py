@@ -68,6 +68,7 @@ def test_local_job_runs_the_demo_to_completion(tmp_path, env):
     assert "checkpoint written" in out and "torchrun exited with 0" in out  # the ranks' output is in the run dir
 
 
+@pytest.mark.slow
 def test_preempted_job_checkpoints_requeues_and_resumes(tmp_path, env):
     slow = '[{name: "launch_plugins:slow_reward", kwargs: {delay_s: 0.3}}]'
     job, _, _ = launch_slurm.submit(["--cluster", "local", "--nodes", "1", "--gpus_per_node", "1", "--time", "00:20:00",

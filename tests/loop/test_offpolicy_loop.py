@@ -16,6 +16,7 @@ SLOW = ["--rollout.engine", "embedded_server", "--rollout.extra_args", '["--gene
         "--rollout.batch_size", "8", "--rollout.max_new_tokens", "16"]
 
 
+@pytest.mark.slow
 def test_off_policy_steps_are_shorter_than_sync_and_staleness_is_bounded(tmp_path):
     out = str(tmp_path)
     common = [*SLOW, "--max_steps", "7", "--loop.max_staleness", "1"]
@@ -40,7 +41,7 @@ def test_off_policy_steps_are_shorter_than_sync_and_staleness_is_bounded(tmp_pat
     assert all(r.get("staleness/max", 0) == 0 for r in sync)  # the sync loop trains on-policy
 
 
-@pytest.mark.parametrize("policy", ["correct", "drop"])
+@pytest.mark.parametrize("policy", [pytest.param("correct", marks=pytest.mark.slow), "drop"])
 def test_sync_interval_beyond_max_staleness(tmp_path, policy):
     """sync.interval 3 would age rollouts by up to 3 versions; K = 2 wins: correct forces a push
     (nothing dropped), drop drops the too-old batch and regenerates it with fresh weights."""
@@ -83,6 +84,7 @@ RESUME_ARGS = ["--rollout.engine", "embedded_server", "--loop.mode", "off_policy
                "--deterministic", "true", "--grpo.beta", "0.01"]
 
 
+@pytest.mark.slow
 def test_off_policy_sigterm_resume_is_exact(tmp_path, reference):
     out = str(tmp_path)
     run = os.path.join(out, "s")

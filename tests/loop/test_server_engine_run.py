@@ -1,9 +1,12 @@
 """The demo through the embedded engine's HTTP server (rollout.engine: embedded_server, the SGLang
 protocol over real HTTP) runs the same RL steps as the in-process embedded engine: every
 non-timing metric of every step is equal (same samples, same updates)."""
+import pytest
+
 from loop_helpers import launch, stable
 
 
+@pytest.mark.slow
 def test_embedded_server_run_equals_embedded_run(tmp_path):
     out = str(tmp_path)
     common = ["--max_steps", "3", "--deterministic", "true", "--rollout.device", "cpu"]

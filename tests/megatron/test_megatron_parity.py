@@ -2,6 +2,7 @@
 process groups (TP, PP, CP, SP, DP), fp32. Each test is one multi-process launch."""
 import os
 
+import pytest
 import torch
 
 from mt_helpers import hf_logprobs, make_batch, run_workers, torch_backend_reference
@@ -108,6 +109,7 @@ def test_train_step_tp2_matches_torch_backend_and_checkpoint_reshards_to_pp2(tin
     assert not os.path.exists(spec["export"] + ".tmp")
 
 
+@pytest.mark.slow
 def test_train_tied_llama_tp2_pp2_then_tp2_dp2_sp(tiny_models, tmp_path):
     """Llama with tied embeddings at TP=2 x PP=2 (1F1B over 3 micro-batches, two mini-batches =
     two optimizer steps), saved, resumed at TP=2 x DP=2 with sequence parallelism and the

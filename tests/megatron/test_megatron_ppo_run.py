@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from mt_helpers import ROOT, _shared
 from run_helpers import lines, stable
 
@@ -27,6 +29,7 @@ def launch(out: str, name: str, *extra):
     return lines(os.path.join(out, name, "metrics.jsonl"))
 
 
+@pytest.mark.slow
 def test_ppo_run_with_megatron_critic_resumes_exactly(tmp_path):
     out = str(tmp_path)
     ref = launch(out, "ref", "--max_steps", "3")

@@ -1,9 +1,12 @@
 """tools/check_memory_estimate.py: the CPU smoke run goes through the whole GPU code path (Megatron
 trainer from a config JSON with random weights, embedded-engine rollout, RL train step, the
 planner's prediction) and prints one JSON line; measured values are null on CPU."""
+import os
+import sys
+
 import pytest
 import torch
-from planner_helpers import last_json, run
+from planner_helpers import ROOT, last_json, run
 
 
 def test_cpu_smoke_prints_prediction_beside_measurement():
@@ -18,7 +21,8 @@ def test_cpu_smoke_prints_prediction_beside_measurement():
         assert ph["predicted_gib"] > 0
     # the prediction is the planner's for the same config, not a number of the tool's own
     from megaforge.planner import make_plan
-    from tools.check_memory_estimate import build_config, parse_args
+    sys.path.insert(0, os.path.join(ROOT, "tools"))  # the tools import their folder's common.py
+    from check_memory_estimate import build_config, parse_args
 
     cfg = build_config(parse_args(["--cpu_smoke", "--beta", "0.1"]), "cpu")
     plan = make_plan(cfg, "grpo", {"nodes": 1, "gpus_per_node": 1, "gpu": "cpu", "gpu_memory_gib": 80.0})

@@ -1,0 +1,90 @@
+"""python -m megaforge.rewards.serve: any megaforge reward over the remote protocol (the built-in
+math reward by name, a plug-in), request validation, body bounds, auth and the bind policy."""
+import subprocess
+import sys
+
+from megaforge.config import RewardSpec
+from megaforge.rewards import MathReward
+from megaforge.rewards.remote import RemoteReward
+from service_helpers import ROOT, env, post, serve
+
+CASES = [("What is 2+3?", r"<think>2+3=5</think> \boxed{5}", "5"), ("p", r"\boxed{4}", "5"),
+         ("p", r"\boxed{\frac{1}{2}}", "0.5"), ("p", "no answer", "#### 7")]
+
+
+def test_the_math_reward_by_name_single_and_batched_equal_the_local_one():
+    local = [MathReward()(*c) for c in CASES]
+    assert local == [1.0, 0.0, 1.0, 0.0]
+    with serve("--fn", "math") as (url, _):
+        assert [post(url, {"prompt": p, "response": r, "label": t}) for p, r, t in CASES] == \
+            [(200, {"reward": v}) for v in local]
+        assert post(url, [{"prompt": p, "response": r, "label": t} for p, r, t in CASES]) == \
+            (200, [{"reward": v} for v in local])
+        for batch_size in (0, 3):
+            client = RemoteReward(url, batch_size=batch_size)
+            try:
+                assert client.score_batch(*zip(*CASES)) == local
+            finally:
+                client.close()
+
+
+def test_requests_are_validated_naming_the_field_and_bounded():
+    with serve("--fn", "math", "--max-body-mb", "0.01", "--max-batch", "3") as (url, _):
+        assert post(url, None, raw=b"{not json")[0] == 400
+        assert post(url, None, raw=b"{not json")[1]["field"] == "body"
+        assert post(url, 5) == (400, {"error": "body: expected an object {prompt, response, label} or a list of them, "
+                                               "got int", "field": "body"})
+        assert post(url, {"prompt": "p"}) == (400, {"error": "body.response: must be a string (missing)",
+                                                    "field": "body.response"})
+        assert post(url, {"prompt": 1, "response": "r"})[1]["field"] == "body.prompt"
+        assert post(url, [{"prompt": "p", "response": "r"}, "x"]) == \
+            (400, {"error": "body[1]: expected an object {prompt, response, label}, got str", "field": "body[1]"})
+        assert post(url, [{"prompt": "p", "response": "r"}] * 4)[1]["error"] == \
+            "body: 4 samples in one request > --max-batch 3"
+        status, answer = post(url, {"prompt": "p" * 20000, "response": "r"})
+        assert status == 413 and answer["field"] == "body"
+        assert post(url, {"prompt": "p", "response": r"\boxed{1}", "label": "1"}) == (200, {"reward": 1.0})  # still serving
+
+
+def test_a_plugin_that_fails_answers_500_or_an_error_entry():
+    with serve("--fn", "reward_plugins:raises_on_marker") as (url, _):
+        assert post(url, {"prompt": "p", "response": "RAISE"}) == \
+            (500, {"error": "ArithmeticError: cannot score this one"})
+        assert post(url, [{"prompt": "p", "response": r} for r in ("ab", "RAISE", "INF")]) == \
+            (200, [{"reward": 2.0}, {"error": "ArithmeticError: cannot score this one"}, {"error": "the reward returned inf"}])
+        client = RemoteReward(url, batch_size=0)
+        try:
+            out = client.score_batch(["p", "p"], ["RAISE", "abc"], [None, None])
+        finally:
+            client.close()
+        assert str(out[0]) == f"{url}: HTTP 500: {{\"error\": \"ArithmeticError: cannot score this one\"}}"
+        assert out[1] == 3.0
+
+
+def test_auth_is_required_when_a_key_is_set_and_the_key_never_shows():
+    with serve("--fn", "math", "--api-key-env", "SERVE_TOKEN", extra_env={"SERVE_TOKEN": "tok-123"}) as (url, p):
+        body = {"prompt": "p", "response": r"\boxed{2}", "label": "2"}
+        assert post(url, body)[0] == 401
+        assert post(url, body, token="wrong")[0] == 401
+        assert post(url, body, token="tok-123") == (200, {"reward": 1.0})
+        client = RemoteReward.from_spec(RewardSpec("remote", url=url, api_key="tok-123"))
+        try:
+            assert client.score_batch(["p"], [r"\boxed{2}"], ["2"]) == [1.0]
+        finally:
+            client.close()
+        p.terminate()
+        out, err = p.communicate(timeout=10)
+        assert "401" in err and "tok-123" not in out + err
+
+
+def test_binding_beyond_loopback_needs_a_key_and_bad_arguments_are_named():
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "megaforge.rewards.serve", *args], env=env(), cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+
+    p = run("--fn", "math", "--host", "0.0.0.0", "--port", "0")
+    assert p.returncode != 0 and "--host 0.0.0.0 exposes the reward beyond this machine: give --api-key" in p.stderr
+    p = run("--fn", "mth", "--port", "0")
+    assert p.returncode != 0 and "unknown reward 'mth'; registered:" in p.stderr
+    p = run("--port", "0")
+    assert p.returncode != 0 and "give one of --fn NAME and --spec YAML" in p.stderr

@@ -1,0 +1,62 @@
+"""megatron-core's own pretraining step, the baseline the train benchmarks set megaforge's RL step
+beside (tools/bench_train.py, tools/bench_grpo_step.py), and the FLOP count both are rated by.
+
+FLOPs of a forward + backward = 6 P n + 6 L h sum_d len_d^2, with P all parameters (Llama layout:
+attention, gated MLP, two norms a layer, untied embedding and output layer, final norm), n the real
+tokens and the attention term summed over documents d (a full row of ``seq`` tokens gives the usual
+6 L s h n). Model shapes are transformers configs (``hidden_size``, ``intermediate_size``, ...).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def n_params(hf) -> int:
+    """Parameters of the Llama layout of config ``hf`` (head size hidden / heads)."""
+    h, f, L, V = hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.vocab_size
+    heads, kv = hf.num_attention_heads, hf.num_key_value_heads
+    hd = h // heads
+    attn = h * hd * (heads + 2 * kv) + heads * hd * h
+    return L * (attn + 3 * h * f + 2 * h) + 2 * V * h + h
+
+
+def flops(hf, doc_lengths) -> float:
+    """Forward + backward FLOPs of documents of ``doc_lengths`` tokens (formula above)."""
+    n = sum(doc_lengths)
+    return 6.0 * n_params(hf) * n + 6.0 * hf.num_hidden_layers * hf.hidden_size * sum(x * x for x in doc_lengths)
+
+
+def raw_microbatches(vocab: int, seq: int, rows: int, n_micro: int, device, seed: int = 1) -> list:
+    """``n_micro`` micro-batches of ``rows`` full rows of ``seq`` random tokens: (tokens, positions,
+    labels = the tokens shifted by one), each [rows, seq] on ``device``."""
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for _ in range(n_micro):
+        tok = torch.randint(0, vocab, (rows, seq + 1), generator=g)
+        data.append((tok[:, :-1].to(device), torch.arange(seq, device=device)[None].expand(rows, seq).contiguous(),
+                     tok[:, 1:].to(device)))
+    return data
+
+
+def raw_step(tr, seq: int, rows: int, data: list) -> None:
+    """megatron-core's pretraining step on the model and optimizer of MegatronTrainer ``tr``:
+    ``get_forward_backward_func`` over the micro-batches ``data`` (sbhd, causal, megatron's
+    vocab-parallel cross entropy summed), then the optimizer step."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(it, model):
+        tokens, pos, labels = next(it)
+        per_token = model(tokens, pos, None, labels=labels)  # [b, s] cross entropy
+
+        def loss_func(x):
+            loss = x.float().sum()
+            return loss, torch.tensor(x.numel(), device=x.device, dtype=torch.int), {"lm loss": loss.detach()}
+        return per_token, loss_func
+
+    tr.ddp.train()
+    tr.ddp.zero_grad_buffer()
+    tr.optimizer.zero_grad()
+    get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(data), model=[tr.ddp], num_microbatches=len(data),
+        seq_length=seq, micro_batch_size=rows, forward_only=False)
+    tr.optimizer.step()
