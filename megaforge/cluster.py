@@ -92,9 +92,9 @@ def _key(name: str) -> str:
 def _stop_engine_servers() -> None:
     """Stop every engine server this process started (SIGTERM, SIGKILL after 5 s)."""
     try:
-        from megaforge.rollout import launcher
+        from megaforge.rollout.http import processes
 
-        launcher._stop_all()
+        processes.stop_all()
     except Exception as e:  # noqa: BLE001  (best effort on the way out; PDEATHSIG still kills them)
         print(f"[megaforge] stopping engine servers failed: {e}", file=sys.stderr, flush=True)
 

@@ -339,7 +339,7 @@ class RolloutConfig:
     """Maximum sequences the embedded engine decodes at once."""
     fast: Literal["auto", "on", "off"] = "auto"
     """Fast decode path of the embedded engine (static KV cache, continuous refill, CUDA graphs;
-    megaforge/rollout/fast): auto = on CUDA devices for Llama / Qwen2 / Qwen3, on = always (CPU: no
+    megaforge/rollout/embedded/fast): auto = on CUDA devices for Llama / Qwen2 / Qwen3, on = always (CPU: no
     graphs), off = the simple HF DynamicCache loop."""
     tensor_parallel: int = 1
     """Engine tensor-parallel size (sglang)."""
@@ -391,8 +391,8 @@ class RolloutConfig:
     folder under /dev/shm keeps it in RAM). With sync.transport disk the update's shards are the snapshot."""
     generate_fn: str = ""
     """Custom rollout function ``package.module:callable`` (multi-turn / agentic); empty: single turn.
-    Signature ``fn(engine, requests, rows, tokenizer, cfg) -> list[Sample]`` (megaforge.rollout.multiturn);
-    ``megaforge.rollout.multiturn:tool_rollout`` runs tool calls between turns."""
+    Signature ``fn(engine, requests, rows, tokenizer, cfg) -> list[Sample]`` (megaforge.rollout.agent.multiturn);
+    ``megaforge.rollout.agent.multiturn:tool_rollout`` runs tool calls between turns."""
     generate_kwargs: dict = field(default_factory=dict)
     """Keyword arguments of rollout.generate_fn, e.g. ``{tools: [calculator, python]}`` for tool_rollout."""
     max_turns: int = 4

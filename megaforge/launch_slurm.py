@@ -147,10 +147,9 @@ def _child_setup() -> None:
     makes torchrun stop its ranks."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    from megaforge.rollout.launcher import _PRCTL, PR_SET_PDEATHSIG
+    from megaforge.rollout.http.processes import die_with_parent
 
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    die_with_parent(signal.SIGTERM)
 
 
 class TrainJob(submitit.helpers.Checkpointable):
@@ -189,7 +188,7 @@ class TrainJob(submitit.helpers.Checkpointable):
             master = env.hostnames[0]
             port = self.master_port or 20000 + int(re.sub(r"\D", "", job_id) or 0) % 40000
         else:  # one node: loopback and a port free now
-            from megaforge.rollout.launcher import free_port
+            from megaforge.net import free_port
 
             master, port = "127.0.0.1", self.master_port or free_port()
         cmd = self.command(node, master, port, resume)

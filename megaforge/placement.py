@@ -12,7 +12,7 @@ Rules (the planner's, for ``N`` nodes of ``G`` GPUs, ``G = LOCAL_WORLD_SIZE + ro
 
 One process per node starts that node's engine servers: its local rank 0 (the *node leader*). The
 API key is chosen on rank 0 and broadcast; the servers' URLs are gathered on every rank
-(``all_gather_object``) and rank 0 builds the one :class:`megaforge.rollout.sglang.HTTPEngine` over
+(``all_gather_object``) and rank 0 builds the one :class:`megaforge.rollout.http.engine.HTTPEngine` over
 all of them (engine order = engine id). One node (the common case) keeps the single-process path:
 rank 0 starts every engine (:func:`megaforge.rollout.build_engine`).
 
@@ -34,6 +34,7 @@ from typing import Optional
 from megaforge import dist
 from megaforge.cluster import ProcessPlace, place_from_env
 from megaforge.configtree import ConfigError
+from megaforge.net import is_loopback
 
 HTTP_ENGINES = ("embedded_server", "sglang")
 _WILDCARD = ("0.0.0.0", "::", "")
@@ -87,14 +88,16 @@ def node_address() -> str:
 
 class NodeEngines:
     """This process's part in a multi-node engine launch, handed to
-    :func:`megaforge.rollout.http_launch.build_http_engine` (``node=``) on node leaders; every other
+    :func:`megaforge.rollout.http.launch.build_http_engine` (``node=``) on node leaders; every other
     rank makes the same two collective calls (:meth:`share`, :meth:`gather`) with nothing to add."""
 
     def __init__(self, cfg, place: ProcessPlace, slots: dict):
         self.cfg, self.place = cfg, place
         mine = slots.get(place.node, []) if place.node_leader else []
         self.engine_ids = [k for k, _ in mine]
-        visible = _visible_gpus()
+        from megaforge.rollout.http.launch import visible_gpus
+
+        visible = visible_gpus()
         self.gpus = [[visible[g] if visible is not None else g for g in gs] for _, gs in mine]
         self.servers: list = []
         self.cleanup: list[str] = []
@@ -121,7 +124,7 @@ class NodeEngines:
         urls = sorted((k, u, h, n) for n, h, part in box for k, u in part)
         r = self.cfg
         remote = sorted({h for _, _, h, _ in urls if h != main_host})
-        if remote and r.rollout.host not in _WILDCARD and _loopback(r.rollout.host):
+        if remote and r.rollout.host not in _WILDCARD and is_loopback(r.rollout.host):
             raise ConfigError(f"rollout.host {r.rollout.host} is a loopback address but engines run on other hosts "
                               f"({', '.join(remote)}): set rollout.host 0.0.0.0 so rank 0 reaches them")
         if remote and r.sync.transport in ("auto", "shm", "ipc"):
@@ -144,18 +147,6 @@ class NodeEngines:
         self.cleanup = []
 
 
-def _loopback(host: str) -> bool:
-    from megaforge.rollout.server import is_loopback
-
-    return is_loopback(host)
-
-
-def _visible_gpus() -> Optional[list[int]]:
-    from megaforge.rollout.http_launch import _visible_gpus as visible
-
-    return visible()
-
-
 def build_engines(cfg, tokenizer):
     """Called on every rank by the loop: the engine rank 0 drives (None on other ranks). Node leaders
     of a multi-node job start their node's HTTP engine servers (see the module docstring)."""
@@ -169,7 +160,7 @@ def build_engines(cfg, tokenizer):
         return build_engine(cfg, tokenizer)
     _NODE = NodeEngines(cfg, place, engine_slots(cfg, place))
     if place.node_leader and (_NODE.engine_ids or dist.is_main()):
-        from megaforge.rollout.http_launch import build_http_engine
+        from megaforge.rollout.http.launch import build_http_engine
 
         return build_http_engine(cfg, tokenizer, cfg.rollout.engine, node=_NODE)
     _NODE.share("")

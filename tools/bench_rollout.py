@@ -245,8 +245,8 @@ class SGLangServer:
     def __init__(self, model_dir: str, args, log_path: str):
         import asyncio
 
-        from megaforge.rollout.client import SGLangClient
-        from megaforge.rollout.launcher import ServerProcess, child_env, env_from_script
+        from megaforge.rollout.http.client import SGLangClient
+        from megaforge.rollout.http.processes import ServerProcess, child_env, env_from_script
 
         env = env_from_script(args.sglang_env_sh) if args.sglang_env_sh else {}
         py = args.sglang_python or sys.executable

@@ -23,7 +23,7 @@ export PYTHONPATH=$PWD
 [ -d /tmp/mfsite ] && export PYTHONPATH=$PWD:/tmp/mfsite
 export MEGAFORGE_SGLANG_ENV_SH=/tmp/sgl/env.sh
 engine_env() {  # the SGLang kit's environment as rollout.engine_env (JSON is YAML)
-  python3 -c "import json; from megaforge.rollout.launcher import env_from_script; print(json.dumps(env_from_script('/tmp/sgl/env.sh')))"
+  python3 -c "import json; from megaforge.rollout.http.processes import env_from_script; print(json.dumps(env_from_script('/tmp/sgl/env.sh')))"
 }
 recipe() {  # $1: seconds allowed, then launcher flags
   local t=$1; shift

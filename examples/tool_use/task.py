@@ -11,7 +11,7 @@ config lists it under ``algo.plugins``, which megaforge imports at start-up). Ro
 
 The tiny model cannot multiply 2-digit numbers in its head, so after SFT its direct answers are
 mostly wrong and its tool calls mostly right: GRPO with the math reward on the whole episode
-(``rollout.generate_fn: megaforge.rollout.multiturn:tool_rollout``) learns to call the tool.
+(``rollout.generate_fn: megaforge.rollout.agent.multiturn:tool_rollout``) learns to call the tool.
 In SFT the whole trace is trained (the result tokens too); in RL the result comes from the tool and
 is never trained (response_mask 0).
 """

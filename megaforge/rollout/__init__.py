@@ -8,7 +8,7 @@ def preflight(cfg) -> None:
     """Checks that need no engine yet (run at start-up, before any SFT or run directory): sglang
     installed, prompt + response within the model's context, the engines' GPUs present."""
     if cfg.rollout.engine == "sglang":
-        from megaforge.rollout.http_launch import require_sglang
+        from megaforge.rollout.http.launch import require_sglang
 
         require_sglang(cfg, router=cfg.rollout.router and cfg.rollout.num_engines > 1)
     check_context(cfg)
@@ -70,9 +70,9 @@ def check_engine_gpus(cfg) -> None:
         return  # not an engine of this build: build_engine says so
     if int(os.environ.get("WORLD_SIZE", "1")) != int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
         return
-    from megaforge.rollout.http_launch import _visible_gpus, gpu_assignment
+    from megaforge.rollout.http.launch import visible_gpus, gpu_assignment
 
-    visible = _visible_gpus()
+    visible = visible_gpus()
     if not visible:
         raise ConfigError(f"config key 'rollout.engine': {r.engine!r} runs its engines on CUDA GPUs and none is "
                           f"visible here (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
@@ -92,7 +92,7 @@ def build_engine(cfg, tokenizer):
 
         return EmbeddedEngine.from_config(cfg, tokenizer)
     if kind in ("embedded_server", "sglang"):
-        from megaforge.rollout.http_launch import build_http_engine
+        from megaforge.rollout.http.launch import build_http_engine
 
         return build_http_engine(cfg, tokenizer, kind)
     raise ValueError(f"rollout.engine {kind!r} is not available in this build; valid: {', '.join(ENGINES)}")

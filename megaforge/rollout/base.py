@@ -15,6 +15,11 @@ from megaforge.types import Completion, GenerateRequest
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
+class EngineStateError(RuntimeError):
+    """A call the engine's state forbids: generating or loading weights while the weights are released,
+    engines that serve different weight versions (every backend raises this one class)."""
+
+
 class Engine(ABC):
     @abstractmethod
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:

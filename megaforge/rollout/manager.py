@@ -1,7 +1,7 @@
 """From prompts to scored samples: request fan-out (n per prompt), seeds, decoding, rewards.
 
 :func:`generate_samples` is the one entry the loop uses: single-turn generation, or the configured
-``rollout.generate_fn`` (multi-turn / agentic rollouts, :mod:`megaforge.rollout.multiturn`).
+``rollout.generate_fn`` (multi-turn / agentic rollouts, :mod:`megaforge.rollout.agent.multiturn`).
 """
 from __future__ import annotations
 
@@ -68,11 +68,11 @@ def generate_samples(engine, rows, n: int, base: SamplingParams, seed: int, step
                      tokenizer, cfg) -> list[Sample]:
     """``len(rows) * n`` unscored samples, row-major (sample k is the ``k % n``-th of row ``k // n``,
     group ``group_offset + k // n``). With ``cfg.rollout.generate_fn`` set, that function builds them
-    from the same seeded first-turn requests (see :func:`megaforge.rollout.multiturn.load_generate_fn`)."""
+    from the same seeded first-turn requests (see :func:`megaforge.rollout.agent.multiturn.load_generate_fn`)."""
     reqs = make_requests(rows, n, base, seed, step, group_offset)
     if not cfg.rollout.generate_fn:
         return completions_to_samples(rows, n, engine.generate(reqs), tokenizer, group_offset)
-    from megaforge.rollout.multiturn import call_generate_fn
+    from megaforge.rollout.agent.multiturn import call_generate_fn
 
     return call_generate_fn(cfg, engine, reqs, rows, n, tokenizer, group_offset)
 

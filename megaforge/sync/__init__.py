@@ -4,8 +4,8 @@
 bucket iterator (gathering TP shards / PP stages is collective), and the feeding rank hands each
 bucket to the engine, which loads it and then serves version ``version``.
 
-Transports (``sync.transport``; the engine implements them, :mod:`megaforge.rollout.sglang` for
-HTTP engines): ``ipc`` (colocated: CUDA buckets flattened into one of two reused device buffers
+Transports (``sync.transport``; :mod:`megaforge.sync.transports` for HTTP engines, over the
+engine's fan-out of servers): ``ipc`` (colocated: CUDA buckets flattened into one of two reused device buffers
 (:class:`~megaforge.sync.buffers.BucketBuffers`), shared by CUDA IPC in SGLang's
 ``flattened_bucket`` format, a buffer reused only after the engine confirmed its load, generation
 paused and the cache flushed around the update); ``shm`` (CPU buffers in shared memory); ``nccl``

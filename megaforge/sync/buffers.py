@@ -2,7 +2,7 @@
 buffer to an engine and must not overwrite it early).
 
 :class:`BucketBuffers` owns ``count`` (2) flat uint8 device buffers. Bucket ``k`` is flattened into
-buffer ``k % count`` in SGLang's ``flattened_bucket`` layout (:func:`megaforge.rollout.wire.flat_layout`:
+buffer ``k % count`` in SGLang's ``flattened_bucket`` layout (:func:`megaforge.sync.wire.flat_layout`:
 tensors by element size, largest first, byte ranges back to back), handed to the engines, and its
 *confirmation* (a callable that returns once every engine answered the load of bucket ``k``) is
 registered with :meth:`sent`. Invariant: a buffer is written again only after the confirmation of
@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megaforge.rollout import wire
+from megaforge.sync import wire
 
 
 class BucketBuffers:

@@ -77,7 +77,7 @@ def test_empty_responses_are_batched_and_not_trained(tiny_model_dir, tokenizer):
     """Aborted requests come back with 0 tokens: they batch (no loss tokens), and a step with them
     equals the same step without them (same per-token advantages); the HTTP answer parses too."""
     from megaforge.data.batch import samples_to_batch, set_denominators
-    from megaforge.rollout.protocol import completion_from_output
+    from megaforge.rollout.http.protocol import completion_from_output
 
     c = completion_from_output({"text": "", "output_ids": [], "meta_info": {
         "id": "s1-g0-n1", "finish_reason": {"type": "abort", "message": "Aborted"}, "weight_version": "3",

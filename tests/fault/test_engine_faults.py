@@ -161,7 +161,7 @@ def test_health_check_between_steps_restores_state(engine, reference):
 
 
 def test_restart_limit_names_engine_and_log(engine, tiny_model_dir):
-    from megaforge.rollout.recovery import EngineFailure
+    from megaforge.rollout.http.recovery import EngineFailure
 
     engine.ensure_healthy()
     limit, engine.max_restarts = engine.max_restarts, 0

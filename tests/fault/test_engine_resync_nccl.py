@@ -43,7 +43,7 @@ def test_killed_engine_is_resynced_over_its_own_group(engine, tiny_model_dir, ca
     served0 = _info(engine, 0)["served_requests"]
     proc = engine.processes[1]
     old_pid = proc.pid
-    with caplog.at_level(logging.WARNING, logger="megaforge.rollout.sglang"):
+    with caplog.at_level(logging.WARNING, logger="megaforge.sync.transports"):
         t, box = _generate_in_thread(engine, reqs)
         _when_running(engine, 1, lambda: os.kill(old_pid, signal.SIGKILL))
         t.join(300)

@@ -14,8 +14,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tests", "rollout"))
-# the admin-endpoint check lives with the launcher tests; collected here too, as the issue lists it
-from test_launcher import test_non_loopback_bind_needs_api_key_and_admin_needs_token as \
+sys.path.insert(0, os.path.join(ROOT, "tests", "rollout", "http"))
+# the admin-endpoint check lives with the server-process tests; collected here too, as the issue lists it
+from test_processes import test_non_loopback_bind_needs_api_key_and_admin_needs_token as \
     test_admin_endpoint_without_token_on_non_loopback_bind_is_401  # noqa: E402,F401
 
 DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
@@ -35,14 +36,15 @@ class Evil:
 
 def test_engine_servers_bind_loopback_by_default():
     from megaforge.config import Config
-    from megaforge.rollout.server import is_loopback, parse_args
+    from megaforge.net import is_loopback
+    from megaforge.rollout.server.cli import parse_args
 
     assert parse_args(["--model", "m"]).host == "127.0.0.1" and Config().rollout.host == "127.0.0.1"
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("node7")
     import inspect
 
-    from megaforge.rollout import http_launch
+    from megaforge.rollout.http import launch as http_launch
 
     assert '"--host", "127.0.0.1"' in inspect.getsource(http_launch.build_http_engine)  # the router
 
@@ -86,7 +88,7 @@ def test_crafted_checkpoint_is_refused_and_run_dir_config_is_not_imported(tmp_pa
 @pytest.fixture(scope="module")
 def mcore_checkpoint(tmp_path_factory):
     pytest.importorskip("megatron.core")
-    from megaforge.rollout.launcher import free_port
+    from megaforge.net import free_port
 
     d = str(tmp_path_factory.mktemp("mcore") / "ckpt")
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",

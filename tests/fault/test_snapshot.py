@@ -20,8 +20,8 @@ pytestmark = pytest.mark.timeout(300)
 def test_flat_bucket_written_as_safetensors_bit_exact(tmp_path):
     from safetensors.torch import load_file
 
-    from megaforge.rollout import wire
-    from megaforge.rollout.snapshot import WeightSnapshot
+    from megaforge.sync import wire
+    from megaforge.rollout.http.snapshot import WeightSnapshot
 
     g = torch.Generator().manual_seed(0)
     named = [("a.weight", torch.randn(5, 3, generator=g)), ("b.bias", torch.randn(7, generator=g).to(torch.bfloat16)),

@@ -6,7 +6,7 @@ import os
 
 def sglang_env() -> dict:
     """The environment variables ``MEGAFORGE_SGLANG_ENV_SH`` sets or changes ({} when unset)."""
-    from megaforge.rollout.launcher import env_from_script
+    from megaforge.rollout.http.processes import env_from_script
 
     path = os.environ.get("MEGAFORGE_SGLANG_ENV_SH", "")
     return env_from_script(path) if path else {}
@@ -19,7 +19,7 @@ def sglang_python() -> str:
 def sglang_version() -> str | None:
     from megaforge.config import config_from_dict
     from megaforge.configtree import ConfigError
-    from megaforge.rollout.http_launch import require_sglang
+    from megaforge.rollout.http.launch import require_sglang
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = config_from_dict({"model": {"config": os.path.join(root, "configs", "models", "tiny-qwen2")}, "max_steps": 0,

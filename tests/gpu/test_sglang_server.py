@@ -153,7 +153,7 @@ def test_release_and_abilities(engine):
 
 
 def test_generate_batch_n_and_logprobs_equal_the_trainers(engine, trainer):
-    from megaforge.rollout.protocol import completion_from_output
+    from megaforge.rollout.http.protocol import completion_from_output
     from megaforge.sync import push_weights
 
     stats = push_weights(trainer, engine, 64 << 20, 1)  # CUDA IPC: the trainer's own tensors
@@ -172,7 +172,7 @@ def test_generate_batch_n_and_logprobs_equal_the_trainers(engine, trainer):
 
 
 def test_tensor_updates_by_ipc_and_shm_make_the_served_logprobs_follow(engine, trainer):
-    from megaforge.rollout.sglang import HTTPEngine
+    from megaforge.rollout.http.engine import HTTPEngine
     from megaforge.sync import push_weights
 
     _train(trainer, engine)
@@ -197,7 +197,7 @@ def test_tensor_updates_by_ipc_and_shm_make_the_served_logprobs_follow(engine, t
 
 
 def test_update_from_disk(engine, trainer):
-    from megaforge.rollout.sglang import HTTPEngine
+    from megaforge.rollout.http.engine import HTTPEngine
     from megaforge.sync import push_weights
 
     _train(trainer, engine)
@@ -238,7 +238,7 @@ def test_weight_version_is_served(engine):
 
 
 def test_release_and_resume_by_tag_free_the_memory(engine, trainer):
-    from megaforge.rollout.sglang import EngineStateError
+    from megaforge.rollout.base import EngineStateError
     from megaforge.sync import push_weights
 
     torch.cuda.synchronize()

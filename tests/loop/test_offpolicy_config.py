@@ -18,7 +18,7 @@ def cfg(*args):
      "loop.max_staleness"),  # one step of overlap ages samples by 2 versions > K = 1
     (["--loop.stale_policy", "correct"], "loop.stale_policy"),  # needs tis_cap or mis_threshold
     (["--loop.partial_rollouts", "true", "--loop.partial_old_tokens", "correct"], "loop.partial_old_tokens"),
-    (["--loop.partial_rollouts", "true", "--rollout.generate_fn", "megaforge.rollout.multiturn:tool_rollout"],
+    (["--loop.partial_rollouts", "true", "--rollout.generate_fn", "megaforge.rollout.agent.multiturn:tool_rollout"],
      "loop.partial_rollouts"),
     (["--loop.partial_budget_tokens", "-1"], "loop.partial_budget_tokens"),
     (["--rollout.max_turns", "0"], "rollout.max_turns"),
@@ -34,5 +34,5 @@ def test_good_combinations():
     cfg("--loop.mode", "off_policy", "--rollout.engine", "sglang", "--trainer.mini_batches", "2",
         "--loop.max_staleness", "2", "--loop.stale_policy", "correct", "--algo.tis_cap", "2")
     cfg("--loop.partial_rollouts", "true", "--loop.partial_old_tokens", "correct", "--algo.mis_threshold", "2")
-    cfg("--rollout.generate_fn", "megaforge.rollout.multiturn:tool_rollout",
+    cfg("--rollout.generate_fn", "megaforge.rollout.agent.multiturn:tool_rollout",
         "--rollout.generate_kwargs", "{tools: [calculator, python]}")

@@ -11,7 +11,7 @@ import pytest
 from loop_helpers import ROOT, cmd, env, launch, lines, stable, stop_when
 
 # a deliberately slow engine: the embedded server's --generate-delay (seconds each /generate batch
-# waits before decoding, megaforge/rollout/server.py) makes generation cost about as much as training
+# waits before decoding, megaforge/rollout/server/state.py) makes generation cost about as much as training
 SLOW = ["--rollout.engine", "embedded_server", "--rollout.extra_args", '["--generate-delay", "0.8"]',
         "--rollout.batch_size", "8", "--rollout.max_new_tokens", "16"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaforge.rollout import wire
+from megaforge.sync import wire
 from megaforge.sync.buffers import BucketBuffers
 
 

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "memory"))
 from mem_helpers import make_batch, torch_trainer_cfg  # noqa: E402
 
-from megaforge.rollout import wire  # noqa: E402
+from megaforge.sync import wire  # noqa: E402
 from megaforge.sync import WeightMismatchError, check_engine_weights, push_weights  # noqa: E402
 from megaforge.types import GenerateRequest, SamplingParams, TrainBatch  # noqa: E402
 
@@ -56,7 +56,7 @@ def engines(tiny_model_dir, tmp_path_factory, tokenizer):
     """One embedded server; an shm client (launched it) and a disk client to the same server."""
     from megaforge.config import config_from_dict
     from megaforge.rollout import build_engine
-    from megaforge.rollout.sglang import HTTPEngine
+    from megaforge.rollout.http.engine import HTTPEngine
 
     cfg = config_from_dict({
         "output_dir": str(tmp_path_factory.mktemp("run")), "run_name": "sync", "max_steps": 0,
@@ -147,7 +147,7 @@ def test_check_equal_in_process(trainer, tokenizer):
 
 
 def test_ipc_needs_cuda_tensors(trainer, engines):
-    from megaforge.rollout.sglang import HTTPEngine
+    from megaforge.rollout.http.engine import HTTPEngine
 
     ipc = HTTPEngine([c.url for c in engines[0].clients], transport="ipc")
     try:

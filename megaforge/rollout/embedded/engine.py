@@ -1,0 +1,293 @@
+"""The embedded engine: a Hugging Face CausalLM with megaforge's own batched sampling loop.
+
+It is the CPU / development default and the reference the other engines are tested against. Per
+decoding step (KV cache through transformers' DynamicCache, prompts left-padded):
+
+    logits [B, V] -> sampling.sample_tokens -> token [B], logprob [B]
+
+A row finishes on a stop token (kept in the output, like SGLang with ``no_stop_trim``), a stop
+string, ``max_new_tokens`` or an abort. Memory release/resume is tracked: generating while the
+weights are released is an error.
+
+``fast`` (``rollout.fast``): ``auto`` serves generate with :mod:`megaforge.rollout.embedded.fast` (static KV
+cache, continuous refill, CUDA graphs) on CUDA devices for supported models (Llama, Qwen2, Qwen3),
+``on`` forces it (also on CPU, without graphs: the tests' mode), ``off`` keeps this simple loop.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from megaforge.rollout.base import MEMORY_TAGS, Engine, EngineStateError, check_tags
+from megaforge.rollout.embedded.sampling import sample_tokens
+from megaforge.types import Completion, GenerateRequest
+
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddedEngine(Engine):
+    def __init__(self, model, tokenizer=None, max_batch: int = 256, pad_token_id: Optional[int] = None,
+                 fast: str = "auto", fast_options: Optional[dict] = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.device = next(model.parameters()).device
+        if pad_token_id is None:
+            pad_token_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        self.pad_id = self._valid_pad(pad_token_id)
+        self.progress_time = 0.0  # time.monotonic() of the last decoding step (the server's /health_generate)
+        self._version = 0
+        self._released: set[str] = set()
+        self._abort = threading.Event()
+        self._lock = threading.Lock()
+        self._params = dict(model.state_dict(keep_vars=True))
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(0)
+        self._fast = self._select_fast(fast, fast_options or {})
+
+    def _valid_pad(self, pad: Optional[int]) -> int:
+        """The id that fills left padding: the tokenizer's pad id when the model can embed it, else the
+        model config's, else 0. Padded positions are masked out, so any id of the embedding does; a
+        tokenizer without a pad token (megaforge.hf.load_tokenizer then pads with eos) may name one
+        outside the model's vocabulary, which would fail in the embedding of a ragged batch."""
+        vocab = int(getattr(self.model.config, "vocab_size", 0) or 0)
+        for cand in (pad, getattr(self.model.config, "pad_token_id", None), 0):
+            if isinstance(cand, int) and 0 <= cand < (vocab or cand + 1):
+                return cand
+        return 0
+
+    def mark_progress(self) -> None:
+        """Record a decoding step (read as ``progress_time``)."""
+        self.progress_time = time.monotonic()
+
+    def _select_fast(self, fast: str, options: dict):
+        """The FastDecoder serving generate, or None (the simple loop); see the module docstring."""
+        if fast not in ("auto", "on", "off"):
+            raise ValueError(f"rollout.fast {fast!r}: valid: auto, on, off")
+        if fast == "off" or (fast == "auto" and self.device.type != "cuda"):
+            return None
+        from megaforge.rollout.embedded.fast import FastDecoder, unsupported_reason
+
+        why = unsupported_reason(self.model)
+        if why is not None:
+            if fast == "on":
+                raise ValueError(f"rollout.fast=on: {why}")
+            log.info("embedded engine: simple decode loop (fast path unavailable: %s)", why)
+            return None
+        return FastDecoder(self, **options)
+
+    @property
+    def fast(self):
+        """The :class:`~megaforge.rollout.embedded.fast.FastDecoder` serving generate (None: the simple loop)."""
+        return self._fast
+
+    # ------------------------------------------------------------------------------- construction
+    @classmethod
+    def from_config(cls, cfg, tokenizer=None, device: Optional[str] = None) -> "EmbeddedEngine":
+        from megaforge.hf import load_hf_model, resolve_device
+
+        dev = resolve_device(device or cfg.rollout.device)
+        model = load_hf_model(cfg.model, dev)
+        return cls(model, tokenizer, max_batch=cfg.rollout.engine_batch_size, fast=cfg.rollout.fast)
+
+    # ----------------------------------------------------------------------------------- generate
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        if "weights" in self._released or "kv_cache" in self._released:
+            raise EngineStateError(f"generate called while memory is released ({sorted(self._released)})")
+        for i, r in enumerate(requests):
+            if not r.input_ids:
+                raise ValueError(f"request {i} ({r.rid!r}): empty input_ids")
+        self._abort.clear()
+        if self._fast is not None:
+            with self._lock:
+                return self._fast.generate(requests)
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].input_ids))
+        out: list[Optional[Completion]] = [None] * len(requests)
+        with self._lock:
+            for s in range(0, len(order), self.max_batch):
+                idx = order[s: s + self.max_batch]
+                for i, c in zip(idx, self._generate_batch([requests[i] for i in idx])):
+                    out[i] = c
+        return out  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def _generate_batch(self, reqs: list[GenerateRequest]) -> list[Completion]:
+        dev = self.device
+        B = len(reqs)
+        L = max(len(r.input_ids) for r in reqs)
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((B, L), dtype=torch.long)
+        for b, r in enumerate(reqs):
+            n = len(r.input_ids)
+            ids[b, L - n:] = torch.tensor(r.input_ids, dtype=torch.long)
+            attn[b, L - n:] = 1
+        ids, attn = ids.to(dev), attn.to(dev)
+        temp = torch.tensor([r.sampling.temperature for r in reqs], dtype=torch.float32, device=dev)
+        top_k = torch.tensor([r.sampling.top_k for r in reqs], dtype=torch.long, device=dev)
+        top_p = torch.tensor([r.sampling.top_p for r in reqs], dtype=torch.float32, device=dev)
+        max_new = [r.sampling.max_new_tokens for r in reqs]
+        stop_ids = [set(r.sampling.stop_token_ids) for r in reqs]
+        stop_strs = [list(r.sampling.stop) for r in reqs]
+        if any(stop_strs) and self.tokenizer is None:
+            raise ValueError("stop strings need the engine's tokenizer")
+        seeds = torch.tensor([-1 if r.sampling.seed is None else int(r.sampling.seed) for r in reqs],
+                             dtype=torch.long, device=dev)
+        gen = self._generator
+
+        outputs: list[list[int]] = [[] for _ in range(B)]
+        logps: list[list[float]] = [[] for _ in range(B)]
+        reason: list[Optional[str]] = [None] * B
+        position = (attn.cumsum(-1) - 1).clamp_min(0)
+        past = None
+        cur_ids, cur_pos = ids, position
+        for step in range(max(max_new)):
+            out = self.model(input_ids=cur_ids, attention_mask=attn, position_ids=cur_pos,
+                             past_key_values=past, use_cache=True)
+            self.mark_progress()
+            past = out.past_key_values
+            tok, lp = sample_tokens(out.logits[:, -1, :], temp, top_k, top_p, gen, seeds,
+                                    torch.full((B,), step, dtype=torch.long, device=dev))
+            tok_l, lp_l = tok.tolist(), lp.tolist()
+            aborted = self._abort.is_set()
+            for b in range(B):
+                if reason[b] is not None:
+                    continue
+                if aborted:
+                    reason[b] = "abort"
+                    continue
+                outputs[b].append(tok_l[b])
+                logps[b].append(lp_l[b])
+                if tok_l[b] in stop_ids[b]:
+                    reason[b] = "stop"
+                elif stop_strs[b] and self.hit_stop_string(outputs[b], stop_strs[b]):
+                    reason[b] = "stop"
+                elif len(outputs[b]) >= max_new[b]:
+                    reason[b] = "length"
+            if all(r is not None for r in reason):
+                break
+            # finished rows keep decoding padding; their outputs are no longer extended
+            nxt = torch.tensor([tok_l[b] if reason[b] is None else self.pad_id for b in range(B)], device=dev)
+            cur_ids = nxt[:, None]
+            cur_pos = cur_pos[:, -1:] + 1
+            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=dev)], dim=1)
+        comps = []
+        for b, r in enumerate(reqs):
+            text = self.tokenizer.decode(outputs[b], skip_special_tokens=False) if self.tokenizer is not None else ""
+            comps.append(Completion(r.rid, outputs[b], logps[b], reason[b] or "length", self._version, text))
+        return comps
+
+    def hit_stop_string(self, out_ids: list[int], stops: list[str]) -> bool:
+        """Whether one of ``stops`` occurs in the text of the last 16 tokens of ``out_ids``."""
+        tail = self.tokenizer.decode(out_ids[-16:], skip_special_tokens=False)
+        return any(s in tail for s in stops)
+
+    # ------------------------------------------------------------------------------------ weights
+    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
+        if "weights" in self._released:
+            raise EngineStateError("update_weights called while the weights are released; resume 'weights' first")
+        with self._lock, torch.no_grad():
+            for bucket in buckets:
+                self.load_tensors(bucket)
+            self._version = int(version)
+
+    def check_specs(self, specs: Iterable[tuple[str, Sequence[int], torch.dtype]]) -> None:
+        """Raise (naming the tensor) unless every ``(name, shape, dtype)`` can be loaded: a tensor of the
+        model, its shape, a floating dtype for a floating tensor (else the same dtype), each name once."""
+        seen = set()
+        for name, shape, dtype in specs:
+            p = self._params.get(name)
+            if p is None:
+                raise KeyError(f"update_weights: the engine's model has no tensor {name!r}")
+            if tuple(p.shape) != tuple(shape):
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(shape)}, the engine's is {tuple(p.shape)}")
+            if (dtype.is_floating_point != p.is_floating_point()) or (not p.is_floating_point() and dtype != p.dtype):
+                raise ValueError(f"update_weights: {name!r} has dtype {dtype}, the engine's is {p.dtype}")
+            if name in seen:
+                raise ValueError(f"update_weights: {name!r} appears twice in one update")
+            seen.add(name)
+
+    def load_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy ``named`` into the model; every tensor is checked (:meth:`check_specs`) before the first
+        copy, so a bad bucket changes nothing."""
+        named = list(named)
+        self.check_specs((n, t.shape, t.dtype) for n, t in named)
+        for name, t in named:
+            p = self._params[name]
+            p.data.copy_(t.to(device=p.device, dtype=p.dtype))
+        return len(named)
+
+    def set_version(self, version: int) -> None:
+        self._version = int(version)
+
+    def named_weights(self):
+        """The engine's current tensors, for ``sync.check_equal``."""
+        return self.model.state_dict()
+
+    # ------------------------------------------------------------------------------------- memory
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        tags = check_tags(tags)
+        with self._lock:
+            if self._fast is not None:
+                if "kv_cache" in tags:
+                    self._fast.free_cache()  # also drops the graphs (they point into the cache)
+                if "cuda_graph" in tags or "weights" in tags:  # moved weights invalidate captured graphs
+                    self._fast.drop_graphs()
+                self._fast.graphs_released |= "cuda_graph" in tags
+            if "weights" in tags and "weights" not in self._released and self.device.type == "cuda":
+                self._weights_memory().offload(["weights"])  # to pinned host buffers allocated once
+            self._released |= set(tags)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        tags = check_tags(tags)
+        with self._lock:
+            if "weights" in tags and "weights" in self._released and self.device.type == "cuda":
+                self._weights_memory().onload(["weights"])  # the same tensor objects: _params stays valid
+            if self._fast is not None:
+                if "kv_cache" in tags:
+                    self._fast.restore_cache()
+                if "cuda_graph" in tags:
+                    self._fast.graphs_released = False  # graphs are captured again on first use
+            self._released -= set(tags)
+
+    def _weights_memory(self):
+        """The model's parameters and buffers through megaforge.memory's copy engine (pinned host
+        buffers allocated at the first release, chunked copies on a side stream; tensor identities
+        kept, so the fast path's references and ``_params`` stay valid)."""
+        if getattr(self, "_wmem", None) is None:
+            from megaforge.memory.offload import Entry, PinnedOffloader
+
+            def entries(tags):
+                seen = {id(t): t for t in list(self.model.parameters()) + list(self.model.buffers())}
+                return [Entry(t, "weights") for t in seen.values() if t.device == self.device]
+
+            self._wmem = PinnedOffloader(entries, self.device)
+        return self._wmem
+
+    @property
+    def released(self) -> set[str]:
+        return set(self._released)
+
+    @property
+    def aborting(self) -> bool:
+        """True from :meth:`abort` until the next :meth:`generate` starts."""
+        return self._abort.is_set()
+
+    def abort(self) -> None:
+        self._abort.set()
+
+    def health(self) -> bool:
+        return "weights" not in self._released
+
+    def shutdown(self) -> None:
+        self._abort.set()

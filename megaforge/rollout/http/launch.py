@@ -1,0 +1,217 @@
+"""Launching HTTP engines: ``rollout.num_engines`` servers (SGLang or megaforge's embedded one), GPUs,
+the router, and the :class:`megaforge.rollout.http.engine.HTTPEngine` over them (with its weight snapshot
+for fault tolerance, :mod:`megaforge.rollout.http.recovery`)."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from typing import Optional
+
+import torch
+
+from megaforge.net import is_loopback
+from megaforge.rollout.http.engine import HTTPEngine
+
+from megaforge.rollout.http.versions import TESTED as SGLANG_TESTED  # noqa: F401  (release -> how it was tested)
+
+ROUTER_TESTED = "0.3.2"
+_VERSION_PROBE = ("import importlib.metadata as m, sys\n"
+                  "for p in sys.argv[1:]:\n"
+                  "    try: print(p, m.version(p))\n"
+                  "    except m.PackageNotFoundError: print(p, '-')\n")
+
+
+def engine_python(cfg) -> str:
+    return cfg.rollout.engine_python or sys.executable
+
+
+def engine_env(cfg, gpus: Optional[list[int]] = None, extra: Optional[dict] = None, repo_on_path: bool = False) -> dict:
+    """Environment of an engine server or router: this process's without torchrun's rendezvous
+    variables, ``rollout.engine_env`` on top (then ``extra``)."""
+    from megaforge.rollout.http.processes import child_env
+
+    return child_env(gpus, {**cfg.rollout.engine_env, **(extra or {})}, repo_on_path=repo_on_path)
+
+
+def installed_versions(cfg, packages: tuple[str, ...]) -> dict[str, Optional[str]]:
+    """{package: version or None} as the engine interpreter (``rollout.engine_python`` with
+    ``rollout.engine_env``) sees them."""
+    import subprocess
+
+    from megaforge.configtree import ConfigError
+
+    py = engine_python(cfg)
+    try:
+        out = subprocess.run([py, "-c", _VERSION_PROBE, *packages], env=engine_env(cfg), capture_output=True,
+                             text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ConfigError(f"config key 'rollout.engine_python': cannot run {py!r}: {e}") from None
+    if out.returncode != 0:
+        raise ConfigError(f"config key 'rollout.engine_python': {py!r} failed (exit {out.returncode}) while reading "
+                          f"package versions: {out.stderr.strip()[-800:]}")
+    found = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines() if " " in line)
+    return {p: (None if found.get(p, "-") == "-" else found[p]) for p in packages}
+
+
+def require_sglang(cfg, router: bool = False) -> str:
+    """The sglang release the engine interpreter runs; fails early, naming what to install, when
+    sglang (or the router) is missing there or older than megaforge supports."""
+    from megaforge.configtree import ConfigError
+    from megaforge.rollout.http.versions import UnsupportedServer, caps_for_release
+
+    pkgs = ("sglang",) + (("sglang-router",) if router else ())
+    found = installed_versions(cfg, pkgs)
+    where = f"the engine interpreter {engine_python(cfg)}" + (" with rollout.engine_env" if cfg.rollout.engine_env else "")
+    missing = [p for p, v in found.items() if v is None]
+    if missing:
+        tested = ", ".join(f"sglang=={v}" for v in SGLANG_TESTED) + (f", sglang-router=={ROUTER_TESTED}" if router else "")
+        raise ConfigError(f"rollout.engine 'sglang'{' with rollout.router' if router else ''} needs {', '.join(missing)}, "
+                          f"which {where} does not have: pip install 'megaforge[sglang]' there, or point "
+                          f"rollout.engine_python / rollout.engine_env at an environment that has it (tested: {tested})")
+    try:
+        caps_for_release(found["sglang"])
+    except UnsupportedServer as e:
+        raise ConfigError(f"rollout.engine 'sglang': {where} has sglang {found['sglang']}: {e}") from None
+    return found["sglang"]
+
+
+def gpu_assignment(num_engines: int, tp: int, num_gpus: int, local_world: int, visible: Optional[list[int]]) -> list[list[int]]:
+    """GPU ids (as the parent sees them, mapped through its CUDA_VISIBLE_DEVICES) of each engine.
+
+    Colocated (``num_gpus == 0``): engines share the trainer's GPUs, engine k on GPUs
+    ``[k*tp, (k+1)*tp)``. Disaggregated: the last ``num_gpus`` GPUs of the node are the rollout GPUs
+    (the placement :mod:`megaforge.planner.layout` reports); they must not overlap the trainer's
+    ``local_world`` ones. All engines run on this (the main rank's) node.
+    """
+    need = num_engines * tp
+    if num_gpus and need > num_gpus:
+        raise ValueError(f"rollout.num_engines x rollout.tensor_parallel = {need} GPUs > rollout.num_gpus = {num_gpus}")
+    base = 0 if num_gpus == 0 else (len(visible) - num_gpus if visible is not None else local_world)
+    if num_gpus and base < local_world:
+        raise ValueError(f"rollout.num_gpus = {num_gpus} rollout GPUs and {local_world} trainer processes do not fit "
+                         f"the {len(visible) if visible is not None else '?'} GPUs of this node")
+    if visible is not None and base + need > len(visible):
+        raise ValueError(f"rollout engines need GPUs {base}..{base + need - 1} but only {len(visible)} are visible")
+    ids = visible if visible is not None else list(range(base + need))
+    return [ids[base + k * tp: base + (k + 1) * tp] for k in range(num_engines)]
+
+
+def visible_gpus() -> Optional[list[int]]:
+    """The GPU ids this process sees: ``CUDA_VISIBLE_DEVICES`` when set, else all (None without CUDA)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None and env.strip():
+        return [int(x) for x in env.split(",") if x.strip()]
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else None
+
+
+def _model_dir(cfg) -> tuple[str, list[str]]:
+    """The policy's initial weights as a folder the servers can load (a random init is written out)."""
+    if cfg.model.path:
+        return cfg.model.path, []
+    from megaforge.hf import load_hf_model
+
+    d = tempfile.mkdtemp(prefix="megaforge-engine-init-")
+    # a seeded random init made on the GPU where there is one (seconds, not minutes, for a 2B model); the
+    # loop overwrites the engines' weights with the trainer's before the first rollout anyway
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    model = load_hf_model(cfg.model, dev)
+    model.should_save_on_this_rank = lambda is_main_process: True  # transformers writes on dist rank 0 only; every node leader needs its copy
+    model.save_pretrained(d)
+    del model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return d, [d]
+
+
+def weight_roots(cfg) -> list[str]:
+    """``--weight-root`` directories of an embedded server bound beyond loopback: ``rollout.weight_roots``
+    plus where megaforge itself writes weights for ``/update_weights_from_disk`` (``rollout.snapshot_dir``,
+    else the temporary folder that holds default snapshots and the disk transport's shards)."""
+    r = cfg.rollout
+    own = [r.snapshot_dir] if r.snapshot_dir else []
+    if cfg.sync.transport == "disk" or (r.max_restarts > 0 and not r.snapshot_dir):
+        own.append(tempfile.gettempdir())
+    return [os.path.abspath(d) for d in list(r.weight_roots) + own]
+
+
+def build_http_engine(cfg, tokenizer, kind: str, node=None) -> Optional[HTTPEngine]:
+    """Launch ``rollout.num_engines`` servers of ``kind`` (``embedded_server`` | ``sglang``), wait until
+    they are ready, optionally put the router in front; logs in ``<run dir>/logs/engine_K.log``.
+    ``node`` (:class:`megaforge.placement.NodeEngines`, multi-node jobs): launch only this node's
+    engines (``node.engine_ids`` on ``node.gpus``); the URLs of all nodes' engines are gathered and
+    rank 0 gets the engine, other node leaders None (``node`` keeps their servers)."""
+    from megaforge.hf import resolve_device
+    from megaforge.rollout.http.processes import ServerProcess, child_env, start_all
+    from megaforge.rollout.http.auth import API_KEY_ENV, engine_api_key
+
+    r = cfg.rollout
+    if kind == "sglang":
+        require_sglang(cfg, router=r.router and r.num_engines > 1)
+    elif r.tensor_parallel != 1:
+        raise ValueError("rollout.tensor_parallel: the embedded server runs TP 1 (use rollout.num_engines)")
+    elif r.router and r.num_engines > 1:
+        require_sglang(cfg, router=True)
+    api_key = engine_api_key(r.api_key, r.host)
+    if node is not None:
+        api_key = node.share(api_key)  # rank 0's key on every node
+    model_dir, cleanup = _model_dir(cfg)
+    tok_dir = cfg.model.tokenizer or cfg.model.path or ""
+    local = lambda p: os.path.abspath(p) if p and os.path.exists(p) else p  # noqa: E731  (hub ids stay)
+    model_dir, tok_dir = local(model_dir), local(tok_dir)
+    logs = os.path.join(cfg.run_dir, "logs")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    device = resolve_device(r.device) if kind == "embedded_server" else torch.device("cuda")
+    ids = list(range(r.num_engines)) if node is None else node.engine_ids
+    gpus = (gpu_assignment(r.num_engines, r.tensor_parallel, r.num_gpus, local_world, visible_gpus()) if node is None
+            else node.gpus) if device.type == "cuda" else [None] * len(ids)
+    gpus = dict(zip(ids, gpus))
+    roots = [] if is_loopback(r.host) else weight_roots(cfg)
+    servers = []
+    for k in ids:
+        if kind == "embedded_server":
+            def cmd(port, fd, k=k):
+                c = [sys.executable, "-m", "megaforge.rollout.server", "--model", model_dir, "--host", r.host,
+                     "--port", str(port), "--sock-fd", str(fd), "--device", "cuda" if device.type == "cuda" else "cpu",
+                     "--dtype", cfg.model.dtype, "--attn-implementation", cfg.model.attn_implementation,
+                     "--max-batch", str(r.engine_batch_size), "--weight-version", "0"]
+                c += [a for root in roots for a in ("--weight-root", root)]
+                return c + (["--tokenizer", tok_dir] if tok_dir else []) + list(r.extra_args)
+            env = child_env(gpus[k], {API_KEY_ENV: api_key} if api_key else None)
+        else:
+            def cmd(port, fd, k=k):
+                c = [engine_python(cfg), "-m", "sglang.launch_server", "--model-path", model_dir, "--host", r.host,
+                     "--port", str(port), "--tp-size", str(r.tensor_parallel), "--mem-fraction-static", str(r.mem_fraction),
+                     "--dtype", cfg.model.dtype, "--weight-version", "0", "--random-seed", str(cfg.seed)]
+                c += ["--tokenizer-path", tok_dir] if tok_dir else []
+                c += ["--enable-memory-saver"] if r.num_gpus == 0 else []
+                c += ["--api-key", api_key] if api_key else []
+                return c + list(r.extra_args)
+            env = engine_env(cfg, gpus[k])
+        servers.append(ServerProcess(f"engine_{k}", cmd, os.path.join(logs, f"engine_{k}.log"), host=r.host, env=env,
+                                     hold_socket=kind == "embedded_server", api_key=api_key))
+    try:
+        start_all(servers, r.startup_timeout_s)
+        urls = [s.url for s in servers] if node is None else node.gather(servers, cleanup)
+        if urls is None:
+            return None  # a node leader other than rank 0: node stops its servers at the end
+        router_url = None
+        if r.router and r.num_engines > 1:
+            router = ServerProcess("router", lambda port, fd: [
+                engine_python(cfg), "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", "127.0.0.1",
+                "--port", str(port)] + (["--api-key", api_key] if api_key else []),
+                os.path.join(logs, "router.log"), env=engine_env(cfg), api_key=api_key, probe="/health")
+            router.start_ready(r.startup_timeout_s)
+            servers.append(router)
+            router_url = router.url
+    except BaseException:
+        for s in servers:
+            s.stop(grace_s=3.0)
+        for d in cleanup:
+            shutil.rmtree(d, ignore_errors=True)
+        raise
+    return HTTPEngine(urls, api_key, router_url, r.request_timeout_s, cfg.sync.transport,
+                      [r.tensor_parallel] * len(urls), servers, model_dir, cleanup, max_restarts=r.max_restarts,
+                      snapshot_dir=r.snapshot_dir, health_timeout_s=r.health_timeout_s,
+                      startup_timeout_s=r.startup_timeout_s)
