@@ -124,7 +124,7 @@ class _Plan:
     tensors: list = field(default_factory=list)
 
 
-def _signature(entries: Sequence[Entry]) -> tuple:
+def entries_signature(entries: Sequence[Entry]) -> tuple:
     out = []
     for e in entries:
         t = e.tensor
@@ -244,7 +244,7 @@ class PinnedOffloader:
                 size += align_up(s.nbytes)
             if cur:
                 chunks.append(_Chunk(cur, size, keep, fixed=False))
-        plan = _Plan(chunks, _signature(entries), tensors=[e.tensor for e in entries])
+        plan = _Plan(chunks, entries_signature(entries), tensors=[e.tensor for e in entries])
         need = sum(align_up(c.nbytes) for c in chunks if c.keep)
         region, off = (self._region(tag, need) if need else None), 0
         for c in chunks:
@@ -256,7 +256,7 @@ class PinnedOffloader:
         self.stats["plans"] += 1
         return plan
 
-    def _drop(self, tag: str) -> None:
+    def drop(self, tag: str) -> None:
         old = self.plans.pop(tag, None)
         if old is not None:
             self.stats["host_bytes"] -= sum(c.nbytes for c in old.chunks if c.host is not None)
@@ -283,8 +283,8 @@ class PinnedOffloader:
         for tag in todo:
             entries = list(self.entries_fn([tag]))
             plan = self.plans.get(tag)
-            if plan is None or plan.signature != _signature(entries):
-                self._drop(tag)
+            if plan is None or plan.signature != entries_signature(entries):
+                self.drop(tag)
                 plan = self.plans[tag] = self._plan(tag, entries)
             plans.append(plan)
         nbytes = 0
@@ -346,7 +346,7 @@ class PinnedOffloader:
             c.coalesced = True
         for tag, plan in plans:
             plan.offloaded = False
-            plan.signature = _signature(list(self.entries_fn([tag])))
+            plan.signature = entries_signature(list(self.entries_fn([tag])))
         self.last = {"op": "onload", "tags": [t for t, _ in plans], "bytes": nbytes, "seconds": time.perf_counter() - t0}
         return self.last
 

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from megaforge.memory.offload import TAGS, PinnedOffloader, _signature
+from megaforge.memory.offload import TAGS, PinnedOffloader, entries_signature
 
 INSTALL_HINT = "pip install torch-memory-saver"
 
@@ -72,7 +72,7 @@ class TmsOffloader:
         for tag in tags or TAGS:
             if tag in self.paused or self.pinned.offloaded(tag):
                 continue
-            if self.managed.get(tag) == _signature(list(self.entries_fn([tag]))):
+            if self.managed.get(tag) == entries_signature(list(self.entries_fn([tag]))):
                 nbytes += self._bytes(tag)
                 torch.cuda.synchronize(self.device)
                 self.tms.pause(self.tms_tag(tag))
@@ -96,8 +96,8 @@ class TmsOffloader:
             elif self.pinned.offloaded(tag):
                 region = lambda tag=tag: self.tms.region(tag=self.tms_tag(tag), enable_cpu_backup=True)  # noqa: E731
                 nbytes += self.pinned.onload([tag], alloc_ctx=region)["bytes"]
-                self.managed[tag] = _signature(list(self.entries_fn([tag])))
-                self.pinned._drop(tag)  # the pool keeps its own CPU backup from now on
+                self.managed[tag] = entries_signature(list(self.entries_fn([tag])))
+                self.pinned.drop(tag)  # the pool keeps its own CPU backup from now on
                 self.stats["migrations"] += 1
             else:
                 continue

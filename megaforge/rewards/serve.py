@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
-import ipaddress
 import json
 import logging
 import math
@@ -41,6 +40,8 @@ import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
+
+from megaforge.net import is_loopback
 
 log = logging.getLogger("megaforge.rewards.serve")
 
@@ -151,15 +152,6 @@ def build_app(fn, name: str, api_key: str = "", max_body: int = 16 << 20, max_ba
     app.router.add_get("/health", health)
     app.on_cleanup.append(lambda _: asyncio.get_running_loop().run_in_executor(None, pool.shutdown))
     return app
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def build_from_args(args):

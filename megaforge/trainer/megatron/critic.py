@@ -90,7 +90,7 @@ class MegatronCritic(Critic):
 
     def _values(self, logits: torch.Tensor, mb) -> torch.Tensor:
         """Token-aligned values [b, T] (float32) from the head's output [1, t_local, 1]."""
-        return mb.packed.to_rows(self.tr._cp_gather(logits[0, :, 0].float()))
+        return mb.packed.to_rows(self.tr.cp_gather(logits[0, :, 0].float()))
 
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
@@ -98,10 +98,10 @@ class MegatronCritic(Critic):
         tr = self.tr
         B, T = batch.tokens.shape
         self.ddp.eval()
-        local = tr._dp_rows(batch)
-        out = tr._schedule(self.ddp, tr._micro_batches(local),
+        local = tr.dp_rows(batch)
+        out = tr.run_schedule(self.ddp, tr.micro_batches(local),
                            lambda mb, v: (v.sum() * 0.0, {"values": self._values(v, mb)}), forward_only=True)
-        return tr._gather_rows(out, "values", local.batch_size, B, T, torch.float32)
+        return tr.gather_rows(out, "values", local.batch_size, B, T, torch.float32)
 
     def forward_backward(self, mini: TrainBatch):
         clip = self.cfg.critic.value_clip

@@ -154,7 +154,7 @@ class MegatronTrainer(Trainer):
             return clipped_step(self.optimizer, self.cfg.trainer.grad_clip)
 
     # ------------------------------------------------------------------------------ batches
-    def _dp_rows(self, batch: TrainBatch) -> TrainBatch:
+    def dp_rows(self, batch: TrainBatch) -> TrainBatch:
         ps = self._ps()
         lo, hi = shard_range(batch.batch_size, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
         if hi == lo:
@@ -164,7 +164,7 @@ class MegatronTrainer(Trainer):
                 "grpo.n_samples or lower trainer.mini_batches")
         return batch.select(slice(lo, hi))
 
-    def _micro_batches(self, local: TrainBatch) -> list[_MicroBatch]:
+    def micro_batches(self, local: TrainBatch) -> list[_MicroBatch]:
         ps = self._ps()
         sp = ps.get_tensor_model_parallel_world_size() if self.tconfig.sequence_parallel else 1
         cp_group = ps.get_context_parallel_group() if self._cp_size() > 1 else None
@@ -181,10 +181,10 @@ class MegatronTrainer(Trainer):
         """Token-aligned logprobs (and entropy) [b, T] from this rank's logits [1, t_local, V/tp]."""
         lp, ent = vocab_parallel_logprobs(logits[0], mb.packed.labels[0], self.desc.vocab, temperature,
                                           self._tp_group(), with_entropy=entropy, fused=self.cfg.trainer.fused_logprobs)
-        lp = mb.packed.to_rows(self._cp_gather(lp))
-        return lp, (mb.packed.to_rows(self._cp_gather(ent)) if entropy else None)
+        lp = mb.packed.to_rows(self.cp_gather(lp))
+        return lp, (mb.packed.to_rows(self.cp_gather(ent)) if entropy else None)
 
-    def _cp_gather(self, x: torch.Tensor) -> torch.Tensor:
+    def cp_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[t_local] per-position values -> [cp * t_local] (rank-major). What follows is computed
         identically on every CP rank, so backward keeps this rank's slice of the gradient."""
         if self._cp_size() == 1:
@@ -194,7 +194,7 @@ class MegatronTrainer(Trainer):
         return gather_from_sequence_parallel_region(
             x, tensor_parallel_output_grad=False, group=self._ps().get_context_parallel_group())
 
-    def _schedule(self, module, mbs: list[_MicroBatch], loss_fn, forward_only: bool) -> list:
+    def run_schedule(self, module, mbs: list[_MicroBatch], loss_fn, forward_only: bool) -> list:
         """Run megatron's (pipeline) schedule; ``loss_fn(mb, logits) -> (loss, metrics dict)`` on the
         last stage. Returns the metrics dicts of the last stage (empty list elsewhere)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -247,8 +247,8 @@ class MegatronTrainer(Trainer):
         B, T = batch.tokens.shape
         module.eval()
         with self._ref_on_device(module):
-            local = self._dp_rows(batch)
-            mbs = self._micro_batches(local)
+            local = self.dp_rows(batch)
+            mbs = self.micro_batches(local)
 
             def loss_fn(mb, logits):
                 out = {}
@@ -256,14 +256,14 @@ class MegatronTrainer(Trainer):
                     out["logprobs"] = self._token_values(logits, mb, self.temperature, entropy=False)[0].float()
                 if "argmax" in fields:
                     am = vocab_parallel_argmax(logits[0], self.desc.vocab, self._tp_group())
-                    out["argmax"] = mb.packed.to_rows(self._cp_gather(am))
+                    out["argmax"] = mb.packed.to_rows(self.cp_gather(am))
                 return logits.sum() * 0.0, out
 
-            out = self._schedule(module, mbs, loss_fn, forward_only=True)
-        return {f: self._gather_rows(out, f, local.batch_size, B, T, torch.long if f == "argmax" else torch.float32)
+            out = self.run_schedule(module, mbs, loss_fn, forward_only=True)
+        return {f: self.gather_rows(out, f, local.batch_size, B, T, torch.long if f == "argmax" else torch.float32)
                 for f in fields}
 
-    def _gather_rows(self, out: list, field: str, n_local: int, B: int, T: int, dtype) -> torch.Tensor:
+    def gather_rows(self, out: list, field: str, n_local: int, B: int, T: int, dtype) -> torch.Tensor:
         """The [B, T] tensor (CPU, every rank) of per-micro-batch [b, <=T] values ``out[i][field]``
         computed on the last stage for this DP rank's ``n_local`` rows."""
         full = None
@@ -324,7 +324,7 @@ class MegatronTrainer(Trainer):
         ddp.train()
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        out = self._schedule(ddp, self._micro_batches(self._dp_rows(mini)), loss_fn, forward_only=False)
+        out = self.run_schedule(ddp, self.micro_batches(self.dp_rows(mini)), loss_fn, forward_only=False)
         keys = self._obj_from_last_stage(sorted(out[0]) if self._last_stage() else None)
         vec = None
         if self._last_stage():
