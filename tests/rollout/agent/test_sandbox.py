@@ -16,6 +16,7 @@ import pytest
 
 from megaforge.rollout.agent import sandbox
 from megaforge.rollout.agent.sandbox import SandboxUnavailable, run_code
+from megaforge.rollout.agent.sandbox_child import HIDDEN_EMPTY
 from megaforge.rollout.agent.tools import PythonTool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -177,11 +178,24 @@ def test_setsid_descendants_die_at_the_deadline():
     assert _pids_in_namespace(ns) == [] and _pids_of_uid(uid) == []
 
 
+def _hidden_in_sandbox(path: str) -> bool:
+    """Whether the sandbox hides `path` (its private /tmp, the emptied world-writable folders, the
+    trainer's home): a probe there would fail to open for that reason, not the read-only mounts."""
+    hidden = ("/tmp", "/root", "/home") + HIDDEN_EMPTY + (os.path.expanduser("~"),)
+    real = os.path.realpath(path)
+    return any(real == h or real.startswith(h.rstrip("/") + "/") for h in hidden)
+
+
 @pytest.fixture
 def visible_dir():
-    """A world-writable directory outside /tmp (so the sandbox sees it): only the read-only mounts
-    keep the code from writing there, not permissions."""
-    d = tempfile.mkdtemp(prefix=".sandbox-probe-", dir=ROOT)
+    """A world-writable directory the sandbox sees (the checkout, or where the checkout is itself
+    under /tmp, as in a fresh CI clone, a folder of /run, /var/lib or /srv): only the read-only
+    mounts keep the code from writing there, not permissions."""
+    bases = [b for b in (ROOT, "/run", "/var/lib", "/srv")
+             if os.path.isdir(b) and os.access(b, os.W_OK) and not _hidden_in_sandbox(b)]
+    if not bases:
+        pytest.skip("no writable folder outside the sandbox's hidden ones (/tmp, /dev/shm, home, ...)")
+    d = tempfile.mkdtemp(prefix=".sandbox-probe-", dir=bases[0])
     os.chmod(d, 0o777)
     yield d
     shutil.rmtree(d, ignore_errors=True)
