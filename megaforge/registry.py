@@ -17,6 +17,7 @@ with ``LOSSES.params_classes()``; megaforge.config reads them from the config).
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Callable, Iterable
 
 
@@ -28,7 +29,7 @@ def import_callable(path: str, what: str = "plug-in") -> Callable:
     try:
         obj = importlib.import_module(mod_name)
     except ImportError as e:
-        raise ValueError(f"{what} {path!r}: cannot import module {mod_name!r}: {e}") from e
+        raise ValueError(f"{what} {path!r}: cannot import module {mod_name!r}: {e}{_moved_hint(mod_name)}") from e
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"{what} {path!r}: module {mod_name!r} has no attribute {attr!r}")
@@ -36,6 +37,18 @@ def import_callable(path: str, what: str = "plug-in") -> Callable:
     if not callable(obj):
         raise ValueError(f"{what} {path!r}: {attr!r} is not callable")
     return obj
+
+
+def _moved_hint(mod_name: str) -> str:
+    """For a megaforge module that is not there: where a module of that name is now (modules moved
+    into folders, e.g. megaforge.rollout.multiturn -> megaforge.rollout.agent.multiturn)."""
+    parts = mod_name.split(".")
+    if parts[0] != "megaforge" or len(parts) < 2:
+        return ""
+    root = os.path.dirname(os.path.abspath(__file__))
+    found = sorted("megaforge." + os.path.relpath(os.path.join(d, f), root)[:-3].replace(os.sep, ".")
+                   for d, _, files in os.walk(root) for f in files if f == parts[-1] + ".py")
+    return f" (did you mean {' or '.join(repr(m) for m in found)}?)" if found else ""
 
 
 class Registry:

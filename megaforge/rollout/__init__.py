@@ -6,7 +6,16 @@ ENGINES = ("embedded", "embedded_server", "sglang")
 
 def preflight(cfg) -> None:
     """Checks that need no engine yet (run at start-up, before any SFT or run directory): sglang
-    installed, prompt + response within the model's context, the engines' GPUs present."""
+    installed, rollout.generate_fn importable, prompt + response within the model's context, the
+    engines' GPUs present."""
+    if cfg.rollout.generate_fn:
+        from megaforge.configtree import ConfigError
+        from megaforge.registry import import_callable
+
+        try:
+            import_callable(cfg.rollout.generate_fn, "rollout.generate_fn")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if cfg.rollout.engine == "sglang":
         from megaforge.rollout.http.launch import require_sglang
 

@@ -160,3 +160,15 @@ def test_generate_fn_answer_is_checked(setup):
     cfg2 = load_config(["--config", DEMO, "--rollout.generate_fn", f"{__name__}:bad_count"])
     with pytest.raises(ValueError, match="rollout.generate_fn .* must return a list of 2 Samples"):
         call_generate_fn(cfg2, engine, reqs, rows, 2, tok, 0)
+
+
+def test_generate_fn_that_does_not_import_fails_at_startup_naming_where_it_moved():
+    # rollout.generate_fn is checked before any work (preflight), and a megaforge module that moved
+    # into a folder (multiturn went to rollout/agent/) is named at its new place.
+    from megaforge.configtree import ConfigError
+    from megaforge.rollout import preflight
+
+    cfg = load_config(["--config", DEMO, "--rollout.generate_fn", "megaforge.rollout.multiturn:tool_rollout"])
+    with pytest.raises(ConfigError, match=r"rollout\.generate_fn .*did you mean 'megaforge\.rollout\.agent\.multiturn'"):
+        preflight(cfg)
+    preflight(load_config(["--config", DEMO, "--rollout.generate_fn", "megaforge.rollout.agent.multiturn:tool_rollout"]))
