@@ -16,7 +16,8 @@ Three processes (the kernel is the boundary; nothing here relies on the code's g
   ``waitpid`` returns only once they are all gone, so nothing the code started outlives the call.
 * **P1**: mounts its own ``/proc`` (only the namespace's processes), drops every capability
   (bounding set, ambient, effective/permitted/inheritable) and sets ``no_new_privs`` (no setuid
-  binary can lift it), checks both (``CapEff`` 0, every visible mount read-only except ``/tmp``),
+  binary can lift it), checks both (``CapEff`` 0, every visible mount read-only except ``/tmp``;
+  interpreter folders under ``/tmp``, as a virtualenv in a CI clone, are bound back read-only),
   applies the resource limits (``RLIMIT_NPROC`` binds: the uid is not root) and ``execve``'s a fresh
   ``python -I main.py`` in ``/tmp``.
 
@@ -120,7 +121,7 @@ def _hide(hidden: list, keep: dict, uid: int, gid: int) -> None:
     """An empty read-only tmpfs over each hidden directory, with the kept directories (the
     interpreter's) bound back at their paths, read-only (a bind inherits the remounted flags)."""
     for h in hidden:
-        if not os.path.isdir(h):
+        if not os.path.isdir(h) or under(h, "/tmp"):  # /tmp is replaced whole (_setup_filesystem)
             continue
         _mount("tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, f"size=1m,mode=0755,uid={uid},gid={gid}")
         for path, fd in keep.items():
@@ -137,6 +138,10 @@ def _setup_filesystem(a: dict, keep: dict) -> None:
             _mount("tmpfs", h, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=0755")
     _hide(a["hidden"], keep, uid, gid)
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={a['scratch_bytes']},mode=0700,uid={uid},gid={gid}")
+    for path, fd in keep.items():  # an interpreter under /tmp (a virtualenv in a fresh CI clone): bound back
+        if path != "/tmp" and under(path, "/tmp"):  # read-only (a bind inherits the remounted flags; _verify checks)
+            os.makedirs(path, 0o755, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
 
 
 def _drop_privileges() -> None:
@@ -158,7 +163,7 @@ def _verify() -> None:
     if any(int(v, 16) for v in caps.values()):
         raise SetupError(f"capabilities left after dropping them: {caps}")
     for point, _ in _mounts():
-        if under(point, "/tmp"):
+        if point == "/tmp":  # the scratch folder; the interpreter's folders bound below it are checked
             continue
         try:
             writable = not os.statvfs(point).f_flag & os.ST_RDONLY
@@ -192,7 +197,7 @@ def _run_pid1(a: dict, say, script: bytes) -> None:
         _limits(a)
         os.chdir("/tmp")
         say(f"ready user+mount+pid+net+ipc namespaces, uid {a['uid']}, read-only filesystem, {proc}")
-        os.close(a["status_fd"])
+        os.set_inheritable(a["status_fd"], False)  # closed by the exec; still open to report its failure
         os.execve(sys.executable, [sys.executable, "-I", "main.py"], a["env"])
     except BaseException as e:  # noqa: BLE001 - report whatever stopped the set-up, run nothing
         say(f"error {type(e).__name__}: {e}")

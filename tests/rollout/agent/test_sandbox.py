@@ -343,3 +343,23 @@ def test_python_tool_answers_output_or_error():
     assert tool("import subprocess; subprocess.run(['id'])") == \
         "error: BlockingIOError: [Errno 11] Resource temporarily unavailable"
 
+
+
+def test_an_interpreter_under_tmp_runs_and_stays_read_only(tmp_path):
+    # A virtualenv under /tmp (a fresh CI clone's): the sandbox's private /tmp hid it, so nothing
+    # could run. Its folder is bound back read-only: the code runs, and cannot write there.
+    venv = str(tmp_path / "venv")
+    assert venv.startswith("/tmp/"), venv  # pytest's tmp_path is under /tmp here; the case needs it
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, timeout=120)
+    import site
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + site.getsitepackages()))
+    probe = ("import sys\nprint(sys.prefix)\ntry:\n    open(sys.prefix + '/x', 'w')\n    print('wrote')\n"
+             "except OSError as e:\n    print('refused', e.errno)\n")
+    driver = ("from megaforge.rollout.agent.sandbox import run_code\n"
+              f"r = run_code({probe!r})\nprint(r.ok, repr(r.stdout), repr(r.stderr[-300:]))\n")
+    out = subprocess.run([os.path.join(venv, "bin", "python"), "-c", driver], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(f"True '{venv}\\nrefused 30"), out.stdout  # EROFS: the bind is read-only
+    assert not os.path.exists(os.path.join(venv, "x"))
