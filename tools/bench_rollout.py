@@ -27,7 +27,8 @@ HF: the shape's random weights are saved with a tokenizer folder, ``python -m sg
 ``rollout.engine_python``) serves them, each batch is one batched ``/generate`` of the same prompts
 (``input_ids``, temperature 1, ``ignore_eos``, logprobs returned, as megaforge's rollout asks):
 a warm-up run, the prefix cache flushed, the timed run; then the server's memory is released and the
-fast engine runs the same requests. ``ratio`` = fast / sglang. Shapes default to qwen2-0.5b and
+fast engine runs the same requests, eager and compiled (``ratio`` = fast / sglang,
+``ratio_compiled`` = fast_compiled / sglang; ``--no-compile`` drops the compiled rows). Shapes default to qwen2-0.5b and
 qwen3-1.7b (Qwen3-1.7B's shape, configs/models/qwen3-1.7b). Every shape is built with a 4,096-token
 position table and no BOS/EOS token (pad 0).
 
@@ -324,8 +325,15 @@ def sglang_rows(shape: str, model, args, dev, tmp: str) -> dict:
             rows[str(B)]["fast"] = variant(lambda: measure_fast(model, requests(prompts[B], args.new), B, args.cap, dev), dev)
             rows[str(B)]["fast"].pop("_comps", None)
             say(f"  fast: {rows[str(B)]['fast'].get('tok_s')} tok/s")
-            if "tok_s" in rows[str(B)]["fast"] and "tok_s" in rows[str(B)]["sglang"]:
-                rows[str(B)]["ratio"] = round(rows[str(B)]["fast"]["tok_s"] / rows[str(B)]["sglang"]["tok_s"], 3)
+            if args.compile:
+                say(f"{shape} B={B}: fast path, compiled ({args.compile})")
+                rows[str(B)]["fast_compiled"] = variant(lambda: measure_fast(
+                    model, requests(prompts[B], args.new), B, args.cap, dev, compile=args.compile), dev)
+                rows[str(B)]["fast_compiled"].pop("_comps", None)
+                say(f"  fast_compiled: {rows[str(B)]['fast_compiled'].get('tok_s')} tok/s")
+            for name, key in (("fast", "ratio"), ("fast_compiled", "ratio_compiled")):
+                if "tok_s" in rows[str(B)].get(name, {}) and "tok_s" in rows[str(B)]["sglang"]:
+                    rows[str(B)][key] = round(rows[str(B)][name]["tok_s"] / rows[str(B)]["sglang"]["tok_s"], 3)
     finally:
         srv.stop()
     out["batches"] = rows
@@ -427,9 +435,9 @@ def main_sglang(shapes, args, dev, dtype) -> int:
             say(f"{shape} failed: {e}")
         del model
         free(dev)
-    out["not_slower_at_B<=256"] = {
-        shape: all(r.get("ratio", 0) >= 1.0 for b, r in v.get("batches", {}).items() if int(b) <= 256)
-        for shape, v in out["shapes"].items()}
+    for key, name in (("ratio", "not_slower_at_B<=256"), ("ratio_compiled", "compiled_not_slower_at_B<=256")):
+        out[name] = {shape: all(r.get(key, 0) >= 1.0 for b, r in v.get("batches", {}).items() if int(b) <= 256)
+                     for shape, v in out["shapes"].items()}
     out["total_s"] = round(time.time() - T0, 1)
     emit(out, dev)
     return 0
