@@ -27,8 +27,9 @@ HF: the shape's random weights are saved with a tokenizer folder, ``python -m sg
 ``rollout.engine_python``) serves them, each batch is one batched ``/generate`` of the same prompts
 (``input_ids``, temperature 1, ``ignore_eos``, logprobs returned, as megaforge's rollout asks):
 a warm-up run, the prefix cache flushed, the timed run; then the server's memory is released and the
-fast engine runs the same requests, eager and compiled (``ratio`` = fast / sglang,
-``ratio_compiled`` = fast_compiled / sglang; ``--no-compile`` drops the compiled rows). Shapes default to qwen2-0.5b and
+fast engine runs the same requests: eager, compiled, and compiled with the matmul decode attention
+(``ratio`` = fast / sglang, ``ratio_compiled``, ``ratio_compiled_matmul``; ``--no-compile`` keeps the
+eager one only). Shapes default to qwen2-0.5b and
 qwen3-1.7b (Qwen3-1.7B's shape, configs/models/qwen3-1.7b). Every shape is built with a 4,096-token
 position table and no BOS/EOS token (pad 0).
 
@@ -298,6 +299,16 @@ def measure_sglang(srv: SGLangServer, prompts, new: int) -> dict:
             "capped": tok < prompts.shape[0] * new}
 
 
+def fast_variants(args) -> list[tuple[str, dict]]:
+    """The fast engine's variants against SGLang: (name, FastDecoder options); ratio keys follow the
+    names (fast -> ratio, fast_compiled -> ratio_compiled, ...)."""
+    out = [("fast", {})]
+    if args.compile:
+        out += [("fast_compiled", {"compile": args.compile}),
+                ("fast_compiled_matmul", {"compile": args.compile, "attention": "matmul"})]
+    return out
+
+
 def sglang_rows(shape: str, model, args, dev, tmp: str) -> dict:
     """Fast engine vs SGLang at every batch size: SGLang first (fast engine's model idle on the GPU),
     then its memory released and the fast engine on the same requests."""
@@ -321,19 +332,14 @@ def sglang_rows(shape: str, model, args, dev, tmp: str) -> dict:
             say(f"  sglang: {rows[str(B)]['sglang'].get('tok_s')} tok/s")
         srv.call(srv.client.release_memory_occupation(["kv_cache", "weights"]))
         for B in args.batches:
-            say(f"{shape} B={B}: fast path")
-            rows[str(B)]["fast"] = variant(lambda: measure_fast(model, requests(prompts[B], args.new), B, args.cap, dev), dev)
-            rows[str(B)]["fast"].pop("_comps", None)
-            say(f"  fast: {rows[str(B)]['fast'].get('tok_s')} tok/s")
-            if args.compile:
-                say(f"{shape} B={B}: fast path, compiled ({args.compile})")
-                rows[str(B)]["fast_compiled"] = variant(lambda: measure_fast(
-                    model, requests(prompts[B], args.new), B, args.cap, dev, compile=args.compile), dev)
-                rows[str(B)]["fast_compiled"].pop("_comps", None)
-                say(f"  fast_compiled: {rows[str(B)]['fast_compiled'].get('tok_s')} tok/s")
-            for name, key in (("fast", "ratio"), ("fast_compiled", "ratio_compiled")):
-                if "tok_s" in rows[str(B)].get(name, {}) and "tok_s" in rows[str(B)]["sglang"]:
-                    rows[str(B)][key] = round(rows[str(B)][name]["tok_s"] / rows[str(B)]["sglang"]["tok_s"], 3)
+            for name, opts in fast_variants(args):
+                say(f"{shape} B={B}: {name} {opts}")
+                row = variant(lambda: measure_fast(model, requests(prompts[B], args.new), B, args.cap, dev, **opts), dev)
+                row.pop("_comps", None)
+                rows[str(B)][name] = row
+                say(f"  {name}: {row.get('tok_s')} tok/s")
+                if "tok_s" in row and "tok_s" in rows[str(B)]["sglang"]:
+                    rows[str(B)]["ratio" + name[4:]] = round(row["tok_s"] / rows[str(B)]["sglang"]["tok_s"], 3)
     finally:
         srv.stop()
     out["batches"] = rows
@@ -435,9 +441,10 @@ def main_sglang(shapes, args, dev, dtype) -> int:
             say(f"{shape} failed: {e}")
         del model
         free(dev)
-    for key, name in (("ratio", "not_slower_at_B<=256"), ("ratio_compiled", "compiled_not_slower_at_B<=256")):
-        out[name] = {shape: all(r.get(key, 0) >= 1.0 for b, r in v.get("batches", {}).items() if int(b) <= 256)
-                     for shape, v in out["shapes"].items()}
+    for name, _ in fast_variants(args):
+        out[f"{name}_not_slower_at_B<=256"] = {
+            shape: all(r.get("ratio" + name[4:], 0) >= 1.0 for b, r in v.get("batches", {}).items() if int(b) <= 256)
+            for shape, v in out["shapes"].items()}
     out["total_s"] = round(time.time() - T0, 1)
     emit(out, dev)
     return 0

@@ -5,7 +5,8 @@
     python tools/profile_fast_decode.py --shape qwen2-0.5b --batch 256
     python tools/profile_fast_decode.py --tiny                   # CPU: the code path (CPU op times)
 
-Per variant (``eager``: the HF modules; ``compiled``: the per-layer pieces through torch.compile):
+Per variant (``eager``: the HF modules; ``compiled``: the per-layer pieces through torch.compile;
+``_matmul``: the decode attention as two batched matmuls instead of SDPA, forward.py):
 
 1. ``step_ms``: wall time per decode step of a generate call with CUDA graphs (as rollouts run);
 2. a second engine with graphs off runs the same call under ``torch.profiler``: every kernel's time,
@@ -43,18 +44,15 @@ def group_of(name: str) -> str:
     return "other"
 
 
-def engine(model, B: int, graphs: bool, compile_backend):
+def engine(model, B: int, graphs: bool, opts: dict):
     from megaforge.rollout.embedded import EmbeddedEngine
 
-    opts = {"graphs": graphs}
-    if compile_backend:
-        opts["compile"] = compile_backend
-    return EmbeddedEngine(model, None, max_batch=B, fast="on", fast_options=opts)
+    return EmbeddedEngine(model, None, max_batch=B, fast="on", fast_options={"graphs": graphs, **opts})
 
 
-def step_time(model, reqs, B: int, compile_backend, dev) -> float:
+def step_time(model, reqs, B: int, opts: dict, dev) -> float:
     """Milliseconds per decode step of a graphed generate (after a warm-up call)."""
-    eng = engine(model, B, dev.type == "cuda", compile_backend)
+    eng = engine(model, B, dev.type == "cuda", opts)
     try:
         eng.generate(reqs)
         before = eng.fast.stats["decode_steps"]
@@ -67,10 +65,10 @@ def step_time(model, reqs, B: int, compile_backend, dev) -> float:
         free(dev)
 
 
-def kernel_profile(model, reqs, B: int, compile_backend, dev) -> dict:
+def kernel_profile(model, reqs, B: int, opts: dict, dev) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    eng = engine(model, B, False, compile_backend)
+    eng = engine(model, B, False, opts)
     try:
         eng.generate(reqs)
         before = eng.fast.stats["decode_steps"]
@@ -124,12 +122,14 @@ def main(argv=None) -> int:
     reqs = requests(prompts, args.new)
     out = {"bench": "profile_fast_decode", "shape": args.shape, "batch": args.batch, "prompt_tokens": args.prompt,
            "sampled_tokens": args.new, "dtype": str(dtype).replace("torch.", ""), "variants": {}}
-    variants = [("eager", None)] + ([] if args.no_compile or dev.type != "cuda" else [("compiled", "inductor")])
-    for name, backend in variants:
+    variants = [("eager", {}), ("eager_matmul", {"attention": "matmul"})]
+    if not args.no_compile and dev.type == "cuda":
+        variants += [("compiled", {"compile": "inductor"}), ("compiled_matmul", {"compile": "inductor", "attention": "matmul"})]
+    for name, opts in variants:
         say(f"{name}: graphed step time")
-        row = {"step_ms": round(step_time(model, reqs, args.batch, backend, dev), 3)}
+        row = {"step_ms": round(step_time(model, reqs, args.batch, opts, dev), 3)}
         say(f"  {row['step_ms']} ms per step; profiling without graphs")
-        row.update(kernel_profile(model, reqs, args.batch, backend, dev))
+        row.update(kernel_profile(model, reqs, args.batch, opts, dev))
         say(f"  kernels {row['kernel_ms_per_step']} ms per step: {row['groups_ms_per_step']}")
         out["variants"][name] = row
     emit(out, dev)

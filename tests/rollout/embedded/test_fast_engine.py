@@ -272,6 +272,22 @@ def test_compiled_layer_pieces_equal_the_modules(models, family):
     _same(eng.generate(reqs), ref, atol=1e-6)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("compile", [None, "eager"])
+def test_matmul_attention_equals_sdpa(models, family, compile):
+    """attention="matmul" (two batched matmuls around a float32 softmax) answers as the SDPA path:
+    float32 on the CPU, the same scores summed in another order (<= 1e-6 apart, see _same)."""
+    model = models[family]
+    reqs = [GenerateRequest(p, SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=9, seed=i))
+            for i, p in enumerate(_prompts(5))] + _reqs(_prompts(3, seed=1), temperature=0.0, max_new_tokens=7)
+    ref = _fast(model, max_batch=3).generate(reqs)
+    eng = _fast(model, max_batch=3, attention="matmul", compile=compile)
+    assert eng.fast.fwd.attention == "matmul"
+    _same(eng.generate(reqs), ref)
+    with pytest.raises(ValueError, match="attention 'flash': valid: sdpa, matmul"):
+        _fast(model, attention="flash")
+
+
 def test_selection_and_config(models, tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -92,13 +92,14 @@ class FastDecoder:
     (their K/V rows plus the sampling buffers of a step) take at most this fraction of the free
     device memory: fewer slots than requested means more refill rounds, not an out-of-memory error;
     compile: a torch.compile backend for the decode step's per-layer pieces (forward.py; GPU:
-    "inductor"), None: the HF modules run as they are.
+    "inductor"), None: the HF modules run as they are; attention: "sdpa" | "matmul", how a decode step
+    attends (forward.py).
     """
 
     def __init__(self, engine, chunk: int = 32, graphs: Optional[bool] = None, prefill_tokens: int = 32768,
-                 memory_fraction: float = 0.5, compile: Optional[str] = None):
+                 memory_fraction: float = 0.5, compile: Optional[str] = None, attention: str = "sdpa"):
         self.engine = engine
-        self.fwd = StaticForward(engine.model, compile=compile)
+        self.fwd = StaticForward(engine.model, compile=compile, attention=attention)
         self.device = engine.device
         self.use_graphs = (self.device.type == "cuda") if graphs is None else bool(graphs)
         if self.use_graphs and self.device.type != "cuda":

@@ -15,6 +15,15 @@ the cache are ours. Shapes (H query heads, Hkv key/value heads, G = H / Hkv, D h
 Rows never shift: a sequence starts at cache position 0 whatever slot it occupies, so its rotary
 positions equal those of an unpadded HF forward.
 
+``attention``: how decode attends. "sdpa": ``F.scaled_dot_product_attention`` (on the H200 a flash kernel
+whose 64-row query tile holds only the G query heads of one KV head: G=2 for Qwen3-1.7B); "matmul":
+two batched matmuls around a float32 softmax (HF's eager attention):
+
+    s = q @ K^T [B, Hkv, G, Lb] (model dtype), p = softmax(scale * s, masked to j <= pos) in float32,
+    o = p.to(dtype) @ V [B, Hkv, G, D]
+
+each reads the cache once with no padded query rows (tools/profile_fast_decode.py measures both).
+
 ``compile``: a torch.compile backend (GPU: "inductor") for the decode step's per-layer pieces around
 the attention (norm, q/k/v, q/k norm, rotary; o-projection, residuals, norm, MLP), written as
 functions of the layer's parameter tensors, read at each call (one compiled graph serves every layer
@@ -29,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
+ATTENTION = ("sdpa", "matmul")
 
 
 def unsupported_reason(model) -> Optional[str]:
@@ -131,11 +141,14 @@ def _layer_pieces(fwd: "StaticForward"):
 class StaticForward:
     """The model's forward over a :class:`StaticKVCache` (see the module docstring)."""
 
-    def __init__(self, model, compile: Optional[str] = None):
+    def __init__(self, model, compile: Optional[str] = None, attention: str = "sdpa"):
         why = unsupported_reason(model)
         if why is not None:
             raise ValueError(f"fast rollout path: unsupported model: {why}")
+        if attention not in ATTENTION:
+            raise ValueError(f"fast rollout path: attention {attention!r}: valid: {', '.join(ATTENTION)}")
         self.model = model
+        self.attention = attention
         cfg = model.config
         self.n_heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
@@ -199,6 +212,14 @@ class StaticForward:
         last = x[torch.arange(U, device=ids.device), lengths - 1]
         return self._head(last)
 
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, Hkv, G, D] against k, v [B, Hkv, Lb, D] where mask [B, 1, 1, Lb] -> o [B, Hkv, G, D]."""
+        if self.attention == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        s = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, Lb]
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+        return torch.matmul(p.to(v.dtype), v)
+
     @torch.no_grad()
     def decode(self, cache: StaticKVCache, tok: torch.Tensor, pos: torch.Tensor, Lb: int) -> torch.Tensor:
         """One token per row: tok [B], pos [B] (its cache position), attention over positions < Lb
@@ -220,8 +241,7 @@ class StaticForward:
             kc, vc = cache.k[li][:B], cache.v[li][:B]
             kc.scatter_(2, idx, k)
             vc.scatter_(2, idx, v)
-            o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G, D), kc[:, :, :Lb], vc[:, :, :Lb],
-                                               attn_mask=mask, scale=attn.scaling)  # [B, Hkv, G, D]
+            o = self._attend(q.reshape(B, Hkv, G, D), kc[:, :, :Lb], vc[:, :, :Lb], mask, attn.scaling)
             o = o.reshape(B, 1, Hkv * G * D)
             if self.compiled is not None:
                 x = self.compiled[1](x, o, *self.compiled[3](layer))
