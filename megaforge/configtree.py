@@ -152,6 +152,9 @@ def coerce(value: Any, t, key: str) -> Any:
     if origin is Literal:
         if value in get_args(t):
             return value
+        word = {True: "on", False: "off"}.get(value) if isinstance(value, bool) else None
+        if word in get_args(t):  # YAML 1.1 reads a bare on / off as a boolean
+            return word
         raise ConfigError(f"config key '{key}': expected {_type_name(t)}, got {value!r}")
     if dataclasses.is_dataclass(t):
         if isinstance(value, t):

@@ -44,6 +44,23 @@ def test_wrong_type_names_key(key, value, expect):
         load_config(["--config", DEMO, f"--{key}", value])
 
 
+def test_on_off_words_of_a_choice(tmp_path):
+    """YAML 1.1 reads a bare on / off as a boolean: a choice that has the words gets them back (the
+    command line and a YAML file alike); a boolean for a choice without them is still an error."""
+    cfg = load_config(["--config", DEMO, "--rollout.fast", "off", "--rollout.fast_compile", "off"])
+    assert (cfg.rollout.fast, cfg.rollout.fast_compile) == ("off", "off")
+    p = tmp_path / "c.yaml"
+    p.write_text("rollout:\n  fast: on\n  fast_compile: off\ntrainer:\n  autocast: off\n")
+    cfg = load_config(["--config", str(p), "--model.config", "x", "--data.path", "arithmetic"])
+    assert (cfg.rollout.fast, cfg.rollout.fast_compile, cfg.trainer.autocast) == ("on", "off", "off")
+    with pytest.raises(ConfigError, match="config key 'rollout.fast_compile'.*got True"):
+        load_config(["--config", DEMO, "--rollout.fast_compile", "on"])  # no "on" among its choices
+    with pytest.raises(ConfigError, match="config key 'trainer.backend'.*got False"):
+        load_config(["--config", DEMO, "--trainer.backend", "off"])
+    save_config(cfg, str(tmp_path / "r.yaml"))
+    assert load_config(["--config", str(tmp_path / "r.yaml")]) == cfg  # saved quoted, read back as words
+
+
 def test_semantic_validation_names_key():
     with pytest.raises(ConfigError, match="grpo.temperature"):
         load_config(["--config", DEMO, "--grpo.temperature", "0"])

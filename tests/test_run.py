@@ -70,3 +70,17 @@ def test_wandb_offline_and_plot(tmp_path):
                    capture_output=True, timeout=120)
     with open(os.path.join(run, "curves.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bfloat16_engine_beside_a_float32_autocast_trainer(tmp_path):
+    """rollout.dtype bfloat16 with a float32 trainer under bfloat16 autocast: the engine's log-probs are
+    another model's numerics, the PPO ratio's pi_old is the trainer's own (its detached log-probs for
+    one update per batch), so the ratio is 1 (up to the mean's float32 rounding over the tokens)."""
+    out = str(tmp_path)
+    launch("--output_dir", out, "--run_name", "bf", "--max_steps", "2", "--sft.max_steps", "0",
+           "--rollout.dtype", "bfloat16", "--trainer.autocast", "bfloat16")
+    rows = metrics(os.path.join(out, "bf"))
+    assert len(rows) == 2
+    for r in rows:
+        assert abs(r["ratio"] - 1.0) < 1e-6, r["ratio"]
+        assert r["train_rollout_logprob_abs_diff"] > 1e-5  # the engine really is another model (bfloat16)

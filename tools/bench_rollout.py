@@ -302,9 +302,9 @@ def measure_sglang(srv: SGLangServer, prompts, new: int) -> dict:
 def fast_variants(args) -> list[tuple[str, dict]]:
     """The fast engine's variants against SGLang: (name, FastDecoder options); ratio keys follow the
     names (fast -> ratio, fast_compiled -> ratio_compiled, ...)."""
-    out = [("fast", {})]
+    out = [("fast", {"attention": "sdpa"})]
     if args.compile:
-        out += [("fast_compiled", {"compile": args.compile}),
+        out += [("fast_compiled", {"compile": args.compile, "attention": "sdpa"}),
                 ("fast_compiled_matmul", {"compile": args.compile, "attention": "matmul"})]
     return out
 

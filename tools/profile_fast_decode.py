@@ -122,9 +122,10 @@ def main(argv=None) -> int:
     reqs = requests(prompts, args.new)
     out = {"bench": "profile_fast_decode", "shape": args.shape, "batch": args.batch, "prompt_tokens": args.prompt,
            "sampled_tokens": args.new, "dtype": str(dtype).replace("torch.", ""), "variants": {}}
-    variants = [("eager", {}), ("eager_matmul", {"attention": "matmul"})]
+    variants = [("eager", {"attention": "sdpa"}), ("eager_matmul", {"attention": "matmul"})]
     if not args.no_compile and dev.type == "cuda":
-        variants += [("compiled", {"compile": "inductor"}), ("compiled_matmul", {"compile": "inductor", "attention": "matmul"})]
+        variants += [("compiled", {"compile": "inductor", "attention": "sdpa"}),
+                     ("compiled_matmul", {"compile": "inductor", "attention": "matmul"})]
     for name, opts in variants:
         say(f"{name}: graphed step time")
         row = {"step_ms": round(step_time(model, reqs, args.batch, opts, dev), 3)}

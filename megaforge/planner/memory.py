@@ -273,7 +273,7 @@ def micro_batches(cfg, lay, mode: str) -> tuple[int, int, int]:
 def engine_items(cfg, shape, lay, memory: float) -> tuple[list[Item], list[Item], dict]:
     """(rollout items, items left during training, KV facts) of one GPU holding an engine rank."""
     r = cfg.rollout
-    p = dtype_bytes(cfg.model.dtype)
+    p = dtype_bytes(cfg.engine_dtype)
     n = shape.hf_params()
     args = list(r.extra_args)
     seqs = r.batch_size * cfg.grpo.n_samples * (cfg.loop.oversample if cfg.algo.dynamic_sampling else 1.0)

@@ -15,7 +15,7 @@ from megaforge.hf import hf_state_names, load_hf_model, resolve_device
 from megaforge.memory import build_offloader, onloaded
 from megaforge.checkpoint import write_torch
 from megaforge.memory.state import grad_entries, on_device, optimizer_entries, param_entries
-from megaforge.trainer import torch_ddp
+from megaforge.trainer import precision, torch_ddp
 from megaforge.trainer.base import HFBucket, Objective, Trainer, modules_weights
 from megaforge.trainer.critic import TorchCritic
 from megaforge.trainer.logprobs import token_logprobs
@@ -28,6 +28,8 @@ class TorchTrainer(Trainer):
         t = cfg.trainer
         self.device = resolve_device(t.device)
         self.model = load_hf_model(cfg.model, self.device)
+        if t.autocast != "off":
+            precision.float32_head(self.model)
         if t.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.module = torch_ddp.wrap(self.model, self.device)
@@ -66,7 +68,8 @@ class TorchTrainer(Trainer):
         mb = mb.to(self.device)
         T = mb.tokens.shape[1]
         attn = (torch.arange(T, device=self.device)[None, :] < mb.lengths[:, None]).long()
-        logits = module(input_ids=mb.tokens, attention_mask=attn, use_cache=False).logits
+        with precision.autocast(self.cfg.trainer.autocast, self.device):
+            logits = module(input_ids=mb.tokens, attention_mask=attn, use_cache=False).logits
         return token_logprobs(logits, mb.tokens, mb.lengths, temperature, with_entropy)
 
     @torch.no_grad()
@@ -81,7 +84,8 @@ class TorchTrainer(Trainer):
                 mb_ = mb.to(ref_dev)
                 T = mb_.tokens.shape[1]
                 attn = (torch.arange(T, device=ref_dev)[None, :] < mb_.lengths[:, None]).long()
-                logits = module(input_ids=mb_.tokens, attention_mask=attn, use_cache=False).logits
+                with precision.autocast(self.cfg.trainer.autocast, ref_dev):
+                    logits = module(input_ids=mb_.tokens, attention_mask=attn, use_cache=False).logits
                 lp, _ = token_logprobs(logits, mb_.tokens, mb_.lengths, self.temperature)
             else:
                 lp, _ = self._forward(module, mb, self.temperature, False)
@@ -100,6 +104,8 @@ class TorchTrainer(Trainer):
         self.ref = copy.deepcopy(self.model).to(dev).eval()
         for p in self.ref.parameters():
             p.requires_grad_(False)
+        if self.cfg.trainer.autocast != "off":  # bound to the copy's own head (not the policy's)
+            precision.float32_head(self.ref)
 
     # -------------------------------------------------------------------------------- training
     def _forward_backward(self, mini: TrainBatch, objective: Objective):
@@ -124,7 +130,8 @@ class TorchTrainer(Trainer):
         pk = pack_rows(mb.tokens, mb.lengths, self.cfg.sft.pack_len)
         tokens, pos = pk.tokens.to(self.device), pk.position_ids.to(self.device)
         # no attention_mask: transformers derives the block-diagonal causal mask from the restarts
-        logits = module(input_ids=tokens, position_ids=pos, use_cache=False).logits
+        with precision.autocast(self.cfg.trainer.autocast, self.device):
+            logits = module(input_ids=tokens, position_ids=pos, use_cache=False).logits
         full = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=self.device)
         lp, _ = token_logprobs(logits, tokens, full, temperature)
         return pk.unpack(lp * (pos >= 1).float())

@@ -30,6 +30,13 @@ from megaforge.types import Completion, GenerateRequest
 log = logging.getLogger(__name__)
 
 
+def fast_options(compile: str, attention: str, device: torch.device) -> dict:
+    """FastDecoder options of ``rollout.fast_compile`` / ``rollout.fast_attention`` on ``device``
+    (compile auto: inductor on CUDA, none elsewhere)."""
+    backend = {"auto": "inductor" if device.type == "cuda" else None, "inductor": "inductor", "off": None}[compile]
+    return {"compile": backend, "attention": attention}
+
+
 class EmbeddedEngine(Engine):
     def __init__(self, model, tokenizer=None, max_batch: int = 256, pad_token_id: Optional[int] = None,
                  fast: str = "auto", fast_options: Optional[dict] = None):
@@ -89,11 +96,12 @@ class EmbeddedEngine(Engine):
     # ------------------------------------------------------------------------------- construction
     @classmethod
     def from_config(cls, cfg, tokenizer=None, device: Optional[str] = None) -> "EmbeddedEngine":
-        from megaforge.hf import load_hf_model, resolve_device
+        from megaforge.hf import DTYPES, load_hf_model, resolve_device
 
         dev = resolve_device(device or cfg.rollout.device)
-        model = load_hf_model(cfg.model, dev)
-        return cls(model, tokenizer, max_batch=cfg.rollout.engine_batch_size, fast=cfg.rollout.fast)
+        model = load_hf_model(cfg.model, dev, dtype=DTYPES[cfg.engine_dtype])
+        return cls(model, tokenizer, max_batch=cfg.rollout.engine_batch_size, fast=cfg.rollout.fast,
+                   fast_options=fast_options(cfg.rollout.fast_compile, cfg.rollout.fast_attention, dev))
 
     # ----------------------------------------------------------------------------------- generate
     @property

@@ -174,8 +174,9 @@ def build_http_engine(cfg, tokenizer, kind: str, node=None) -> Optional[HTTPEngi
             def cmd(port, fd, k=k):
                 c = [sys.executable, "-m", "megaforge.rollout.server", "--model", model_dir, "--host", r.host,
                      "--port", str(port), "--sock-fd", str(fd), "--device", "cuda" if device.type == "cuda" else "cpu",
-                     "--dtype", cfg.model.dtype, "--attn-implementation", cfg.model.attn_implementation,
-                     "--max-batch", str(r.engine_batch_size), "--weight-version", "0"]
+                     "--dtype", cfg.engine_dtype, "--attn-implementation", cfg.model.attn_implementation,
+                     "--max-batch", str(r.engine_batch_size), "--weight-version", "0", "--fast", r.fast,
+                     "--fast-compile", r.fast_compile, "--fast-attention", r.fast_attention]
                 c += [a for root in roots for a in ("--weight-root", root)]
                 return c + (["--tokenizer", tok_dir] if tok_dir else []) + list(r.extra_args)
             env = child_env(gpus[k], {API_KEY_ENV: api_key} if api_key else None)
@@ -183,7 +184,7 @@ def build_http_engine(cfg, tokenizer, kind: str, node=None) -> Optional[HTTPEngi
             def cmd(port, fd, k=k):
                 c = [engine_python(cfg), "-m", "sglang.launch_server", "--model-path", model_dir, "--host", r.host,
                      "--port", str(port), "--tp-size", str(r.tensor_parallel), "--mem-fraction-static", str(r.mem_fraction),
-                     "--dtype", cfg.model.dtype, "--weight-version", "0", "--random-seed", str(cfg.seed)]
+                     "--dtype", cfg.engine_dtype, "--weight-version", "0", "--random-seed", str(cfg.seed)]
                 c += ["--tokenizer-path", tok_dir] if tok_dir else []
                 c += ["--enable-memory-saver"] if r.num_gpus == 0 else []
                 c += ["--api-key", api_key] if api_key else []

@@ -35,6 +35,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--attn-implementation", default="sdpa")
     p.add_argument("--max-batch", type=int, default=256, help="sequences decoded at once")
+    p.add_argument("--fast", default="auto", choices=["auto", "on", "off"], help="the fast decode path (rollout.fast)")
+    p.add_argument("--fast-compile", default="auto", choices=["auto", "inductor", "off"],
+                   help="torch.compile of the fast path's layer pieces (rollout.fast_compile)")
+    p.add_argument("--fast-attention", default="auto", choices=["auto", "sdpa", "matmul"],
+                   help="decode attention of the fast path (rollout.fast_attention)")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--sglang-api", default="0.5.23", choices=["0.5.16", "0.5.23"],
                    help="the SGLang release whose weight-update API to speak: 0.5.23 brackets tensor and distributed "
@@ -74,6 +79,7 @@ def load(args):
     from megaforge.config import ModelConfig
     from megaforge.hf import load_hf_model, load_tokenizer, resolve_device
     from megaforge.rollout.embedded import EmbeddedEngine
+    from megaforge.rollout.embedded.engine import fast_options
     from megaforge.rollout.server.limits import max_token_bytes
 
     tok = None
@@ -93,7 +99,8 @@ def load(args):
         eos.add(int(tok.eos_token_id))
     torch.set_grad_enabled(False)
     token_bytes = max_token_bytes(tok) if tok is not None else 1
-    return EmbeddedEngine(model, tok, max_batch=args.max_batch), tok, sorted(eos), token_bytes
+    opts = fast_options(args.fast_compile, args.fast_attention, next(model.parameters()).device)
+    return EmbeddedEngine(model, tok, max_batch=args.max_batch, fast=args.fast, fast_options=opts), tok, sorted(eos), token_bytes
 
 
 def bind(args) -> socket.socket:

@@ -280,12 +280,27 @@ def test_matmul_attention_equals_sdpa(models, family, compile):
     model = models[family]
     reqs = [GenerateRequest(p, SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=9, seed=i))
             for i, p in enumerate(_prompts(5))] + _reqs(_prompts(3, seed=1), temperature=0.0, max_new_tokens=7)
-    ref = _fast(model, max_batch=3).generate(reqs)
+    ref = _fast(model, max_batch=3, attention="sdpa").generate(reqs)
     eng = _fast(model, max_batch=3, attention="matmul", compile=compile)
     assert eng.fast.fwd.attention == "matmul"
     _same(eng.generate(reqs), ref)
-    with pytest.raises(ValueError, match="attention 'flash': valid: sdpa, matmul"):
+    with pytest.raises(ValueError, match="attention 'flash': valid: auto, sdpa, matmul"):
         _fast(model, attention="flash")
+
+
+def test_auto_attention_follows_query_heads_per_kv_head(models):
+    """attention "auto": matmul for at most MATMUL_MAX_GROUPS query heads per KV head, else sdpa."""
+    from megaforge.rollout.embedded.fast.forward import MATMUL_MAX_GROUPS
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    wide = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=8, num_key_value_heads=1)).eval()  # 8 per KV head
+    for model in [*models.values(), wide]:
+        fwd = _fast(model).fast.fwd
+        assert fwd.attention == ("matmul" if fwd.groups <= MATMUL_MAX_GROUPS else "sdpa"), fwd.groups
+    assert models["qwen2"].config.num_attention_heads // models["qwen2"].config.num_key_value_heads <= MATMUL_MAX_GROUPS
+    assert _fast(wide).fast.fwd.attention == "sdpa"
 
 
 def test_selection_and_config(models, tmp_path):
@@ -308,6 +323,16 @@ def test_selection_and_config(models, tmp_path):
     assert config_from_dict(base).rollout.fast == "auto"
     with pytest.raises((ConfigError, ValueError), match="rollout.fast"):
         config_from_dict({**base, "rollout": {"fast": "maybe"}})
+    from megaforge.rollout.embedded.engine import fast_options
+
+    assert fast_options("auto", "auto", torch.device("cpu")) == {"compile": None, "attention": "auto"}
+    assert fast_options("auto", "sdpa", torch.device("cuda")) == {"compile": "inductor", "attention": "sdpa"}
+    assert fast_options("off", "matmul", torch.device("cuda")) == {"compile": None, "attention": "matmul"}
+    cfg = config_from_dict({**base, "model": {"path": "", "config": os.path.join(ROOT, "configs", "models", "tiny-qwen2")},
+                            "rollout": {"dtype": "bfloat16", "device": "cpu", "fast": "on", "fast_compile": "off"}})
+    assert cfg.engine_dtype == "bfloat16" and cfg.model.dtype == "float32"
+    eng = EmbeddedEngine.from_config(cfg)
+    assert next(eng.model.parameters()).dtype == torch.bfloat16 and eng.fast.fwd.compiled is None
 
 
 def test_buckets():

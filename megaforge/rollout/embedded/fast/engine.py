@@ -92,12 +92,12 @@ class FastDecoder:
     (their K/V rows plus the sampling buffers of a step) take at most this fraction of the free
     device memory: fewer slots than requested means more refill rounds, not an out-of-memory error;
     compile: a torch.compile backend for the decode step's per-layer pieces (forward.py; GPU:
-    "inductor"), None: the HF modules run as they are; attention: "sdpa" | "matmul", how a decode step
-    attends (forward.py).
+    "inductor"), None: the HF modules run as they are; attention: "auto" | "sdpa" | "matmul", how a
+    decode step attends (forward.py).
     """
 
     def __init__(self, engine, chunk: int = 32, graphs: Optional[bool] = None, prefill_tokens: int = 32768,
-                 memory_fraction: float = 0.5, compile: Optional[str] = None, attention: str = "sdpa"):
+                 memory_fraction: float = 0.5, compile: Optional[str] = None, attention: str = "auto"):
         self.engine = engine
         self.fwd = StaticForward(engine.model, compile=compile, attention=attention)
         self.device = engine.device

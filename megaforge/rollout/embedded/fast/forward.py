@@ -15,9 +15,10 @@ the cache are ours. Shapes (H query heads, Hkv key/value heads, G = H / Hkv, D h
 Rows never shift: a sequence starts at cache position 0 whatever slot it occupies, so its rotary
 positions equal those of an unpadded HF forward.
 
-``attention``: how decode attends. "sdpa": ``F.scaled_dot_product_attention`` (on the H200 a flash kernel
-whose 64-row query tile holds only the G query heads of one KV head: G=2 for Qwen3-1.7B); "matmul":
-two batched matmuls around a float32 softmax (HF's eager attention):
+``attention``: how decode attends ("auto": matmul when G <= MATMUL_MAX_GROUPS, else sdpa).
+"sdpa": ``F.scaled_dot_product_attention`` (on the H200 a flash kernel whose 64-row query tile holds
+only the G query heads of one KV head: G=2 for Qwen3-1.7B); "matmul": two batched matmuls around a
+float32 softmax (HF's eager attention):
 
     s = q @ K^T [B, Hkv, G, Lb] (model dtype), p = softmax(scale * s, masked to j <= pos) in float32,
     o = p.to(dtype) @ V [B, Hkv, G, D]
@@ -38,7 +39,10 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
-ATTENTION = ("sdpa", "matmul")
+ATTENTION = ("auto", "sdpa", "matmul")
+#: attention "auto": matmul when a KV head serves at most this many query heads (H200 measurements,
+#: docs/benchmarks/README.md: matmul won at Qwen3-1.7B's 2 per KV head, lost at Qwen2-0.5B's 7)
+MATMUL_MAX_GROUPS = 2
 
 
 def unsupported_reason(model) -> Optional[str]:
@@ -141,19 +145,21 @@ def _layer_pieces(fwd: "StaticForward"):
 class StaticForward:
     """The model's forward over a :class:`StaticKVCache` (see the module docstring)."""
 
-    def __init__(self, model, compile: Optional[str] = None, attention: str = "sdpa"):
+    def __init__(self, model, compile: Optional[str] = None, attention: str = "auto"):
         why = unsupported_reason(model)
         if why is not None:
             raise ValueError(f"fast rollout path: unsupported model: {why}")
         if attention not in ATTENTION:
             raise ValueError(f"fast rollout path: attention {attention!r}: valid: {', '.join(ATTENTION)}")
         self.model = model
-        self.attention = attention
         cfg = model.config
         self.n_heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.groups = self.n_heads // self.kv_heads
+        if attention == "auto":
+            attention = "matmul" if self.groups <= MATMUL_MAX_GROUPS else "sdpa"
+        self.attention = attention
         self.n_layers = len(model.model.layers)
         attn0 = model.model.layers[0].self_attn
         self.apply_rope = sys.modules[type(attn0).__module__].apply_rotary_pos_emb

@@ -1,0 +1,46 @@
+"""Mixed precision of the torch backend (``trainer.autocast``): the decoder under bfloat16 autocast,
+the LM head and everything after it in float32.
+
+With ``autocast: bfloat16`` and float32 parameters (``model.dtype: float32``), every matmul of the
+decoder layers runs in bfloat16 (inputs cast by autocast, float32 accumulation); the residual stream
+stays float32 (embedding output float32 + bfloat16 branch outputs promote to float32), RMSNorm
+normalises in float32, and the gradients, AdamW moments and weights stay float32 (the master copy:
+an update of lr 5e-6 is not lost to bfloat16 rounding). The LM head
+
+    logits [N, T, V] = h [N, T, C] @ W_head^T [C, V]   in float32 (autocast off)
+
+so token log-probs keep float32 resolution: bfloat16 logits of magnitude 16 are spaced 0.125 apart,
+which would move importance ratios exp(lp - lp_old) by up to ~6%.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = {"bfloat16": torch.bfloat16}
+
+
+def autocast(mode: str, device: torch.device):
+    """The context of a policy forward: bfloat16 autocast on ``device`` for mode "bfloat16", none for "off"."""
+    if mode == "off":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[mode])
+
+
+def _float32_linear(self, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward`` with autocast off and float32 operands: x [..., C] -> [..., V]."""
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias)
+
+
+def float32_head(model) -> None:
+    """Make ``model.lm_head`` (an HF CausalLM's) compute in float32 under autocast; the parameter and its
+    name are unchanged (the bound forward replaces the instance's, not the class's)."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"trainer.autocast: the model's output layer is a {type(head).__name__}, not nn.Linear")
+    head.forward = types.MethodType(_float32_linear, head)
