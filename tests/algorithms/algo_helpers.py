@@ -22,6 +22,24 @@ SMOKE = ["--max_steps", "2", "--sft.max_steps", "2", "--sft.batch_size", "8", "-
          "--checkpoint.interval", "0"]
 
 
+def padded_batch():
+    """A TrainBatch of 4 random rows of lengths 9, 6, 8, 4 (pad 0), loss on positions 3..len-1, zero
+    advantages and rollout logprobs."""
+    from megaforge.types import TrainBatch
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([9, 6, 8, 4])
+    tokens = torch.randint(3, 500, (4, 9), generator=g)
+    mask = torch.zeros(4, 9)
+    for b, n in enumerate(lengths.tolist()):
+        tokens[b, n:] = 0
+        mask[b, 3:n] = 1
+    b = TrainBatch(tokens=tokens, lengths=lengths, loss_mask=mask, advantages=torch.zeros(4, 9),
+                   rollout_logprobs=torch.zeros(4, 9))
+    b.num_tokens, b.num_seqs = int(mask.sum()), 4
+    return b
+
+
 def lp_for_ratio(ratios, old):
     """Leaf logprobs with gradient such that exp(logp - old) == ratios."""
     old = torch.as_tensor(old, dtype=torch.float64)

@@ -3,13 +3,12 @@ master weights. CPU autocast runs the same bfloat16 matmuls as CUDA's (other ker
 show the wiring; the speed is the GPU's (docs/benchmarks)."""
 import pytest
 import torch
-from algo_helpers import ROOT
+from algo_helpers import ROOT, padded_batch
 
 from megaforge.config import load_config
 from megaforge.configtree import ConfigError
 from megaforge.hf import hf_state_names
 from megaforge.trainer import precision
-from megaforge.types import TrainBatch
 
 BASE = ["--config", f"{ROOT}/configs/demo_cpu.yaml", "--model.config", f"{ROOT}/configs/models/tiny-qwen2",
         "--model.tokenizer", f"{ROOT}/assets/tiny-tokenizer", "--trainer.device", "cpu",
@@ -23,16 +22,8 @@ def _trainer(autocast: str, *extra):
 
 
 def _batch():
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.tensor([9, 6, 8, 4])
-    tokens = torch.randint(3, 500, (4, 9), generator=g)
-    mask = torch.zeros(4, 9)
-    for b, n in enumerate(lengths.tolist()):
-        tokens[b, n:] = 0
-        mask[b, 3:n] = 1
-    adv = torch.randn(4, 9, generator=g) * mask
-    b = TrainBatch(tokens=tokens, lengths=lengths, loss_mask=mask, advantages=adv, rollout_logprobs=torch.zeros(4, 9))
-    b.num_tokens, b.num_seqs = int(mask.sum()), 4
+    b = padded_batch()
+    b.advantages = torch.randn(4, 9, generator=torch.Generator().manual_seed(1)) * b.loss_mask
     return b
 
 

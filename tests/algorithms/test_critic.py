@@ -2,7 +2,7 @@
 training, checkpoint round trip)."""
 import pytest
 import torch
-from algo_helpers import ROOT
+from algo_helpers import ROOT, padded_batch
 
 from megaforge.algorithms import clipped_value_loss, value_objective
 from megaforge.types import TrainBatch
@@ -48,17 +48,7 @@ def trainer():
 
 
 def _batch():
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.tensor([9, 6, 8, 4])
-    tokens = torch.randint(3, 500, (4, 9), generator=g)
-    mask = torch.zeros(4, 9)
-    for b, n in enumerate(lengths.tolist()):
-        tokens[b, n:] = 0
-        mask[b, 3:n] = 1
-    b = TrainBatch(tokens=tokens, lengths=lengths, loss_mask=mask, advantages=torch.zeros(4, 9),
-                   rollout_logprobs=torch.zeros(4, 9))
-    b.num_tokens, b.num_seqs = int(mask.sum()), 4
-    return b
+    return padded_batch()
 
 
 def test_values_are_token_aligned(trainer):
