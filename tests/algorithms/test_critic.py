@@ -5,7 +5,6 @@ import torch
 from algo_helpers import ROOT, padded_batch
 
 from megaforge.algorithms import clipped_value_loss, value_objective
-from megaforge.types import TrainBatch
 
 # Tolerances: the hand-computed losses are float32 on exact binary fractions (0.5, 0.125, 1.805 within
 # 1 ulp): torch.allclose / pytest.approx defaults (rtol 1e-5 / rel 1e-6) are >= 8 ulp. The value model
