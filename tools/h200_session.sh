@@ -9,6 +9,11 @@
 # call 3 (same machine):                         bash tools/h200_session.sh recipe
 # call 4:                                        bash tools/h200_session.sh resume bench_step
 # call 5:                                        bash tools/h200_session.sh rollout
+# TE + FP8 variant of the recipe (kit: bash ../shared/gpu-wheels/te-prepare.sh .tep, /.tep/ excluded):
+#   calls a..f, carry .tep/te-partK (K = 1..6):     bash tools/h200_session.sh teK
+#   (SGLang's calls 1-2 as above; call 1 may also carry .tep/te-part1: 42 + 4 + 47 MB is over 64 MiB, so not)
+#   call g, carry .tep/te-small:                   bash tools/h200_session.sh te_build
+#   call h:                                        bash tools/h200_session.sh recipe_fp8
 # The tools import megaforge from the checkout (PYTHONPATH below). The machine's copy of the tree has no
 # .git, so their JSON lines say "commit": "unknown" unless the call's command names it:
 #   MEGAFORGE_COMMIT=<sha from git rev-parse HEAD here> bash tools/h200_session.sh ...
@@ -21,6 +26,7 @@ TORCHRUN="python3 -m torch.distributed.run --nproc_per_node 1"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH=$PWD
 [ -d /tmp/mfsite ] && export PYTHONPATH=$PWD:/tmp/mfsite
+[ -d /tmp/tesite ] && export PYTHONPATH=$PYTHONPATH:/tmp/tesite  # Transformer Engine, apart from SGLang's site
 export MEGAFORGE_SGLANG_ENV_SH=/tmp/sgl/env.sh
 engine_env() {  # the SGLang kit's environment as rollout.engine_env (JSON is YAML)
   python3 -c "import json; from megaforge.rollout.http.processes import env_from_script; print(json.dumps(env_from_script('/tmp/sgl/env.sh')))"
@@ -62,6 +68,14 @@ for stage in "$@"; do
       timeout -k 30 540 python3 tools/bench_rollout.py --sglang --sglang_env_sh /tmp/sgl/env.sh > "$OUT/bench_rollout.log" 2>&1
       echo "exit $?"; grep "^\[bench" "$OUT/bench_rollout.log" | tail -30
       grep '^{"bench"' "$OUT/bench_rollout.log" > "$OUT/bench_rollout_sglang.json" ;;
+    te[1-6]) mkdir -p /tmp/te && cat .tep/te-part${stage#te}/* >> /tmp/te/core.part && ls -l /tmp/te ;;
+    te_build)
+      bash tools/te_build.sh .tep/te-small /tmp/tesite > "$OUT/te_build.log" 2>&1; echo "exit $?"; tail -3 "$OUT/te_build.log"
+      export PYTHONPATH=$PYTHONPATH:/tmp/tesite ;;
+    recipe_fp8)
+      recipe 540 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid > "$OUT/recipe_fp8.log" 2>&1
+      echo "exit $?"; grep -v -i warn "$OUT/recipe_fp8.log" | tail -25
+      cp "$RUNS/grpo_h200_colocated_fp8/metrics.jsonl" "$OUT/recipe_fp8_metrics.jsonl" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
