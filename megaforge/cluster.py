@@ -61,7 +61,7 @@ class ProcessPlace:
 
     @property
     def node_leader(self) -> bool:
-        """Local rank 0: the process that launches this node's engine servers."""
+        """Local rank 0: the process that starts this node's engine servers."""
         return self.local_rank == 0
 
 

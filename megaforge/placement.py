@@ -38,7 +38,7 @@ from megaforge.net import is_loopback
 
 HTTP_ENGINES = ("embedded_server", "sglang")
 _WILDCARD = ("0.0.0.0", "::", "")
-_NODE: Optional["NodeEngines"] = None  # this process's share of a multi-node engine launch
+_NODE: Optional["NodeEngines"] = None  # this process's share of a multi-node engine start
 
 
 def hardware(cfg, place: ProcessPlace):
@@ -87,15 +87,15 @@ def node_address() -> str:
 
 
 class NodeEngines:
-    """This process's part in a multi-node engine launch, handed to
-    :func:`megaforge.rollout.http.launch.build_http_engine` (``node=``) on node leaders; every other
+    """This process's part in starting a multi-node set of engines, handed to
+    :func:`megaforge.rollout.http.start.build_http_engine` (``node=``) on node leaders; every other
     rank makes the same two collective calls (:meth:`share`, :meth:`gather`) with nothing to add."""
 
     def __init__(self, cfg, place: ProcessPlace, slots: dict):
         self.cfg, self.place = cfg, place
         mine = slots.get(place.node, []) if place.node_leader else []
         self.engine_ids = [k for k, _ in mine]
-        from megaforge.rollout.http.launch import visible_gpus
+        from megaforge.rollout.http.start import visible_gpus
 
         visible = visible_gpus()
         self.gpus = [[visible[g] if visible is not None else g for g in gs] for _, gs in mine]
@@ -160,7 +160,7 @@ def build_engines(cfg, tokenizer):
         return build_engine(cfg, tokenizer)
     _NODE = NodeEngines(cfg, place, engine_slots(cfg, place))
     if place.node_leader and (_NODE.engine_ids or dist.is_main()):
-        from megaforge.rollout.http.launch import build_http_engine
+        from megaforge.rollout.http.start import build_http_engine
 
         return build_http_engine(cfg, tokenizer, cfg.rollout.engine, node=_NODE)
     _NODE.share("")

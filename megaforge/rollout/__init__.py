@@ -17,7 +17,7 @@ def preflight(cfg) -> None:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if cfg.rollout.engine == "sglang":
-        from megaforge.rollout.http.launch import require_sglang
+        from megaforge.rollout.http.start import require_sglang
 
         require_sglang(cfg, router=cfg.rollout.router and cfg.rollout.num_engines > 1)
     check_context(cfg)
@@ -79,7 +79,7 @@ def check_engine_gpus(cfg) -> None:
         return  # not an engine of this build: build_engine says so
     if int(os.environ.get("WORLD_SIZE", "1")) != int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
         return
-    from megaforge.rollout.http.launch import visible_gpus, gpu_assignment
+    from megaforge.rollout.http.start import visible_gpus, gpu_assignment
 
     visible = visible_gpus()
     if not visible:
@@ -101,7 +101,7 @@ def build_engine(cfg, tokenizer):
 
         return EmbeddedEngine.from_config(cfg, tokenizer)
     if kind in ("embedded_server", "sglang"):
-        from megaforge.rollout.http.launch import build_http_engine
+        from megaforge.rollout.http.start import build_http_engine
 
         return build_http_engine(cfg, tokenizer, kind)
     raise ValueError(f"rollout.engine {kind!r} is not available in this build; valid: {', '.join(ENGINES)}")

@@ -276,7 +276,7 @@ def check_model_against(bm, path: str, saved_spec: Optional[str] = None, repad_v
                 continue  # same vocabulary, another TP's padding
             errors.append(f"tensor {v.key}: checkpoint shape {got}, model (from the config) shape {want}")
         if dist.get_rank() == 0:
-            from megaforge.convert.launch import missing_checkpoint_files
+            from megaforge.convert.ranks import missing_checkpoint_files
 
             errors += missing_checkpoint_files(path)
     everyone = [None] * dist.get_world_size()

@@ -20,7 +20,7 @@ Dtype: HF -> Megatron keeps the HF tensors' dtype (``dtype`` casts); Megatron ->
 checkpoint's (``dtype`` casts on export). Bit-exact both ways otherwise: layouts only move bytes.
 Output folders are written under a temporary name in the same parent and renamed at the end;
 on failure they are removed (by rank 0 here, and by the CLI's parent process after it kills the
-ranks, see :mod:`megaforge.convert.launch`).
+ranks, see :mod:`megaforge.convert.ranks`).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from megaforge.convert import families
 from megaforge.convert.hf_writer import DEFAULT_MAX_SHARD_BYTES, make_tmp_dir
-from megaforge.convert.launch import Layout
+from megaforge.convert.ranks import Layout
 from megaforge.convert.mapping import HFSource, hf_shapes
 from megaforge.trainer.megatron import checkpoint as mckpt
 from megaforge.trainer.megatron import cpu_compat, parallel

@@ -1,4 +1,4 @@
-"""Launching HTTP engines: ``rollout.num_engines`` servers (SGLang or megaforge's embedded one), GPUs,
+"""Starting HTTP engines: ``rollout.num_engines`` servers (SGLang or megaforge's embedded one), GPUs,
 the router, and the :class:`megaforge.rollout.http.engine.HTTPEngine` over them (with its weight snapshot
 for fault tolerance, :mod:`megaforge.rollout.http.recovery`)."""
 from __future__ import annotations
@@ -137,9 +137,9 @@ def weight_roots(cfg) -> list[str]:
 
 
 def build_http_engine(cfg, tokenizer, kind: str, node=None) -> Optional[HTTPEngine]:
-    """Launch ``rollout.num_engines`` servers of ``kind`` (``embedded_server`` | ``sglang``), wait until
+    """Start ``rollout.num_engines`` servers of ``kind`` (``embedded_server`` | ``sglang``), wait until
     they are ready, optionally put the router in front; logs in ``<run dir>/logs/engine_K.log``.
-    ``node`` (:class:`megaforge.placement.NodeEngines`, multi-node jobs): launch only this node's
+    ``node`` (:class:`megaforge.placement.NodeEngines`, multi-node jobs): start only this node's
     engines (``node.engine_ids`` on ``node.gpus``); the URLs of all nodes' engines are gathered and
     rank 0 gets the engine, other node leaders None (``node`` keeps their servers)."""
     from megaforge.hf import resolve_device
