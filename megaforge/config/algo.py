@@ -96,8 +96,8 @@ def algo_components(data: dict) -> dict[str, type]:
     """{key prefix: parameters dataclass} of the registered algorithm components, the extension keys of
     the ``algo`` section (megaforge.configtree): megaforge's and those of the modules of ``algo.plugins``
     in ``data``, which are imported first."""
-    # imported when a config is built, not with this module: the algorithms import torch, and reward
-    # worker processes import this module (RewardSpec) within a reward's start-up deadline
+    # lazy: imported when a config is built, not with this module: the algorithms import torch, and
+    # reward worker processes import megaforge.config (RewardSpec) within a reward's start-up deadline
     from megaforge.algorithms.params import component_classes, load_plugins
 
     plugins = configtree.coerce(data.get("plugins", []), list[str], "algo.plugins")

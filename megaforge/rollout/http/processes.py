@@ -39,6 +39,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 import megaforge
@@ -142,8 +143,6 @@ def _spawn(fn):
         return fn()
     with _SPAWNER_LOCK:
         if _SPAWNER is None:
-            from concurrent.futures import ThreadPoolExecutor
-
             _SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="megaforge-spawner")
     return _SPAWNER.submit(fn).result()
 
@@ -365,8 +364,6 @@ def child_env(gpus: Optional[list[int]] = None, extra: Optional[dict] = None, re
 def env_from_script(path: str) -> dict:
     """The environment variables a shell file sets or changes when sourced (e.g. an SGLang install's
     ``env.sh``), as a dict for ``rollout.engine_env``; this process's environment is not touched."""
-    import subprocess
-
     out = subprocess.run(["bash", "-c", 'set -a; . "$1" >/dev/null; env -0', "_", path], capture_output=True)
     if out.returncode != 0:
         raise RuntimeError(f"sourcing {path} failed (exit {out.returncode}): {out.stderr.decode()[-400:]}")
