@@ -1,5 +1,5 @@
 """SLURM jobs (and local ones) through submitit: one torchrun per node, checkpoint + requeue on
-preemption or time-out (megaforge.launch_slurm has the details).
+preemption or time-out (megaforge.slurm has the details).
 
     python launchers/slurm.py --nodes 1 --gpus_per_node 8 --partition P --account A --time 24:00:00 \
         --config configs/grpo_gsm8k_qwen3_1.7b.yaml [--qos Q] [--launcher sft] [--key value ...]
@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megaforge.launch_slurm import main  # noqa: E402
+from megaforge.slurm import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main())

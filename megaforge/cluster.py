@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megaforge import dist
+from megaforge.rollout.http import processes
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class ProcessPlace:
 
     @property
     def node_leader(self) -> bool:
-        """Local rank 0: the process that launches this node's engine servers."""
+        """Local rank 0: the process that starts this node's engine servers."""
         return self.local_rank == 0
 
 
@@ -92,8 +93,6 @@ def _key(name: str) -> str:
 def _stop_engine_servers() -> None:
     """Stop every engine server this process started (SIGTERM, SIGKILL after 5 s)."""
     try:
-        from megaforge.rollout.http import processes
-
         processes.stop_all()
     except Exception as e:  # noqa: BLE001  (best effort on the way out; PDEATHSIG still kills them)
         print(f"[megaforge] stopping engine servers failed: {e}", file=sys.stderr, flush=True)

@@ -2,11 +2,17 @@
 wall for problems the user can fix (config, data, run directory)."""
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
+import signal
 import sys
 
+from megaforge import planner
+from megaforge.config import load_config
 from megaforge.configtree import ConfigError
+from megaforge.data.sources import DataError
+from megaforge.planner import FlagError, dry_run, split_argv
 
 PR_SET_PDEATHSIG = 1
 #: failures of the disk, not of megaforge: reported as one line naming the path and the cause
@@ -21,9 +27,6 @@ def die_with_agent() -> None:
     launchers/grpo.py`` (e.g. under nohup) is left alone."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
-    import ctypes
-    import signal
-
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         print(f"megaforge: warning: prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): this worker "
               f"would outlive its torchrun agent", file=sys.stderr, flush=True)
@@ -33,17 +36,10 @@ def die_with_agent() -> None:
 
 
 def main(mode: str, argv=None) -> None:
-    from megaforge.config import load_config
-    from megaforge.data.sources import DataError
-
     die_with_agent()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from megaforge.planner import FlagError, split_argv
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
-        from megaforge import planner
-
         print("Dry run (the plan only: no run directory, no weights), launcher flags "
               + planner.__doc__.split("Launcher flags", 1)[1].strip() + "\n")
     try:
@@ -53,14 +49,13 @@ def main(mode: str, argv=None) -> None:
         print(f"megaforge: config error: {e}", file=sys.stderr)
         raise SystemExit(2)
     if plan_opts.get("dry_run"):
-        from megaforge.planner import dry_run
-
         path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), "")
         raise SystemExit(dry_run(cfg, mode, plan_opts, path))
-    from megaforge import cluster, placement
-    from megaforge.hf import DeviceError
-    from megaforge.driver.common import RunError, RunStopped
-    from megaforge.loop import run_grpo, run_sft
+    # lazy: these import torch and the trainer (seconds); --help and --dry_run answer before them
+    from megaforge import cluster, dist, placement  # lazy: as above
+    from megaforge.driver.common import RunError, RunStopped  # lazy: as above
+    from megaforge.hf import DeviceError  # lazy: as above
+    from megaforge.loop import run_grpo, run_sft  # lazy: as above
 
     together = False  # the run ended the same way on every rank (done, or a shared stop)
     try:
@@ -91,8 +86,6 @@ def main(mode: str, argv=None) -> None:
         cluster.report_failure(e)
         raise
     finally:
-        from megaforge import dist
-
         placement.shutdown_node_engines(barrier=together)  # engine servers this node's leader started
         if together:
             cluster.finish()  # after the barrier above, which the watchdog still guards

@@ -10,6 +10,8 @@ import math
 import os
 from typing import Optional
 
+from megaforge.configtree import to_dict
+
 REQUIRED_KEYS = (
     "step", "reward/mean", "loss", "kl", "entropy", "clip_frac", "response_len/mean",
     "train_rollout_logprob_abs_diff", "time/rollout", "time/train", "time/sync", "time/offload",
@@ -90,8 +92,6 @@ class MetricsLogger:
 
 
 def _flat_config(cfg) -> dict:
-    from megaforge.configtree import to_dict
-
     out = {}
 
     def walk(d, prefix=""):

@@ -35,16 +35,18 @@ from megaforge import dist
 from megaforge.cluster import ProcessPlace, place_from_env
 from megaforge.configtree import ConfigError
 from megaforge.net import is_loopback
+from megaforge.planner.layout import Hardware, check_layout, placement
+from megaforge.planner.shapes import ShapeError, read_shape
+from megaforge.rollout import build_engine
+from megaforge.rollout.http.start import build_http_engine, visible_gpus
 
 HTTP_ENGINES = ("embedded_server", "sglang")
 _WILDCARD = ("0.0.0.0", "::", "")
-_NODE: Optional["NodeEngines"] = None  # this process's share of a multi-node engine launch
+_NODE: Optional["NodeEngines"] = None  # this process's share of a multi-node engine start
 
 
 def hardware(cfg, place: ProcessPlace):
     """The planner's Hardware of this job: N nodes x (local ranks + rollout GPUs per node)."""
-    from megaforge.planner.layout import Hardware
-
     per_node = cfg.rollout.num_gpus // place.nodes if cfg.rollout.num_gpus else 0
     return Hardware(place.nodes, place.local_world + per_node, "runtime", 0.0)
 
@@ -52,9 +54,6 @@ def hardware(cfg, place: ProcessPlace):
 def engine_slots(cfg, place: ProcessPlace) -> dict[int, list[tuple[int, list[int]]]]:
     """{node: [(engine id, node-local GPU indices in TP-rank order), ...]} from the planner's placement.
     Raises ConfigError with the planner's messages when the layout cannot work."""
-    from megaforge.planner.layout import check_layout, placement
-    from megaforge.planner.shapes import ShapeError, read_shape
-
     try:
         shape = read_shape(cfg.model)
     except ShapeError as e:
@@ -87,16 +86,14 @@ def node_address() -> str:
 
 
 class NodeEngines:
-    """This process's part in a multi-node engine launch, handed to
-    :func:`megaforge.rollout.http.launch.build_http_engine` (``node=``) on node leaders; every other
+    """This process's part in starting a multi-node set of engines, handed to
+    :func:`megaforge.rollout.http.start.build_http_engine` (``node=``) on node leaders; every other
     rank makes the same two collective calls (:meth:`share`, :meth:`gather`) with nothing to add."""
 
     def __init__(self, cfg, place: ProcessPlace, slots: dict):
         self.cfg, self.place = cfg, place
         mine = slots.get(place.node, []) if place.node_leader else []
         self.engine_ids = [k for k, _ in mine]
-        from megaforge.rollout.http.launch import visible_gpus
-
         visible = visible_gpus()
         self.gpus = [[visible[g] if visible is not None else g for g in gs] for _, gs in mine]
         self.servers: list = []
@@ -155,13 +152,9 @@ def build_engines(cfg, tokenizer):
     if place.nodes == 1 or cfg.rollout.engine not in HTTP_ENGINES:
         if not dist.is_main():
             return None
-        from megaforge.rollout import build_engine
-
         return build_engine(cfg, tokenizer)
     _NODE = NodeEngines(cfg, place, engine_slots(cfg, place))
     if place.node_leader and (_NODE.engine_ids or dist.is_main()):
-        from megaforge.rollout.http.launch import build_http_engine
-
         return build_http_engine(cfg, tokenizer, cfg.rollout.engine, node=_NODE)
     _NODE.share("")
     _NODE.gather([])

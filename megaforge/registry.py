@@ -39,9 +39,21 @@ def import_callable(path: str, what: str = "plug-in") -> Callable:
     return obj
 
 
+#: megaforge modules renamed (not only moved into a folder): old dotted path -> new one. "launch" means
+#: starting a job (megaforge.launch, launchers/); the other modules that carried it say what they do.
+MOVED = {
+    "megaforge.launch_slurm": "megaforge.slurm",
+    "megaforge.convert.launch": "megaforge.convert.ranks",
+    "megaforge.rollout.http.launch": "megaforge.rollout.http.start",
+}
+
+
 def _moved_hint(mod_name: str) -> str:
-    """For a megaforge module that is not there: where a module of that name is now (modules moved
-    into folders, e.g. megaforge.rollout.multiturn -> megaforge.rollout.agent.multiturn)."""
+    """For a megaforge module that is not there: its new name (:data:`MOVED`), else where a module of
+    that name is now (modules moved into folders, e.g. megaforge.rollout.multiturn ->
+    megaforge.rollout.agent.multiturn)."""
+    if mod_name in MOVED:
+        return f" (did you mean {MOVED[mod_name]!r}? the module was renamed)"
     parts = mod_name.split(".")
     if parts[0] != "megaforge" or len(parts) < 2:
         return ""

@@ -18,6 +18,8 @@ import os
 import socket
 from typing import Callable
 
+from megaforge.checkpoint import list_checkpoints
+
 
 class RunDirError(RuntimeError):
     """The run directory cannot be used (nothing in it was changed)."""
@@ -56,8 +58,6 @@ class RunDirLock:
 def claim(run_dir: str, resume: bool, write_config: Callable[[str], None]) -> RunDirLock:
     """Lock ``run_dir``; refuse a directory that already holds a run unless ``resume``; create
     ``checkpoints/``, ``logs/``, ``hf/`` and write ``config.yaml`` through ``write_config(path)``."""
-    from megaforge.checkpoint import list_checkpoints
-
     lock = RunDirLock(run_dir)
     has_run = os.path.exists(os.path.join(run_dir, "metrics.jsonl")) or list_checkpoints(
         os.path.join(run_dir, "checkpoints"))

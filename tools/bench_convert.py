@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from megaforge.convert.launch import Layout
+    from megaforge.convert.ranks import Layout
     from megaforge.trainer.megatron import convert as mconvert
     from megaforge.trainer.megatron import model as mmodel
     from megaforge.trainer.megatron.hf_export import iter_hf_buckets

@@ -23,7 +23,7 @@ import argparse
 import os
 import sys
 
-from megaforge.convert.launch import DTYPES
+from megaforge.convert.ranks import DTYPES
 
 
 def parse_args(argv=None):
@@ -43,13 +43,13 @@ def parse_args(argv=None):
 
 
 def layout(args):
-    from megaforge.convert.launch import Layout
+    from megaforge.convert.ranks import Layout
 
     return Layout(args.tp, args.pp, args.ep, args.etp)
 
 
 def rank_main(args) -> None:
-    from megaforge.convert.launch import rank_done, rank_setup
+    from megaforge.convert.ranks import rank_done, rank_setup
 
     rank_setup()
     import torch
@@ -63,7 +63,7 @@ def rank_main(args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from megaforge.convert.launch import in_rank, spawn
+    from megaforge.convert.ranks import in_rank, spawn
 
     if in_rank():
         rank_main(args)
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     if not args.overwrite and os.path.isdir(args.out) and os.listdir(args.out):
         print(f"error: {os.path.abspath(args.out)} exists and is not empty (pass --overwrite)", file=sys.stderr)
         return 2
-    from megaforge.convert.launch import remove_leftovers
+    from megaforge.convert.ranks import remove_leftovers
 
     n = layout(args).world()
     return spawn(os.path.abspath(__file__), sys.argv[1:] if argv is None else list(argv), n,

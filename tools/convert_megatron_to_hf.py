@@ -25,7 +25,7 @@ import argparse
 import os
 import sys
 
-from megaforge.convert.launch import DTYPES
+from megaforge.convert.ranks import DTYPES
 
 
 def parse_args(argv=None):
@@ -48,7 +48,7 @@ def parse_args(argv=None):
 
 def layout(args):
     """The load layout: --tp/--pp/--ep/--etp over the saved one."""
-    from megaforge.convert.launch import Layout
+    from megaforge.convert.ranks import Layout
 
     import json
 
@@ -66,7 +66,7 @@ def layout(args):
 
 
 def rank_main(args) -> None:
-    from megaforge.convert.launch import rank_done, rank_setup
+    from megaforge.convert.ranks import rank_done, rank_setup
 
     rank_setup()
     import torch
@@ -82,7 +82,7 @@ def rank_main(args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from megaforge.convert.launch import in_rank, missing_checkpoint_files, remove_leftovers, spawn
+    from megaforge.convert.ranks import in_rank, missing_checkpoint_files, remove_leftovers, spawn
 
     if in_rank():
         rank_main(args)

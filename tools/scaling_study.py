@@ -167,10 +167,10 @@ def run_local(spec: dict, p: dict, argv: list[str], log_path: str) -> str:
 
 
 def submit(spec: dict, p: dict, argv: list[str], via: str, slurm_args: list[str]) -> str:
-    from megaforge import launch_slurm
+    from megaforge import slurm
 
     nodes, gpn = nodes_of(spec, p)
-    job, _, _ = launch_slurm.submit(["--cluster", via, "--nodes", str(nodes), "--gpus_per_node", str(gpn),
+    job, _, _ = slurm.submit(["--cluster", via, "--nodes", str(nodes), "--gpus_per_node", str(gpn),
                                      "--launcher", spec["launcher"], *slurm_args, *argv])
     if via == "local":
         job.result()

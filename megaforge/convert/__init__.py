@@ -7,7 +7,7 @@
 * :mod:`~megaforge.convert.mapping`: apply a table row to tensors; :class:`HFSource` reads HF weights.
 * :mod:`~megaforge.convert.hf_writer`: HF safetensors directories (sharded + index) written
   atomically; shared by both trainer backends and the tools.
-* :mod:`~megaforge.convert.launch`: conversion layouts and the CLIs' rank launcher.
+* :mod:`~megaforge.convert.ranks`: conversion layouts and the CLIs' ranks (spawned, or under torchrun).
 
 The Megatron side (live bucket iterator, offline conversion) is in
 :mod:`megaforge.trainer.megatron.hf_export` and :mod:`megaforge.trainer.megatron.convert`.

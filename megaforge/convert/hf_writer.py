@@ -27,7 +27,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from megaforge.convert.launch import leftovers  # noqa: F401  (re-exported)
+from megaforge.convert.ranks import leftovers  # noqa: F401  (re-exported)
 
 #: transformers' v4 default shard size ("5GB"); the torch backend and the tools use it too
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from megaforge.data.holdout import prompt_key
+from megaforge.data.sft import chat_sft_example
 from megaforge.data.sources import DataError, RawRow, read_rows
 
 
@@ -93,8 +94,6 @@ def parse_row(raw: RawRow, cfg, tokenizer, want_response: bool) -> PromptRow:
 
 def _chat_sft_row(messages, label, where: str, cfg, tokenizer) -> PromptRow:
     """A chat conversation for SFT: trained on every assistant turn (data/sft.py)."""
-    from megaforge.data.sft import chat_sft_example
-
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("data.apply_chat_template is true but the tokenizer has no chat template")
     if cfg.system_prompt and not any(m.get("role") == "system" for m in messages):

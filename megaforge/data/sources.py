@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
+from megaforge.data.synthetic import SYNTHETIC_TASKS, synthetic_rows
+
 
 class DataError(ValueError):
     """A malformed data row or an unreadable data source; the message names file and row."""
@@ -40,8 +42,6 @@ def detect_format(path: str, fmt: str) -> str:
         return "parquet"
     if os.path.exists(path):
         raise DataError(f"data.path {path!r}: cannot tell the format from the name; set data.format")
-    from megaforge.data.synthetic import SYNTHETIC_TASKS
-
     if path in SYNTHETIC_TASKS:
         return "synthetic"
     return "hf"  # a hub dataset name
@@ -140,8 +140,6 @@ def read_hf(path: str, split: str, streaming: bool, name: str = "") -> Iterator[
 
 
 def read_synthetic(name: str, n: int, seed: int, kwargs: dict) -> Iterator[RawRow]:
-    from megaforge.data.synthetic import synthetic_rows
-
     for i, item in enumerate(synthetic_rows(name, n, seed, **kwargs)):
         yield RawRow(item, f"{name}:row {i}")
 

@@ -37,12 +37,14 @@ tools/bench_colocate.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from megaforge.memory.offload import TAGS, Entry, PinnedOffloader  # noqa: F401
+from megaforge.memory.tms import TmsOffloader
 
 log = logging.getLogger(__name__)
 OFFLOAD_MODES = ("none", "pinned", "tms")
@@ -62,8 +64,6 @@ def build_offloader(mode: str, device, entries_fn: Callable[[Sequence[str]], lis
         return None
     if mode == "pinned":
         return PinnedOffloader(entries_fn, device, chunk_bytes=chunk_bytes)
-    from megaforge.memory.tms import TmsOffloader
-
     return TmsOffloader(entries_fn, device)
 
 
@@ -128,8 +128,6 @@ def phase(metrics: dict, name: str, device=None):
 def onloaded(method):
     """Decorator of trainer methods that read or replace the whole state (save, load, HF export,
     reference snapshot): run them with everything onloaded (``self._mem``, the trainer's offloader)."""
-    import functools
-
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         with resident(getattr(self, "_mem", None)):

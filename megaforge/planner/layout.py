@@ -8,7 +8,7 @@ Trainer ranks follow megatron's default order ``tp-cp-ep-dp-pp`` (TP ranks adjac
 and experts the order ``tp-ep-dp-pp`` with expert-TP = TP (megatron's default) and expert-DP
 ``EDP = W / (TP*EP*PP)``. Global rank r sits on node ``r // G``, GPU ``r % G`` (G GPUs per node).
 
-Rollout engines (megaforge.rollout.http.launch.gpu_assignment): colocated, engine k takes GPUs
+Rollout engines (megaforge.rollout.http.start.gpu_assignment): colocated, engine k takes GPUs
 ``[k*etp, (k+1)*etp)`` counted node-major over all GPUs; disaggregated (``rollout.num_gpus`` > 0),
 every node gives its last ``num_gpus / nodes`` GPUs to engines and the rest to the trainer. The
 ``embedded`` engine lives in the trainer process of rank 0 (GPU 0 of node 0).

@@ -18,6 +18,7 @@ phase fits.
 from __future__ import annotations
 
 from megaforge import configtree
+from megaforge.config import Config
 from megaforge.planner import memory as M
 from megaforge.planner.layout import check_layout
 
@@ -151,8 +152,6 @@ def _candidates(cfg, lay, phase: str) -> list[tuple[str, dict]]:
 def knobs(cfg, shape, hw, mode: str, phase, reserve_gib: float, limit: int = 4) -> list[dict]:
     """Single config changes after which ``phase`` fits (and the layout is still valid), best
     first in the order tried; at most ``limit``. Each: {change, overrides, gib}."""
-    from megaforge.config import Config
-
     found, seen_keys = [], set()
     lay0, _, _ = check_layout(cfg, shape, hw, mode)
     for desc, over in _candidates(cfg, lay0, phase.name):

@@ -18,21 +18,17 @@ import inspect
 from typing import Callable, Optional
 
 from megaforge.registry import Registry
+from megaforge.rewards.judge import LLMJudge
+from megaforge.rewards.remote import RemoteReward
+from megaforge.rewards.reward_model import RewardModel
 from megaforge.rewards.verifiers import MathReward, ThinkingReward
 
 REWARDS = Registry("reward")
 REWARDS.register("math", MathReward)
 REWARDS.register("thinking", ThinkingReward)
-
-
-def _register_services() -> None:
-    from megaforge.rewards.judge import LLMJudge
-    from megaforge.rewards.remote import RemoteReward
-    from megaforge.rewards.reward_model import RewardModel
-
-    REWARDS.register("remote", RemoteReward, from_spec=True)
-    REWARDS.register("reward_model", RewardModel, from_spec=True, workers=1)
-    REWARDS.register("llm_judge", LLMJudge, from_spec=True, workers=1)
+REWARDS.register("remote", RemoteReward, from_spec=True)
+REWARDS.register("reward_model", RewardModel, from_spec=True, workers=1)
+REWARDS.register("llm_judge", LLMJudge, from_spec=True, workers=1)
 
 
 def build_reward(spec) -> Callable:
@@ -63,6 +59,3 @@ def own_workers(spec) -> Optional[int]:
     if spec.workers is not None:
         return spec.workers
     return REWARDS.declared(spec.name).get("workers")
-
-
-_register_services()

@@ -50,6 +50,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import dataclasses
+import importlib
 import math
 import multiprocessing.connection as mpc
 import os
@@ -99,8 +100,6 @@ def worker_entry() -> None:
         os._exit(0)
     sys.path[:] = path
     try:
-        import importlib
-
         for name in plugins:
             importlib.import_module(name)
         fns = [build(s) for s in specs]

@@ -28,6 +28,8 @@ import string
 import tempfile
 from typing import Sequence
 
+from megaforge.config import Config
+
 FIELDS = ("prompt", "response", "label")
 DEFAULT_PATTERNS = {"score": r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)", "pass_fail": r"(?i)verdict\s*[:=]\s*(pass|fail)\b"}
 
@@ -73,12 +75,11 @@ class LLMJudge:
     """See the module docstring. A batched reward (``score_batch``, ``batch_size``)."""
 
     def __init__(self, judge):
-        from megaforge.config import Config
-        from megaforge.hf import hf_config, load_tokenizer
-        # the judge is a megaforge engine: built as the loop builds the policy's (a run-time import of
-        # the rollout part, made in the judge's reward worker only)
-        from megaforge.rollout import build_engine, context_limit
-        from megaforge.rollout.manager import stop_token_ids
+        # lazy: the judge is a megaforge engine, built as the loop builds the policy's: rewards/ imports
+        # the rollout part and torch at run time, in the judge's reward worker only
+        from megaforge.hf import hf_config, load_tokenizer  # lazy: as above
+        from megaforge.rollout import build_engine, context_limit  # lazy: as above
+        from megaforge.rollout.manager import stop_token_ids  # lazy: as above
 
         self.cfg = judge
         if judge.template_file:
@@ -134,7 +135,7 @@ class LLMJudge:
 
     def score_batch(self, prompts: Sequence[str], responses: Sequence[str], targets: Sequence) -> list:
         """One value per sample: the reward, or the exception that failed it."""
-        from megaforge.types import GenerateRequest, SamplingParams
+        from megaforge.types import GenerateRequest, SamplingParams  # lazy: torch (reward workers start without it)
 
         out: list = [None] * len(prompts)
         reqs, where = [], []

@@ -34,7 +34,7 @@ class RewardModel:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from megaforge.hf import DTYPES, resolve_device
+        from megaforge.hf import DTYPES, resolve_device  # lazy: torch; reward workers import this module at start-up
 
         if template not in ("chat", "concat"):
             raise ValueError(f"reward_model.template {template!r}: valid: chat, concat")

@@ -41,7 +41,9 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
+from megaforge.config import RewardSpec, config_from_dict
 from megaforge.net import is_loopback
+from megaforge.rewards import build_reward
 
 log = logging.getLogger("megaforge.rewards.serve")
 
@@ -157,9 +159,6 @@ def build_app(fn, name: str, api_key: str = "", max_body: int = 16 << 20, max_ba
 def build_from_args(args):
     """(the reward, its name) from --fn / --kwargs or --spec."""
     import yaml
-
-    from megaforge.config import RewardSpec, config_from_dict
-    from megaforge.rewards import build_reward
 
     for mod in [m for m in (args.plugins or "").split(",") if m]:
         importlib.import_module(mod)

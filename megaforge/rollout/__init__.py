@@ -1,5 +1,14 @@
-"""Rollout engines behind :class:`megaforge.rollout.base.Engine`."""
+"""Rollout engines behind :class:`megaforge.rollout.base.Engine`.
+
+This ``__init__`` runs before every rollout module, light ones included (http.processes, which
+megaforge.slurm imports on a login node; agent.tools): the engines and megaforge.hf (torch) are imported
+where they are used."""
 from __future__ import annotations
+
+import os
+
+from megaforge.configtree import ConfigError
+from megaforge.registry import import_callable
 
 ENGINES = ("embedded", "embedded_server", "sglang")
 
@@ -9,15 +18,12 @@ def preflight(cfg) -> None:
     installed, rollout.generate_fn importable, prompt + response within the model's context, the
     engines' GPUs present."""
     if cfg.rollout.generate_fn:
-        from megaforge.configtree import ConfigError
-        from megaforge.registry import import_callable
-
         try:
             import_callable(cfg.rollout.generate_fn, "rollout.generate_fn")
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if cfg.rollout.engine == "sglang":
-        from megaforge.rollout.http.launch import require_sglang
+        from megaforge.rollout.http.start import require_sglang  # lazy: torch, see above
 
         require_sglang(cfg, router=cfg.rollout.router and cfg.rollout.num_engines > 1)
     check_context(cfg)
@@ -36,8 +42,7 @@ def context_limit(hf_cfg) -> int:
 def check_context(cfg) -> None:
     """``data.max_prompt_len`` + ``rollout.max_new_tokens`` must fit the model's context (longer prompts
     are already refused row by row against data.max_prompt_len)."""
-    from megaforge.configtree import ConfigError
-    from megaforge.hf import hf_config
+    from megaforge.hf import hf_config  # lazy: torch, see above
 
     try:
         hf = hf_config(cfg.model)
@@ -62,10 +67,7 @@ def check_context(cfg) -> None:
 def check_engine_gpus(cfg) -> None:
     """The GPUs the engines are configured to use exist on this node (rollout.device, rollout.num_gpus,
     rollout.num_engines x rollout.tensor_parallel); multi-node placement is checked by the planner."""
-    import os
-
-    from megaforge.configtree import ConfigError
-    from megaforge.hf import DeviceError, resolve_device
+    from megaforge.hf import DeviceError, resolve_device  # lazy: torch, see above
 
     r = cfg.rollout
     if r.engine in ("embedded", "embedded_server"):
@@ -79,7 +81,7 @@ def check_engine_gpus(cfg) -> None:
         return  # not an engine of this build: build_engine says so
     if int(os.environ.get("WORLD_SIZE", "1")) != int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
         return
-    from megaforge.rollout.http.launch import visible_gpus, gpu_assignment
+    from megaforge.rollout.http.start import gpu_assignment, visible_gpus  # lazy: torch, see above
 
     visible = visible_gpus()
     if not visible:
@@ -97,11 +99,11 @@ def build_engine(cfg, tokenizer):
     """The configured engine (``rollout.engine``), built on the rank that feeds engines."""
     kind = cfg.rollout.engine
     if kind == "embedded":
-        from megaforge.rollout.embedded import EmbeddedEngine
+        from megaforge.rollout.embedded import EmbeddedEngine  # lazy: torch, see above
 
         return EmbeddedEngine.from_config(cfg, tokenizer)
     if kind in ("embedded_server", "sglang"):
-        from megaforge.rollout.http.launch import build_http_engine
+        from megaforge.rollout.http.start import build_http_engine  # lazy: torch, see above
 
         return build_http_engine(cfg, tokenizer, kind)
     raise ValueError(f"rollout.engine {kind!r} is not available in this build; valid: {', '.join(ENGINES)}")

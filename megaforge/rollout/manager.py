@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 from typing import Sequence
 
+from megaforge.rollout.agent.multiturn import call_generate_fn
 from megaforge.types import GenerateRequest, Sample, SamplingParams
 
 
@@ -72,8 +73,6 @@ def generate_samples(engine, rows, n: int, base: SamplingParams, seed: int, step
     reqs = make_requests(rows, n, base, seed, step, group_offset)
     if not cfg.rollout.generate_fn:
         return completions_to_samples(rows, n, engine.generate(reqs), tokenizer, group_offset)
-    from megaforge.rollout.agent.multiturn import call_generate_fn
-
     return call_generate_fn(cfg, engine, reqs, rows, n, tokenizer, group_offset)
 
 

@@ -25,9 +25,14 @@ load does (``param.copy_(t.to(param.dtype))``), so a correct load gives equal di
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from typing import Optional
 
 import torch
+
+from megaforge.sync import sglang_checksum as sc
+
 
 class WeightMismatchError(RuntimeError):
     pass
@@ -117,8 +122,6 @@ class SGLangChecksumCheck:
     """Real SGLang servers: /weights_checker hashes against the trainer's tensors in SGLang's layout."""
 
     def __init__(self, engine, urls: list[str], infos: list[dict]):
-        from megaforge.sync import sglang_checksum as sc
-
         self.sc, self.engine, self.urls = sc, engine, urls
         self.tp = list(getattr(engine, "tp_sizes", None) or [1] * len(urls))
         hf = _model_config(infos[0], getattr(engine, "model_dir", ""))
@@ -180,9 +183,6 @@ class SGLangChecksumCheck:
 
 def _model_config(info: dict, model_dir: str) -> dict:
     """The served model's config.json (from /server_info's model_path where it is a local folder)."""
-    import json
-    import os
-
     for d in (info.get("model_path") or "", model_dir or ""):
         p = os.path.join(d, "config.json")
         if d and os.path.exists(p):

@@ -18,6 +18,7 @@ import torch
 
 from megaforge import dist
 from megaforge.algorithms.value import value_objective
+from megaforge.hf import DTYPES
 from megaforge.memory.state import grad_entries, optimizer_entries, param_entries
 from megaforge.trainer import torch_ddp
 from megaforge.trainer.base import Critic
@@ -47,8 +48,6 @@ class ValueModel(torch.nn.Module):
 def _backbone(cfg, policy: torch.nn.Module, device) -> torch.nn.Module:
     if cfg.critic.path:
         from transformers import AutoModel
-
-        from megaforge.hf import DTYPES
 
         return AutoModel.from_pretrained(cfg.critic.path, dtype=DTYPES[cfg.model.dtype],
                                          attn_implementation=cfg.model.attn_implementation,

@@ -32,7 +32,7 @@ warnings.filterwarnings("ignore")
 
 
 def lay(d: dict):
-    from megaforge.convert.launch import Layout
+    from megaforge.convert.ranks import Layout
 
     return Layout(d.get("tp", 1), d.get("pp", 1), d.get("ep", 1), d.get("etp"))
 

@@ -9,7 +9,7 @@ import torch
 
 from megaforge.convert import families, mapping
 from megaforge.convert.hf_writer import HFWriter, atomic_output_dir, leftovers, parse_size
-from megaforge.convert.launch import Layout, spawn
+from megaforge.convert.ranks import Layout, spawn
 
 
 def test_qwen3_moe_table_covers_the_files_and_round_trips_under_tp_and_etp(tiny_hf):

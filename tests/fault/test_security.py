@@ -44,9 +44,9 @@ def test_engine_servers_bind_loopback_by_default():
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("node7")
     import inspect
 
-    from megaforge.rollout.http import launch as http_launch
+    from megaforge.rollout.http import start as http_start
 
-    assert '"--host", "127.0.0.1"' in inspect.getsource(http_launch.build_http_engine)  # the router
+    assert '"--host", "127.0.0.1"' in inspect.getsource(http_start.build_http_engine)  # the router
 
 
 def run(out, name, *extra, marker=""):

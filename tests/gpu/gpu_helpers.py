@@ -19,7 +19,7 @@ def sglang_python() -> str:
 def sglang_version() -> str | None:
     from megaforge.config import config_from_dict
     from megaforge.configtree import ConfigError
-    from megaforge.rollout.http.launch import require_sglang
+    from megaforge.rollout.http.start import require_sglang
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = config_from_dict({"model": {"config": os.path.join(root, "configs", "models", "tiny-qwen2")}, "max_steps": 0,

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from megaforge import launch_slurm
+from megaforge import slurm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -55,7 +55,7 @@ def wait_done(job, timeout_s):
 
 
 def test_local_job_runs_the_demo_to_completion(tmp_path, env):
-    job, _, cfg = launch_slurm.submit(["--cluster", "local", "--nodes", "1", "--gpus_per_node", "1", "--time", "00:20:00",
+    job, _, cfg = slurm.submit(["--cluster", "local", "--nodes", "1", "--gpus_per_node", "1", "--time", "00:20:00",
                                        *TINY, "--max_steps", "3", "--output_dir", str(tmp_path), "--run_name", "ok"])
     env.append(job)
     res = wait_done(job, 150)
@@ -71,7 +71,7 @@ def test_local_job_runs_the_demo_to_completion(tmp_path, env):
 @pytest.mark.slow
 def test_preempted_job_checkpoints_requeues_and_resumes(tmp_path, env):
     slow = '[{name: "launch_plugins:slow_reward", kwargs: {delay_s: 0.3}}]'
-    job, _, _ = launch_slurm.submit(["--cluster", "local", "--nodes", "1", "--gpus_per_node", "1", "--time", "00:20:00",
+    job, _, _ = slurm.submit(["--cluster", "local", "--nodes", "1", "--gpus_per_node", "1", "--time", "00:20:00",
                                      *TINY, "--max_steps", "4", "--rewards.functions", slow,
                                      "--output_dir", str(tmp_path), "--run_name", "pre"])
     env.append(job)
@@ -115,27 +115,27 @@ def test_recipe_headers_make_their_sbatch_script(recipe):
         text = p.stdout
         assert f"#SBATCH --nodes={flags['--nodes']}" in text and f"#SBATCH --gpus-per-node={flags['--gpus_per_node']}" in text
         assert f"#SBATCH --partition={flags['--partition']}" in text and f"#SBATCH --account={flags['--account']}" in text
-        assert f"#SBATCH --time={launch_slurm.time_minutes(flags['--time'])}" in text
+        assert f"#SBATCH --time={slurm.time_minutes(flags['--time'])}" in text
         assert "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --signal=USR2@" in text and "#SBATCH --requeue" in text
         assert "/slurm/%j_%t_log.out" in text  # output in <run dir>/slurm/
 
 
 def test_flags_and_time_limits(tmp_path):
-    own, rest = launch_slurm.split_flags(["--nodes", "2", "--time=1-02:00:00", "--launcher", "sft", "--qos", "hi", "--wait", "--x", "1"])
+    own, rest = slurm.split_flags(["--nodes", "2", "--time=1-02:00:00", "--launcher", "sft", "--qos", "hi", "--wait", "--x", "1"])
     assert own == {"launcher": "sft", "wait": True}
     assert rest == ["--slurm.nodes", "2", "--slurm.time", '"1-02:00:00"', "--slurm.qos", '"hi"', "--x", "1"]
-    assert [launch_slurm.time_minutes(t) for t in ("24:00:00", "00:30:00", "00:30:01", "1-00:00:00", "90", "01:30")] == \
+    assert [slurm.time_minutes(t) for t in ("24:00:00", "00:30:00", "00:30:01", "1-00:00:00", "90", "01:30")] == \
         [1440, 30, 31, 1440, 90, 90]
-    with pytest.raises(launch_slurm.LaunchError):
-        launch_slurm.time_minutes("tomorrow")
+    with pytest.raises(slurm.LaunchError):
+        slurm.time_minutes("tomorrow")
     from megaforge.config import load_config
 
     cfg = load_config(rest[:6] + ["--config", os.path.join(ROOT, "configs", "demo_cpu.yaml"), "--slurm.gpus_per_node", "8",
                                   "--rollout.num_gpus", "4", "--slurm.sbatch", "{exclusive: true}", "--slurm.mem_gb", "200"])
-    assert launch_slurm.procs_per_node(cfg) == 6  # 8 GPUs per node - 4 rollout GPUs / 2 nodes
-    script = launch_slurm.sbatch_script(cfg, str(tmp_path))
+    assert slurm.procs_per_node(cfg) == 6  # 8 GPUs per node - 4 rollout GPUs / 2 nodes
+    script = slurm.sbatch_script(cfg, str(tmp_path))
     assert "#SBATCH --exclusive" in script and "#SBATCH --mem=200GB" in script and "#SBATCH --qos=hi" in script
     (tmp_path / "held").mkdir()
     (tmp_path / "held" / "metrics.jsonl").write_text("{}\n")
-    with pytest.raises(launch_slurm.LaunchError, match="already holds a run"):
-        launch_slurm.submit(["--cluster", "local", *TINY, "--output_dir", str(tmp_path), "--run_name", "held"])
+    with pytest.raises(slurm.LaunchError, match="already holds a run"):
+        slurm.submit(["--cluster", "local", *TINY, "--output_dir", str(tmp_path), "--run_name", "held"])

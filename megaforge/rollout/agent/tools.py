@@ -18,6 +18,7 @@ import re
 from typing import Callable, Optional
 
 from megaforge.registry import Registry
+from megaforge.rollout.agent.sandbox import require, run_code
 
 TOOLS = Registry("tool")
 
@@ -93,14 +94,10 @@ class PythonTool:
     machine that cannot isolate the code fails at start-up, not in the middle of a rollout."""
 
     def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 2048):
-        from megaforge.rollout.agent.sandbox import require
-
         self.timeout_s, self.memory_mb, self.max_output_bytes = timeout_s, memory_mb, max_output_bytes
         require()
 
     def __call__(self, args: str) -> str:
-        from megaforge.rollout.agent.sandbox import run_code
-
         code = args.strip()
         if code.startswith("```"):  # a fenced block: drop the fences
             code = re.sub(r"^```\w*\n?|```$", "", code).strip()

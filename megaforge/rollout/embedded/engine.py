@@ -22,7 +22,10 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from megaforge.hf import DTYPES, load_hf_model, resolve_device
+from megaforge.memory.offload import Entry, PinnedOffloader
 from megaforge.rollout.base import MEMORY_TAGS, Engine, EngineStateError, check_tags
+from megaforge.rollout.embedded.fast import FastDecoder, unsupported_reason
 from megaforge.rollout.embedded.sampling import sample_tokens
 from megaforge.types import Completion, GenerateRequest
 
@@ -78,8 +81,6 @@ class EmbeddedEngine(Engine):
             raise ValueError(f"rollout.fast {fast!r}: valid: auto, on, off")
         if fast == "off" or (fast == "auto" and self.device.type != "cuda"):
             return None
-        from megaforge.rollout.embedded.fast import FastDecoder, unsupported_reason
-
         why = unsupported_reason(self.model)
         if why is not None:
             if fast == "on":
@@ -96,8 +97,6 @@ class EmbeddedEngine(Engine):
     # ------------------------------------------------------------------------------- construction
     @classmethod
     def from_config(cls, cfg, tokenizer=None, device: Optional[str] = None) -> "EmbeddedEngine":
-        from megaforge.hf import DTYPES, load_hf_model, resolve_device
-
         dev = resolve_device(device or cfg.rollout.device)
         model = load_hf_model(cfg.model, dev, dtype=DTYPES[cfg.engine_dtype])
         return cls(model, tokenizer, max_batch=cfg.rollout.engine_batch_size, fast=cfg.rollout.fast,
@@ -273,8 +272,6 @@ class EmbeddedEngine(Engine):
         buffers allocated at the first release, chunked copies on a side stream; tensor identities
         kept, so the fast path's references and ``_params`` stay valid)."""
         if getattr(self, "_wmem", None) is None:
-            from megaforge.memory.offload import Entry, PinnedOffloader
-
             def entries(tags):
                 seen = {id(t): t for t in list(self.model.parameters()) + list(self.model.buffers())}
                 return [Entry(t, "weights") for t in seen.values() if t.device == self.device]

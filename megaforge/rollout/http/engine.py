@@ -223,7 +223,7 @@ class HTTPEngine(Recovery, Engine):
         return all(self._all(lambda c: c.health_generate()))
 
     def restart_server(self, k: int, timeout_s: float = 600.0, reason: str = "", restore_memory: bool = True) -> None:
-        """Restart engine ``k`` (one this engine launched). It comes back with its initial weights and
+        """Restart engine ``k`` (one this engine started). It comes back with its initial weights and
         version 0 (``restore_memory``: in the engines' memory state); the recovery path
         (:mod:`megaforge.rollout.http.recovery`) re-syncs its weights from the snapshot, then its memory."""
         proc = self._proc(k)

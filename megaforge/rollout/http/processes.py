@@ -11,7 +11,7 @@
   the command line (API keys redacted);
 * a port chosen safely: the embedded server inherits a socket we bound and hold (``--sock-fd``), so no
   other process can take the port in between; SGLang gets a port picked by binding port 0, and is
-  relaunched on a fresh port when its log says the address was in use;
+  restarted on a fresh port when its log says the address was in use;
 * restart (engine fault tolerance, :mod:`megaforge.rollout.http.recovery`): stop, a line saying why appended
   to the same log, start again on the same port when it can be bound again (so a router in front keeps
   its worker URL), else a fresh one;
@@ -39,6 +39,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 import megaforge
@@ -142,8 +143,6 @@ def _spawn(fn):
         return fn()
     with _SPAWNER_LOCK:
         if _SPAWNER is None:
-            from concurrent.futures import ThreadPoolExecutor
-
             _SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="megaforge-spawner")
     return _SPAWNER.submit(fn).result()
 
@@ -253,7 +252,7 @@ class ServerProcess:
             time.sleep(poll_s)
 
     def start_ready(self, timeout_s: float, attempts: int = 3) -> "ServerProcess":
-        """Start and wait until ready, relaunching on a fresh port when the port was taken meanwhile."""
+        """Start and wait until ready, restarting on a fresh port when the port was taken meanwhile."""
         for k in range(attempts):
             self.start()
             try:
@@ -335,7 +334,7 @@ def start_all(servers: list[ServerProcess], timeout_s: float) -> list[ServerProc
 
 
 #: variables torchrun (torch.distributed.run / the elastic agent) sets for its workers: a server started
-#: from a rank must not see them (SGLang joins the launching rank's rendezvous and hangs at "Init torch
+#: from a rank must not see them (SGLang joins the starting rank's rendezvous and hangs at "Init torch
 #: distributed begin" otherwise)
 RENDEZVOUS_VARS = frozenset({
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
@@ -365,8 +364,6 @@ def child_env(gpus: Optional[list[int]] = None, extra: Optional[dict] = None, re
 def env_from_script(path: str) -> dict:
     """The environment variables a shell file sets or changes when sourced (e.g. an SGLang install's
     ``env.sh``), as a dict for ``rollout.engine_env``; this process's environment is not touched."""
-    import subprocess
-
     out = subprocess.run(["bash", "-c", 'set -a; . "$1" >/dev/null; env -0', "_", path], capture_output=True)
     if out.returncode != 0:
         raise RuntimeError(f"sourcing {path} failed (exit {out.returncode}): {out.stderr.decode()[-400:]}")

@@ -269,7 +269,7 @@ def parse_version(v: Any, where: str = "weight_version") -> int:
 
 def completion_from_output(out: dict, endpoint: str = "/generate"):
     """A :class:`megaforge.types.Completion` from one /generate answer item requested with ``return_logprob``."""
-    from megaforge.types import Completion
+    from megaforge.types import Completion  # lazy: torch; the aiohttp client imports this module
 
     try:
         meta = out["meta_info"]

@@ -43,6 +43,7 @@ from typing import Optional
 import aiohttp
 
 from megaforge.rollout.http.client import EngineHTTPError, EngineUnreachable, SGLangClient
+from megaforge.rollout.http.processes import tail
 
 log = logging.getLogger("megaforge.rollout.http.recovery")
 ROUTER = -1  # target index of requests sent through the router
@@ -145,8 +146,6 @@ class Recovery:
                                     f"engine_{k}")
             while True:
                 if self._step_restarts[k] >= self.max_restarts:
-                    from megaforge.rollout.http.processes import tail
-
                     raise EngineFailure(
                         f"{self._name(k)} failed: {_why(cause)}. It was restarted {self._step_restarts[k]} time(s) in "
                         f"this step; rollout.max_restarts={self.max_restarts} allows no more. Its log: {proc.log_path}; "

@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from megaforge.sync.wire import FlattenedTensorMetadata
+
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
               torch.bool: "BOOL"}
@@ -68,8 +70,6 @@ def _write_after(event, path: str, flat: torch.Tensor, metas) -> None:
 def read_flat(path: str):
     """(flat uint8 tensor, metadata) of a file :func:`write_flat` wrote: the bucket's bytes as they were
     sent, and each tensor's name, dtype, shape and byte range (in buffer order)."""
-    from megaforge.sync.wire import FlattenedTensorMetadata
-
     codes = {v: k for k, v in _ST_DTYPES.items()}
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))

@@ -17,8 +17,11 @@ import signal
 import socket
 import sys
 
+from megaforge.config import ModelConfig
 from megaforge.net import is_loopback
 from megaforge.rollout.http.auth import API_KEY_ENV
+from megaforge.rollout.server.limits import (ACCEPT_BACKLOG, ConnectionGuard, default_max_connections, max_token_bytes,
+                                             raise_open_file_limit)
 from megaforge.rollout.server.state import Server
 
 log = logging.getLogger("megaforge.engine_server")
@@ -76,11 +79,9 @@ def load(args):
     """(engine, tokenizer, eos ids, most bytes of one token) from the command line."""
     import torch
 
-    from megaforge.config import ModelConfig
-    from megaforge.hf import load_hf_model, load_tokenizer, resolve_device
-    from megaforge.rollout.embedded import EmbeddedEngine
-    from megaforge.rollout.embedded.engine import fast_options
-    from megaforge.rollout.server.limits import max_token_bytes
+    from megaforge.hf import load_hf_model, load_tokenizer, resolve_device  # lazy: argument errors come first
+    from megaforge.rollout.embedded import EmbeddedEngine  # lazy: argument errors come first
+    from megaforge.rollout.embedded.engine import fast_options  # lazy: argument errors come first
 
     tok = None
     try:
@@ -119,8 +120,7 @@ def bind(args) -> socket.socket:
 async def serve(args, sock: socket.socket) -> None:
     from aiohttp import web
 
-    from megaforge.rollout.server.routes import build_app
-    from megaforge.rollout.server.limits import ACCEPT_BACKLOG, ConnectionGuard, default_max_connections
+    from megaforge.rollout.server.routes import build_app  # lazy: argument errors come first
 
     engine, tok, eos, token_bytes = await asyncio.get_running_loop().run_in_executor(None, load, args)
     host, port = sock.getsockname()[:2]
@@ -153,8 +153,6 @@ def main(argv=None) -> None:
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         print(f"megaforge engine server: --model {args.model}: no config.json there", file=sys.stderr)
         raise SystemExit(2)
-    from megaforge.rollout.server.limits import raise_open_file_limit
-
     old_nofile, nofile = raise_open_file_limit()
     if nofile != old_nofile:
         log.info("open-file limit raised from %d to %d", old_nofile, nofile)

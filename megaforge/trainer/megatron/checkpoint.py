@@ -24,12 +24,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import queue
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from megaforge.convert.families import checkpoint_key_to_spec
+from megaforge.convert.hf_writer import write_hf_metadata
+from megaforge.convert.ranks import missing_checkpoint_files
 
 _STRATEGY = ("torch_dist", 1)
 _META = "megaforge_trainer.json"
@@ -99,8 +104,6 @@ def write_sharded(sharded_state_dict: dict, path: str, meta: dict, hf_config=Non
     dist_checkpointing.save(sharded_state_dict, path, sharded_strategy=_STRATEGY)
     if dist.get_rank() == 0:
         if hf_config is not None:
-            from megaforge.convert.hf_writer import write_hf_metadata
-
             os.makedirs(os.path.join(path, HF_CONFIG_DIR), exist_ok=True)
             write_hf_metadata(os.path.join(path, HF_CONFIG_DIR), hf_config, None, tokenizer, model_path)
         with open(os.path.join(path, _META + ".tmp"), "w") as f:
@@ -226,8 +229,6 @@ def model_sharded_state_dict(bm, saved_spec: Optional[str] = None, metadata: Opt
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megaforge.convert.families import checkpoint_key_to_spec
-
     sd = bm.model.sharded_state_dict(metadata=metadata if metadata is not None else dict(_OPT_METADATA))
     saved_spec = saved_spec or bm.spec
     if saved_spec == bm.spec:
@@ -276,8 +277,6 @@ def check_model_against(bm, path: str, saved_spec: Optional[str] = None, repad_v
                 continue  # same vocabulary, another TP's padding
             errors.append(f"tensor {v.key}: checkpoint shape {got}, model (from the config) shape {want}")
         if dist.get_rank() == 0:
-            from megaforge.convert.launch import missing_checkpoint_files
-
             errors += missing_checkpoint_files(path)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, errors)
@@ -292,8 +291,6 @@ def _repad_vocab(sd: dict, path: str) -> dict:
     rows of the checkpoint's (Vc, H) tensor (a regular grid torch_dist can read), into a zeroed
     buffer; rows >= Vc stay zero (padding: every real row is < V <= Vc). Returns {state-dict key:
     (buffer, fragments)} for :func:`load_model` to put back."""
-    import math
-
     from megatron.core.dist_checkpointing import load_tensors_metadata
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 

@@ -20,7 +20,7 @@ Dtype: HF -> Megatron keeps the HF tensors' dtype (``dtype`` casts); Megatron ->
 checkpoint's (``dtype`` casts on export). Bit-exact both ways otherwise: layouts only move bytes.
 Output folders are written under a temporary name in the same parent and renamed at the end;
 on failure they are removed (by rank 0 here, and by the CLI's parent process after it kills the
-ranks, see :mod:`megaforge.convert.launch`).
+ranks, see :mod:`megaforge.convert.ranks`).
 """
 from __future__ import annotations
 
@@ -32,13 +32,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megaforge.checkpoint import check_loadable
 from megaforge.convert import families
 from megaforge.convert.hf_writer import DEFAULT_MAX_SHARD_BYTES, make_tmp_dir
-from megaforge.convert.launch import Layout
 from megaforge.convert.mapping import HFSource, hf_shapes
+from megaforge.convert.ranks import Layout
 from megaforge.trainer.megatron import checkpoint as mckpt
 from megaforge.trainer.megatron import cpu_compat, parallel
 from megaforge.trainer.megatron import model as mmodel
+from megaforge.trainer.megatron.hf_export import export_hf
 
 
 def setup(layout: Layout, device: str = "cpu", seed: int = 0) -> torch.device:
@@ -190,8 +192,6 @@ def megatron_to_hf(ckpt: str, out: str, hf_config_dir: Optional[str] = None, dty
                    bucket_bytes: int = 512 << 20, device: str = "cpu", spec: str = "torch",
                    overwrite: bool = False) -> None:
     """Collective: dist checkpoint (training run or converter) -> HF directory ``out``."""
-    from megaforge.trainer.megatron.hf_export import export_hf
-
     ckpt = os.path.abspath(ckpt.rstrip("/"))
     out = os.path.abspath(out.rstrip("/"))
     if not overwrite and os.path.isdir(out) and os.listdir(out):
@@ -206,8 +206,6 @@ def open_checkpoint(ckpt: str, hf_config_dir: Optional[str] = None, layout: Opti
     as saved —, HF config, its folder). Checks family, shapes and shard files first, and refuses
     pickles other than tensors / checkpoint metadata (:func:`megaforge.checkpoint.check_loadable`:
     megatron-core reads ``common.pt`` without ``weights_only``)."""
-    from megaforge.checkpoint import check_loadable
-
     meta = mckpt.read_meta(ckpt)
     check_loadable(ckpt)
     hf_config, cfg_dir = resolve_hf_config(ckpt, hf_config_dir)

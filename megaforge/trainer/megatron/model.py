@@ -7,6 +7,7 @@ zero and never scored (see :mod:`megaforge.trainer.megatron.logprobs`).
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,6 +18,8 @@ from megaforge.convert import families
 from megaforge.convert.families import ModelDesc, ParamMap
 from megaforge.convert.layouts import Dims
 from megaforge.convert.mapping import HFSource, to_megatron_shard
+from megaforge.hf import hf_config, load_hf_model
+from megaforge.trainer.megatron.layers import RMSNorm, SDPAttention
 
 VOCAB_DIVISIBLE_BY = 128
 
@@ -64,8 +67,6 @@ def layer_spec(spec: str, desc: ModelDesc, config):
     )
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    from megaforge.trainer.megatron.layers import RMSNorm, SDPAttention
 
     def one(moe: bool):
         kw = dict(num_experts=desc.num_experts, moe_grouped_gemm=False) if moe else {}
@@ -204,8 +205,6 @@ def config_without_hooks(config):
     finalisation / scaling: bound methods holding process groups). For models that never train
     (the reference): megatron's SequentialMLP deep-copies its config when the expert FFN size
     differs from the dense one, and process groups cannot be copied."""
-    import copy
-
     out = copy.copy(config)
     for k in ("no_sync_func", "finalize_model_grads_func", "grad_scale_func", "param_sync_func", "grad_sync_func"):
         if hasattr(out, k):
@@ -315,8 +314,6 @@ def hf_source(model_cfg, device: torch.device = torch.device("cpu")) -> tuple[ob
     when empty, the seeded random init of ``model.config`` that the torch backend and the embedded
     engine also use, made on ``device`` (the trainer's: the same values as theirs there, and seconds
     instead of minutes for a 2B model on a GPU)."""
-    from megaforge.hf import hf_config, load_hf_model
-
     cfg = hf_config(model_cfg)
     if model_cfg.path:
         return cfg, HFSource(path=model_cfg.path)

@@ -209,7 +209,7 @@ def test_non_loopback_server_reads_weights_only_under_its_roots(tmp_path, tiny_m
 def test_weight_roots_of_a_non_loopback_launch(tmp_path, tiny_model_dir):
     import tempfile
 
-    from megaforge.rollout.http.launch import weight_roots
+    from megaforge.rollout.http.start import weight_roots
 
     cfg = engine_config(tmp_path, tiny_model_dir, host="0.0.0.0", weight_roots=[str(tmp_path / "mine")])
     assert weight_roots(cfg) == [str(tmp_path / "mine"), tempfile.gettempdir()]  # + default snapshots' folder
@@ -218,7 +218,7 @@ def test_weight_roots_of_a_non_loopback_launch(tmp_path, tiny_model_dir):
 
 
 def test_gpu_assignment():
-    from megaforge.rollout.http.launch import gpu_assignment
+    from megaforge.rollout.http.start import gpu_assignment
 
     assert gpu_assignment(2, 2, 0, 4, [0, 1, 2, 3]) == [[0, 1], [2, 3]]  # colocated
     assert gpu_assignment(2, 1, 2, 2, [4, 5, 6, 7]) == [[6], [7]]  # the node's last 2 GPUs, mapped

@@ -102,7 +102,7 @@ def _fake_dist(root, name: str, version: str) -> str:
 
 def test_engine_python_and_env_select_the_sglang_that_is_checked(tmp_path, long_model_dir):
     from megaforge.configtree import ConfigError
-    from megaforge.rollout.http.launch import installed_versions, require_sglang
+    from megaforge.rollout.http.start import installed_versions, require_sglang
 
     cfg = engine_config(tmp_path, long_model_dir, engine="sglang")
     cfg.rollout.engine_env = {"PYTHONPATH": _fake_dist(tmp_path / "new", "sglang", "0.5.16")}

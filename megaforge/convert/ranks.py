@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -52,8 +54,6 @@ def leftovers(out: str) -> list[str]:
 
 
 def remove_leftovers(out: str) -> None:
-    import shutil
-
     parent = os.path.dirname(os.path.abspath(out.rstrip("/")))
     for f in leftovers(out):
         shutil.rmtree(os.path.join(parent, f), ignore_errors=True)
@@ -135,8 +135,6 @@ def rank_setup() -> None:
     deprecations) and torch.distributed.checkpoint's ShardedTensor deprecation, which every rank
     would print; turn SIGTERM (a peer failed; torchrun or :func:`spawn` stops us) into SystemExit,
     so ``finally`` / ``except`` clean-ups run."""
-    import warnings
-
     warnings.filterwarnings("ignore", module=r"megatron\.")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
     warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*")

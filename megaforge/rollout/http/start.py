@@ -1,20 +1,25 @@
-"""Launching HTTP engines: ``rollout.num_engines`` servers (SGLang or megaforge's embedded one), GPUs,
+"""Starting HTTP engines: ``rollout.num_engines`` servers (SGLang or megaforge's embedded one), GPUs,
 the router, and the :class:`megaforge.rollout.http.engine.HTTPEngine` over them (with its weight snapshot
 for fault tolerance, :mod:`megaforge.rollout.http.recovery`)."""
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from typing import Optional
 
 import torch
 
+from megaforge.configtree import ConfigError
+from megaforge.hf import load_hf_model, resolve_device
 from megaforge.net import is_loopback
+from megaforge.rollout.http.auth import API_KEY_ENV, engine_api_key
 from megaforge.rollout.http.engine import HTTPEngine
-
+from megaforge.rollout.http.processes import ServerProcess, child_env, start_all
 from megaforge.rollout.http.versions import TESTED as SGLANG_TESTED  # noqa: F401  (release -> how it was tested)
+from megaforge.rollout.http.versions import UnsupportedServer, caps_for_release
 
 ROUTER_TESTED = "0.3.2"
 _VERSION_PROBE = ("import importlib.metadata as m, sys\n"
@@ -30,18 +35,12 @@ def engine_python(cfg) -> str:
 def engine_env(cfg, gpus: Optional[list[int]] = None, extra: Optional[dict] = None, repo_on_path: bool = False) -> dict:
     """Environment of an engine server or router: this process's without torchrun's rendezvous
     variables, ``rollout.engine_env`` on top (then ``extra``)."""
-    from megaforge.rollout.http.processes import child_env
-
     return child_env(gpus, {**cfg.rollout.engine_env, **(extra or {})}, repo_on_path=repo_on_path)
 
 
 def installed_versions(cfg, packages: tuple[str, ...]) -> dict[str, Optional[str]]:
     """{package: version or None} as the engine interpreter (``rollout.engine_python`` with
     ``rollout.engine_env``) sees them."""
-    import subprocess
-
-    from megaforge.configtree import ConfigError
-
     py = engine_python(cfg)
     try:
         out = subprocess.run([py, "-c", _VERSION_PROBE, *packages], env=engine_env(cfg), capture_output=True,
@@ -58,9 +57,6 @@ def installed_versions(cfg, packages: tuple[str, ...]) -> dict[str, Optional[str
 def require_sglang(cfg, router: bool = False) -> str:
     """The sglang release the engine interpreter runs; fails early, naming what to install, when
     sglang (or the router) is missing there or older than megaforge supports."""
-    from megaforge.configtree import ConfigError
-    from megaforge.rollout.http.versions import UnsupportedServer, caps_for_release
-
     pkgs = ("sglang",) + (("sglang-router",) if router else ())
     found = installed_versions(cfg, pkgs)
     where = f"the engine interpreter {engine_python(cfg)}" + (" with rollout.engine_env" if cfg.rollout.engine_env else "")
@@ -110,8 +106,6 @@ def _model_dir(cfg) -> tuple[str, list[str]]:
     """The policy's initial weights as a folder the servers can load (a random init is written out)."""
     if cfg.model.path:
         return cfg.model.path, []
-    from megaforge.hf import load_hf_model
-
     d = tempfile.mkdtemp(prefix="megaforge-engine-init-")
     # a seeded random init made on the GPU where there is one (seconds, not minutes, for a 2B model); the
     # loop overwrites the engines' weights with the trainer's before the first rollout anyway
@@ -137,15 +131,11 @@ def weight_roots(cfg) -> list[str]:
 
 
 def build_http_engine(cfg, tokenizer, kind: str, node=None) -> Optional[HTTPEngine]:
-    """Launch ``rollout.num_engines`` servers of ``kind`` (``embedded_server`` | ``sglang``), wait until
+    """Start ``rollout.num_engines`` servers of ``kind`` (``embedded_server`` | ``sglang``), wait until
     they are ready, optionally put the router in front; logs in ``<run dir>/logs/engine_K.log``.
-    ``node`` (:class:`megaforge.placement.NodeEngines`, multi-node jobs): launch only this node's
+    ``node`` (:class:`megaforge.placement.NodeEngines`, multi-node jobs): start only this node's
     engines (``node.engine_ids`` on ``node.gpus``); the URLs of all nodes' engines are gathered and
     rank 0 gets the engine, other node leaders None (``node`` keeps their servers)."""
-    from megaforge.hf import resolve_device
-    from megaforge.rollout.http.processes import ServerProcess, child_env, start_all
-    from megaforge.rollout.http.auth import API_KEY_ENV, engine_api_key
-
     r = cfg.rollout
     if kind == "sglang":
         require_sglang(cfg, router=r.router and r.num_engines > 1)

@@ -46,7 +46,10 @@ from typing import Optional
 
 import submitit
 
-from megaforge.configtree import flag_value
+from megaforge.config import load_config
+from megaforge.configtree import ConfigError, flag_value
+from megaforge.net import free_port
+from megaforge.rollout.http.processes import die_with_parent
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: launcher flag -> (config key, type); flags without a config key are the launcher's own
@@ -147,8 +150,6 @@ def _child_setup() -> None:
     makes torchrun stop its ranks."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    from megaforge.rollout.http.processes import die_with_parent
-
     die_with_parent(signal.SIGTERM)
 
 
@@ -188,8 +189,6 @@ class TrainJob(submitit.helpers.Checkpointable):
             master = env.hostnames[0]
             port = self.master_port or 20000 + int(re.sub(r"\D", "", job_id) or 0) % 40000
         else:  # one node: loopback and a port free now
-            from megaforge.net import free_port
-
             master, port = "127.0.0.1", self.master_port or free_port()
         cmd = self.command(node, master, port, resume)
         print(f"[megaforge] job {job_id} node {node}/{self.nodes}: {' '.join(cmd)}", flush=True)
@@ -315,8 +314,6 @@ def _holds_run(run_dir: str) -> bool:
 
 def submit(argv: list[str]):
     """Parse, check and submit; returns (job, options, config). ``--print_sbatch``: (None, ...)."""
-    from megaforge.config import load_config
-
     own, cfg_argv = split_flags(argv)
     cfg = load_config(cfg_argv)
     nproc = procs_per_node(cfg)
@@ -339,8 +336,6 @@ def submit(argv: list[str]):
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from megaforge.configtree import ConfigError
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         print(__doc__)

@@ -1,0 +1,62 @@
+"""Config sections of the policy model and its prompt data (``model:``, ``data:``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Hugging Face model directory or hub id of the policy's initial weights. Empty: random init
+    from ``model.config`` (seeded by ``model.init_seed``)."""
+    config: str = ""
+    """HF ``config.json`` (file or directory) used for random init when ``model.path`` is empty."""
+    tokenizer: str = ""
+    """Tokenizer directory or hub id; defaults to ``model.path``."""
+    dtype: DType = "float32"
+    """Parameter and compute dtype of the trainer and the embedded engine."""
+    init_seed: int = 0
+    """Seed of the random init (only with ``model.config``)."""
+    attn_implementation: str = "sdpa"
+    """transformers attention implementation for HF modules (sdpa, eager, flex_attention)."""
+    trust_remote_code: bool = False
+    """Passed to transformers; only enable for model code you trust."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Prompts: a .jsonl or .parquet file, a directory of them, a `datasets` dataset (local path or
+    hub name), or a synthetic task name (``format: synthetic``, e.g. ``arithmetic``)."""
+    format: Literal["auto", "jsonl", "parquet", "hf", "synthetic"] = "auto"
+    """How to read ``data.path``; ``auto`` decides from the path."""
+    split: str = "train"
+    """Split of a `datasets` dataset."""
+    name: str = ""
+    """Configuration (subset) of a `datasets` hub dataset, e.g. ``main`` for openai/gsm8k or ``en`` for
+    open-r1/DAPO-Math-17k-Processed; empty: the dataset's default."""
+    streaming: bool = False
+    """Stream a `datasets` dataset instead of loading it whole."""
+    input_key: str = "prompt"
+    """Row key of the prompt text, or of a list of chat messages ({role, content})."""
+    label_key: str = "answer"
+    """Row key of the reference answer handed to the reward functions."""
+    response_key: str = "response"
+    """Row key of the target response (SFT data)."""
+    apply_chat_template: bool = True
+    """Wrap the prompt in the tokenizer's chat template (user turn + generation prompt)."""
+    system_prompt: str = ""
+    """System message prepended to every chat prompt (empty: none)."""
+    max_prompt_len: int = 512
+    """Prompts longer than this many tokens are an error naming the row (or skipped, see below)."""
+    shuffle: bool = True
+    """Shuffle the rows each epoch with the run's seed (map-style data only)."""
+    skip_bad_rows: bool = False
+    """Skip (and count in ``data/skipped_rows``) malformed or over-long rows instead of failing."""
+    synthetic_size: int = 4096
+    """Rows of a synthetic task."""
+    synthetic_kwargs: dict = field(default_factory=dict)
+    """Extra arguments of the synthetic task generator (e.g. ``{max_operand: 9}``)."""

@@ -1,0 +1,98 @@
+"""Config sections of the trainer backend (``trainer:``) and the supervised warm start (``sft:``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from megaforge.config.model import DataConfig
+
+
+@dataclass
+class TrainerConfig:
+    backend: Literal["torch", "megatron"] = "torch"
+    """Trainer backend: torch (HF modules, DDP) or megatron (megatron-core, TP/PP/CP)."""
+    device: str = "auto"
+    """auto | cpu | cuda."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Final learning rate of the cosine / linear schedule."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    warmup_steps: int = 0
+    """Linear warm-up optimizer steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward."""
+    mini_batches: int = 1
+    """Optimizer steps per RL step (the batch is split into this many mini-batches)."""
+    epochs: int = 1
+    """Passes over the rollout batch per RL step (PPO epochs)."""
+    ref_device: str = "same"
+    """Where the frozen reference policy lives: same | cpu."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward."""
+    autocast: Literal["off", "bfloat16"] = "off"
+    """torch backend on CUDA: run the forward and backward of the decoder layers under bfloat16
+    autocast (parameters, gradients and AdamW state stay in model.dtype, e.g. float32 master weights);
+    the LM head and the log-softmax stay in float32, so token log-probs keep float32 resolution."""
+    max_bad_steps: int = 3
+    """Consecutive steps with a non-finite loss or gradient (skipped) before the run stops."""
+    # --- megatron backend ---
+    tensor_parallel: int = 1
+    """Tensor-parallel size (megatron)."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel size (megatron)."""
+    context_parallel: int = 1
+    """Context-parallel size (megatron)."""
+    expert_parallel: int = 1
+    """Expert-parallel size (megatron, MoE)."""
+    sequence_parallel: bool = False
+    """Sequence parallelism (megatron, needs tensor_parallel > 1)."""
+    layer_spec: Literal["auto", "te", "torch"] = "auto"
+    """Transformer layer implementation (megatron): te (Transformer Engine), torch, or auto."""
+    fp8: Optional[Literal["hybrid", "e4m3"]] = None
+    """FP8 training format (megatron + te)."""
+    fp8_recipe: str = "delayed"
+    """FP8 scaling recipe (delayed, tensorwise, ...)."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (megatron)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation (megatron)."""
+    fused_logprobs: Optional[bool] = None
+    """Per-token logprob/entropy over the vocabulary (megatron) through torch.compile'd kernels that
+    read the bf16 logits once per pass instead of ~16 GB of float32 temporaries per 4k x 32k
+    micro-batch: null = on for CUDA logits, off on CPU; true/false force it (false: eager, the same
+    formulas op by op)."""
+
+
+@dataclass
+class SFTConfig:
+    max_steps: int = 0
+    """SFT optimizer steps before RL (0 skips the warm start). The SFT launcher runs only these."""
+    batch_size: int = 32
+    """Sequences per SFT step."""
+    lr: float = 1e-3
+    """SFT learning rate."""
+    warmup_steps: int = 0
+    """Linear warm-up of the SFT learning rate."""
+    data: Optional[DataConfig] = None
+    """SFT data; null: ``data`` (the RL prompts with their ``response`` targets). Rows are
+    prompt/response (loss on the response and its end-of-turn token) or a chat message list under
+    ``input_key`` ending with an assistant turn (loss on every assistant turn)."""
+    pack: bool = True
+    """Pack several examples per row (position ids restart per example and attention never crosses
+    examples: transformers' position-id packing, exact for its built-in models; turn it off for
+    trust_remote_code models whose attention ignores position-id restarts). Megatron always packs."""
+    pack_len: int = 0
+    """Row length of packed rows (torch backend); 0: the longest example of each micro-batch, so
+    packing never lengthens a row and only removes padding."""
+    max_len: int = 512
+    """Maximum SFT sequence length."""
