@@ -8,6 +8,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megaforge.data.batch import shard_range as split_range
+
 
 def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -103,11 +105,7 @@ def all_gather_ints(values: list[int]) -> list[list[int]]:
 
 def shard_range(n: int, r: int | None = None, w: int | None = None) -> tuple[int, int]:
     """Contiguous rows [lo, hi) of ``n`` owned by rank ``r`` of ``w`` (sizes differ by at most 1)."""
-    r = rank() if r is None else r
-    w = world() if w is None else w
-    base, extra = divmod(n, w)
-    lo = r * base + min(r, extra)
-    return lo, lo + base + (1 if r < extra else 0)
+    return split_range(n, rank() if r is None else r, world() if w is None else w)
 
 
 def all_gather_rows(t: torch.Tensor, n_total: int, group=None) -> torch.Tensor:

@@ -6,7 +6,6 @@ from typing import Sequence
 
 import torch
 
-from megaforge.dist import shard_range
 from megaforge.types import MiniBatchPart, Sample, TrainBatch
 
 
@@ -73,6 +72,14 @@ def sft_batch(rows, eos_id: int, pad_id: int, max_len: int) -> TrainBatch:
 
 
 # ------------------------------------------------------------------ data-parallel shares of a batch
+def shard_range(n: int, k: int, parts: int) -> tuple[int, int]:
+    """Contiguous rows [lo, hi) of ``n`` that part ``k`` of ``parts`` owns (sizes differ by at most 1,
+    the larger first). :func:`megaforge.dist.shard_range` is this for ranks."""
+    base, extra = divmod(n, parts)
+    lo = k * base + min(k, extra)
+    return lo, lo + base + (1 if k < extra else 0)
+
+
 def mini_batch_ranges(n: int, mini_batches: int) -> list[tuple[int, int]]:
     """Rows [lo, hi) of each of the ``mini_batches`` contiguous mini-batches of a batch of ``n`` rows
     (sizes differ by at most one)."""

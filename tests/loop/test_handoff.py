@@ -109,3 +109,23 @@ def test_results_are_those_of_one_process(worlds, name):
                 torch.testing.assert_close(got[field], ref[field][rows], rtol=1e-5, atol=1e-5, msg=field)
             for k in ("loss", "pg_loss", "grad_norm", "entropy", "kl"):
                 assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-5, abs=1e-6), (w, k)
+
+
+def test_shares_partition_every_mini_batch():
+    """Uneven sizes: 7 rows, 2 mini-batches (4 + 3 rows), 2 DP ranks. Each rank's share holds its
+    rows of every mini-batch, and the whole mini-batch's counts (the loss's denominators)."""
+    from megaforge.data.batch import samples_to_batch, share_mini_batches, share_of, share_rows
+    from megaforge.types import Sample
+
+    samples = [Sample(prompt_ids=[3] * (1 + i % 2), response_ids=[4] * i, rollout_logprobs=[-0.5] * i, group_id=i // 2)
+               for i in range(7)]
+    whole = samples_to_batch(samples, pad_id=0)
+    assert [share_rows(7, 2, d, 2) for d in (0, 1)] == [[0, 1, 4, 5], [2, 3, 6]]
+    minis = [[(m.batch_size, m.num_tokens, m.num_seqs) for m in share_mini_batches(share_of(whole, 2, d, 2))]
+             for d in (0, 1)]
+    # mini-batch 0: rows 0-3 (0 + 1 + 2 + 3 = 6 trained tokens, 3 rows with one); 1: rows 4-6 (15, 3)
+    assert minis == [[(2, 6, 3), (2, 15, 3)], [(2, 6, 3), (1, 15, 3)]]
+    share = share_of(whole, 2, 1, 2)
+    assert torch.equal(share.tokens, whole.select([2, 3, 6]).tokens)  # trimmed to its longest row
+    with pytest.raises(ValueError, match="a mini-batch of 3 sequences cannot feed 4 data-parallel ranks"):
+        share_of(whole, 2, 0, 4)
