@@ -248,7 +248,8 @@ def train_share(trainer, handoff: BatchHandOff, batch: Optional[TrainBatch], cfg
 def advantages_from_shares(handoff: BatchHandOff, share: TrainBatch, batch: Optional[TrainBatch], cfg: Config) -> None:
     """The per-token inputs of the advantages (old / reference log-probs for the KL penalty, critic
     values) gathered from the shares onto the main rank's whole ``batch``, :func:`batch_advantages`
-    (and the critic's returns) computed there, and every share's rows of them scattered back."""
+    (and the critic's returns) computed there, and every share's rows of them scattered back; the
+    whole batch's copies of the inputs and returns are dropped again."""
     names = (["old_logprobs", "ref_logprobs"] if kl_in_reward(cfg) else []) + (["values"] if cfg.critic_enabled else [])
     got = handoff.gather({n: getattr(share, n) for n in names})
     whole = None
@@ -260,6 +261,9 @@ def advantages_from_shares(handoff: BatchHandOff, share: TrainBatch, batch: Opti
     outs = ["advantages"] + (["returns"] if cfg.critic_enabled else [])
     for n, t in handoff.scatter(whole, outs).items():
         setattr(share, n, t)
+    if batch is not None:  # the main rank keeps only its share's per-token results from here on
+        for n in names + ["returns"]:
+            setattr(batch, n, None)
 
 
 def handoff_metrics(handoff: BatchHandOff, share: TrainBatch) -> dict:
