@@ -4,10 +4,10 @@ One synchronous RL step (DESIGN.md, "One RL step"):
 
     rows     = data.next_batch(rollout.batch_size)                       main rank
     samples  = engine.generate(rows x grpo.n_samples); rewards           main rank
-    batch    = TrainBatch(samples)                                        main rank
-    batch.advantages   = ADVANTAGES[algo.advantage](rewards, groups, ...) main rank (*)
-    share    = handoff.share(batch): each DP rank its rows, as tensors     megaforge.driver.handoff
+    batch    = TrainBatch(samples)                                       main rank
     engine.release_memory(weights, kv_cache); trainer.onload()
+    batch.advantages   = ADVANTAGES[algo.advantage](rewards, groups, ...) main rank (*)
+    share    = handoff.share(batch): each DP rank its rows, as tensors    megaforge.driver.handoff
     share.ref_logprobs = trainer.compute_logprobs(share, "ref")         when a reference is used
     metrics  = trainer.train_step(share)                                 scalars reduced over ranks
     trainer.offload(state); engine.resume_memory(weights)               weights stay on the device
@@ -15,8 +15,10 @@ One synchronous RL step (DESIGN.md, "One RL step"):
     trainer.offload(weights); engine.resume_memory(kv_cache, cuda_graph)
     log metrics; checkpoint / HF export when due
 
-(*) after the log-probs / values, from the shares gathered onto the main rank, when the advantages read
-them (``algo.kl_in_reward``, the critic). ``Run.driver`` runs the steps: :class:`~megaforge.driver.sync.SyncDriver` (the step above) or, for
+(*) when the advantages read per-token trainer results (``algo.kl_in_reward``, the critic): after the
+log-probs / values, from the shares gathered onto the main rank, scattered back.
+
+``Run.driver`` runs the steps: :class:`~megaforge.driver.sync.SyncDriver` (the step above) or, for
 ``loop.mode: off_policy`` (rollout of step N+1 overlapping training of step N), partial rollouts and
 ``sync.interval > 1``, :class:`~megaforge.driver.offpolicy.AsyncDriver`; both are made of the step
 primitives of :mod:`megaforge.driver.steps`. Multi-turn rollouts come in through ``rollout.generate_fn``.

@@ -38,8 +38,9 @@ Logged per step: ``staleness/mean``, ``staleness/max`` (over trained samples), `
 own time) and ``time/step`` (wall time of the step).
 
 Checkpoints, graceful stop and exact resume: before a checkpoint the rollout in flight is *drained*
-(waited for) and saved with the checkpoint (tokens, rollout logprobs, versions, rewards, metrics), as
-is the partial-rollout pool; the data position saved is the one after that rollout. A resumed run
+(waited for) and saved with the checkpoint: its tensors (tokens, rollout logprobs, versions, rewards)
+as the file :data:`INFLIGHT_FILE`, their dtypes and shapes and its metrics in state.json; so is the
+partial-rollout pool; the data position saved is the one after that rollout. A resumed run
 trains exactly that batch next and keeps the saved push schedule, so it reproduces the uninterrupted
 run (tests/loop/test_offpolicy_loop.py, with partial rollouts in flight) whenever the engine's weights
 at the checkpoint were the trainer's, i.e. when the checkpoint step is a multiple of sync.interval
@@ -74,7 +75,7 @@ INFLIGHT_FILE = "offpolicy_next.safetensors"
 
 def batch_tensors(batch: TrainBatch) -> dict[str, torch.Tensor]:
     """The batch's tensor fields that are set, by name (what the checkpoint writes)."""
-    return {name: getattr(batch, name).contiguous() for name in TrainBatch.TENSOR_FIELDS if getattr(batch, name) is not None}
+    return {name: t.contiguous() for name in TrainBatch.TENSOR_FIELDS if (t := getattr(batch, name)) is not None}
 
 
 def batch_layout(batch: TrainBatch) -> dict:

@@ -246,9 +246,9 @@ class MegatronTrainer(Trainer):
 
     @torch.no_grad()
     def forward_rows(self, batch: TrainBatch, model: str = "policy", fields=("logprobs",)) -> dict:
-        """Token-aligned [B, T] tensors on every rank, CPU (a share: its [n, T] rows): ``logprobs`` (float32, temperature
-        applied) and/or ``argmax`` (long: the model's most likely token at t given tokens[:t]).
-        0 at t = 0 and on padding."""
+        """Token-aligned [B, T] tensors on every rank, CPU (a share: its [n, T] rows): ``logprobs``
+        (float32, temperature applied) and/or ``argmax`` (long: the model's most likely token at t given
+        tokens[:t]). 0 at t = 0 and on padding."""
         module = self._select_model(model, self.ddp)
         unknown = set(fields) - {"logprobs", "argmax"}
         if unknown:
@@ -328,8 +328,8 @@ class MegatronTrainer(Trainer):
         return self.schedule_backward(self.ddp, self.optimizer, mini, loss_fn)
 
     def schedule_backward(self, ddp, optimizer, mini: TrainBatch, loss_fn):
-        """Gradients of ``loss_fn(mb, logits) -> (loss, metrics)`` over ``mini`` (this DP rank's rows of a mini-batch)
-        through megatron's schedule, for ``ddp`` (the policy's or the critic's) and its optimizer.
+        """Gradients of ``loss_fn(mb, logits) -> (loss, metrics)`` over ``mini`` (this DP rank's rows of
+        a mini-batch) through megatron's schedule, for ``ddp`` (the policy's or the critic's) and its optimizer.
         Returns the reader of the metrics summed over micro-batches and DP ranks: their copy to the
         host overlaps the optimizer step."""
         ddp.train()
