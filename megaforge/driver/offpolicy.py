@@ -143,6 +143,7 @@ class AsyncDriver(Driver):
         self.ready: Optional[dict] = None  # main rank: a rollout drained or restored, not trained yet
         self.engine_version = parts.trainer.version  # every rank: start_rl pushed the trainer's weights
         self._data_pos = state.get("data")  # data position after the last rollout handed to a step
+        self._data_after = None  # main rank: the data position after the rollout _batch_on_main returned
         st = state.get("offpolicy") or {}
         err = None
         if self.main and st.get("next"):
