@@ -38,6 +38,7 @@ from megaforge.config import Config, save_config
 from megaforge.data.batch import sft_batch
 from megaforge.data.prompts import PromptSource
 from megaforge.driver.common import TENSOR_FILES, Driver, InputError, RunError, RunStopped, on_main, say
+from megaforge.driver.handoff import BatchHandOff
 from megaforge.driver.offpolicy import AsyncDriver, is_async
 from megaforge.driver.steps import StepParts, needs_ref
 from megaforge.driver.sync import SyncDriver
@@ -178,19 +179,21 @@ class Run:
                                tb_subdir="tensorboard/sft") if dist.is_main() else None
         bar = Progress(total, self.state["sft_step"], "sft", cfg.metrics.progress and dist.is_main())
         eos = self.tokenizer.eos_token_id
+        handoff = BatchHandOff(*self.trainer.data_parallel(), cfg.trainer.mini_batches)
         while self.state["sft_step"] < total:
             t0 = time.perf_counter()
             try:
                 batch = on_main(lambda: sft_batch(source.next_batch(cfg.sft.batch_size), eos,
-                                                  self.tokenizer.pad_token_id, cfg.sft.max_len))
+                                                  self.tokenizer.pad_token_id, cfg.sft.max_len), share=False)
             except InputError as e:
                 self._save_phase()
                 raise InputError(f"{e}\nSFT step {self.state['sft_step']} is checkpointed: fix the input and "
                                  f"continue with --resume") from None
-            m = self.trainer.sft_step(batch)
+            share = handoff.share(batch)  # each data-parallel rank its rows, as tensors
+            m = self.trainer.sft_step(share)
             self.state["sft_step"] += 1
             m["time/step"] = time.perf_counter() - t0
-            m["tokens"] = float(batch.num_tokens)
+            m["tokens"] = float(share.num_tokens)  # the whole batch's
             if source is not None:
                 self.state["sft_data"] = source.state_dict()
                 logger.log(self.state["sft_step"], m)
