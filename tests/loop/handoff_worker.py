@@ -67,6 +67,14 @@ def main() -> None:
             "rows": share_rows(B, MINI_BATCHES, dist.rank(), dist.world()),
             "old_logprobs": share.old_logprobs, "ref_logprobs": share.ref_logprobs, "advantages": share.advantages,
         }
+    # a batch too small for the ranks: every rank gets the same error (none waits in a collective)
+    handoff = BatchHandOff(dist.rank(), dist.world(), MINI_BATCHES)
+    small = whole_batch().select(slice(0, 2 * dist.world() - 1)) if dist.is_main() else None
+    try:
+        handoff.share(small)
+        res["too_small"] = None
+    except ValueError as e:
+        res["too_small"] = str(e)
     torch.save(res, os.path.join(out, f"rank{dist.rank()}.pt"))
     dist.barrier()
 

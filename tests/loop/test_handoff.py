@@ -111,6 +111,15 @@ def test_results_are_those_of_one_process(worlds, name):
                 assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-5, abs=1e-6), (w, k)
 
 
+def test_a_batch_too_small_for_the_ranks_fails_on_every_rank(worlds):
+    """2 w - 1 rows in 2 mini-batches: the second has w - 1 rows, one short of feeding w ranks (one
+    process: a single row cannot make 2 mini-batches)."""
+    for w, ranks in worlds.items():
+        want = (f"a mini-batch of {w - 1} sequences cannot feed {w} data-parallel ranks" if w > 1
+                else "trainer.mini_batches=2 exceeds the batch of 1 sequences")
+        assert [res["too_small"] is not None and want in res["too_small"] for res in ranks] == [True] * w, w
+
+
 def test_shares_partition_every_mini_batch():
     """Uneven sizes: 7 rows, 2 mini-batches (4 + 3 rows), 2 DP ranks. Each rank's share holds its
     rows of every mini-batch, and the whole mini-batch's counts (the loss's denominators)."""
