@@ -189,11 +189,12 @@ def _write_failure(e: BaseException, final: str, ckpt_dir: str) -> Optional[str]
 
 
 def save(ckpt_dir: str, step: int, trainer, loop_state: dict, keep_last_n: int, phase: str = "rl",
-         protect=()) -> str:
+         protect=(), tensor_files: Optional[dict] = None) -> str:
     """Collective: every rank calls it. Returns the final checkpoint path. Written under
     ``.tmp-NAME`` (removed again when writing fails: :class:`CheckpointWriteError` naming the path
     and the cause, e.g. ENOSPC), then renamed; then :func:`prune` keeps ``keep_last_n`` valid ones
-    and every path in ``protect``."""
+    and every path in ``protect``. ``tensor_files`` (main rank): ``{file name: {name: tensor}}``
+    written as safetensors next to ``state.json`` (read back with :func:`read_tensors`)."""
     name = checkpoint_name(step, phase)
     final = os.path.join(ckpt_dir, name)
     tmp = os.path.join(ckpt_dir, ".tmp-" + name)
@@ -209,6 +210,8 @@ def save(ckpt_dir: str, step: int, trainer, loop_state: dict, keep_last_n: int, 
         if dist.is_main():
             with open(os.path.join(tmp, "state.json"), "w") as f:
                 json.dump(loop_state, f, indent=1)
+            for name, tensors in (tensor_files or {}).items():
+                write_tensors(tensors, os.path.join(tmp, name))
             write_manifest(tmp)
             _rename_into_place(tmp, final)
     except BaseException as e:
@@ -243,6 +246,31 @@ def write_torch(obj, path: str) -> None:
     (given a path, torch's C++ writer reports a full disk as ``basic_ios::clear``)."""
     with open(path, "wb") as f:
         torch.save(obj, f)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, truncated or not what it should be (the message names it)."""
+
+
+def write_tensors(tensors: dict, path: str) -> None:
+    """``{name: tensor}`` (host copies) as a safetensors file at ``path``."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, path)
+
+
+def read_tensors(path: str) -> dict:
+    """The ``{name: tensor}`` of safetensors file ``path`` (:func:`write_tensors`); CheckpointError
+    naming the file when it is missing, truncated or not a safetensors file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file (truncated or damaged?): {e}") from None
 
 
 def _rng_tensors() -> dict:

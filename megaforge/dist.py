@@ -8,6 +8,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megaforge.data.batch import shard_range as split_range
+
 
 def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -56,6 +58,12 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def main_flag(flag: bool) -> bool:
+    """The main rank's ``flag`` on every rank (the others pass anything; one float all-reduced)."""
+    t = torch.tensor([float(bool(flag)) if is_main() else 0.0])
+    return bool(all_reduce_sum(t).item() > 0)
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if initialized() and world() > 1:
         dev = t.device
@@ -66,13 +74,38 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _staged(t: torch.Tensor, group=None) -> torch.Tensor:
+    """``t`` where the group's backend can move it: on the GPU for NCCL, as it is for gloo."""
+    if dist.get_backend(group) == "nccl" and t.device.type != "cuda":
+        return t.cuda()
+    return t
+
+
+def send_tensor(t: torch.Tensor, dst: int) -> None:
+    """Point to point: ``t`` to global rank ``dst``, which calls :func:`recv_tensor` with its shape and dtype."""
+    dist.send(_staged(t.contiguous()), dst=dst)
+
+
+def recv_tensor(shape, dtype: torch.dtype, src: int) -> torch.Tensor:
+    """Point to point: a host tensor of ``shape`` and ``dtype`` from global rank ``src``'s :func:`send_tensor`."""
+    buf = _staged(torch.empty(shape, dtype=dtype))
+    dist.recv(buf, src=src)
+    return buf.cpu()
+
+
+def all_gather_ints(values: list[int]) -> list[list[int]]:
+    """Every rank's ``values`` (the same count on every rank), indexed by global rank."""
+    if not initialized() or world() == 1:
+        return [list(values)]
+    buf = _staged(torch.tensor(values, dtype=torch.long))
+    parts = [torch.empty_like(buf) for _ in range(world())]
+    dist.all_gather(parts, buf)
+    return [p.cpu().tolist() for p in parts]
+
+
 def shard_range(n: int, r: int | None = None, w: int | None = None) -> tuple[int, int]:
     """Contiguous rows [lo, hi) of ``n`` owned by rank ``r`` of ``w`` (sizes differ by at most 1)."""
-    r = rank() if r is None else r
-    w = world() if w is None else w
-    base, extra = divmod(n, w)
-    lo = r * base + min(r, extra)
-    return lo, lo + base + (1 if r < extra else 0)
+    return split_range(n, rank() if r is None else r, world() if w is None else w)
 
 
 def all_gather_rows(t: torch.Tensor, n_total: int, group=None) -> torch.Tensor:

@@ -4,15 +4,19 @@ One synchronous RL step (DESIGN.md, "One RL step"):
 
     rows     = data.next_batch(rollout.batch_size)                       main rank
     samples  = engine.generate(rows x grpo.n_samples); rewards           main rank
-    batch    = TrainBatch(samples) -> broadcast to every trainer rank
+    batch    = TrainBatch(samples)                                       main rank
     engine.release_memory(weights, kv_cache); trainer.onload()
-    batch.ref_logprobs = trainer.compute_logprobs(batch, "ref")         when a reference is used
-    batch.advantages   = ADVANTAGES[algo.advantage](rewards, groups, ...)
-    metrics  = trainer.train_step(batch)
+    batch.advantages   = ADVANTAGES[algo.advantage](rewards, groups, ...) main rank (*)
+    share    = handoff.share(batch): each DP rank its rows, as tensors    megaforge.driver.handoff
+    share.ref_logprobs = trainer.compute_logprobs(share, "ref")         when a reference is used
+    metrics  = trainer.train_step(share)                                 scalars reduced over ranks
     trainer.offload(state); engine.resume_memory(weights)               weights stay on the device
     engine.update_weights(trainer.iter_hf_buckets(sync.bucket_mb))       every rank iterates
     trainer.offload(weights); engine.resume_memory(kv_cache, cuda_graph)
     log metrics; checkpoint / HF export when due
+
+(*) when the advantages read per-token trainer results (``algo.kl_in_reward``, the critic): after the
+log-probs / values, from the shares gathered onto the main rank, scattered back.
 
 ``Run.driver`` runs the steps: :class:`~megaforge.driver.sync.SyncDriver` (the step above) or, for
 ``loop.mode: off_policy`` (rollout of step N+1 overlapping training of step N), partial rollouts and
@@ -25,6 +29,7 @@ import os
 import signal
 import threading
 import time
+from typing import Optional
 
 import torch
 
@@ -32,7 +37,8 @@ from megaforge import checkpoint, dist
 from megaforge.config import Config, save_config
 from megaforge.data.batch import sft_batch
 from megaforge.data.prompts import PromptSource
-from megaforge.driver.common import Driver, InputError, RunError, RunStopped, on_main, say
+from megaforge.driver.common import TENSOR_FILES, Driver, InputError, RunError, RunStopped, on_main, say
+from megaforge.driver.handoff import BatchHandOff
 from megaforge.driver.offpolicy import AsyncDriver, is_async
 from megaforge.driver.steps import StepParts, needs_ref
 from megaforge.driver.sync import SyncDriver
@@ -141,14 +147,16 @@ class Run:
 
         return build_engines(self.cfg, self.tokenizer)  # rank 0's engine; node leaders start their node's servers
 
-    def _save(self, step: int, phase: str = "rl") -> None:
-        """A checkpoint; pruning never deletes the one this run resumed from. Non-finite weights
+    def _save(self, step: int, phase: str = "rl", tensors: Optional[dict] = None) -> None:
+        """A checkpoint (with ``tensors``: main rank, ``{file name: {name: tensor}}`` written beside the
+        loop state); pruning never deletes the one this run resumed from. Non-finite weights
         and failed writes (a full disk) stop the run naming the tensors / the path and the cause."""
         from megaforge.trainer.base import NonFiniteWeights
 
         try:
             path = checkpoint.save(os.path.join(self.run_dir, "checkpoints"), step, self.trainer, self.state,
-                                   self.cfg.checkpoint.keep_last_n, phase, protect=[self.resumed_from])
+                                   self.cfg.checkpoint.keep_last_n, phase, protect=[self.resumed_from],
+                                   tensor_files=tensors)
         except (NonFiniteWeights, checkpoint.CheckpointWriteError) as e:
             raise RunError(f"{phase.upper()} step {step}: {e}") from None
         say(f"checkpoint written: {path}")
@@ -171,19 +179,21 @@ class Run:
                                tb_subdir="tensorboard/sft") if dist.is_main() else None
         bar = Progress(total, self.state["sft_step"], "sft", cfg.metrics.progress and dist.is_main())
         eos = self.tokenizer.eos_token_id
+        handoff = BatchHandOff(*self.trainer.data_parallel(), cfg.trainer.mini_batches)
         while self.state["sft_step"] < total:
             t0 = time.perf_counter()
             try:
                 batch = on_main(lambda: sft_batch(source.next_batch(cfg.sft.batch_size), eos,
-                                                  self.tokenizer.pad_token_id, cfg.sft.max_len))
+                                                  self.tokenizer.pad_token_id, cfg.sft.max_len), share=False)
             except InputError as e:
                 self._save_phase()
                 raise InputError(f"{e}\nSFT step {self.state['sft_step']} is checkpointed: fix the input and "
                                  f"continue with --resume") from None
-            m = self.trainer.sft_step(batch)
+            share = handoff.share(batch)  # each data-parallel rank its rows, as tensors
+            m = self.trainer.sft_step(share)
             self.state["sft_step"] += 1
             m["time/step"] = time.perf_counter() - t0
-            m["tokens"] = float(batch.num_tokens)
+            m["tokens"] = float(share.num_tokens)  # the whole batch's
             if source is not None:
                 self.state["sft_data"] = source.state_dict()
                 logger.log(self.state["sft_step"], m)
@@ -241,7 +251,7 @@ class Run:
         self.parts = StepParts(self.cfg, self.trainer, self.engine, self.data, self.rewards, self.tokenizer,
                                self.stop_ids)
         self.parts.push({})
-        self.driver = (AsyncDriver(self.parts, self.state) if is_async(self.cfg)
+        self.driver = (AsyncDriver(self.parts, self.state, self.resumed_from) if is_async(self.cfg)
                        else SyncDriver(self.parts, self.state.get("data")))
 
     def rl_step(self, step: int, bar: Progress) -> dict:
@@ -328,8 +338,9 @@ class Run:
     def _save_rl(self) -> None:
         if self.driver is not None:
             self.driver.before_save(self.state)  # e.g. drains the rollout in flight into the saved state
+        tensors = self.state.pop(TENSOR_FILES, None)  # main rank: written as files, not shared or JSON
         self.state = dist.broadcast_object(self.state)
-        self._save(self.state["rl_step"])
+        self._save(self.state["rl_step"], tensors=tensors)
 
 def run_grpo(cfg: Config) -> Run:
     run = Run(cfg, "grpo")

@@ -104,6 +104,20 @@ class Sample:
             )
 
 
+@dataclass(frozen=True)
+class MiniBatchPart:
+    """One data-parallel rank's part of one mini-batch, in that rank's share of a batch: rows
+    [lo, hi) of the share, and of the whole mini-batch (every DP rank's rows together) its row count
+    ``size``, trained tokens ``num_tokens`` and sequences with a trained token ``num_seqs`` (the
+    denominators of its loss)."""
+
+    lo: int
+    hi: int
+    size: int
+    num_tokens: int
+    num_seqs: int
+
+
 @dataclass
 class TrainBatch:
     """A right-padded batch of sequences; every per-token tensor is [B, T] and token-aligned."""
@@ -123,19 +137,32 @@ class TrainBatch:
     # Set by the loop before training so that micro-batch losses add up to the global objective:
     num_tokens: int = 0  # sum of loss_mask over the *global* batch (all DP ranks)
     num_seqs: int = 0  # sequences with at least one trained token, global
+    # Set on one data-parallel rank's *share* of a batch (megaforge.data.batch.share_of): the rank's
+    # part of every mini-batch. None: a whole batch (every rank may hold all of it).
+    minis: Optional[tuple[MiniBatchPart, ...]] = None
 
     TENSOR_FIELDS = (
         "tokens", "lengths", "loss_mask", "advantages", "rollout_logprobs", "old_logprobs",
         "ref_logprobs", "values", "returns", "rewards", "group_ids", "weight_versions",
     )
+    #: the tensor fields with one value per row ([B]); every other one is per token ([B, T])
+    ROW_FIELDS = ("lengths", "rewards", "group_ids", "weight_versions")
 
     @property
     def batch_size(self) -> int:
         return int(self.tokens.shape[0])
 
+    @property
+    def is_share(self) -> bool:
+        """One data-parallel rank's share of a batch (:attr:`minis` set), not a whole batch."""
+        return self.minis is not None
+
     def select(self, index) -> "TrainBatch":
-        """Rows ``index`` (slice, list or LongTensor), trimmed to their longest row."""
-        return self.apply(lambda v: v[index]).trimmed()
+        """Rows ``index`` (slice, list or LongTensor), trimmed to their longest row (a whole batch:
+        no longer a share)."""
+        out = self.apply(lambda v: v[index]).trimmed()
+        out.minis = None
+        return out
 
     def trimmed(self) -> "TrainBatch":
         """Drop trailing columns that are padding in every row."""
@@ -154,7 +181,7 @@ class TrainBatch:
     def apply(self, fn) -> "TrainBatch":
         """A batch with ``fn(tensor)`` for every tensor field that is set (counts unchanged)."""
         kw = {n: (None if getattr(self, n) is None else fn(getattr(self, n))) for n in self.TENSOR_FIELDS}
-        return TrainBatch(**kw, num_tokens=self.num_tokens, num_seqs=self.num_seqs)
+        return TrainBatch(**kw, num_tokens=self.num_tokens, num_seqs=self.num_seqs, minis=self.minis)
 
     def to(self, device) -> "TrainBatch":
         return self.apply(lambda v: v.to(device))

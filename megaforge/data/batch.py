@@ -1,11 +1,12 @@
-"""Turning samples (RL) or prompt/response rows (SFT) into a right-padded, token-aligned TrainBatch."""
+"""Turning samples (RL) or prompt/response rows (SFT) into a right-padded, token-aligned TrainBatch,
+and the rows of a batch one data-parallel rank trains (its *share*, :func:`share_of`)."""
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
 
-from megaforge.types import Sample, TrainBatch
+from megaforge.types import MiniBatchPart, Sample, TrainBatch
 
 
 def samples_to_batch(samples: Sequence[Sample], pad_id: int) -> TrainBatch:
@@ -68,3 +69,68 @@ def sft_batch(rows, eos_id: int, pad_id: int, max_len: int) -> TrainBatch:
     batch = TrainBatch(tokens=tokens, lengths=torch.tensor([len(s) for s in seqs]), loss_mask=mask,
                        advantages=torch.zeros((B, T)), rollout_logprobs=torch.zeros((B, T)))
     return set_denominators(batch)
+
+
+# ------------------------------------------------------------------ data-parallel shares of a batch
+def shard_range(n: int, k: int, parts: int) -> tuple[int, int]:
+    """Contiguous rows [lo, hi) of ``n`` that part ``k`` of ``parts`` owns (sizes differ by at most 1,
+    the larger first). :func:`megaforge.dist.shard_range` is this for ranks."""
+    base, extra = divmod(n, parts)
+    lo = k * base + min(k, extra)
+    return lo, lo + base + (1 if k < extra else 0)
+
+
+def mini_batch_ranges(n: int, mini_batches: int) -> list[tuple[int, int]]:
+    """Rows [lo, hi) of each of the ``mini_batches`` contiguous mini-batches of a batch of ``n`` rows
+    (sizes differ by at most one)."""
+    if mini_batches > n:
+        raise ValueError(f"trainer.mini_batches={mini_batches} exceeds the batch of {n} sequences")
+    return [shard_range(n, k, mini_batches) for k in range(mini_batches)]
+
+
+def share_rows(n: int, mini_batches: int, dp_rank: int, dp_size: int) -> list[int]:
+    """Rows of a batch of ``n`` that DP rank ``dp_rank`` of ``dp_size`` trains, in order: of every
+    mini-batch (:func:`mini_batch_ranges`) its contiguous part ``shard_range(size, dp_rank, dp_size)``.
+    ValueError when a mini-batch has fewer rows than there are DP ranks."""
+    rows: list[int] = []
+    for lo, hi in mini_batch_ranges(n, mini_batches):
+        if hi - lo < dp_size:
+            raise ValueError(
+                f"a mini-batch of {hi - lo} sequences cannot feed {dp_size} data-parallel ranks: raise "
+                "rollout.batch_size * grpo.n_samples or lower trainer.mini_batches")
+        a, b = shard_range(hi - lo, dp_rank, dp_size)
+        rows.extend(range(lo + a, lo + b))
+    return rows
+
+
+def share_of(batch: TrainBatch, mini_batches: int, dp_rank: int, dp_size: int) -> TrainBatch:
+    """DP rank ``dp_rank``'s share of the whole ``batch``: its :func:`share_rows` (trimmed to their
+    longest row) with :attr:`~TrainBatch.minis` (per mini-batch: the share's rows of it and the whole
+    mini-batch's row, token and sequence counts) and ``num_tokens`` / ``num_seqs`` of the whole batch."""
+    rows = share_rows(batch.batch_size, mini_batches, dp_rank, dp_size)
+    parts, lo = [], 0
+    for a, b in mini_batch_ranges(batch.batch_size, mini_batches):
+        n = shard_range(b - a, dp_rank, dp_size)
+        mask = batch.loss_mask[a:b]
+        parts.append(MiniBatchPart(lo, lo + n[1] - n[0], b - a, int(mask.sum()), int((mask.sum(-1) > 0).sum())))
+        lo = parts[-1].hi
+    share = batch.select(rows)
+    share.num_tokens, share.num_seqs, share.minis = batch.num_tokens, batch.num_seqs, tuple(parts)
+    return share
+
+
+def share_mini_batches(share: TrainBatch) -> list[TrainBatch]:
+    """The share's rows of every mini-batch (trimmed), each with the whole mini-batch's
+    ``num_tokens`` / ``num_seqs`` (what the loss of its rows divides by): a whole batch again."""
+    out = []
+    for p in share.minis:
+        rows = share.select(slice(p.lo, p.hi))
+        rows.num_tokens, rows.num_seqs = p.num_tokens, p.num_seqs
+        out.append(rows)
+    return out
+
+
+def per_token_bytes(batch: TrainBatch) -> int:
+    """Bytes of the batch's per-token ([B, T]) tensors (host memory when they live on the host)."""
+    return sum(t.numel() * t.element_size() for name in TrainBatch.TENSOR_FIELDS if name not in TrainBatch.ROW_FIELDS
+               and (t := getattr(batch, name)) is not None)

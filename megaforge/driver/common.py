@@ -9,6 +9,10 @@ from contextlib import contextmanager
 from megaforge import dist
 
 
+#: the loop state's key under which :meth:`Driver.before_save` puts the tensors a checkpoint writes as files
+TENSOR_FILES = "tensor_files"
+
+
 class RunError(RuntimeError):
     pass
 
@@ -52,7 +56,7 @@ def on_main(fn, share: bool = True):
             out = ("error", str(e))
         if not share and out[0] == "ok":
             out, kept = ("ok", None), out[1]
-    out = dist.broadcast_object(out)
+    out = dist.broadcast_object(out)  # small: a status, an error message, or the shared result
     if out[0] == "error":
         raise InputError(out[1])
     return out[1] if share else kept
@@ -70,7 +74,10 @@ class Driver(abc.ABC):
     @abc.abstractmethod
     def before_save(self, state: dict) -> None:
         """Before a checkpoint: put what the driver keeps into the loop ``state`` (main rank): the data
-        position after the last rollout handed to a step, and what else it needs to resume exactly."""
+        position after the last rollout handed to a step, and what else it needs to resume exactly.
+        Tensors go under ``state[TENSOR_FILES]`` as ``{file name: {name: tensor}}``: the loop takes
+        them out before the state is shared and written as JSON, and writes them as files of the
+        checkpoint (:func:`megaforge.checkpoint.save`)."""
 
     def engine_for_eval(self) -> None:
         """Main rank, between steps: make the engine free for an evaluation (it is, between two

@@ -38,8 +38,9 @@ Logged per step: ``staleness/mean``, ``staleness/max`` (over trained samples), `
 own time) and ``time/step`` (wall time of the step).
 
 Checkpoints, graceful stop and exact resume: before a checkpoint the rollout in flight is *drained*
-(waited for) and saved with the checkpoint (tokens, rollout logprobs, versions, rewards, metrics), as
-is the partial-rollout pool; the data position saved is the one after that rollout. A resumed run
+(waited for) and saved with the checkpoint: its tensors (tokens, rollout logprobs, versions, rewards)
+as the file :data:`INFLIGHT_FILE`, their dtypes and shapes and its metrics in state.json; so is the
+partial-rollout pool; the data position saved is the one after that rollout. A resumed run
 trains exactly that batch next and keeps the saved push schedule, so it reproduces the uninterrupted
 run (tests/loop/test_offpolicy_loop.py, with partial rollouts in flight) whenever the engine's weights
 at the checkpoint were the trainer's, i.e. when the checkpoint step is a multiple of sync.interval
@@ -49,6 +50,7 @@ resumed engine starts from the trainer's newer weights, which the run logs.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import time
 from typing import Optional
 
@@ -57,7 +59,7 @@ import torch
 from megaforge import dist
 from megaforge.config import Config
 from megaforge.data.batch import set_denominators
-from megaforge.driver.common import Driver, RunError, on_main, say, timed
+from megaforge.driver.common import TENSOR_FILES, Driver, RunError, on_main, say, timed
 from megaforge.driver.steps import StepParts
 from megaforge.types import TrainBatch
 
@@ -67,23 +69,68 @@ def is_async(cfg: Config) -> bool:
     return cfg.loop.mode == "off_policy" or cfg.loop.partial_rollouts or cfg.sync.interval > 1
 
 
-def batch_to_state(batch: TrainBatch) -> dict:
-    """A TrainBatch as plain JSON (exact: float32 values survive the round trip through doubles)."""
-    return {name: {"dtype": str(getattr(batch, name).dtype).removeprefix("torch."), "data": getattr(batch, name).tolist()}
-            for name in TrainBatch.TENSOR_FIELDS if getattr(batch, name) is not None}
+#: the file of a checkpoint that holds the off-policy driver's in-flight batch (tensors)
+INFLIGHT_FILE = "offpolicy_next.safetensors"
 
 
-def batch_from_state(st: dict) -> TrainBatch:
+def batch_tensors(batch: TrainBatch) -> dict[str, torch.Tensor]:
+    """The batch's tensor fields that are set, by name (what the checkpoint writes)."""
+    return {name: t.contiguous() for name in TrainBatch.TENSOR_FIELDS if (t := getattr(batch, name)) is not None}
+
+
+def batch_layout(batch: TrainBatch) -> dict:
+    """{field: {"dtype", "shape"}} of the batch's tensors: the loop state's small JSON record of them."""
+    return {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+            for name, t in batch_tensors(batch).items()}
+
+
+def batch_from_file(path: str, layout: dict) -> TrainBatch:
+    """The in-flight batch a checkpoint wrote to ``path`` (:data:`INFLIGHT_FILE`), checked against the
+    loop state's ``layout`` (:func:`batch_layout`); RunError naming the file otherwise."""
+    from megaforge.checkpoint import CheckpointError, read_tensors
+
+    try:
+        tensors = read_tensors(path)
+    except CheckpointError as e:
+        raise RunError(f"resume: the off-policy batch in flight cannot be read: {e}") from None
+    for name, want in layout.items():
+        t = tensors.get(name)
+        got = None if t is None else {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+        if got != want:
+            raise RunError(f"resume: {path}: tensor {name!r} is {got}, state.json records {want} "
+                           "(the checkpoint's files do not belong together)")
+    extra = sorted(set(tensors) - set(layout))
+    if extra:
+        raise RunError(f"resume: {path} holds tensors {extra} that state.json does not record")
+    return set_denominators(TrainBatch(**tensors))
+
+
+def batch_from_json(st: dict) -> TrainBatch:
+    """The in-flight batch of a checkpoint of the older format (tensors as JSON lists in state.json)."""
     kw = {name: torch.tensor(v["data"], dtype=getattr(torch, v["dtype"])) for name, v in st.items()}
     return set_denominators(TrainBatch(**kw))
+
+
+def saved_batch(next_state: dict, ckpt: Optional[str]) -> TrainBatch:
+    """The in-flight batch that loop state ``next_state`` (``state["offpolicy"]["next"]``) records, read
+    from checkpoint directory ``ckpt`` (its :data:`INFLIGHT_FILE`) or, for the older format, from
+    the JSON itself."""
+    layout = next_state["batch"]
+    if all("data" in v for v in layout.values()):
+        return batch_from_json(layout)
+    if ckpt is None:
+        raise RunError("resume: the loop state records an off-policy batch in flight but no checkpoint "
+                       "directory was given to read it from")
+    return batch_from_file(os.path.join(ckpt, next_state.get("file", INFLIGHT_FILE)), layout)
 
 
 class AsyncDriver(Driver):
     """Runs RL steps with overlap / partial rollouts / a sync interval (see the module docstring) over
     ``parts``; ``state`` is the loop state it starts from (a resumed run's: the rollout saved in
-    flight, the partial pool, the push schedule)."""
+    flight, the partial pool, the push schedule), ``ckpt`` the checkpoint directory it was read from
+    (the in-flight batch's tensors are there)."""
 
-    def __init__(self, parts: StepParts, state: dict):
+    def __init__(self, parts: StepParts, state: dict, ckpt: Optional[str] = None):
         self.parts, self.cfg = parts, parts.cfg
         cfg = self.cfg
         self.overlap = cfg.loop.mode == "off_policy"
@@ -96,10 +143,18 @@ class AsyncDriver(Driver):
         self.ready: Optional[dict] = None  # main rank: a rollout drained or restored, not trained yet
         self.engine_version = parts.trainer.version  # every rank: start_rl pushed the trainer's weights
         self._data_pos = state.get("data")  # data position after the last rollout handed to a step
+        self._data_after = None  # main rank: the data position after the rollout _batch_on_main returned
         st = state.get("offpolicy") or {}
+        err = None
         if self.main and st.get("next"):
-            self.ready = {"batch": batch_from_state(st["next"]["batch"]), "metrics": st["next"]["metrics"],
-                          "data_after": state.get("data")}
+            try:
+                self.ready = {"batch": saved_batch(st["next"], ckpt), "metrics": st["next"]["metrics"],
+                              "data_after": state.get("data")}
+            except RunError as e:
+                err = str(e)
+        err = dist.broadcast_object(err)  # every rank stops together on an unreadable in-flight batch
+        if err:
+            raise RunError(err)
         if self.partial is not None and st.get("pool"):
             self.partial.load_state_dict(st["pool"])
         saved_engine = st.get("engine_version")
@@ -167,20 +222,17 @@ class AsyncDriver(Driver):
             if parts.engine is not None:
                 parts.engine.resume_memory(["weights", "kv_cache", "cuda_graph"])  # released while training
         with timed(m, "time/wait_rollout"):
-            got = on_main(lambda: self._collect(step, V, bar))
-        batch = got["batch"]
-        m.update(got["metrics"])
-        trained = batch.loss_mask.sum(-1) > 0
-        if bool(((V - batch.weight_versions) > self.K)[trained].any()):  # stale_policy drop (correct never gets here)
-            m["staleness/dropped_samples"] = float(batch.batch_size)
+            batch = self._batch_on_main(lambda: self._collect(step, V, bar), m)
+        if dist.main_flag(self.main and bool((V - batch.weight_versions > self.K)[trained_rows(batch)].any())):
+            # stale_policy drop (correct never gets here); the main rank decides, every rank pushes
+            if self.main:
+                m["staleness/dropped_samples"] = float(batch.batch_size)
             if self.engine_version != parts.trainer.version:
                 self._push(m, forced=True)
             with timed(m, "time/wait_rollout"):
-                got = on_main(lambda: self._produce(step, V, bar))
-            batch = got["batch"]
-            m.update(got["metrics"])
+                batch = self._batch_on_main(lambda: self._produce(step, V, bar), m)
             if self.main:
-                self._data_pos = got["data_after"]
+                self._data_pos = self._data_after
         if self.overlap:
             self._maybe_push(step, V + self.updates, m)
             if self.main and step < cfg.max_steps:
@@ -191,15 +243,26 @@ class AsyncDriver(Driver):
         m.setdefault("time/sync", 0.0)
         return parts.step_metrics(m, batch, t0)
 
-    def _staleness(self, step: int, batch: TrainBatch, V: int, m: dict) -> None:
-        """staleness/mean and /max over the samples that have trained tokens; > K is a RunError."""
-        trained = batch.loss_mask.sum(-1) > 0
-        st = (V - batch.weight_versions)[trained].float()
-        m["staleness/mean"] = float(st.mean()) if st.numel() else 0.0
-        m["staleness/max"] = float(st.max()) if st.numel() else 0.0
-        if m["staleness/max"] > self.K:
-            raise RunError(f"internal error: step {step} would train samples at staleness {m['staleness/max']:.0f} "
-                           f"> loop.max_staleness {self.K}")
+    def _batch_on_main(self, produce, m: dict) -> Optional[TrainBatch]:
+        """``produce()``'s rollout on the main rank (its metrics into ``m``, its data position kept in
+        ``_data_after``); None on the other ranks (they get their shares in training)."""
+        got = on_main(produce, share=False)
+        if got is None:
+            return None
+        m.update(got["metrics"])
+        self._data_after = got["data_after"]
+        return got["batch"]
+
+    def _staleness(self, step: int, batch: Optional[TrainBatch], V: int, m: dict) -> None:
+        """staleness/mean and /max over the samples that have trained tokens (main rank, which holds
+        the batch); > K is a RunError on every rank."""
+        if self.main:
+            st = (V - batch.weight_versions)[trained_rows(batch)].float()
+            m["staleness/mean"] = float(st.mean()) if st.numel() else 0.0
+            m["staleness/max"] = float(st.max()) if st.numel() else 0.0
+        if dist.main_flag(self.main and m["staleness/max"] > self.K):
+            raise RunError(f"internal error: step {step} would train samples at staleness "
+                           f"{m.get('staleness/max', float('nan')):.0f} > loop.max_staleness {self.K}")
 
     def engine_for_eval(self) -> None:
         """Main rank, between steps: make the engine free for an evaluation. The rollout in flight is
@@ -225,8 +288,10 @@ class AsyncDriver(Driver):
             except Exception:  # noqa: BLE001  (the step that collects it reports the error; here: rewind)
                 self.ready = None
         st: dict = {"engine_version": self.engine_version}
-        if self.ready is not None:
-            st["next"] = {"batch": batch_to_state(self.ready["batch"]), "metrics": self.ready["metrics"]}
+        if self.ready is not None:  # its tensors: a file of the checkpoint; state.json records their shapes
+            st["next"] = {"batch": batch_layout(self.ready["batch"]), "file": INFLIGHT_FILE,
+                          "metrics": self.ready["metrics"]}
+            state[TENSOR_FILES] = {INFLIGHT_FILE: batch_tensors(self.ready["batch"])}
             state["data"] = self.ready["data_after"]
         else:
             state["data"] = self._data_pos
@@ -249,3 +314,8 @@ class AsyncDriver(Driver):
             self.inflight = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+def trained_rows(batch: TrainBatch) -> torch.Tensor:
+    """[B] bool: the rows with at least one trained token."""
+    return batch.loss_mask.sum(-1) > 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Optional
 
 import torch
 
@@ -14,8 +15,9 @@ from megaforge import dist, memory
 from megaforge.algorithms import (ADVANTAGES, AdvantageInputs, first_groups, kl_reward_penalty, nonzero_variance_groups,
                                   overlong_penalty, value_targets)
 from megaforge.config import Config
-from megaforge.data.batch import samples_to_batch, set_denominators
+from megaforge.data.batch import per_token_bytes, samples_to_batch, set_denominators
 from megaforge.driver.common import timed
+from megaforge.driver.handoff import BatchHandOff
 from megaforge.rollout.manager import generate_samples, sampling_params, score
 from megaforge.sync import push_weights
 from megaforge.types import TrainBatch
@@ -25,11 +27,13 @@ class StepParts:
     """The pieces of an RL step over one run's trainer and engine. ``data`` (the PromptSource),
     ``rewards`` (the RewardManager) and ``stop_ids`` are the main rank's (None / [] elsewhere); so is
     the partial-rollout pool :attr:`partial` (``loop.partial_rollouts``; None otherwise).
-    :meth:`rollout` runs on the main rank; :meth:`train` and :meth:`push` on every rank (collective)."""
+    :meth:`rollout` runs on the main rank; :meth:`train` and :meth:`push` on every rank (collective);
+    so does the constructor (the batch hand-off's :class:`~megaforge.driver.handoff.BatchHandOff`)."""
 
     def __init__(self, cfg: Config, trainer, engine, data, rewards, tokenizer, stop_ids: list):
         self.cfg, self.trainer, self.engine = cfg, trainer, engine
         self.data, self.rewards, self.tokenizer, self.stop_ids = data, rewards, tokenizer, stop_ids
+        self.handoff = BatchHandOff(*trainer.data_parallel(), cfg.trainer.mini_batches)
         self.partial = None
         if cfg.loop.partial_rollouts and dist.is_main():
             from megaforge.rollout.partial import PartialPool
@@ -123,10 +127,12 @@ class StepParts:
         return samples_to_batch(samples, self.tokenizer.pad_token_id)
 
     # -------------------------------------------------------------------------------------- train
-    def train(self, batch: TrainBatch, m: dict, colocated: bool = True, keep_weights: bool = False) -> None:
-        """Reference / old logprobs, values, advantages and the optimizer step(s) on ``batch``. Colocated
-        choreography (megaforge.memory): engine memory out, trainer state in, train, trainer state out
-        (the weights stay on the device with ``keep_weights``: a weight sync follows)."""
+    def train(self, batch: Optional[TrainBatch], m: dict, colocated: bool = True, keep_weights: bool = False) -> None:
+        """Reference / old logprobs, values, advantages and the optimizer step(s) on ``batch`` (the
+        whole batch on the main rank, None on the others: each rank trains its share,
+        :func:`train_share`). Colocated choreography (megaforge.memory): engine memory out, trainer
+        state in, train, trainer state out (the weights stay on the device with ``keep_weights``: a
+        weight sync follows)."""
         if self.engine is not None and colocated:
             with timed(m, "time/release"):
                 self.engine.release_memory(["weights", "kv_cache"])
@@ -134,24 +140,12 @@ class StepParts:
         if outside is not None:
             m["memory/outside_torch_gib"] = outside
         with memory.phase(m, "train"):
-            self._train_on_device(batch, m, keep_weights)
-
-    def _train_on_device(self, batch, m: dict, keep_weights: bool) -> None:
-        cfg = self.cfg
-        with timed(m, "time/onload"):
-            self.trainer.onload()
-        with timed(m, "time/train"):
-            if needs_ref(cfg):
-                batch.ref_logprobs = self.trainer.compute_logprobs(batch, "ref")
-            if needs_old_logprobs(cfg):
-                batch.old_logprobs = self.trainer.compute_logprobs(batch, "policy")
-            if cfg.critic_enabled:
-                batch.values = self.trainer.compute_values(batch)
-            batch.advantages = batch_advantages(batch, cfg)
-            set_denominators(batch)
-            m.update(self.trainer.train_step(batch))
-        with timed(m, "time/offload"):
-            self.trainer.offload(["state"] if keep_weights else None)
+            with timed(m, "time/onload"):
+                self.trainer.onload()
+            with timed(m, "time/train"):
+                train_share(self.trainer, self.handoff, batch, self.cfg, m)
+            with timed(m, "time/offload"):
+                self.trainer.offload(["state"] if keep_weights else None)
 
     def push(self, m: dict) -> None:
         """Trainer state out (weights on the device), engine weights in, weights streamed, trainer weights
@@ -174,12 +168,14 @@ class StepParts:
             with timed(m, "time/resume"):
                 self.engine.resume_memory(["kv_cache", "cuda_graph"])
 
-    def step_metrics(self, m: dict, batch: TrainBatch, t0: float) -> dict:
+    def step_metrics(self, m: dict, batch: Optional[TrainBatch], t0: float) -> dict:
         """``m`` completed at the end of a step that began at ``t0`` (``time.perf_counter``) and trained
-        ``batch``: the trainer's weight version, the step's wall time and its tokens per second."""
+        ``batch`` (main rank; None elsewhere): the trainer's weight version, the step's wall time and
+        (main rank) its tokens per second."""
         m["weight_version"] = float(self.trainer.version)
         m["time/step"] = time.perf_counter() - t0
-        m["throughput/tokens_per_s"] = float(batch.lengths.sum()) / max(m["time/step"], 1e-9)
+        if batch is not None:
+            m["throughput/tokens_per_s"] = float(batch.lengths.sum()) / max(m["time/step"], 1e-9)
         m.setdefault("kl", 0.0)
         return m
 
@@ -216,3 +212,67 @@ def batch_advantages(batch, cfg: Config) -> torch.Tensor:
     if batch.values is not None:  # the critic's targets: lambda-returns
         batch.returns = value_targets(inp, cfg.algo)
     return ADVANTAGES.get(cfg.algo.advantage)(inp, cfg.algo)
+
+
+def advantages_need_trainer(cfg: Config) -> bool:
+    """The advantages read per-token results of the trainer (the KL penalty in the reward, critic
+    values), so they are computed after the log-probs / values, from every rank's share; otherwise
+    the main rank computes them on the whole batch before the hand-off."""
+    return kl_in_reward(cfg) or cfg.critic_enabled
+
+
+def train_share(trainer, handoff: BatchHandOff, batch: Optional[TrainBatch], cfg: Config, m: dict) -> TrainBatch:
+    """Every rank: the step's training on this rank's share of ``batch`` (whole on the main rank, None
+    elsewhere), handed off by ``handoff``. The main rank computes the advantages on the whole batch
+    (before the hand-off, or from the gathered per-token inputs: :func:`advantages_need_trainer`);
+    every per-token result stays on its rank. Adds to ``m`` the trainer's metrics and the hand-off's
+    (:func:`handoff_metrics`). Returns the share, with its per-token results."""
+    if batch is not None:
+        set_denominators(batch)
+        if not advantages_need_trainer(cfg):
+            batch.advantages = batch_advantages(batch, cfg)
+    share = handoff.share(batch)
+    if needs_ref(cfg):
+        share.ref_logprobs = trainer.compute_logprobs(share, "ref")
+    if needs_old_logprobs(cfg):
+        share.old_logprobs = trainer.compute_logprobs(share, "policy")
+    if cfg.critic_enabled:
+        share.values = trainer.compute_values(share)
+    if advantages_need_trainer(cfg):
+        advantages_from_shares(handoff, share, batch, cfg)
+    m.update(trainer.train_step(share))
+    m.update(handoff_metrics(handoff, share))
+    return share
+
+
+def advantages_from_shares(handoff: BatchHandOff, share: TrainBatch, batch: Optional[TrainBatch], cfg: Config) -> None:
+    """The per-token inputs of the advantages (old / reference log-probs for the KL penalty, critic
+    values) gathered from the shares onto the main rank's whole ``batch``, :func:`batch_advantages`
+    (and the critic's returns) computed there, and every share's rows of them scattered back; the
+    whole batch's copies of the inputs and returns are dropped again."""
+    names = (["old_logprobs", "ref_logprobs"] if kl_in_reward(cfg) else []) + (["values"] if cfg.critic_enabled else [])
+    got = handoff.gather({n: getattr(share, n) for n in names})
+    whole = None
+    if batch is not None:
+        for n in names:
+            setattr(batch, n, got[n])
+        batch.advantages = batch_advantages(batch, cfg)
+        whole = {"advantages": batch.advantages, **({"returns": batch.returns} if batch.returns is not None else {})}
+    outs = ["advantages"] + (["returns"] if cfg.critic_enabled else [])
+    for n, t in handoff.scatter(whole, outs).items():
+        setattr(share, n, t)
+    if batch is not None:  # the main rank keeps only its share's per-token results from here on
+        for n in names + ["returns"]:
+            setattr(batch, n, None)
+
+
+def handoff_metrics(handoff: BatchHandOff, share: TrainBatch) -> dict:
+    """``handoff/bytes_received`` (this rank's, in the step's hand-off, gathers and scatters included),
+    ``handoff/per_token_bytes`` (host bytes of the share's per-token tensors after the passes), and
+    the largest of each over the ranks (``..._max``: the main rank logs its own). Collective."""
+    mine = [handoff.received, per_token_bytes(share)]
+    every = dist.all_gather_ints(mine)
+    return {"handoff/bytes_received": float(mine[0]), "handoff/per_token_bytes": float(mine[1]),
+            "handoff/bytes_received_max": float(max(e[0] for e in every)),
+            "handoff/per_token_bytes_max": float(max(e[1] for e in every)),
+            "handoff/bytes_sent": float(handoff.sent)}

@@ -2,7 +2,8 @@
 (DESIGN.md "One RL step, colocated"):
 
     batch = on_main(parts.rollout(step))          main rank: prompts, samples, rewards, TrainBatch
-    parts.train(batch, keep_weights=True)         engine memory out, trainer in, optimizer step(s)
+    parts.train(batch, keep_weights=True)         each rank gets its share of it (megaforge.driver.handoff);
+                                                  engine memory out, trainer in, optimizer step(s)
     parts.push()                                  the new weights to the engine, its KV cache back
 
 The data position saved with a checkpoint is the one after the last step that finished."""
@@ -29,7 +30,7 @@ class SyncDriver(Driver):
         t0 = time.perf_counter()
         peaks: dict = {}
         with memory.phase(peaks, "rollout"):
-            batch, m = on_main(lambda: (parts.rollout(step, m, bar), m))
+            batch = on_main(lambda: parts.rollout(step, m, bar), share=False)  # main rank's; None elsewhere
         m.update(peaks)
         parts.train(batch, m, keep_weights=True)  # the push right after reads the weights on the device
         parts.push(m)

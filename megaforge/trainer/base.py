@@ -2,8 +2,10 @@
 the training skeleton they share.
 
 The loop only ever talks to a trainer through these methods, so a backend plugs in without
-touching the loop. All ranks of the trainer's process group call every method collectively;
-batches are given whole to every rank (the backend takes its data-parallel share itself).
+touching the loop. All ranks of the trainer's process group call every method collectively.
+A batch is given either whole to every rank (the backend takes its data-parallel share itself and
+per-token results are gathered to every rank) or as each rank's *share* (``TrainBatch.is_share``,
+what the loop hands off: :mod:`megaforge.driver.handoff`; per-token results are the share's rows).
 
 The skeleton (:class:`Trainer`): ``train_step`` / ``sft_step`` split the batch into
 ``trainer.mini_batches`` mini-batches (each with the token / sequence counts its objective divides by),
@@ -24,6 +26,7 @@ import torch
 
 from megaforge import dist
 from megaforge.algorithms import ObjectiveParams, policy_objective
+from megaforge.data.batch import share_mini_batches, share_of
 from megaforge.memory.offload import PinnedOffloader
 from megaforge.memory.state import host_reservation
 from megaforge.trainer.optim import lr_at
@@ -77,12 +80,14 @@ class Critic(ABC):
 
     @abstractmethod
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
-        """Token-aligned values [B, T] (float32, CPU, every rank), no gradient."""
+        """Token-aligned values (float32, CPU), no gradient: [B, T] on every rank for a whole batch,
+        the share's [n, T] rows for a share."""
 
     @abstractmethod
     def forward_backward(self, mini: TrainBatch) -> MetricsReader:
-        """Value-loss gradients of this rank's share of mini-batch ``mini`` (which has ``values`` = V_old
-        and ``returns``); returns the reader of the ``critic/...`` metrics summed over ranks."""
+        """Value-loss gradients of ``mini``, this rank's rows of a mini-batch with the whole mini-batch's
+        counts (it has ``values`` = V_old and ``returns``); returns the reader of the ``critic/...``
+        metrics summed over ranks."""
 
     @abstractmethod
     def step(self) -> dict[str, float]:
@@ -110,8 +115,9 @@ class Trainer(ABC):
 
     @abstractmethod
     def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> torch.Tensor:
-        """Token-aligned logprobs [B, T] (temperature applied) of ``model`` in {"policy", "ref"},
-        on CPU, float32; 0 at t = 0 and on padding. No gradient."""
+        """Token-aligned logprobs (temperature applied) of ``model`` in {"policy", "ref"}, on CPU,
+        float32; 0 at t = 0 and on padding. No gradient. [B, T] on every rank for a whole batch
+        (gathered); the share's [n, T] rows for a share (``batch.is_share``: nothing gathered)."""
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One RL update on ``batch`` (mini-batches x epochs as configured) with the objective of
@@ -144,20 +150,23 @@ class Trainer(ABC):
         return {("critic/grad_norm" if k == "grad_norm" else k): v for k, v in out.items()
                 if k.startswith("critic/") or k == "grad_norm"}
 
+    def data_parallel(self) -> tuple[int, int]:
+        """(this rank's data-parallel rank, the data-parallel size): which share of a batch it trains
+        (:func:`megaforge.data.batch.share_of`). Every rank of the world is a DP rank here; a backend
+        with model parallelism overrides it (its TP / CP / PP peers share one DP rank)."""
+        return dist.rank(), dist.world()
+
     def _mini_batches(self, batch: TrainBatch) -> list[TrainBatch]:
-        """``trainer.mini_batches`` contiguous slices of ``batch``, each with the trained-token and
-        sequence counts of its own rows (the global batch of one optimizer step)."""
+        """This rank's rows of each of the ``trainer.mini_batches`` contiguous mini-batches of
+        ``batch`` (its share's, when ``batch`` is one), each with the trained-token and sequence
+        counts of the whole mini-batch (the global batch of one optimizer step)."""
         m = self.cfg.trainer.mini_batches
-        if m > batch.batch_size:
-            raise ValueError(f"trainer.mini_batches={m} exceeds the batch of {batch.batch_size} sequences")
-        out = []
-        for k in range(m):
-            lo, hi = dist.shard_range(batch.batch_size, k, m)
-            mini = batch.select(slice(lo, hi))
-            mini.num_tokens = int(mini.loss_mask.sum())
-            mini.num_seqs = int((mini.loss_mask.sum(-1) > 0).sum())
-            out.append(mini)
-        return out
+        if not batch.is_share:
+            batch = share_of(batch, m, *self.data_parallel())
+        elif len(batch.minis) != m:
+            raise ValueError(f"a batch share of {len(batch.minis)} mini-batches given to a trainer of "
+                             f"trainer.mini_batches={m}")
+        return share_mini_batches(batch)
 
     def _updates(self, batch: TrainBatch, forward_backward: Callable[[TrainBatch], MetricsReader],
                  step: Callable[[], dict]) -> dict[str, float]:
@@ -176,8 +185,9 @@ class Trainer(ABC):
 
     @abstractmethod
     def _forward_backward(self, mini: TrainBatch, objective: Objective) -> MetricsReader:
-        """Gradients of ``objective`` on this rank's share of ``mini`` (micro-batches summed: the losses
-        are contributions to the mini-batch's objective); returns the reader of its metrics summed
+        """Gradients of ``objective`` on ``mini``, this rank's rows of a mini-batch with the whole
+        mini-batch's ``num_tokens`` / ``num_seqs`` (micro-batches summed: the losses are contributions
+        to the mini-batch's objective); returns the reader of its metrics summed
         over micro-batches and data-parallel ranks."""
 
     # ---------------------------------------------------------------------- optimizer
@@ -235,7 +245,8 @@ class Trainer(ABC):
         after any SFT warm start) with a zero value head."""
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
-        """Critic values [B, T] (token-aligned, float32, CPU, every rank, no gradient)."""
+        """Critic values (token-aligned, float32, CPU, no gradient): [B, T] on every rank for a whole
+        batch, the share's [n, T] rows for a share."""
         if self.critic is None:
             raise RuntimeError("compute_values: no critic (init_critic not called; see critic.enabled)")
         return self.critic.compute_values(batch)

@@ -16,7 +16,6 @@ import copy
 
 import torch
 
-from megaforge import dist
 from megaforge.algorithms.value import value_objective
 from megaforge.hf import DTYPES
 from megaforge.memory.state import grad_entries, optimizer_entries, param_entries
@@ -72,16 +71,15 @@ class TorchCritic(Critic):
 
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
-        """Values [B, T] on CPU (float32), every rank gets the whole batch's."""
+        """Values on CPU (float32): [B, T] on every rank for a whole batch, [n, T] for a share."""
         self.net.eval()
-        lo, hi = dist.shard_range(batch.batch_size)
-        local = batch.select(slice(lo, hi))
+        local = torch_ddp.rows_to_compute(batch)
         parts = []
         for mb in local.micro_batches(self.cfg.trainer.micro_batch_size):
             v = self.net(mb.tokens.to(self.device), mb.lengths.to(self.device))
             parts.append(torch.nn.functional.pad(v.cpu(), (0, batch.tokens.shape[1] - v.shape[1])))
         local_v = torch.cat(parts) if parts else torch.zeros((0, batch.tokens.shape[1]))
-        return dist.all_gather_rows(local_v, batch.batch_size)
+        return torch_ddp.whole_or_share(local_v, batch)
 
     def forward_backward(self, mini: TrainBatch):
         self.net.train()
@@ -92,7 +90,7 @@ class TorchCritic(Critic):
             v = self.module(mb.tokens, mb.lengths)
             return value_objective(v, mb.values, mb.returns, mb.loss_mask, mb.num_tokens, clip)
 
-        metrics = torch_ddp.accumulate(self.module, torch_ddp.local_rows(mini), self.cfg.trainer.micro_batch_size, loss_fn)
+        metrics = torch_ddp.accumulate(self.module, mini, self.cfg.trainer.micro_batch_size, loss_fn)
         return lambda: metrics
 
     def step(self) -> dict[str, float]:

@@ -75,8 +75,7 @@ class TorchTrainer(Trainer):
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> torch.Tensor:
         module = self._select_model(model, self.model)
-        lo, hi = dist.shard_range(batch.batch_size)
-        local = batch.select(slice(lo, hi))
+        local = torch_ddp.rows_to_compute(batch)
         ref_dev = next(module.parameters()).device
         parts = []
         for mb in local.micro_batches(self.cfg.trainer.micro_batch_size):
@@ -91,7 +90,7 @@ class TorchTrainer(Trainer):
                 lp, _ = self._forward(module, mb, self.temperature, False)
             parts.append(torch.nn.functional.pad(lp.cpu(), (0, batch.tokens.shape[1] - lp.shape[1])))
         local_lp = torch.cat(parts) if parts else torch.zeros((0, batch.tokens.shape[1]))
-        return dist.all_gather_rows(local_lp, batch.batch_size)
+        return torch_ddp.whole_or_share(local_lp, batch)
 
     @onloaded
     def init_critic(self) -> None:
@@ -119,7 +118,7 @@ class TorchTrainer(Trainer):
                 lp, ent = self._forward(self.module, mb, objective.temperature, objective.entropy)
             return objective.loss(lp, ent, mb.to(self.device))
 
-        metrics = torch_ddp.accumulate(self.module, torch_ddp.local_rows(mini), self.cfg.trainer.micro_batch_size, loss_fn)
+        metrics = torch_ddp.accumulate(self.module, mini, self.cfg.trainer.micro_batch_size, loss_fn)
         return lambda: metrics
 
     def _forward_packed(self, module, mb: TrainBatch, temperature: float):

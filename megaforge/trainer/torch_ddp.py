@@ -1,7 +1,7 @@
 """Data parallelism of the torch backend (policy and critic): DDP wrapping, gradient accumulation over
 micro-batches, the clipped AdamW step.
 
-Every rank holds the whole mini-batch and trains on its contiguous share (:func:`local_rows`). Losses
+Every rank trains on its rows of each mini-batch (:func:`megaforge.data.batch.share_of`). Losses
 are contributions to the global objective (see megaforge.algorithms.aggregation), so gradients are
 *summed* over ranks: DDP averages, hence each micro-batch's loss is multiplied by the world size.
 """
@@ -25,15 +25,19 @@ def wrap(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids)
 
 
-def local_rows(mini: TrainBatch) -> TrainBatch:
-    """This rank's contiguous share of mini-batch ``mini``; ValueError when a rank would get no row."""
-    lo, hi = dist.shard_range(mini.batch_size)
-    local = mini.select(slice(lo, hi))
-    if local.batch_size == 0:
-        raise ValueError(
-            f"a mini-batch of {mini.batch_size} sequences cannot feed {dist.world()} data-parallel "
-            "ranks: raise rollout.batch_size * grpo.n_samples or lower trainer.mini_batches")
-    return local
+def rows_to_compute(batch: TrainBatch) -> TrainBatch:
+    """The rows this rank computes per-token results (log-probs, values) for: a share's own rows, or
+    the contiguous ``shard_range`` of a whole batch (gathered after: :func:`whole_or_share`)."""
+    if batch.is_share:
+        return batch
+    lo, hi = dist.shard_range(batch.batch_size)
+    return batch.select(slice(lo, hi))
+
+
+def whole_or_share(local: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+    """Per-token results [n, T] of :func:`rows_to_compute`'s rows -> the share's rows as they are, or
+    the whole batch's [B, T] gathered on every rank."""
+    return local if batch.is_share else dist.all_gather_rows(local, batch.batch_size)
 
 
 def accumulate(module: torch.nn.Module, rows: TrainBatch, micro_batch_size: int, loss_fn) -> dict[str, float]:

@@ -38,6 +38,11 @@ def _check_logprobs(results, tiny_models, expected_keys):
         for other in results[1:]:
             # every rank ends with the same reduced / broadcast bits: exact, within one run
             assert torch.equal(other[(name, layout)]["packed"], r["packed"]), f"{name} {layout}: ranks disagree"
+    for rank in results:  # a share's log-probs: its rows of the whole batch's, computed the same way (exact)
+        for (name, layout), r in rank.items():
+            rows = torch.tensor(r["share_rows"])
+            assert r["share"].shape[0] == len(rows) and (r["dp"] == 1 or len(rows) < batch.batch_size)
+            assert torch.equal(r["share"], r["packed"][rows, : r["share"].shape[1]]), f"{name} {layout}: share rows"
         assert (r["packed"][batch.lengths[:, None] <= torch.arange(batch.tokens.shape[1])] == 0).all()
 
 

@@ -4,7 +4,8 @@
 
 Scenarios:
 * ``logprobs``: for every (name, model dir, layout) in ``runs``, build a MegatronTrainer and record
-  compute_logprobs of the shared batch (packed several rows per micro-batch, and one per micro-batch).
+  compute_logprobs of the shared batch (packed several rows per micro-batch, and one per micro-batch),
+  and of the rank's data-parallel share of it (its rows only, nothing gathered).
 * ``train``: train / SFT steps at one layout, HF weights via iter_hf_buckets, save; reload at a
   second layout, logprobs and weights again, more steps, export_hf.
 * ``reset``: ``reset_optimizer`` after steps against a fresh trainer (the optimizer is built once).
@@ -41,6 +42,7 @@ def run_steps(tr, batch, kinds: list[str]) -> list[dict]:
 
 def scenario_logprobs(spec, res):
     from mt_helpers import make_batch, trainer_cfg
+    from megaforge.data.batch import share_of, share_rows
     from megaforge.trainer.megatron import MegatronTrainer
 
     batch = make_batch()
@@ -48,9 +50,13 @@ def scenario_logprobs(spec, res):
         t0 = time.time()
         tr = MegatronTrainer(trainer_cfg(path, layout=layout, micro_batch_size=batch.batch_size))
         packed = tr.compute_logprobs(batch)
+        share = share_of(batch, 1, *tr.data_parallel())  # this DP rank's rows, as the loop hands them off
+        share_lp = tr.compute_logprobs(share)
         tr.cfg.trainer.micro_batch_size = 1
         single = tr.compute_logprobs(batch)
-        res[(name, layout_name(layout))] = {"packed": packed, "single": single, "s": time.time() - t0}
+        res[(name, layout_name(layout))] = {"packed": packed, "single": single, "s": time.time() - t0,
+                                            "share": share_lp, "dp": tr.data_parallel()[1],
+                                            "share_rows": share_rows(batch.batch_size, 1, *tr.data_parallel())}
         tr.close()
 
 

@@ -94,14 +94,14 @@ class MegatronCritic(Critic):
 
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
-        """Values [B, T] on CPU (float32), the whole batch's on every rank."""
+        """Values on CPU (float32): the whole batch's [B, T] on every rank, or a share's [n, T] rows."""
         tr = self.tr
         B, T = batch.tokens.shape
         self.ddp.eval()
         local = tr.dp_rows(batch)
         out = tr.run_schedule(self.ddp, tr.micro_batches(local),
                            lambda mb, v: (v.sum() * 0.0, {"values": self._values(v, mb)}), forward_only=True)
-        return tr.gather_rows(out, "values", local.batch_size, B, T, torch.float32)
+        return tr.gather_rows(out, "values", local.batch_size, B, T, torch.float32, across_dp=not batch.is_share)
 
     def forward_backward(self, mini: TrainBatch):
         clip = self.cfg.critic.value_clip

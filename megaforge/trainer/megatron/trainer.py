@@ -154,7 +154,16 @@ class MegatronTrainer(Trainer):
             return clipped_step(self.optimizer, self.cfg.trainer.grad_clip)
 
     # ------------------------------------------------------------------------------ batches
+    def data_parallel(self) -> tuple[int, int]:
+        """(DP rank, DP size) of megatron's data-parallel group: TP / CP / PP peers share a DP rank."""
+        ps = self._ps()
+        return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
     def dp_rows(self, batch: TrainBatch) -> TrainBatch:
+        """The rows this DP rank computes per-token results for: a share's own rows, or its contiguous
+        ``shard_range`` of a whole batch (whose results :meth:`gather_rows` gathers over DP)."""
+        if batch.is_share:
+            return batch
         ps = self._ps()
         lo, hi = shard_range(batch.batch_size, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
         if hi == lo:
@@ -237,9 +246,9 @@ class MegatronTrainer(Trainer):
 
     @torch.no_grad()
     def forward_rows(self, batch: TrainBatch, model: str = "policy", fields=("logprobs",)) -> dict:
-        """Token-aligned [B, T] tensors on every rank, CPU: ``logprobs`` (float32, temperature
-        applied) and/or ``argmax`` (long: the model's most likely token at t given tokens[:t]).
-        0 at t = 0 and on padding."""
+        """Token-aligned [B, T] tensors on every rank, CPU (a share: its [n, T] rows): ``logprobs``
+        (float32, temperature applied) and/or ``argmax`` (long: the model's most likely token at t given
+        tokens[:t]). 0 at t = 0 and on padding."""
         module = self._select_model(model, self.ddp)
         unknown = set(fields) - {"logprobs", "argmax"}
         if unknown:
@@ -260,12 +269,14 @@ class MegatronTrainer(Trainer):
                 return logits.sum() * 0.0, out
 
             out = self.run_schedule(module, mbs, loss_fn, forward_only=True)
-        return {f: self.gather_rows(out, f, local.batch_size, B, T, torch.long if f == "argmax" else torch.float32)
-                for f in fields}
+        return {f: self.gather_rows(out, f, local.batch_size, B, T, torch.long if f == "argmax" else torch.float32,
+                                    across_dp=not batch.is_share) for f in fields}
 
-    def gather_rows(self, out: list, field: str, n_local: int, B: int, T: int, dtype) -> torch.Tensor:
+    def gather_rows(self, out: list, field: str, n_local: int, B: int, T: int, dtype,
+                    across_dp: bool = True) -> torch.Tensor:
         """The [B, T] tensor (CPU, every rank) of per-micro-batch [b, <=T] values ``out[i][field]``
-        computed on the last stage for this DP rank's ``n_local`` rows."""
+        computed on the last stage for this DP rank's ``n_local`` rows; ``across_dp=False`` (a share,
+        B = ``n_local``): this DP rank's rows only, nothing gathered over the DP group."""
         full = None
         if self._last_stage():
             rows = torch.zeros(n_local, T, dtype=dtype, device=self.device)
@@ -273,7 +284,7 @@ class MegatronTrainer(Trainer):
             for d in out:
                 rows[i:i + d[field].shape[0], : d[field].shape[1]] = d[field]
                 i += d[field].shape[0]
-            full = all_gather_rows(rows, B, self._ps().get_data_parallel_group())
+            full = all_gather_rows(rows, B, self._ps().get_data_parallel_group()) if across_dp else rows
         return self._from_last_stage(full, (B, T), dtype).cpu()
 
     @onloaded
@@ -317,14 +328,14 @@ class MegatronTrainer(Trainer):
         return self.schedule_backward(self.ddp, self.optimizer, mini, loss_fn)
 
     def schedule_backward(self, ddp, optimizer, mini: TrainBatch, loss_fn):
-        """Gradients of ``loss_fn(mb, logits) -> (loss, metrics)`` over this DP rank's share of ``mini``
-        through megatron's schedule, for ``ddp`` (the policy's or the critic's) and its optimizer.
+        """Gradients of ``loss_fn(mb, logits) -> (loss, metrics)`` over ``mini`` (this DP rank's rows of
+        a mini-batch) through megatron's schedule, for ``ddp`` (the policy's or the critic's) and its optimizer.
         Returns the reader of the metrics summed over micro-batches and DP ranks: their copy to the
         host overlaps the optimizer step."""
         ddp.train()
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        out = self.run_schedule(ddp, self.micro_batches(self.dp_rows(mini)), loss_fn, forward_only=False)
+        out = self.run_schedule(ddp, self.micro_batches(mini), loss_fn, forward_only=False)
         keys = self._obj_from_last_stage(sorted(out[0]) if self._last_stage() else None)
         vec = None
         if self._last_stage():

@@ -1,0 +1,140 @@
+"""The batch hand-off (megaforge.driver.handoff, issue 22 item 6) on 1, 2 and 4 gloo ranks of the same
+batch: every rank receives exactly its share's tensors (bytes computed from the shapes, so 1/DP of the
+batch) and holds only its share's per-token tensors after the passes; the step's metrics name both;
+the per-token results, advantages and training metrics are those of one process."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(ROOT, "tests", "loop", "handoff_worker.py")
+sys.path.insert(0, os.path.dirname(WORKER))
+from handoff_worker import B, CONFIGS, MINI_BATCHES, PROMPT, RESPONSE  # noqa: E402
+
+T = PROMPT + RESPONSE
+N_FIELDS = 12  # TrainBatch.TENSOR_FIELDS
+HEADER = 8 * (4 + N_FIELDS + 4 * MINI_BATCHES)  # int64: counts, shape, dtype codes, mini-batch layout
+# bytes per row of what the main rank sends: per token tokens (int64) + loss_mask, advantages,
+# rollout_logprobs (float32); per row lengths, group_ids, weight_versions (int64) + rewards (float32)
+SENT_PER_TOKEN, SENT_PER_ROW = 8 + 4 + 4 + 4, 8 + 8 + 8 + 4
+# held after the passes: the sent per-token tensors + old and reference log-probs (float32)
+HELD_PER_TOKEN = SENT_PER_TOKEN + 4 + 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(model_dir: str, out: str, world: int, timeout: float = 120.0) -> list[dict]:
+    """handoff_worker.py on ``world`` gloo ranks (a fresh port, OMP_NUM_THREADS=1); every rank's results."""
+    os.makedirs(out, exist_ok=True)
+    port = free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=ROOT,
+                   TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+        log = open(os.path.join(out, f"rank{r}.log"), "w")
+        procs.append((subprocess.Popen([sys.executable, WORKER, model_dir, out], env=env, cwd=ROOT, stdout=log,
+                                       stderr=subprocess.STDOUT), log))
+    deadline = time.time() + timeout
+    try:
+        for p, _ in procs:
+            p.wait(timeout=max(deadline - time.time(), 1))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    logs = "\n".join(open(os.path.join(out, f"rank{r}.log")).read()[-2000:] for r in range(world))
+    assert all(p.returncode == 0 for p, _ in procs), f"world {world}: {[p.returncode for p, _ in procs]}\n{logs}"
+    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    sys.path.insert(0, ROOT)
+    from tests.conftest import make_tiny_model
+
+    root = tmp_path_factory.mktemp("handoff")
+    model = make_tiny_model(str(root / "model"))
+    return {w: run_world(model, str(root / f"w{w}"), w) for w in (1, 2, 4)}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_each_rank_receives_and_holds_its_share_only(worlds, name):
+    for w, ranks in worlds.items():
+        n = B // w  # each mini-batch of B / MINI_BATCHES rows splits evenly over w ranks
+        for r, res in enumerate(ranks):
+            got = res[name]
+            assert got["shape"] == (n, T)
+            assert got["per_token_bytes"] == n * T * HELD_PER_TOKEN, (w, r)
+            assert got["metrics"]["handoff/per_token_bytes"] == got["per_token_bytes"]
+            assert got["metrics"]["handoff/per_token_bytes_max"] == n * T * HELD_PER_TOKEN
+            received = 0 if r == 0 else HEADER + n * (T * SENT_PER_TOKEN + SENT_PER_ROW)
+            if name == "kl_in_reward":  # the advantages scattered back (float32), the log-probs gathered
+                received = (2 * 4 * n * T * (w - 1)) if r == 0 else received + 4 * n * T
+            assert got["received"] == received, (name, w, r, got["received"], received)
+            assert got["metrics"]["handoff/bytes_received"] == received
+    # what a rank other than the main one receives falls as 1/DP (the header aside)
+    one = [worlds[w][1][name]["received"] - HEADER for w in (2, 4)]
+    assert one[0] == 2 * one[1]
+    held = [worlds[w][-1][name]["per_token_bytes"] for w in (1, 2, 4)]
+    assert held == [held[0], held[0] // 2, held[0] // 4]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_results_are_those_of_one_process(worlds, name):
+    """The rows' log-probs and advantages on their ranks equal one process's rows; the step's metrics
+    (sums over ranks) equal one process's. Tolerances: float32 log-probs of the same rows computed in
+    micro-batches of other rows (batched matmuls may round differently: ~1e-6 relative over the
+    2-layer model's few hundred accumulations), and metrics summed over up to 4 ranks in another
+    order (float32, relative 1e-5)."""
+    ref = worlds[1][0][name]
+    for w in (2, 4):
+        for res in worlds[w]:
+            got = res[name]
+            rows = torch.tensor(got["rows"])
+            for field in ("old_logprobs", "ref_logprobs", "advantages"):
+                torch.testing.assert_close(got[field], ref[field][rows], rtol=1e-5, atol=1e-5, msg=field)
+            for k in ("loss", "pg_loss", "grad_norm", "entropy", "kl"):
+                assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-5, abs=1e-6), (w, k)
+
+
+def test_a_batch_too_small_for_the_ranks_fails_on_every_rank(worlds):
+    """2 w - 1 rows in 2 mini-batches: the second has w - 1 rows, one short of feeding w ranks (one
+    process: a single row cannot make 2 mini-batches)."""
+    for w, ranks in worlds.items():
+        want = (f"a mini-batch of {w - 1} sequences cannot feed {w} data-parallel ranks" if w > 1
+                else "trainer.mini_batches=2 exceeds the batch of 1 sequences")
+        assert [res["too_small"] is not None and want in res["too_small"] for res in ranks] == [True] * w, w
+
+
+def test_shares_partition_every_mini_batch():
+    """Uneven sizes: 7 rows, 2 mini-batches (4 + 3 rows), 2 DP ranks. Each rank's share holds its
+    rows of every mini-batch, and the whole mini-batch's counts (the loss's denominators)."""
+    from megaforge.data.batch import samples_to_batch, share_mini_batches, share_of, share_rows
+    from megaforge.types import Sample
+
+    samples = [Sample(prompt_ids=[3] * (1 + i % 2), response_ids=[4] * i, rollout_logprobs=[-0.5] * i, group_id=i // 2)
+               for i in range(7)]
+    whole = samples_to_batch(samples, pad_id=0)
+    assert [share_rows(7, 2, d, 2) for d in (0, 1)] == [[0, 1, 4, 5], [2, 3, 6]]
+    minis = [[(m.batch_size, m.num_tokens, m.num_seqs) for m in share_mini_batches(share_of(whole, 2, d, 2))]
+             for d in (0, 1)]
+    # mini-batch 0: rows 0-3 (0 + 1 + 2 + 3 = 6 trained tokens, 3 rows with one); 1: rows 4-6 (15, 3)
+    assert minis == [[(2, 6, 3), (2, 15, 3)], [(2, 6, 3), (1, 15, 3)]]
+    share = share_of(whole, 2, 1, 2)
+    assert torch.equal(share.tokens, whole.select([2, 3, 6]).tokens)  # trimmed to its longest row
+    with pytest.raises(ValueError, match="a mini-batch of 3 sequences cannot feed 4 data-parallel ranks"):
+        share_of(whole, 2, 0, 4)
