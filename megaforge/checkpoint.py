@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from megaforge import dist
+from megaforge import collective
 
 _NAME = re.compile(r"^(sft_)?step_(\d+)$")
 
@@ -199,15 +199,15 @@ def save(ckpt_dir: str, step: int, trainer, loop_state: dict, keep_last_n: int, 
     final = os.path.join(ckpt_dir, name)
     tmp = os.path.join(ckpt_dir, ".tmp-" + name)
     try:
-        if dist.is_main():
+        if collective.is_main():
             os.makedirs(ckpt_dir, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-        dist.barrier()
+        collective.barrier()
         trainer.save(os.path.join(tmp, "trainer"))
-        write_torch(_rng_tensors(), os.path.join(tmp, f"rng_rank{dist.rank()}.pt"))
-        dist.barrier()
-        if dist.is_main():
+        write_torch(_rng_tensors(), os.path.join(tmp, f"rng_rank{collective.rank()}.pt"))
+        collective.barrier()
+        if collective.is_main():
             with open(os.path.join(tmp, "state.json"), "w") as f:
                 json.dump(loop_state, f, indent=1)
             for name, tensors in (tensor_files or {}).items():
@@ -215,18 +215,18 @@ def save(ckpt_dir: str, step: int, trainer, loop_state: dict, keep_last_n: int, 
             write_manifest(tmp)
             _rename_into_place(tmp, final)
     except BaseException as e:
-        if dist.is_main():
+        if collective.is_main():
             shutil.rmtree(tmp, ignore_errors=True)
         msg = _write_failure(e, final, ckpt_dir)
         if msg:
             raise CheckpointWriteError(msg) from e
         raise
-    if dist.is_main():
+    if collective.is_main():
         key = _verdict_key(final)
         if key is not None:
             _VERDICTS[key] = None  # its manifest was just computed from the files written
         prune(ckpt_dir, keep_last_n, protect)
-    dist.barrier()
+    collective.barrier()
     return final
 
 
@@ -355,7 +355,7 @@ def load(path: str, trainer) -> dict:
     """Collective: restore the trainer and this rank's RNG; returns the loop state."""
     check_loadable(path)
     trainer.load(os.path.join(path, "trainer"))
-    rng_file = os.path.join(path, f"rng_rank{dist.rank()}.pt")
+    rng_file = os.path.join(path, f"rng_rank{collective.rank()}.pt")
     if os.path.exists(rng_file):
         _restore_rng(torch.load(rng_file, weights_only=True))
     with open(os.path.join(path, "state.json")) as f:

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from megaforge import dist
+from megaforge import collective
 from megaforge.rollout.http import processes
 
 
@@ -199,10 +199,10 @@ def init_distributed(cfg, device_type: str) -> ProcessPlace:
     watchdog (more than one process). Returns this process's place."""
     global _WATCHDOG
     place = place_from_env()
-    dist.init_from_env(device_type, timeout_s=cfg.launch.dist_timeout_s)
-    if dist.initialized() and dist.world() > 1 and _WATCHDOG is None and "MASTER_ADDR" in os.environ:
+    collective.init_from_env(device_type, timeout_s=cfg.launch.dist_timeout_s)
+    if collective.initialized() and collective.world() > 1 and _WATCHDOG is None and "MASTER_ADDR" in os.environ:
         la = cfg.launch
-        _WATCHDOG = Watchdog(_store_client(min(30.0, la.peer_timeout_s)), dist.rank(), dist.world(), la.heartbeat_s,
+        _WATCHDOG = Watchdog(_store_client(min(30.0, la.peer_timeout_s)), collective.rank(), collective.world(), la.heartbeat_s,
                              la.peer_timeout_s, la.abort_grace_s).start()
     return place
 

@@ -52,7 +52,8 @@ def main(mode: str, argv=None) -> None:
         path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), "")
         raise SystemExit(dry_run(cfg, mode, plan_opts, path))
     # lazy: these import torch and the trainer (seconds); --help and --dry_run answer before them
-    from megaforge import cluster, dist, placement  # lazy: as above
+    import torch.distributed  # lazy: as above
+    from megaforge import cluster, collective, placement  # lazy: as above
     from megaforge.driver.common import RunError, RunStopped  # lazy: as above
     from megaforge.hf import DeviceError  # lazy: as above
     from megaforge.loop import run_grpo, run_sft  # lazy: as above
@@ -89,5 +90,5 @@ def main(mode: str, argv=None) -> None:
         placement.shutdown_node_engines(barrier=together)  # engine servers this node's leader started
         if together:
             cluster.finish()  # after the barrier above, which the watchdog still guards
-        if dist.initialized():
-            dist.dist.destroy_process_group()
+        if collective.initialized():
+            torch.distributed.destroy_process_group()

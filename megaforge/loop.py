@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from megaforge import checkpoint, dist
+from megaforge import checkpoint, collective
 from megaforge.config import Config, save_config
 from megaforge.data.batch import sft_batch
 from megaforge.data.prompts import PromptSource
@@ -108,7 +108,7 @@ class Run:
     def _stop_requested(self) -> bool:
         """True on every rank when any rank received a stop signal."""
         flag = torch.tensor([float(self._stop_signal)])
-        return bool(dist.all_reduce_sum(flag).item() > 0)
+        return bool(collective.all_reduce_sum(flag).item() > 0)
 
     def _stop(self, phase: str, step: int) -> None:
         name = signal.Signals(self._stop_signal).name if self._stop_signal else "a stop signal"
@@ -121,20 +121,20 @@ class Run:
         from megaforge.rundir import RunDirError, claim
 
         err, self._lock = None, None
-        if dist.is_main():
+        if collective.is_main():
             try:
                 self._lock = claim(self.run_dir, self.cfg.resume, lambda path: save_config(self.cfg, path))
             except RunDirError as e:
                 err = str(e)
-        err = dist.broadcast_object(err)
+        err = collective.broadcast_object(err)
         if err:
             raise RunError(err)
 
     def _resume(self) -> None:
         path = None
-        if dist.is_main():
+        if collective.is_main():
             path = checkpoint.latest_valid(os.path.join(self.run_dir, "checkpoints"))
-        path = dist.broadcast_object(path)
+        path = collective.broadcast_object(path)
         if path is None:
             say(f"--resume: no complete checkpoint in {self.run_dir}/checkpoints; starting from the beginning")
             return
@@ -169,15 +169,15 @@ class Run:
             return
         data_cfg = cfg.sft.data or cfg.data
         source = PromptSource(data_cfg, self.tokenizer, cfg.seed, want_response=True,
-                              exclude=self.held_out if data_cfg is cfg.data else frozenset()) if dist.is_main() else None
+                              exclude=self.held_out if data_cfg is cfg.data else frozenset()) if collective.is_main() else None
         if source is not None and self.state.get("sft_data"):
             source.load_state_dict(self.state["sft_data"])
         if self.state["sft_step"] == 0:  # a resumed SFT keeps the optimizer state it saved
             self.trainer.reset_optimizer(cfg.sft.lr, total, cfg.sft.warmup_steps, "constant")
         logger = MetricsLogger(cfg, self.run_dir, "sft_metrics.jsonl",
                                resume_step=self.state["sft_step"] if self.resumed_from else None,
-                               tb_subdir="tensorboard/sft") if dist.is_main() else None
-        bar = Progress(total, self.state["sft_step"], "sft", cfg.metrics.progress and dist.is_main())
+                               tb_subdir="tensorboard/sft") if collective.is_main() else None
+        bar = Progress(total, self.state["sft_step"], "sft", cfg.metrics.progress and collective.is_main())
         eos = self.tokenizer.eos_token_id
         handoff = BatchHandOff(*self.trainer.data_parallel(), cfg.trainer.mini_batches)
         while self.state["sft_step"] < total:
@@ -213,7 +213,7 @@ class Run:
 
     def _save_phase(self) -> None:
         """An SFT checkpoint (``sft_step_N``; ordered before every RL checkpoint)."""
-        self.state = dist.broadcast_object(self.state)
+        self.state = collective.broadcast_object(self.state)
         self._save(self.state["sft_step"], "sft")
 
     # ------------------------------------------------------------------------------------- RL
@@ -224,12 +224,12 @@ class Run:
         cfg = self.cfg
         self.trainer.reserve_offload()  # pins the offload's host buffers while the engines start
         self.engine = self._build_engine()
-        self.data = PromptSource(cfg.data, self.tokenizer, cfg.seed, exclude=self.held_out) if dist.is_main() else None
+        self.data = PromptSource(cfg.data, self.tokenizer, cfg.seed, exclude=self.held_out) if collective.is_main() else None
         if self.data is not None and self.state.get("data"):
             self.data.load_state_dict(self.state["data"])
         from megaforge.rewards import RewardManager
 
-        self.rewards = RewardManager(cfg.rewards, cfg.algo.plugins) if dist.is_main() else None
+        self.rewards = RewardManager(cfg.rewards, cfg.algo.plugins) if collective.is_main() else None
         if self.state["rl_step"] == 0:
             total_updates = cfg.max_steps * cfg.trainer.mini_batches * cfg.trainer.epochs
             self.trainer.reset_optimizer(cfg.trainer.lr, total_updates, cfg.trainer.warmup_steps,
@@ -238,11 +238,11 @@ class Run:
                 self.trainer.snapshot_reference()
         if self.cfg.critic_enabled and self.trainer.critic is None:
             self.trainer.init_critic()  # a copy of the policy as it starts RL (after SFT)
-        self.stop_ids = stop_token_ids(self.tokenizer, cfg.model.path) if dist.is_main() else []
+        self.stop_ids = stop_token_ids(self.tokenizer, cfg.model.path) if collective.is_main() else []
         from megaforge.eval.runner import Evaluator
 
         self.evaluator = Evaluator(cfg, self.eval_sets, self.tokenizer, self.rewards, self.stop_ids,
-                                   os.path.join(self.run_dir, "eval")) if dist.is_main() else None
+                                   os.path.join(self.run_dir, "eval")) if collective.is_main() else None
         self.start_driver()
 
     def start_driver(self) -> None:
@@ -266,8 +266,8 @@ class Run:
             self.start_rl()
             # a run resumed before its first RL step redoes the step-0 evaluation: its old row goes
             resume_step = (self.state["rl_step"] or -1) if self.resumed_from else None
-            logger = MetricsLogger(cfg, self.run_dir, resume_step=resume_step) if dist.is_main() else None
-            bar = Progress(cfg.max_steps, self.state["rl_step"], "grpo", cfg.metrics.progress and dist.is_main())
+            logger = MetricsLogger(cfg, self.run_dir, resume_step=resume_step) if collective.is_main() else None
+            bar = Progress(cfg.max_steps, self.state["rl_step"], "grpo", cfg.metrics.progress and collective.is_main())
             if self.state["rl_step"] == 0:
                 before = self._evaluate(0)  # eval.before_train: the starting policy, logged as step 0
                 if before and logger is not None:
@@ -339,7 +339,7 @@ class Run:
         if self.driver is not None:
             self.driver.before_save(self.state)  # e.g. drains the rollout in flight into the saved state
         tensors = self.state.pop(TENSOR_FILES, None)  # main rank: written as files, not shared or JSON
-        self.state = dist.broadcast_object(self.state)
+        self.state = collective.broadcast_object(self.state)
         self._save(self.state["rl_step"], tensors=tensors)
 
 def run_grpo(cfg: Config) -> Run:

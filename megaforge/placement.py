@@ -31,7 +31,9 @@ import shutil
 import socket
 from typing import Optional
 
-from megaforge import dist
+import torch.distributed
+
+from megaforge import collective
 from megaforge.cluster import ProcessPlace, place_from_env
 from megaforge.configtree import ConfigError
 from megaforge.net import is_loopback
@@ -101,7 +103,7 @@ class NodeEngines:
 
     def share(self, api_key: str) -> str:
         """Rank 0's API key on every rank (one key for every engine)."""
-        return dist.broadcast_object(api_key)
+        return collective.broadcast_object(api_key)
 
     def _url(self, server) -> str:
         host = self.cfg.rollout.host
@@ -115,8 +117,8 @@ class NodeEngines:
         started servers of this node (in ``engine_ids`` order); they stay this object's to stop."""
         self.servers, self.cleanup = list(servers), list(cleanup)
         mine = [(k, self._url(s)) for k, s in zip(self.engine_ids, self.servers)]
-        box: list = [None] * dist.world()
-        dist.dist.all_gather_object(box, (self.place.node, socket.gethostname(), mine))
+        box: list = [None] * collective.world()
+        torch.distributed.all_gather_object(box, (self.place.node, socket.gethostname(), mine))
         main_host = box[0][1]
         urls = sorted((k, u, h, n) for n, h, part in box for k, u in part)
         r = self.cfg
@@ -129,7 +131,7 @@ class NodeEngines:
                               f"map this host's memory; use sync.transport nccl (or disk on a shared file system)")
         if [k for k, *_ in urls] != list(range(r.rollout.num_engines)):
             raise ConfigError(f"engines started: {[k for k, *_ in urls]}, expected 0..{r.rollout.num_engines - 1}")
-        if dist.is_main():
+        if collective.is_main():
             self.servers, self.cleanup = [], []  # rank 0's HTTPEngine owns its node's servers
             print("[megaforge] engines: " + ", ".join(f"engine_{k} {u} (node {n}, {h})" for k, u, h, n in urls), flush=True)
             return [u for _, u, _, _ in urls]
@@ -150,11 +152,11 @@ def build_engines(cfg, tokenizer):
     global _NODE
     place = place_from_env()
     if place.nodes == 1 or cfg.rollout.engine not in HTTP_ENGINES:
-        if not dist.is_main():
+        if not collective.is_main():
             return None
         return build_engine(cfg, tokenizer)
     _NODE = NodeEngines(cfg, place, engine_slots(cfg, place))
-    if place.node_leader and (_NODE.engine_ids or dist.is_main()):
+    if place.node_leader and (_NODE.engine_ids or collective.is_main()):
         return build_http_engine(cfg, tokenizer, cfg.rollout.engine, node=_NODE)
     _NODE.share("")
     _NODE.gather([])
@@ -168,6 +170,6 @@ def shutdown_node_engines(barrier: bool) -> None:
     node, _NODE = _NODE, None
     if node is None:
         return
-    if barrier and dist.initialized():
-        dist.barrier()
+    if barrier and collective.initialized():
+        collective.barrier()
     node.shutdown()

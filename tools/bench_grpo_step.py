@@ -77,7 +77,7 @@ def phase_sums(m: dict) -> dict:
 
 def main(argv=None) -> int:
     a, over = parse_args(argv)
-    from megaforge import dist
+    from megaforge import collective
     from megaforge.config import load_config
     from megaforge.metrics import Progress
 
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         tokens = int(batch.lengths.sum())
         res["step"] = last
         res["first_step_offload_s"] = first.get("time/offload", 0.0)
-        world = dist.world()
+        world = collective.world()
         res["tokens_per_step"] = tokens
         res["tokens_per_s_per_gpu"] = round(tokens / last["time/step"] / world, 1)
 
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
         run.close_rl()
     res["torch"] = torch.__version__
     res["wall_s"] = round(time.time() - T0, 1)
-    if dist.is_main():
+    if collective.is_main():
         emit(res, dev)
     return 0
 

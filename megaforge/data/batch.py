@@ -74,7 +74,7 @@ def sft_batch(rows, eos_id: int, pad_id: int, max_len: int) -> TrainBatch:
 # ------------------------------------------------------------------ data-parallel shares of a batch
 def shard_range(n: int, k: int, parts: int) -> tuple[int, int]:
     """Contiguous rows [lo, hi) of ``n`` that part ``k`` of ``parts`` owns (sizes differ by at most 1,
-    the larger first). :func:`megaforge.dist.shard_range` is this for ranks."""
+    the larger first). :func:`megaforge.collective.shard_range` is this for ranks."""
     base, extra = divmod(n, parts)
     lo = k * base + min(k, extra)
     return lo, lo + base + (1 if k < extra else 0)

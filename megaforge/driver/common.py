@@ -1,12 +1,12 @@
 """What the loop and its drivers share: the run's errors, :func:`on_main`, :func:`timed`, the driver
-interface. A leaf module: it imports only :mod:`megaforge.dist` at the top."""
+interface. A leaf module: it imports only :mod:`megaforge.collective` at the top."""
 from __future__ import annotations
 
 import abc
 import time
 from contextlib import contextmanager
 
-from megaforge import dist
+from megaforge import collective
 
 
 #: the loop state's key under which :meth:`Driver.before_save` puts the tensors a checkpoint writes as files
@@ -37,7 +37,7 @@ def timed(metrics: dict, key: str):
 
 def say(msg: str) -> None:
     """A ``[megaforge]`` line on the main rank's stdout."""
-    if dist.is_main():
+    if collective.is_main():
         print(f"[megaforge] {msg}", flush=True)
 
 
@@ -49,14 +49,14 @@ def on_main(fn, share: bool = True):
     from megaforge.rewards import RewardError
 
     out, kept = None, None
-    if dist.is_main():
+    if collective.is_main():
         try:
             out = ("ok", fn())
         except (DataError, RewardError) as e:
             out = ("error", str(e))
         if not share and out[0] == "ok":
             out, kept = ("ok", None), out[1]
-    out = dist.broadcast_object(out)  # small: a status, an error message, or the shared result
+    out = collective.broadcast_object(out)  # small: a status, an error message, or the shared result
     if out[0] == "error":
         raise InputError(out[1])
     return out[1] if share else kept

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from megaforge import dist
+from megaforge import collective
 from megaforge.data.batch import share_of, share_rows
 from megaforge.types import MiniBatchPart, TrainBatch
 
@@ -58,7 +58,7 @@ class BatchHandOff:
     :meth:`~megaforge.trainer.base.Trainer.data_parallel`); ``mini_batches``: ``trainer.mini_batches``."""
 
     def __init__(self, dp_rank: int, dp_size: int, mini_batches: int):
-        coords = dist.all_gather_ints([dp_rank, dp_size])
+        coords = collective.all_gather_ints([dp_rank, dp_size])
         if any(size != dp_size for _, size in coords):
             raise RuntimeError(f"ranks disagree on the data-parallel size: {[size for _, size in coords]}")
         self.dp_of = [d for d, _ in coords]  # the DP rank of every global rank
@@ -73,11 +73,11 @@ class BatchHandOff:
         return [r for r, dd in enumerate(self.dp_of) if dd == d]
 
     def _send(self, t: torch.Tensor, dst: int) -> None:
-        dist.send_tensor(t, dst)
+        collective.send_tensor(t, dst)
         self.sent += nbytes(t)
 
     def _recv(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        t = dist.recv_tensor(shape, dtype, 0)
+        t = collective.recv_tensor(shape, dtype, 0)
         self.received += nbytes(t)
         return t
 
@@ -87,16 +87,16 @@ class BatchHandOff:
         ValueError on every rank when the batch cannot be handed off (a dtype, too few rows)."""
         self.sent = self.received = 0
         err, codes = None, []
-        if dist.is_main():
+        if collective.is_main():
             try:
                 codes = [dtype_code(n, getattr(batch, n)) for n in FIELDS]
                 share_rows(batch.batch_size, self.mini_batches, 0, self.dp_size)
             except ValueError as e:
                 err = str(e)
-        err = dist.broadcast_object(err)
+        err = collective.broadcast_object(err)
         if err:
             raise ValueError(err)
-        if not dist.is_main():
+        if not collective.is_main():
             return self._receive()
         mine = None
         self._whole = (batch.batch_size, int(batch.tokens.shape[1]))
@@ -147,8 +147,8 @@ class BatchHandOff:
         for name in names:
             if tuple(tensors[name].shape) != self._local:
                 raise ValueError(f"gather {name}: shape {tuple(tensors[name].shape)}, the share is {self._local}")
-        if not dist.is_main():
-            if self._ranks_of(self.dp_rank)[0] == dist.rank():
+        if not collective.is_main():
+            if self._ranks_of(self.dp_rank)[0] == collective.rank():
                 for name in names:
                     self._send(tensors[name].cpu(), 0)
             return None
@@ -160,7 +160,7 @@ class BatchHandOff:
                 if src == 0:
                     part = tensors[name].cpu()
                 else:
-                    part = dist.recv_tensor((len(rows), cols), tensors[name].dtype, src)
+                    part = collective.recv_tensor((len(rows), cols), tensors[name].dtype, src)
                     self.received += nbytes(part)
                 out[name][rows, :cols] = part
         return out
@@ -169,8 +169,8 @@ class BatchHandOff:
         """The main rank's whole-batch [B, T] tensors ``whole[name]`` -> every rank's rows of them
         [n, T] (its share's; ``whole`` is None on the other ranks)."""
         names = sorted(names)
-        codes = dist.broadcast_object([dtype_code(n, whole[n]) for n in names] if dist.is_main() else None)
-        if not dist.is_main():
+        codes = collective.broadcast_object([dtype_code(n, whole[n]) for n in names] if collective.is_main() else None)
+        if not collective.is_main():
             return {name: self._recv(self._local, DTYPES[c]) for name, c in zip(names, codes)}
         mine = {}
         for d in range(self.dp_size):

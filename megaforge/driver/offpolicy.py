@@ -56,7 +56,7 @@ from typing import Optional
 
 import torch
 
-from megaforge import dist
+from megaforge import collective
 from megaforge.config import Config
 from megaforge.data.batch import set_denominators
 from megaforge.driver.common import TENSOR_FILES, Driver, RunError, on_main, say, timed
@@ -136,7 +136,7 @@ class AsyncDriver(Driver):
         self.overlap = cfg.loop.mode == "off_policy"
         self.K, self.M, self.policy = cfg.loop.max_staleness, cfg.sync.interval, cfg.loop.stale_policy
         self.updates = cfg.trainer.mini_batches * cfg.trainer.epochs
-        self.main = dist.is_main()
+        self.main = collective.is_main()
         self.partial = parts.partial  # main rank, loop.partial_rollouts: the pool rollouts draw from
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="megaforge-rollout") if self.overlap and self.main else None
         self.inflight: Optional[cf.Future] = None  # main rank: the next step's rollout
@@ -152,7 +152,7 @@ class AsyncDriver(Driver):
                               "data_after": state.get("data")}
             except RunError as e:
                 err = str(e)
-        err = dist.broadcast_object(err)  # every rank stops together on an unreadable in-flight batch
+        err = collective.broadcast_object(err)  # every rank stops together on an unreadable in-flight batch
         if err:
             raise RunError(err)
         if self.partial is not None and st.get("pool"):
@@ -223,7 +223,7 @@ class AsyncDriver(Driver):
                 parts.engine.resume_memory(["weights", "kv_cache", "cuda_graph"])  # released while training
         with timed(m, "time/wait_rollout"):
             batch = self._batch_on_main(lambda: self._collect(step, V, bar), m)
-        if dist.main_flag(self.main and bool((V - batch.weight_versions > self.K)[trained_rows(batch)].any())):
+        if collective.main_flag(self.main and bool((V - batch.weight_versions > self.K)[trained_rows(batch)].any())):
             # stale_policy drop (correct never gets here); the main rank decides, every rank pushes
             if self.main:
                 m["staleness/dropped_samples"] = float(batch.batch_size)
@@ -260,7 +260,7 @@ class AsyncDriver(Driver):
             st = (V - batch.weight_versions)[trained_rows(batch)].float()
             m["staleness/mean"] = float(st.mean()) if st.numel() else 0.0
             m["staleness/max"] = float(st.max()) if st.numel() else 0.0
-        if dist.main_flag(self.main and m["staleness/max"] > self.K):
+        if collective.main_flag(self.main and m["staleness/max"] > self.K):
             raise RunError(f"internal error: step {step} would train samples at staleness "
                            f"{m.get('staleness/max', float('nan')):.0f} > loop.max_staleness {self.K}")
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from megaforge import dist, memory
+from megaforge import collective, memory
 from megaforge.algorithms import (ADVANTAGES, AdvantageInputs, first_groups, kl_reward_penalty, nonzero_variance_groups,
                                   overlong_penalty, value_targets)
 from megaforge.config import Config
@@ -35,7 +35,7 @@ class StepParts:
         self.data, self.rewards, self.tokenizer, self.stop_ids = data, rewards, tokenizer, stop_ids
         self.handoff = BatchHandOff(*trainer.data_parallel(), cfg.trainer.mini_batches)
         self.partial = None
-        if cfg.loop.partial_rollouts and dist.is_main():
+        if cfg.loop.partial_rollouts and collective.is_main():
             from megaforge.rollout.partial import PartialPool
 
             self.partial = PartialPool(engine, data, tokenizer, cfg, self.score, sampling_params(cfg, stop_ids))
@@ -271,7 +271,7 @@ def handoff_metrics(handoff: BatchHandOff, share: TrainBatch) -> dict:
     ``handoff/per_token_bytes`` (host bytes of the share's per-token tensors after the passes), and
     the largest of each over the ranks (``..._max``: the main rank logs its own). Collective."""
     mine = [handoff.received, per_token_bytes(share)]
-    every = dist.all_gather_ints(mine)
+    every = collective.all_gather_ints(mine)
     return {"handoff/bytes_received": float(mine[0]), "handoff/per_token_bytes": float(mine[1]),
             "handoff/bytes_received_max": float(max(e[0] for e in every)),
             "handoff/per_token_bytes_max": float(max(e[1] for e in every)),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from megaforge import dist, memory
+from megaforge import collective, memory
 from megaforge.driver.common import Driver, on_main
 from megaforge.driver.steps import StepParts
 
@@ -34,10 +34,10 @@ class SyncDriver(Driver):
         m.update(peaks)
         parts.train(batch, m, keep_weights=True)  # the push right after reads the weights on the device
         parts.push(m)
-        if dist.is_main():
+        if collective.is_main():
             self.data_pos = parts.data.state_dict()
         return parts.step_metrics(m, batch, t0)
 
     def before_save(self, state: dict) -> None:
-        if dist.is_main():
+        if collective.is_main():
             state["data"] = self.data_pos

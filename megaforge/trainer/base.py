@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from megaforge import dist
+from megaforge import collective
 from megaforge.algorithms import ObjectiveParams, policy_objective
 from megaforge.data.batch import share_mini_batches, share_of
 from megaforge.memory.offload import PinnedOffloader
@@ -154,7 +154,7 @@ class Trainer(ABC):
         """(this rank's data-parallel rank, the data-parallel size): which share of a batch it trains
         (:func:`megaforge.data.batch.share_of`). Every rank of the world is a DP rank here; a backend
         with model parallelism overrides it (its TP / CP / PP peers share one DP rank)."""
-        return dist.rank(), dist.world()
+        return collective.rank(), collective.world()
 
     def _mini_batches(self, batch: TrainBatch) -> list[TrainBatch]:
         """This rank's rows of each of the ``trainer.mini_batches`` contiguous mini-batches of
@@ -271,11 +271,11 @@ class Trainer(ABC):
         """Collective: :class:`NonFiniteWeights` naming (up to ``limit`` of) this rank's tensors that
         hold NaN or inf when any rank has one; every backend's :meth:`save` calls it first."""
         bad = [name for name, t in self.named_weights() if not bool(torch.isfinite(t.detach()).all())]
-        n_bad = int(dist.all_reduce_sum(torch.tensor([float(len(bad))])).item())
+        n_bad = int(collective.all_reduce_sum(torch.tensor([float(len(bad))])).item())
         if n_bad:
             here = ", ".join(bad[:limit]) + (f" and {len(bad) - limit} more" if len(bad) > limit else "")
             raise NonFiniteWeights(
-                f"{n_bad} weight tensor(s) hold NaN or inf (rank {dist.rank()}: {here or 'none on this rank'}); "
+                f"{n_bad} weight tensor(s) hold NaN or inf (rank {collective.rank()}: {here or 'none on this rank'}); "
                 f"no checkpoint was written (the earlier ones are intact). Lower trainer.lr or check the data")
 
     @abstractmethod

@@ -10,7 +10,7 @@ from typing import Iterator
 
 import torch
 
-from megaforge import dist
+from megaforge import collective
 from megaforge.hf import hf_state_names, load_hf_model, resolve_device
 from megaforge.memory import build_offloader, onloaded
 from megaforge.checkpoint import write_torch
@@ -161,7 +161,7 @@ class TorchTrainer(Trainer):
     @onloaded
     def save(self, path: str) -> None:
         self.check_finite()
-        if dist.is_main():
+        if collective.is_main():
             os.makedirs(path, exist_ok=True)
             state = {"model": self.model.state_dict(), "version": self.version, "sched": dict(self.sched)}
             if self.cfg.checkpoint.save_optimizer:
@@ -171,7 +171,7 @@ class TorchTrainer(Trainer):
             if self.critic is not None:
                 state["critic"] = self.critic.state_dict()
             write_torch(state, os.path.join(path, "trainer.pt"))
-        dist.barrier()
+        collective.barrier()
 
     @onloaded
     def load(self, path: str) -> None:
@@ -203,11 +203,11 @@ class TorchTrainer(Trainer):
         the tokenizer; written to a temporary folder next to ``path`` and renamed, removed on
         failure (:func:`megaforge.convert.hf_writer.atomic_output_dir`, shared with the megatron
         backend's writer)."""
-        if dist.is_main():
+        if collective.is_main():
             from megaforge.convert.hf_writer import atomic_output_dir
 
             with atomic_output_dir(path) as tmp:
                 self.model.save_pretrained(tmp, safe_serialization=True, max_shard_size=self.export_max_shard_bytes)
                 if self.tokenizer is not None:
                     self.tokenizer.save_pretrained(tmp)
-        dist.barrier()
+        collective.barrier()

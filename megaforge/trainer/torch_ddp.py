@@ -13,13 +13,13 @@ from typing import Iterable
 
 import torch
 
-from megaforge import dist
+from megaforge import collective
 from megaforge.types import TrainBatch
 
 
 def wrap(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """``module`` in DistributedDataParallel when the world has several ranks, else itself."""
-    if dist.world() == 1:
+    if collective.world() == 1:
         return module
     ids = [device.index] if device.type == "cuda" else None
     return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids)
@@ -30,21 +30,21 @@ def rows_to_compute(batch: TrainBatch) -> TrainBatch:
     the contiguous ``shard_range`` of a whole batch (gathered after: :func:`whole_or_share`)."""
     if batch.is_share:
         return batch
-    lo, hi = dist.shard_range(batch.batch_size)
+    lo, hi = collective.shard_range(batch.batch_size)
     return batch.select(slice(lo, hi))
 
 
 def whole_or_share(local: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
     """Per-token results [n, T] of :func:`rows_to_compute`'s rows -> the share's rows as they are, or
     the whole batch's [B, T] gathered on every rank."""
-    return local if batch.is_share else dist.all_gather_rows(local, batch.batch_size)
+    return local if batch.is_share else collective.all_gather_rows(local, batch.batch_size)
 
 
 def accumulate(module: torch.nn.Module, rows: TrainBatch, micro_batch_size: int, loss_fn) -> dict[str, float]:
     """Backward of ``loss_fn(micro_batch) -> (loss, {metric: scalar})`` over the micro-batches of
     ``rows`` (gradients all-reduced once, after the last one); returns every metric summed over the
     micro-batches and ranks."""
-    scale = float(dist.world())
+    scale = float(collective.world())
     sums: dict[str, torch.Tensor] = {}
     mbs = list(rows.micro_batches(micro_batch_size))
     for i, mb in enumerate(mbs):
@@ -57,7 +57,7 @@ def accumulate(module: torch.nn.Module, rows: TrainBatch, micro_batch_size: int,
     keys = sorted(sums)
     if not keys:
         return {}
-    vec = dist.all_reduce_sum(torch.stack([torch.as_tensor(sums[k]) for k in keys]))
+    vec = collective.all_reduce_sum(torch.stack([torch.as_tensor(sums[k]) for k in keys]))
     return {k: float(vec[i]) for i, k in enumerate(keys)}
 
 

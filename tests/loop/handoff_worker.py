@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from megaforge import dist
+from megaforge import collective
 from megaforge.config import config_from_dict
 from megaforge.data.batch import per_token_bytes, share_rows
 from megaforge.driver.handoff import BatchHandOff
@@ -50,7 +50,7 @@ def whole_batch():
 
 def main() -> None:
     model_dir, out = sys.argv[1], sys.argv[2]
-    dist.init_from_env("cpu", timeout_s=120)
+    collective.init_from_env("cpu", timeout_s=120)
     res = {}
     for name, over in CONFIGS.items():
         cfg = config(model_dir, over)
@@ -60,23 +60,23 @@ def main() -> None:
         tr.reset_optimizer(cfg.trainer.lr, 1)
         handoff = BatchHandOff(*tr.data_parallel(), cfg.trainer.mini_batches)
         m: dict = {}
-        share = train_share(tr, handoff, whole_batch() if dist.is_main() else None, cfg, m)
+        share = train_share(tr, handoff, whole_batch() if collective.is_main() else None, cfg, m)
         res[name] = {
             "received": handoff.received, "sent": handoff.sent, "per_token_bytes": per_token_bytes(share),
             "shape": tuple(share.tokens.shape), "metrics": m,
-            "rows": share_rows(B, MINI_BATCHES, dist.rank(), dist.world()),
+            "rows": share_rows(B, MINI_BATCHES, collective.rank(), collective.world()),
             "old_logprobs": share.old_logprobs, "ref_logprobs": share.ref_logprobs, "advantages": share.advantages,
         }
     # a batch too small for the ranks: every rank gets the same error (none waits in a collective)
-    handoff = BatchHandOff(dist.rank(), dist.world(), MINI_BATCHES)
-    small = whole_batch().select(slice(0, 2 * dist.world() - 1)) if dist.is_main() else None
+    handoff = BatchHandOff(collective.rank(), collective.world(), MINI_BATCHES)
+    small = whole_batch().select(slice(0, 2 * collective.world() - 1)) if collective.is_main() else None
     try:
         handoff.share(small)
         res["too_small"] = None
     except ValueError as e:
         res["too_small"] = str(e)
-    torch.save(res, os.path.join(out, f"rank{dist.rank()}.pt"))
-    dist.barrier()
+    torch.save(res, os.path.join(out, f"rank{collective.rank()}.pt"))
+    collective.barrier()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from megaforge import dist as mfdist
+from megaforge import collective
 from megaforge.hf import resolve_device
 
 
@@ -28,7 +28,7 @@ def pick_device(setting: str) -> torch.device:
 def init_distributed(device: torch.device) -> None:
     """Join torchrun's process group (as the loop does), or, without torchrun, start a one-process
     group on a free local port: megatron needs one either way. nccl on CUDA, gloo on CPU."""
-    mfdist.init_from_env(device.type)
+    collective.init_from_env(device.type)
     if dist.is_initialized():
         return
     with socket.socket() as s:

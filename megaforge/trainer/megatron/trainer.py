@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from megaforge.dist import all_gather_rows, shard_range
+from megaforge.collective import all_gather_rows, shard_range
 from megaforge.hf import DTYPES
 from megaforge.memory import build_offloader, onloaded
 from megaforge.memory.state import ddp_entries, megatron_parts, on_device, param_entries
