@@ -45,6 +45,7 @@ MOVED = {
     "megaforge.launch_slurm": "megaforge.slurm",
     "megaforge.convert.launch": "megaforge.convert.ranks",
     "megaforge.rollout.http.launch": "megaforge.rollout.http.start",
+    "megaforge.dist": "megaforge.collective",
 }
 
 
