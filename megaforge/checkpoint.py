@@ -34,6 +34,8 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from megaforge import collective
 
@@ -254,17 +256,12 @@ class CheckpointError(RuntimeError):
 
 def write_tensors(tensors: dict, path: str) -> None:
     """``{name: tensor}`` (host copies) as a safetensors file at ``path``."""
-    from safetensors.torch import save_file
-
     save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, path)
 
 
 def read_tensors(path: str) -> dict:
     """The ``{name: tensor}`` of safetensors file ``path`` (:func:`write_tensors`); CheckpointError
     naming the file when it is missing, truncated or not a safetensors file."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such file")
     try:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megaforge.data.batch import shard_range as split_range
+from megaforge.hf import DeviceError
 
 
 def initialized() -> bool:
@@ -37,8 +38,6 @@ def init_from_env(device_type: str, timeout_s: float = 1800.0) -> None:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         have = torch.cuda.device_count()
         if local_world > have:
-            from megaforge.hf import DeviceError
-
             raise DeviceError(f"{local_world} processes per node (torchrun --nproc_per_node) but this node has "
                                f"{have} GPU(s): lower --nproc_per_node to {have}, or set trainer.device cpu")
         torch.cuda.set_device(local_rank)

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from megaforge import checkpoint, collective
+from megaforge.cluster import init_distributed
 from megaforge.config import Config, save_config
 from megaforge.data.batch import sft_batch
 from megaforge.data.prompts import PromptSource
@@ -42,9 +43,17 @@ from megaforge.driver.handoff import BatchHandOff
 from megaforge.driver.offpolicy import AsyncDriver, is_async
 from megaforge.driver.steps import StepParts, needs_ref
 from megaforge.driver.sync import SyncDriver
+from megaforge.eval.runner import Evaluator, is_due
+from megaforge.eval.sets import load_eval_sets
+from megaforge.hf import load_tokenizer, resolve_device
 from megaforge.metrics import MetricsLogger, Progress
+from megaforge.placement import build_engines
+from megaforge.rewards import RewardManager
+from megaforge.rollout import preflight
 from megaforge.rollout.manager import stop_token_ids
-
+from megaforge.rundir import RunDirError, claim
+from megaforge.trainer import build_trainer
+from megaforge.trainer.base import NonFiniteWeights
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -53,27 +62,18 @@ class Run:
     """Everything one run needs; :meth:`rl` and :meth:`sft` are the two loops."""
 
     def __init__(self, cfg: Config, mode: str = "grpo"):
-        from megaforge.hf import load_tokenizer, resolve_device
-        from megaforge.trainer import build_trainer
-
         self.cfg, self.mode = cfg, mode
         self.run_dir = cfg.run_dir
-        from megaforge.cluster import init_distributed
-
         init_distributed(cfg, resolve_device(cfg.trainer.device).type)  # launch.dist_timeout_s, rank watchdog
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(cfg.seed)
         if mode == "grpo" and cfg.max_steps > 0:
-            from megaforge.rollout import preflight
-
             preflight(cfg)  # e.g. rollout.engine sglang without sglang installed: fail before SFT
         self._prepare_run_dir()
         self.tokenizer = load_tokenizer(cfg.model)
         self.eval_sets, self.held_out = [], frozenset()  # eval.sets (main rank) and the prompts they hold out
         if mode == "grpo" and cfg.eval.sets:
-            from megaforge.eval.sets import load_eval_sets
-
             loaded = on_main(lambda: load_eval_sets(cfg, self.tokenizer), share=False)
             self.eval_sets, self.held_out = loaded or ([], frozenset())
         self.trainer = build_trainer(cfg, self.tokenizer)
@@ -118,8 +118,6 @@ class Run:
     # ---------------------------------------------------------------------------------- set-up
     def _prepare_run_dir(self) -> None:
         """Main rank: lock the run directory for the run's life, then set it up (megaforge.rundir)."""
-        from megaforge.rundir import RunDirError, claim
-
         err, self._lock = None, None
         if collective.is_main():
             try:
@@ -143,16 +141,12 @@ class Run:
         say(f"resumed from {path} (sft step {self.state['sft_step']}, rl step {self.state['rl_step']})")
 
     def _build_engine(self):
-        from megaforge.placement import build_engines
-
         return build_engines(self.cfg, self.tokenizer)  # rank 0's engine; node leaders start their node's servers
 
     def _save(self, step: int, phase: str = "rl", tensors: Optional[dict] = None) -> None:
         """A checkpoint (with ``tensors``: main rank, ``{file name: {name: tensor}}`` written beside the
         loop state); pruning never deletes the one this run resumed from. Non-finite weights
         and failed writes (a full disk) stop the run naming the tensors / the path and the cause."""
-        from megaforge.trainer.base import NonFiniteWeights
-
         try:
             path = checkpoint.save(os.path.join(self.run_dir, "checkpoints"), step, self.trainer, self.state,
                                    self.cfg.checkpoint.keep_last_n, phase, protect=[self.resumed_from],
@@ -227,8 +221,6 @@ class Run:
         self.data = PromptSource(cfg.data, self.tokenizer, cfg.seed, exclude=self.held_out) if collective.is_main() else None
         if self.data is not None and self.state.get("data"):
             self.data.load_state_dict(self.state["data"])
-        from megaforge.rewards import RewardManager
-
         self.rewards = RewardManager(cfg.rewards, cfg.algo.plugins) if collective.is_main() else None
         if self.state["rl_step"] == 0:
             total_updates = cfg.max_steps * cfg.trainer.mini_batches * cfg.trainer.epochs
@@ -239,8 +231,6 @@ class Run:
         if self.cfg.critic_enabled and self.trainer.critic is None:
             self.trainer.init_critic()  # a copy of the policy as it starts RL (after SFT)
         self.stop_ids = stop_token_ids(self.tokenizer, cfg.model.path) if collective.is_main() else []
-        from megaforge.eval.runner import Evaluator
-
         self.evaluator = Evaluator(cfg, self.eval_sets, self.tokenizer, self.rewards, self.stop_ids,
                                    os.path.join(self.run_dir, "eval")) if collective.is_main() else None
         self.start_driver()
@@ -319,8 +309,6 @@ class Run:
     def _evaluate(self, step: int) -> dict:
         """Every rank: the ``eval/...`` metrics of the engine's weights when evaluation is due after
         ``step`` (0: before training), else {} (the metrics stay on the main rank)."""
-        from megaforge.eval.runner import is_due
-
         if not is_due(self.cfg, step):
             return {}
 

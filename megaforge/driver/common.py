@@ -1,5 +1,6 @@
 """What the loop and its drivers share: the run's errors, :func:`on_main`, :func:`timed`, the driver
-interface. A leaf module: it imports only :mod:`megaforge.collective` at the top."""
+interface. It imports :mod:`megaforge.collective` and the error types of data and
+rewards, nothing of the loop."""
 from __future__ import annotations
 
 import abc
@@ -7,6 +8,8 @@ import time
 from contextlib import contextmanager
 
 from megaforge import collective
+from megaforge.data.sources import DataError
+from megaforge.rewards import RewardError
 
 
 #: the loop state's key under which :meth:`Driver.before_save` puts the tensors a checkpoint writes as files
@@ -45,9 +48,6 @@ def on_main(fn, share: bool = True):
     """Run ``fn()`` on the main rank and hand its result to every rank (``share=False``: the result stays
     on the main rank, the others get None). A DataError (or a reward failing on a whole step) there
     becomes an InputError on every rank (instead of leaving the other ranks waiting in a collective)."""
-    from megaforge.data.sources import DataError
-    from megaforge.rewards import RewardError
-
     out, kept = None, None
     if collective.is_main():
         try:

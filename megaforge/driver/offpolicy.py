@@ -57,6 +57,7 @@ from typing import Optional
 import torch
 
 from megaforge import collective
+from megaforge.checkpoint import CheckpointError, read_tensors
 from megaforge.config import Config
 from megaforge.data.batch import set_denominators
 from megaforge.driver.common import TENSOR_FILES, Driver, RunError, on_main, say, timed
@@ -87,8 +88,6 @@ def batch_layout(batch: TrainBatch) -> dict:
 def batch_from_file(path: str, layout: dict) -> TrainBatch:
     """The in-flight batch a checkpoint wrote to ``path`` (:data:`INFLIGHT_FILE`), checked against the
     loop state's ``layout`` (:func:`batch_layout`); RunError naming the file otherwise."""
-    from megaforge.checkpoint import CheckpointError, read_tensors
-
     try:
         tensors = read_tensors(path)
     except CheckpointError as e:

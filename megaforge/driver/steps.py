@@ -19,6 +19,7 @@ from megaforge.data.batch import per_token_bytes, samples_to_batch, set_denomina
 from megaforge.driver.common import timed
 from megaforge.driver.handoff import BatchHandOff
 from megaforge.rollout.manager import generate_samples, sampling_params, score
+from megaforge.rollout.partial import PartialPool
 from megaforge.sync import push_weights
 from megaforge.types import TrainBatch
 
@@ -36,8 +37,6 @@ class StepParts:
         self.handoff = BatchHandOff(*trainer.data_parallel(), cfg.trainer.mini_batches)
         self.partial = None
         if cfg.loop.partial_rollouts and collective.is_main():
-            from megaforge.rollout.partial import PartialPool
-
             self.partial = PartialPool(engine, data, tokenizer, cfg, self.score, sampling_params(cfg, stop_ids))
 
     # ------------------------------------------------------------------------------------ rollout

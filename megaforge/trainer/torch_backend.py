@@ -11,9 +11,11 @@ from typing import Iterator
 import torch
 
 from megaforge import collective
+from megaforge.checkpoint import write_torch
+from megaforge.convert.hf_writer import atomic_output_dir
+from megaforge.data.packing import pack_rows
 from megaforge.hf import hf_state_names, load_hf_model, resolve_device
 from megaforge.memory import build_offloader, onloaded
-from megaforge.checkpoint import write_torch
 from megaforge.memory.state import grad_entries, on_device, optimizer_entries, param_entries
 from megaforge.trainer import precision, torch_ddp
 from megaforge.trainer.base import HFBucket, Objective, Trainer, modules_weights
@@ -124,8 +126,6 @@ class TorchTrainer(Trainer):
     def _forward_packed(self, module, mb: TrainBatch, temperature: float):
         """Token-aligned logprobs [B, T] of ``mb``'s rows, computed on packed rows (several rows per
         packed row, position ids restarting per row, attention within a row only)."""
-        from megaforge.data.packing import pack_rows
-
         pk = pack_rows(mb.tokens, mb.lengths, self.cfg.sft.pack_len)
         tokens, pos = pk.tokens.to(self.device), pk.position_ids.to(self.device)
         # no attention_mask: transformers derives the block-diagonal causal mask from the restarts
@@ -204,8 +204,6 @@ class TorchTrainer(Trainer):
         failure (:func:`megaforge.convert.hf_writer.atomic_output_dir`, shared with the megatron
         backend's writer)."""
         if collective.is_main():
-            from megaforge.convert.hf_writer import atomic_output_dir
-
             with atomic_output_dir(path) as tmp:
                 self.model.save_pretrained(tmp, safe_serialization=True, max_shard_size=self.export_max_shard_bytes)
                 if self.tokenizer is not None:

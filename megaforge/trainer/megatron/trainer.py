@@ -28,22 +28,29 @@ Profiling: ``megaforge.pack`` / ``.forward`` / ``.loss`` / ``.optimizer_step`` a
 """
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from torch.profiler import record_function
 
 from megaforge.collective import all_gather_rows, shard_range
+from megaforge.convert import families
 from megaforge.hf import DTYPES
 from megaforge.memory import build_offloader, onloaded
 from megaforge.memory.state import ddp_entries, megatron_parts, on_device, param_entries
-from megaforge.convert import families
 from megaforge.trainer.base import HFBucket, Objective, Trainer, modules_weights
 from megaforge.trainer.megatron import cpu_compat, parallel
 from megaforge.trainer.megatron import model as mmodel
+from megaforge.trainer.megatron.checkpoint import load, save
 from megaforge.trainer.megatron.critic import MegatronCritic
+from megaforge.trainer.megatron.hf_export import export_hf, iter_hf_buckets
 from megaforge.trainer.megatron.logprobs import vocab_parallel_argmax, vocab_parallel_logprobs
 from megaforge.trainer.megatron.optim import (adam_optimizer, clipped_step, finalize_grads, set_lr_and_decay,
                                               state_resetter, wrap_ddp)
@@ -79,8 +86,6 @@ class _MicroBatch:
 
 class MegatronTrainer(Trainer):
     def __init__(self, cfg, tokenizer=None):
-        from megatron.core import tensor_parallel
-
         super().__init__(cfg, tokenizer)
         t = cfg.trainer
         self.device = parallel.pick_device(t.device)
@@ -115,8 +120,6 @@ class MegatronTrainer(Trainer):
     # ------------------------------------------------------------------------------ groups
     @staticmethod
     def _ps():
-        from megatron.core import parallel_state as ps
-
         return ps
 
     def _tp_group(self):
@@ -198,7 +201,6 @@ class MegatronTrainer(Trainer):
         identically on every CP rank, so backward keeps this rank's slice of the gradient."""
         if self._cp_size() == 1:
             return x
-        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
         return gather_from_sequence_parallel_region(
             x, tensor_parallel_output_grad=False, group=self._ps().get_context_parallel_group())
@@ -206,8 +208,6 @@ class MegatronTrainer(Trainer):
     def run_schedule(self, module, mbs: list[_MicroBatch], loss_fn, forward_only: bool) -> list:
         """Run megatron's (pipeline) schedule; ``loss_fn(mb, logits) -> (loss, metrics dict)`` on the
         last stage. Returns the metrics dicts of the last stage (empty list elsewhere)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         def forward_step(data_iter, model):
             mb = next(data_iter)
             p = mb.packed
@@ -304,8 +304,6 @@ class MegatronTrainer(Trainer):
             self.ref.to("cpu")
 
     def _ref_on_device(self, module):
-        import contextlib
-
         if module is not self.ref or self.cfg.trainer.ref_device != "cpu" or self.device.type == "cpu":
             return contextlib.nullcontext()
 
@@ -351,14 +349,10 @@ class MegatronTrainer(Trainer):
 
     # ------------------------------------------------------------------- weights and state
     def iter_hf_buckets(self, max_bytes: int) -> Iterator[HFBucket]:
-        from megaforge.trainer.megatron.hf_export import iter_hf_buckets
-
         return iter_hf_buckets(self.bm, max_bytes)
 
     @onloaded
     def export_hf(self, path: str) -> None:
-        from megaforge.trainer.megatron.hf_export import export_hf
-
         export_hf(self.bm, self.hf_config, path, self.tokenizer, self.cfg.model.path)
 
     def named_weights(self):
@@ -367,15 +361,11 @@ class MegatronTrainer(Trainer):
 
     @onloaded
     def save(self, path: str) -> None:
-        from megaforge.trainer.megatron.checkpoint import save
-
         self.check_finite()
         save(self, path)
 
     @onloaded
     def load(self, path: str) -> None:
-        from megaforge.trainer.megatron.checkpoint import load
-
         load(self, path)
         self._set_lr()
 
