@@ -6,7 +6,8 @@
 SGLang kit writes ``/tmp/sgl/env.sh``: its PYTHONPATH, LD_LIBRARY_PATH, PATH, CUDA_HOME); what it
 changes becomes ``rollout.engine_env``, so the server runs with its own packages (transformers 5.12.1
 there) and the tests with this interpreter's. ``MEGAFORGE_SGLANG_PYTHON``: another interpreter (a
-virtualenv's) instead or as well. Skipped without CUDA or without an sglang there.
+virtualenv's) instead or as well. Skipped without CUDA; the server tests also without an sglang there
+(test_fast_engine_cuda.py needs CUDA only).
 """
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ def pytest_collection_modifyitems(config, items):
     gpu = [i for i in items if str(i.fspath).startswith(here)]
     if not gpu:
         return
-    why = None
     if not torch.cuda.is_available():
-        why = "needs a CUDA GPU"
-    elif sglang_version() is None:
-        why = "needs sglang (set MEGAFORGE_SGLANG_ENV_SH / MEGAFORGE_SGLANG_PYTHON to an environment that has it)"
-    if why:
         for i in gpu:
+            i.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        return
+    server = [i for i in gpu if "sglang" in os.path.basename(str(i.fspath))]  # the rest needs CUDA only
+    if server and sglang_version() is None:
+        why = "needs sglang (set MEGAFORGE_SGLANG_ENV_SH / MEGAFORGE_SGLANG_PYTHON to an environment that has it)"
+        for i in server:
             i.add_marker(pytest.mark.skip(reason=why))
