@@ -63,20 +63,19 @@ def main_flag(flag: bool) -> bool:
     return bool(all_reduce_sum(t).item() > 0)
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if initialized() and world() > 1:
-        dev = t.device
-        if dist.get_backend() == "nccl" and dev.type != "cuda":
-            t = t.cuda()
-        dist.all_reduce(t)
-        t = t.to(dev)
-    return t
-
-
 def _staged(t: torch.Tensor, group=None) -> torch.Tensor:
     """``t`` where the group's backend can move it: on the GPU for NCCL, as it is for gloo."""
     if dist.get_backend(group) == "nccl" and t.device.type != "cuda":
         return t.cuda()
+    return t
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if initialized() and world() > 1:
+        dev = t.device
+        t = _staged(t)
+        dist.all_reduce(t)
+        t = t.to(dev)
     return t
 
 
@@ -116,9 +115,7 @@ def all_gather_rows(t: torch.Tensor, n_total: int, group=None) -> torch.Tensor:
     biggest = max(hi - lo for lo, hi in sizes)
     pad = torch.zeros((biggest,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     pad[: t.shape[0]] = t
-    dev = t.device
-    if dist.get_backend(group) == "nccl" and dev.type != "cuda":
-        pad = pad.cuda()
+    pad = _staged(pad, group)
     parts = [torch.empty_like(pad) for _ in range(w)]
     dist.all_gather(parts, pad, group=group)
-    return torch.cat([p[: hi - lo].to(dev) for p, (lo, hi) in zip(parts, sizes)], dim=0)
+    return torch.cat([p[: hi - lo].to(t.device) for p, (lo, hi) in zip(parts, sizes)], dim=0)

@@ -76,8 +76,8 @@ class BatchHandOff:
         collective.send_tensor(t, dst)
         self.sent += nbytes(t)
 
-    def _recv(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        t = collective.recv_tensor(shape, dtype, 0)
+    def _recv(self, shape, dtype: torch.dtype, src: int = 0) -> torch.Tensor:
+        t = collective.recv_tensor(shape, dtype, src)
         self.received += nbytes(t)
         return t
 
@@ -160,8 +160,7 @@ class BatchHandOff:
                 if src == 0:
                     part = tensors[name].cpu()
                 else:
-                    part = collective.recv_tensor((len(rows), cols), tensors[name].dtype, src)
-                    self.received += nbytes(part)
+                    part = self._recv((len(rows), cols), tensors[name].dtype, src)
                 out[name][rows, :cols] = part
         return out
 

@@ -62,6 +62,7 @@ from megaforge.config import Config
 from megaforge.data.batch import set_denominators
 from megaforge.driver.common import TENSOR_FILES, Driver, RunError, on_main, say, timed
 from megaforge.driver.steps import StepParts
+from megaforge.sync.check import dtype_name
 from megaforge.types import TrainBatch
 
 
@@ -79,10 +80,14 @@ def batch_tensors(batch: TrainBatch) -> dict[str, torch.Tensor]:
     return {name: t.contiguous() for name in TrainBatch.TENSOR_FIELDS if (t := getattr(batch, name)) is not None}
 
 
+def tensor_record(t: torch.Tensor) -> dict:
+    """{"dtype", "shape"} of ``t``, as the loop state records it."""
+    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+
+
 def batch_layout(batch: TrainBatch) -> dict:
     """{field: {"dtype", "shape"}} of the batch's tensors: the loop state's small JSON record of them."""
-    return {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-            for name, t in batch_tensors(batch).items()}
+    return {name: tensor_record(t) for name, t in batch_tensors(batch).items()}
 
 
 def batch_from_file(path: str, layout: dict) -> TrainBatch:
@@ -94,7 +99,7 @@ def batch_from_file(path: str, layout: dict) -> TrainBatch:
         raise RunError(f"resume: the off-policy batch in flight cannot be read: {e}") from None
     for name, want in layout.items():
         t = tensors.get(name)
-        got = None if t is None else {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+        got = None if t is None else tensor_record(t)
         if got != want:
             raise RunError(f"resume: {path}: tensor {name!r} is {got}, state.json records {want} "
                            "(the checkpoint's files do not belong together)")
