@@ -127,12 +127,20 @@ class Routes:
         self.srv.session_open = False
         return _ok()
 
-    async def from_tensor(self, request):
-        b = await self.body(request)
+    def open_update(self, b: dict, endpoint: str):
+        """The start of a weight update that needs a session (SGLang 0.5.21+): abort the requests in flight
+        when the body asks, then the failure answer when no session is open (None: go on)."""
         if b["abort_all_requests"]:
             self.srv.abort_all()
         if self.srv.needs_session and not self.srv.session_open:
-            return _failed(NO_SESSION.format("update_weights_from_tensor"))
+            return _failed(NO_SESSION.format(endpoint))
+        return None
+
+    async def from_tensor(self, request):
+        b = await self.body(request)
+        refused = self.open_update(b, "update_weights_from_tensor")
+        if refused is not None:
+            return refused
         if not b["serialized_named_tensors"]:
             raise P.FieldError("serialized_named_tensors", "needs one entry per engine TP rank (this server: 1)")
         if b["load_format"] not in (None, wire.FLATTENED_BUCKET):
@@ -218,10 +226,9 @@ class Routes:
 
     async def from_distributed(self, request):
         b = await self.body(request)
-        if b["abort_all_requests"]:
-            self.srv.abort_all()
-        if self.srv.needs_session and not self.srv.session_open:
-            return _failed(NO_SESSION.format("update_weights_from_distributed"))
+        refused = self.open_update(b, "update_weights_from_distributed")
+        if refused is not None:
+            return refused
         pg = self.srv.groups.get(b["group_name"])
         if pg is None:
             return _failed(f"Group {b['group_name']} not in {sorted(self.srv.groups)}. Please call `init_weights_update_group` first.")
