@@ -22,6 +22,7 @@ from megaforge.memory.state import grad_entries, optimizer_entries, param_entrie
 from megaforge.trainer import torch_ddp
 from megaforge.trainer.base import Critic
 from megaforge.trainer.logprobs import valid_positions
+from megaforge.trainer.precision import training_attention
 from megaforge.types import TrainBatch
 
 
@@ -37,7 +38,8 @@ class ValueModel(torch.nn.Module):
         """Token-aligned values [B, T] (float32)."""
         T = tokens.shape[1]
         attn = (torch.arange(T, device=tokens.device)[None, :] < lengths[:, None]).long()
-        h = self.backbone(input_ids=tokens, attention_mask=attn, use_cache=False).last_hidden_state
+        with training_attention(tokens.device):  # cuDNN's attention backward can return NaN
+            h = self.backbone(input_ids=tokens, attention_mask=attn, use_cache=False).last_hidden_state
         v = self.head(h.to(self.head.weight.dtype)).squeeze(-1).float()
         out = torch.zeros_like(v)
         out[:, 1:] = v[:, :-1]

@@ -19,15 +19,39 @@ import types
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 DTYPES = {"bfloat16": torch.bfloat16}
 
 
-def autocast(mode: str, device: torch.device):
-    """The context of a policy forward: bfloat16 autocast on ``device`` for mode "bfloat16", none for "off"."""
-    if mode == "off":
+#: attention kernels a training forward may use on CUDA: every SDPA backend but cuDNN's. cuDNN's
+#: bfloat16 / float16 backward (the default backend on H100 / H200 since torch 2.11) returns NaN in
+#: dQ when an attn_mask is passed, the sequence length is 64 mod 128 and a query row's logsumexp is
+#: below ln(FLT_MAX) ~ -88.7 — which Qwen2.5's "massive activation" heads produce (pytorch/pytorch
+#: #196678, huggingface/trl #7181). Measured here: GSM8K GRPO on Qwen2.5-Coder-0.5B under bfloat16
+#: autocast on the H200 skipped 10 of 208 optimizer steps for a non-finite gradient with a finite
+#: loss (docs/benchmarks/README.md), about one micro-batch length in 128 times 8 micro-batches.
+#: The backend is chosen in the forward and its backward follows it, so the forward's context suffices.
+TRAINING_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def training_attention(device: torch.device):
+    """On CUDA, the SDPA backends of :data:`TRAINING_SDPA_BACKENDS` for the forwards whose backward
+    runs (and those whose log-probs enter the loss); a no-op elsewhere."""
+    if device.type != "cuda":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=DTYPES[mode])
+    return sdpa_kernel(list(TRAINING_SDPA_BACKENDS))
+
+
+def autocast(mode: str, device: torch.device):
+    """The context of a trainer forward (policy, reference, critic): bfloat16 autocast on ``device``
+    for mode "bfloat16" (none for "off"), and on CUDA the SDPA backends of
+    :data:`TRAINING_SDPA_BACKENDS` (cuDNN's attention left out: its backward can return NaN)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(training_attention(device))
+    if mode != "off":
+        stack.enter_context(torch.autocast(device_type=device.type, dtype=DTYPES[mode]))
+    return stack
 
 
 def _float32_linear(self, x: torch.Tensor) -> torch.Tensor:

@@ -86,3 +86,17 @@ def test_autocast_is_the_torch_backends():
         load_config(BASE + ["--trainer.autocast", "bfloat16", "--trainer.backend", "megatron"])
     with pytest.raises(ConfigError, match="trainer.autocast"):
         load_config(BASE + ["--trainer.autocast", "fp8"])
+
+
+def test_training_forwards_leave_cudnn_attention_out():
+    """The forward context of a CUDA trainer disables cuDNN's SDPA (NaN backward, pytorch#196678) and
+    keeps the other backends; the flags come back afterwards. Elsewhere the context changes nothing."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with precision.autocast("off", torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with precision.autocast("bfloat16", torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
