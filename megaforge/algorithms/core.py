@@ -63,8 +63,8 @@ class AdvantageInputs:
                              f"{tuple(self.group_ids.shape)} must both be [B]")
         held = (b,) if self.share is None else tuple(self.share.rows.shape)
         if held != (n,):
-            raise ValueError(f"AdvantageInputs: loss_mask has {n} rows, the rows held are "
-                             f"{'B = %d' % b if self.share is None else 'share.rows %s' % (held,)}")
+            where = f"B = {b}" if self.share is None else f"share.rows {held}"
+            raise ValueError(f"AdvantageInputs: loss_mask has {n} rows, the rows held are {where}")
         for name in ("token_rewards", "values"):
             t = getattr(self, name)
             if t is not None and t.shape != self.loss_mask.shape:
