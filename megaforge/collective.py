@@ -70,13 +70,35 @@ def _staged(t: torch.Tensor, group=None) -> torch.Tensor:
     return t
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
     if initialized() and world() > 1:
         dev = t.device
         t = _staged(t)
-        dist.all_reduce(t)
+        dist.all_reduce(t, op=op)
         t = t.to(dev)
     return t
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Elementwise sum of ``t`` over the world, on every rank (on ``t``'s device; in place for gloo)."""
+    return _all_reduce(t, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """Elementwise maximum of ``t`` over the world, on every rank (as :func:`all_reduce_sum`)."""
+    return _all_reduce(t, dist.ReduceOp.MAX)
+
+
+def broadcast_tensor(t: torch.Tensor | None, shape, dtype: torch.dtype, src: int = 0) -> torch.Tensor:
+    """Global rank ``src``'s ``t`` on every rank, as a host tensor; the others pass None and the
+    ``shape`` and ``dtype`` it has."""
+    if rank() == src and (tuple(t.shape) != tuple(shape) or t.dtype != dtype):
+        raise ValueError(f"broadcast_tensor: the tensor is {tuple(t.shape)} {t.dtype}, announced {tuple(shape)} {dtype}")
+    if not initialized() or world() == 1:
+        return t
+    buf = _staged((t if rank() == src else torch.empty(shape, dtype=dtype)).contiguous())
+    dist.broadcast(buf, src=src)
+    return buf.cpu()
 
 
 def send_tensor(t: torch.Tensor, dst: int) -> None:

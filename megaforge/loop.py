@@ -16,7 +16,7 @@ One synchronous RL step (DESIGN.md, "One RL step"):
     log metrics; checkpoint / HF export when due
 
 (*) when the advantages read per-token trainer results (``algo.kl_in_reward``, the critic): after the
-log-probs / values, from the shares gathered onto the main rank, scattered back.
+log-probs / values, by every rank on its own share (batch-wide statistics all-reduced).
 
 ``Run.driver`` runs the steps: :class:`~megaforge.driver.sync.SyncDriver` (the step above) or, for
 ``loop.mode: off_policy`` (rollout of step N+1 overlapping training of step N), partial rollouts and

@@ -14,9 +14,12 @@ gives the loss typed knobs of its own, config keys ``algo.my_loss_<field>``. Fam
 reinforce_pp, reinforce_pp_baseline, gae), policy losses (ppo_clip, gspo, cispo, sapo, reinforce),
 aggregations, KL estimators, train/inference mismatch corrections (objective), the critic's value
 loss (value) and DAPO's filters and overlong shaping (filters); the parameters they all read (params).
+An advantage estimator registered with ``shares=True`` also works on one data-parallel share of a batch
+(:class:`~megaforge.algorithms.core.AdvantageInputs` ``.share``: what the loop uses when the advantages
+read the trainer's per-token results, on several ranks).
 """
 from megaforge.algorithms.core import (  # noqa: F401
-    ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES, AdvantageInputs, group_stats, masked_mean,
+    ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES, AdvantageInputs, Share, group_stats, masked_mean,
 )
 from megaforge.algorithms.params import (  # noqa: F401
     ObjectiveParams, component_classes, load_plugins, resolve_components, resolve_loss_agg,

@@ -1,15 +1,20 @@
-"""Advantage estimators. Each: ``fn(inputs: AdvantageInputs, p: ObjectiveParams) -> advantages [B, T]``.
+"""Advantage estimators. Each: ``fn(inputs: AdvantageInputs, p: ObjectiveParams) -> advantages [n, T]``
+for the rows held (the whole batch, n = B, or one data-parallel share of it: ``inputs.share``).
 
 Sequence-level estimators (grpo, dr_grpo, rloo) broadcast one value per row over its trained
 tokens; token-level ones (reinforce_pp, reinforce_pp_baseline, gae) turn the sequence reward plus
 the per-token reward terms (``AdvantageInputs.token_rewards``, the KL penalty when
 ``algo.kl_in_reward``) into returns. Every result is 0 wherever ``loss_mask`` is 0.
+
+On a share: group statistics come from the whole batch's rewards and group ids (every share has
+them, [B]; a group may span shares), per-token work is per row, and the batch-wide whitening
+(:func:`whiten`) adds up the shares' partials through ``inputs.batch_sum`` / ``inputs.batch_max``.
 """
 from __future__ import annotations
 
 import torch
 
-from megaforge.algorithms.core import ADVANTAGES, AdvantageInputs, group_centered, group_moments
+from megaforge.algorithms.core import ADVANTAGES, AdvantageInputs, Reduce, group_centered, group_moments
 from megaforge.algorithms.params import ObjectiveParams
 
 
@@ -17,7 +22,7 @@ def _broadcast(seq_adv: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     return seq_adv[:, None].to(loss_mask.dtype) * loss_mask
 
 
-@ADVANTAGES.register("grpo")
+@ADVANTAGES.register("grpo", shares=True)
 def grpo_advantage(inp: AdvantageInputs, p: ObjectiveParams) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300), outcome supervision.
 
@@ -30,20 +35,20 @@ def grpo_advantage(inp: AdvantageInputs, p: ObjectiveParams) -> torch.Tensor:
     denom = std + p.std_eps
     adv = (inp.rewards.to(torch.float64) - mean) / torch.where(denom > 0, denom, torch.ones_like(denom))
     adv = torch.where((count > 1) & ~equal & (denom > 0), adv, torch.zeros_like(adv))
-    return _broadcast(adv, inp.loss_mask)
+    return _broadcast(inp.held(adv), inp.loss_mask)
 
 
-@ADVANTAGES.register("dr_grpo")
+@ADVANTAGES.register("dr_grpo", shares=True)
 def dr_grpo_advantage(inp: AdvantageInputs, p: ObjectiveParams) -> torch.Tensor:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783).
 
     A_i = r_i - mean_g(r): no std normalisation. Pair it with ``loss_agg: seq_mean_token_sum_norm``
     to also drop the per-sequence length normalisation.
     """
-    return _broadcast(group_centered(inp.rewards, inp.group_ids), inp.loss_mask)
+    return _broadcast(inp.held(group_centered(inp.rewards, inp.group_ids)), inp.loss_mask)
 
 
-@ADVANTAGES.register("rloo")
+@ADVANTAGES.register("rloo", shares=True)
 def rloo_advantage(inp: AdvantageInputs, p: ObjectiveParams) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740): leave-one-out baseline.
 
@@ -52,13 +57,16 @@ def rloo_advantage(inp: AdvantageInputs, p: ObjectiveParams) -> torch.Tensor:
     """
     _, _, count, _ = group_moments(inp.rewards, inp.group_ids)
     scale = torch.where(count > 1, count / (count - 1).clamp_min(1), torch.zeros_like(count))
-    return _broadcast(scale * group_centered(inp.rewards, inp.group_ids).to(torch.float64), inp.loss_mask)
+    adv = scale * group_centered(inp.rewards, inp.group_ids).to(torch.float64)
+    return _broadcast(inp.held(adv), inp.loss_mask)
 
 
 # ------------------------------------------------------------------------- token-level estimators
 def token_rewards(inp: AdvantageInputs, seq_rewards: torch.Tensor) -> torch.Tensor:
-    """Per-token rewards [B, T]: ``inp.token_rewards`` (e.g. -beta * KL_t, 0 when absent) plus the
-    sequence reward on the last trained token of each row."""
+    """Per-token rewards [n, T] of the rows held: ``inp.token_rewards`` (e.g. -beta * KL_t, 0 when
+    absent) plus the sequence reward (``seq_rewards`` [B], the whole batch's) on the last trained
+    token of each row."""
+    seq_rewards = inp.held(seq_rewards)
     mask = inp.loss_mask
     r = torch.zeros_like(mask) if inp.token_rewards is None else inp.token_rewards.to(mask.dtype) * mask
     T = mask.shape[1]
@@ -84,28 +92,43 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
     return out
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _trained_max(v: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+    """max of ``v`` where ``trained`` (a 0-dim float64; -inf when nothing is trained)."""
+    return torch.cat([v[trained], torch.tensor([float("-inf")], dtype=v.dtype)]).max()
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float, batch_sum: Reduce = _identity,
+           batch_max: Reduce = _identity) -> torch.Tensor:
     """(x - mean) / (std + eps) with mean and population std over the trained tokens of the batch
     (mask 0/1), 0 where mask is 0.
 
-    Arithmetic in float64, result in x's dtype: for float32 values the centring is exact (the float64
-    mean of equal float32 values is that value). When every trained value is equal (compared as
-    values) the result is exactly 0: nothing to normalise, whatever ``eps`` is.
+    ``x`` / ``mask`` may be one share's rows of the batch: ``batch_sum`` / ``batch_max`` then combine
+    the shares' partials (:class:`~megaforge.algorithms.core.Share`; identity: the whole batch), in two
+    passes as in one process: count n and sum S -> mean = S / n; then the centred sum of squares Q ->
+    var = Q / n. Arithmetic in float64, result in x's dtype: for float32 values the centring is exact
+    (the float64 mean of equal float32 values is that value). When every trained value is equal
+    (compared as values: the batch's min == max) the result is exactly 0, whatever ``eps`` is.
     """
-    trained = x[mask > 0]
-    if trained.numel() == 0 or bool((trained == trained[0]).all()):
-        return torch.zeros_like(x)
     x64, m64 = x.to(torch.float64), mask.to(torch.float64)
-    n = m64.sum()
-    mean = (x64 * m64).sum() / n
-    var = (((x64 - mean) * m64) ** 2).sum() / n
+    trained = mask > 0
+    # the batch's -min and max over trained values (-inf, -inf: no trained token anywhere)
+    neg_lo, hi = batch_max(torch.stack([_trained_max(-x64, trained), _trained_max(x64, trained)]))
+    if bool(hi == float("-inf")) or bool(-neg_lo == hi):
+        return torch.zeros_like(x)
+    n, total = batch_sum(torch.stack([m64.sum(), (x64 * m64).sum()]))
+    mean = total / n
+    var = batch_sum((((x64 - mean) * m64) ** 2).sum()) / n
     denom = var.sqrt() + eps
     if float(denom) == 0.0:  # distinct values whose spread underflows float64
         return torch.zeros_like(x)
     return ((x64 - mean) / denom * m64).to(x.dtype)
 
 
-@ADVANTAGES.register("reinforce_pp")
+@ADVANTAGES.register("reinforce_pp", shares=True)
 def reinforce_pp_advantage(inp: AdvantageInputs, p: ObjectiveParams) -> torch.Tensor:
     """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large
     Language Models", arXiv:2501.03262).
@@ -115,10 +138,10 @@ def reinforce_pp_advantage(inp: AdvantageInputs, p: ObjectiveParams) -> torch.Te
         A_t = (G_t - mean_batch(G)) / (std_batch(G) + std_eps)    (mean/std over trained tokens)
     """
     g = discounted_returns(token_rewards(inp, inp.rewards), inp.loss_mask, p.gamma)
-    return whiten(g, inp.loss_mask, p.std_eps)
+    return whiten(g, inp.loss_mask, p.std_eps, inp.batch_sum, inp.batch_max)
 
 
-@ADVANTAGES.register("reinforce_pp_baseline")
+@ADVANTAGES.register("reinforce_pp_baseline", shares=True)
 def reinforce_pp_baseline_advantage(inp: AdvantageInputs, p: ObjectiveParams) -> torch.Tensor:
     """REINFORCE++-baseline (Hu 2025, arXiv:2501.03262, the group-baseline variant): the group mean
     reward is subtracted first, then as ``reinforce_pp``:
@@ -126,7 +149,7 @@ def reinforce_pp_baseline_advantage(inp: AdvantageInputs, p: ObjectiveParams) ->
     (R'_i is exactly 0 in a group of equal rewards.)
     """
     g = discounted_returns(token_rewards(inp, group_centered(inp.rewards, inp.group_ids)), inp.loss_mask, p.gamma)
-    return whiten(g, inp.loss_mask, p.std_eps)
+    return whiten(g, inp.loss_mask, p.std_eps, inp.batch_sum, inp.batch_max)
 
 
 def gae(inp: AdvantageInputs, p: ObjectiveParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,15 +182,16 @@ def gae(inp: AdvantageInputs, p: ObjectiveParams) -> tuple[torch.Tensor, torch.T
     return adv, (adv + v) * mask
 
 
-@ADVANTAGES.register("gae")
+@ADVANTAGES.register("gae", shares=True)
 def gae_advantage(inp: AdvantageInputs, p: ObjectiveParams) -> torch.Tensor:
     """PPO's advantages (Schulman et al. 2017, arXiv:1707.06347; as in InstructGPT, Ouyang et al.
     2022): :func:`gae` whitened over the batch's trained tokens, A = (A - mean) / (std + std_eps).
     The critic is trained on the unwhitened :func:`gae` returns with the clipped value loss."""
     adv, _ = gae(inp, p)
-    return whiten(adv, inp.loss_mask, p.std_eps)
+    return whiten(adv, inp.loss_mask, p.std_eps, inp.batch_sum, inp.batch_max)
 
 
 def value_targets(inp: AdvantageInputs, p: ObjectiveParams) -> torch.Tensor:
-    """The critic's regression targets: the lambda-returns of :func:`gae` [B, T]."""
+    """The critic's regression targets: the lambda-returns of :func:`gae` [n, T] (per row: no
+    batch-wide statistic)."""
     return gae(inp, p)[1]

@@ -5,7 +5,7 @@ Shapes: ``B`` sequences (rows), ``T`` tokens (token-aligned, see :mod:`megaforge
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -17,13 +17,36 @@ LOSS_AGGS = Registry("loss aggregation")
 KL_ESTIMATORS = Registry("KL estimator")
 
 
+#: reduces a small float64 tensor elementwise over every share of a batch (see :class:`Share`)
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Share:
+    """How an estimator that holds one data-parallel share of a batch reaches the whole batch.
+
+    rows [n] int64: the whole batch's rows the share holds, in the order of its per-token tensors.
+    sum / max: a small float64 tensor -> its elementwise sum / maximum over every share of the batch,
+    each share counted once. Collective: every share's estimator makes the same calls in the same
+    order (the calls depend only on the estimator and on the whole batch's rewards and group ids).
+    """
+
+    rows: torch.Tensor
+    sum: Reduce
+    max: Reduce
+
+
 @dataclass
 class AdvantageInputs:
     """What an advantage estimator may read.
 
-    rewards [B] sequence rewards; group_ids [B] (samples of one prompt share an id);
-    loss_mask [B, T]; token_rewards [B, T] optional per-token reward terms (e.g. -beta * KL when
-    the KL is applied in the reward); values [B, T] optional critic values (gae).
+    rewards [B] sequence rewards and group_ids [B] (samples of one prompt share an id) of the whole
+    batch; loss_mask [n, T] of the rows held; token_rewards [n, T] optional per-token reward terms
+    (e.g. -beta * KL when the KL is applied in the reward); values [n, T] optional critic values (gae).
+    ``share`` None: the whole batch is held (n = B, rows in order). Otherwise the rows held are
+    ``share.rows`` (:meth:`held` picks them from a [B] tensor), and a batch-wide statistic of per-token
+    data adds up the shares' partials with :meth:`batch_sum` / :meth:`batch_max` (an estimator that
+    reduces over the batch by itself computes its share's statistic, not the batch's).
     """
 
     rewards: torch.Tensor
@@ -31,6 +54,34 @@ class AdvantageInputs:
     loss_mask: torch.Tensor
     token_rewards: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
+    share: Optional[Share] = None
+
+    def __post_init__(self):
+        b, n = self.rewards.shape[0], self.loss_mask.shape[0]
+        if tuple(self.group_ids.shape) != (b,) or self.rewards.dim() != 1:
+            raise ValueError(f"AdvantageInputs: rewards {tuple(self.rewards.shape)} and group_ids "
+                             f"{tuple(self.group_ids.shape)} must both be [B]")
+        held = (b,) if self.share is None else tuple(self.share.rows.shape)
+        if held != (n,):
+            where = f"B = {b}" if self.share is None else f"share.rows {held}"
+            raise ValueError(f"AdvantageInputs: loss_mask has {n} rows, the rows held are {where}")
+        for name in ("token_rewards", "values"):
+            t = getattr(self, name)
+            if t is not None and t.shape != self.loss_mask.shape:
+                raise ValueError(f"AdvantageInputs.{name}: shape {tuple(t.shape)}, loss_mask "
+                                 f"{tuple(self.loss_mask.shape)}")
+
+    def held(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows held of a whole-batch tensor ``x`` [B, ...] -> [n, ...]."""
+        return x if self.share is None else x[self.share.rows]
+
+    def batch_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (float64, a few elements) summed elementwise over the batch's shares."""
+        return t if self.share is None else self.share.sum(t)
+
+    def batch_max(self, t: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of ``t`` (float64, a few elements) over the batch's shares."""
+        return t if self.share is None else self.share.max(t)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, eps: float = 0.0) -> torch.Tensor:

@@ -2,10 +2,13 @@
 data-parallel *share* (:func:`megaforge.data.batch.share_of`) as tensors, point to point.
 
     main rank                                         rank r (r != 0), of DP rank d
-      error or None          -- broadcast (tiny) -->    every rank stops together on a bad batch
+      error or None, B       -- broadcast (tiny) -->    every rank stops together on a bad batch
       for every DP rank d: share_of(batch, m, d, DP)
       header [4 + F + 4 m] int64  -- send -->           counts, share shape, dtypes, mini-batch layout
       each tensor field that is set -- send -->         the share's tensors
+    only when the advantages need the trainer's results (BatchHandOff.sequences, below):
+      rewards [B], group ids [B]  -- broadcast -->      the whole batch's, on every rank
+      the estimators' batch sums / maxima  <-- all-reduce -->  a few float64 scalars
 
 Header: the whole batch's ``num_tokens`` and ``num_seqs``, the share's rows ``n`` and columns ``T``, one
 dtype code per tensor field (F of them; -1: not set), then per mini-batch (m = ``trainer.mini_batches``)
@@ -14,13 +17,18 @@ one DP rank (megatron's TP / CP / PP ranks) receive the same share. A rank thus 
 ``8 (4 + F + 4 m) + n (T * s_tok + s_row)`` bytes, with ``s_tok`` / ``s_row`` the element bytes of the
 per-token / per-row fields set: about 1/DP of the batch.
 
-Per-token results (reference / old log-probs, values) stay on their rank. When the advantages need
-them (``algo.kl_in_reward``'s penalty, critic values: estimators that normalise over groups and the
-whole batch), :meth:`BatchHandOff.gather` brings those [n, T] tensors of one rank per DP rank to the
-main rank, which computes the whole batch's advantages with the same arithmetic on the same tensors
-as a single process, and :meth:`BatchHandOff.scatter` sends every rank its rows of the results.
+Per-token results (reference / old log-probs, values) stay on their rank, and so does everything
+computed from them. When the advantages need them (``algo.kl_in_reward``'s penalty, critic values),
+every rank computes its share's advantages itself: :meth:`BatchHandOff.sequences` gives every rank the
+whole batch's rewards and group ids ([B] each: groups may span shares, so each rank computes the group
+statistics of the whole batch and picks its rows) and the
+:class:`~megaforge.algorithms.core.Share` through which the estimators add up batch-wide statistics
+(whitening: a few float64 scalars, all-reduced over the ranks, each DP rank counted once). No
+per-token tensor travels back to the main rank.
+
 Every method is collective over the world. Byte counts: :attr:`BatchHandOff.received` /
-:attr:`BatchHandOff.sent` (tensors only, headers included, since the last :meth:`BatchHandOff.share`).
+:attr:`BatchHandOff.sent` (tensors only, headers included, since the last :meth:`BatchHandOff.share`;
+an all-reduce counts its tensor's bytes once each way).
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ from typing import Optional
 import torch
 
 from megaforge import collective
+from megaforge.algorithms.core import Share
 from megaforge.data.batch import share_of, share_rows
 from megaforge.types import MiniBatchPart, TrainBatch
 
@@ -64,10 +73,9 @@ class BatchHandOff:
         self.dp_of = [d for d, _ in coords]  # the DP rank of every global rank
         self.dp_rank, self.dp_size, self.mini_batches = dp_rank, dp_size, mini_batches
         self.sent = self.received = 0
-        self._rows: list[list[int]] = []  # main: the whole batch's rows of every DP rank's share
-        self._cols: list[int] = []  # main: the columns of every DP rank's share
-        self._whole = (0, 0)  # main: (rows, columns) of the whole batch
-        self._local = (0, 0)  # every rank: (rows, columns) of its share
+        self.counted = self._ranks_of(dp_rank)[0] == collective.rank()  # this DP rank's partials in sums
+        self._batch_size = 0  # every rank: rows of the last whole batch handed off
+        self._codes: list[int] = []  # every rank: the dtype code of every field of it (-1: not set)
 
     def _ranks_of(self, d: int) -> list[int]:
         return [r for r, dd in enumerate(self.dp_of) if dd == d]
@@ -93,18 +101,15 @@ class BatchHandOff:
                 share_rows(batch.batch_size, self.mini_batches, 0, self.dp_size)
             except ValueError as e:
                 err = str(e)
-        err = collective.broadcast_object(err)
+        err, self._batch_size = collective.broadcast_object((err, batch.batch_size if collective.is_main() else 0))
+        self._codes = codes  # the other ranks': from their header
         if err:
             raise ValueError(err)
         if not collective.is_main():
             return self._receive()
         mine = None
-        self._whole = (batch.batch_size, int(batch.tokens.shape[1]))
-        self._rows, self._cols = [], []
         for d in range(self.dp_size):
             share = share_of(batch, self.mini_batches, d, self.dp_size)
-            self._rows.append(share_rows(batch.batch_size, self.mini_batches, d, self.dp_size))
-            self._cols.append(int(share.tokens.shape[1]))
             header = self._header(share, codes)
             for r in self._ranks_of(d):
                 if r == 0:
@@ -114,7 +119,6 @@ class BatchHandOff:
                 for name, c in zip(FIELDS, codes):
                     if c >= 0:
                         self._send(getattr(share, name), r)
-        self._local = (mine.batch_size, int(mine.tokens.shape[1]))
         return mine
 
     @staticmethod
@@ -128,6 +132,7 @@ class BatchHandOff:
         h = self._recv((4 + len(FIELDS) + 4 * self.mini_batches,), torch.long).tolist()
         num_tokens, num_seqs, n, T = h[:4]
         codes, rest = h[4:4 + len(FIELDS)], h[4 + len(FIELDS):]
+        self._codes = codes
         minis, lo = [], 0
         for k in range(self.mini_batches):
             count, size, ntok, nseq = rest[4 * k:4 * k + 4]
@@ -135,50 +140,41 @@ class BatchHandOff:
             lo += count
         fields = {name: (None if c < 0 else self._recv((n,) if name in TrainBatch.ROW_FIELDS else (n, T), DTYPES[c]))
                   for name, c in zip(FIELDS, codes)}
-        self._local = (n, T)
         return TrainBatch(**fields, num_tokens=num_tokens, num_seqs=num_seqs, minis=tuple(minis))
 
-    # ------------------------------------------------------------------ per-token values, both ways
-    def gather(self, tensors: dict[str, torch.Tensor]) -> Optional[dict[str, torch.Tensor]]:
-        """Per-token ``tensors`` [n, T] of this rank's share -> the whole batch's [B, T] on the main
-        rank (0 beyond each share's columns), None elsewhere. One rank per DP rank sends; every rank
-        passes the same names and dtypes."""
-        names = sorted(tensors)
-        for name in names:
-            if tuple(tensors[name].shape) != self._local:
-                raise ValueError(f"gather {name}: shape {tuple(tensors[name].shape)}, the share is {self._local}")
-        if not collective.is_main():
-            if self._ranks_of(self.dp_rank)[0] == collective.rank():
-                for name in names:
-                    self._send(tensors[name].cpu(), 0)
-            return None
-        out = {name: torch.zeros(self._whole, dtype=tensors[name].dtype) for name in names}
-        for d in range(self.dp_size):
-            src = self._ranks_of(d)[0]
-            rows, cols = torch.tensor(self._rows[d], dtype=torch.long), self._cols[d]
-            for name in names:
-                if src == 0:
-                    part = tensors[name].cpu()
-                else:
-                    part = self._recv((len(rows), cols), tensors[name].dtype, src)
-                out[name][rows, :cols] = part
+    # ------------------------------------------------- what the advantages of a share need of the batch
+    def sequences(self, batch: Optional[TrainBatch]) -> tuple[torch.Tensor, torch.Tensor, Share]:
+        """After :meth:`share` of ``batch`` (the whole batch on the main rank, None elsewhere): the whole
+        batch's rewards [B] and group ids [B] on every rank (broadcast from the main rank) and this
+        rank's :class:`~megaforge.algorithms.core.Share` of it (its rows; sums and maxima over the DP
+        ranks, :meth:`batch_sum` / :meth:`batch_max`). ValueError on every rank when the batch has no
+        rewards or group ids."""
+        missing = [n for n in ("rewards", "group_ids") if self._codes[FIELDS.index(n)] < 0]
+        if missing:
+            raise ValueError(f"the batch's advantages need TrainBatch.{' and '.join(missing)} (not set)")
+        whole = [self._broadcast(getattr(batch, n) if collective.is_main() else None, n) for n in ("rewards", "group_ids")]
+        rows = torch.tensor(share_rows(self._batch_size, self.mini_batches, self.dp_rank, self.dp_size), dtype=torch.long)
+        return whole[0], whole[1], Share(rows=rows, sum=self.batch_sum, max=self.batch_max)
+
+    def _broadcast(self, t: Optional[torch.Tensor], name: str) -> torch.Tensor:
+        out = collective.broadcast_tensor(t, (self._batch_size,), DTYPES[self._codes[FIELDS.index(name)]])
+        if collective.is_main():
+            self.sent += nbytes(out) * (collective.world() - 1)
+        else:
+            self.received += nbytes(out)
         return out
 
-    def scatter(self, whole: Optional[dict[str, torch.Tensor]], names: list[str]) -> dict[str, torch.Tensor]:
-        """The main rank's whole-batch [B, T] tensors ``whole[name]`` -> every rank's rows of them
-        [n, T] (its share's; ``whole`` is None on the other ranks)."""
-        names = sorted(names)
-        codes = collective.broadcast_object([dtype_code(n, whole[n]) for n in names] if collective.is_main() else None)
-        if not collective.is_main():
-            return {name: self._recv(self._local, DTYPES[c]) for name, c in zip(names, codes)}
-        mine = {}
-        for d in range(self.dp_size):
-            rows, cols = torch.tensor(self._rows[d], dtype=torch.long), self._cols[d]
-            parts = {name: whole[name][rows, :cols].contiguous() for name in names}
-            for r in self._ranks_of(d):
-                if r == 0:
-                    mine = parts
-                    continue
-                for name in names:
-                    self._send(parts[name], r)
-        return mine
+    def batch_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The elementwise sum of ``t`` over the DP ranks, on every rank: each DP rank's value once
+        (its model-parallel peers, which hold the same share, add 0)."""
+        return self._all_reduce(t if self.counted else torch.zeros_like(t), collective.all_reduce_sum)
+
+    def batch_max(self, t: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of ``t`` over the DP ranks, on every rank."""
+        return self._all_reduce(t, collective.all_reduce_max)
+
+    def _all_reduce(self, t: torch.Tensor, reduce) -> torch.Tensor:
+        if collective.world() > 1:
+            self.sent += nbytes(t)
+            self.received += nbytes(t)
+        return reduce(t.clone())

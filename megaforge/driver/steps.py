@@ -2,7 +2,9 @@
 are made of: :meth:`StepParts.rollout` (prompts -> scored samples -> TrainBatch, with DAPO's dynamic
 sampling and the partial-rollout pool), :meth:`StepParts.train` (reference / old log-probs, values,
 advantages, the optimizer step(s), with the colocated memory choreography) and :meth:`StepParts.push`
-(the trainer's weights to the engine). The order of one step: DESIGN.md "One RL step"."""
+(the trainer's weights to the engine). The order of one step: DESIGN.md "One RL step". Advantages that
+read the trainer's per-token results are computed by every rank on its own share
+(:func:`share_advantages`): no per-token tensor goes back to the main rank."""
 from __future__ import annotations
 
 import math
@@ -12,8 +14,8 @@ from typing import Optional
 import torch
 
 from megaforge import collective, memory
-from megaforge.algorithms import (ADVANTAGES, AdvantageInputs, first_groups, kl_reward_penalty, nonzero_variance_groups,
-                                  overlong_penalty, value_targets)
+from megaforge.algorithms import (ADVANTAGES, AdvantageInputs, Share, first_groups, kl_reward_penalty,
+                                  nonzero_variance_groups, overlong_penalty, value_targets)
 from megaforge.config import Config
 from megaforge.data.batch import per_token_bytes, samples_to_batch, set_denominators
 from megaforge.driver.common import timed
@@ -195,9 +197,12 @@ def needs_old_logprobs(cfg: Config) -> bool:
     return cfg.trainer.mini_batches * cfg.trainer.epochs > 1 or kl_in_reward(cfg)
 
 
-def batch_advantages(batch, cfg: Config) -> torch.Tensor:
-    """``algo.advantage`` of ``batch`` [B, T]; sets ``batch.returns`` (the critic's targets) when the
-    batch has critic values. With :func:`kl_in_reward` the token rewards are
+def batch_advantages(batch: TrainBatch, cfg: Config,
+                     whole: Optional[tuple[torch.Tensor, torch.Tensor, Share]] = None) -> torch.Tensor:
+    """``algo.advantage`` of ``batch``'s rows [n, T]: of a whole batch, or of one data-parallel share of
+    it when ``whole`` = (the whole batch's rewards [B], its group ids [B], this rank's Share) is given
+    (:meth:`~megaforge.driver.handoff.BatchHandOff.sequences`). Sets ``batch.returns`` (the critic's
+    targets) when the batch has critic values. With :func:`kl_in_reward` the token rewards are
     :func:`~megaforge.algorithms.kl.kl_reward_penalty` of the trainer's old log-probs (as verl), not of
     the engine's rollout log-probs."""
     token_rewards = None
@@ -206,26 +211,33 @@ def batch_advantages(batch, cfg: Config) -> torch.Tensor:
             raise RuntimeError("algo.kl_in_reward: the batch lacks the trainer's old or reference log-probs")
         token_rewards = kl_reward_penalty(batch.old_logprobs, batch.ref_logprobs, batch.loss_mask, cfg.grpo.beta,
                                           cfg.algo.kl_estimator)
-    inp = AdvantageInputs(rewards=batch.rewards, group_ids=batch.group_ids, loss_mask=batch.loss_mask,
-                          token_rewards=token_rewards, values=batch.values)
+    rewards, group_ids, share = whole if whole is not None else (batch.rewards, batch.group_ids, None)
+    inp = AdvantageInputs(rewards=rewards, group_ids=group_ids, loss_mask=batch.loss_mask,
+                          token_rewards=token_rewards, values=batch.values, share=share)
     if batch.values is not None:  # the critic's targets: lambda-returns
         batch.returns = value_targets(inp, cfg.algo)
-    return ADVANTAGES.get(cfg.algo.advantage)(inp, cfg.algo)
+    adv = ADVANTAGES.get(cfg.algo.advantage)(inp, cfg.algo)
+    if adv.shape != batch.loss_mask.shape:
+        raise ValueError(f"algo.advantage {cfg.algo.advantage!r} returned advantages of shape {tuple(adv.shape)} "
+                         f"for rows of shape {tuple(batch.loss_mask.shape)} (the rows held: AdvantageInputs.loss_mask)")
+    return adv
 
 
 def advantages_need_trainer(cfg: Config) -> bool:
     """The advantages read per-token results of the trainer (the KL penalty in the reward, critic
-    values), so they are computed after the log-probs / values, from every rank's share; otherwise
-    the main rank computes them on the whole batch before the hand-off."""
+    values), so every rank computes them on its own share after the log-probs / values
+    (:func:`share_advantages`); otherwise the main rank computes them on the whole batch before the
+    hand-off."""
     return kl_in_reward(cfg) or cfg.critic_enabled
 
 
 def train_share(trainer, handoff: BatchHandOff, batch: Optional[TrainBatch], cfg: Config, m: dict) -> TrainBatch:
     """Every rank: the step's training on this rank's share of ``batch`` (whole on the main rank, None
-    elsewhere), handed off by ``handoff``. The main rank computes the advantages on the whole batch
-    (before the hand-off, or from the gathered per-token inputs: :func:`advantages_need_trainer`);
-    every per-token result stays on its rank. Adds to ``m`` the trainer's metrics and the hand-off's
-    (:func:`handoff_metrics`). Returns the share, with its per-token results."""
+    elsewhere), handed off by ``handoff``. The advantages: the main rank's on the whole batch before
+    the hand-off, or every rank's on its share after the log-probs / values
+    (:func:`advantages_need_trainer`); every per-token result stays on its rank. Adds to ``m`` the
+    trainer's metrics and the hand-off's (:func:`handoff_metrics`). Returns the share, with its
+    per-token results."""
     if batch is not None:
         set_denominators(batch)
         if not advantages_need_trainer(cfg):
@@ -238,36 +250,32 @@ def train_share(trainer, handoff: BatchHandOff, batch: Optional[TrainBatch], cfg
     if cfg.critic_enabled:
         share.values = trainer.compute_values(share)
     if advantages_need_trainer(cfg):
-        advantages_from_shares(handoff, share, batch, cfg)
+        share_advantages(handoff, share, batch, cfg)
     m.update(trainer.train_step(share))
     m.update(handoff_metrics(handoff, share))
     return share
 
 
-def advantages_from_shares(handoff: BatchHandOff, share: TrainBatch, batch: Optional[TrainBatch], cfg: Config) -> None:
-    """The per-token inputs of the advantages (old / reference log-probs for the KL penalty, critic
-    values) gathered from the shares onto the main rank's whole ``batch``, :func:`batch_advantages`
-    (and the critic's returns) computed there, and every share's rows of them scattered back; the
-    whole batch's copies of the inputs and returns are dropped again."""
-    names = (["old_logprobs", "ref_logprobs"] if kl_in_reward(cfg) else []) + (["values"] if cfg.critic_enabled else [])
-    got = handoff.gather({n: getattr(share, n) for n in names})
-    whole = None
-    if batch is not None:
-        for n in names:
-            setattr(batch, n, got[n])
-        batch.advantages = batch_advantages(batch, cfg)
-        whole = {"advantages": batch.advantages, **({"returns": batch.returns} if batch.returns is not None else {})}
-    outs = ["advantages"] + (["returns"] if cfg.critic_enabled else [])
-    for n, t in handoff.scatter(whole, outs).items():
-        setattr(share, n, t)
-    if batch is not None:  # the main rank keeps only its share's per-token results from here on
-        for n in names + ["returns"]:
-            setattr(batch, n, None)
+def share_advantages(handoff: BatchHandOff, share: TrainBatch, batch: Optional[TrainBatch], cfg: Config) -> None:
+    """Every rank: :func:`batch_advantages` (and the critic's returns) of its own ``share``, with the
+    whole batch's rewards and group ids and the sums over the DP ranks that the estimator needs
+    (:meth:`~megaforge.driver.handoff.BatchHandOff.sequences`). ValueError on every rank, before any
+    collective of the estimator, for an estimator that does not declare it works on a share
+    (``ADVANTAGES.register(name, shares=True)``) when there are several DP ranks."""
+    name = cfg.algo.advantage
+    if handoff.dp_size > 1 and not ADVANTAGES.declared(name).get("shares"):
+        raise ValueError(
+            f"algo.advantage {name!r}: with algo.kl_in_reward or the critic every data-parallel rank computes "
+            f"its share's advantages, and {name!r} does not declare that it can (register it with shares=True "
+            "once its batch-wide statistics go through AdvantageInputs.batch_sum / batch_max and its rows "
+            "through AdvantageInputs.held)")
+    share.advantages = batch_advantages(share, cfg, handoff.sequences(batch))
 
 
 def handoff_metrics(handoff: BatchHandOff, share: TrainBatch) -> dict:
-    """``handoff/bytes_received`` (this rank's, in the step's hand-off, gathers and scatters included),
-    ``handoff/per_token_bytes`` (host bytes of the share's per-token tensors after the passes), and
+    """``handoff/bytes_received`` (this rank's, in the step's hand-off, the advantages' broadcast and
+    all-reduces included), ``handoff/per_token_bytes`` (host bytes of the share's per-token tensors
+    after the passes), and
     the largest of each over the ranks (``..._max``: the main rank logs its own). Collective."""
     mine = [handoff.received, per_token_bytes(share)]
     every = collective.all_gather_ints(mine)

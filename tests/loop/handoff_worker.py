@@ -1,7 +1,8 @@
 """One rank of tests/loop/test_handoff.py: the step's training data path (megaforge.driver.steps.train_share)
-on a fixed batch that the main rank builds, for two configs (GRPO: advantages on the main rank before
-the hand-off; REINFORCE++ with the KL in the reward: the old / reference log-probs gathered onto the
-main rank and the advantages scattered back). Writes what it received, held and computed to
+on a fixed batch that the main rank builds, for three configs (GRPO: advantages on the main rank before
+the hand-off; REINFORCE++-baseline with the KL in the reward, and PPO's gae with the critic: every rank
+computes its share's advantages from its own old / reference log-probs or values, with the group and
+whitening statistics of the whole batch). Writes what it received, held and computed to
 ``OUT/rank{R}.pt``.
 
 argv: MODEL_DIR OUT"""
@@ -21,7 +22,8 @@ from megaforge.types import Sample
 B, PROMPT, RESPONSE, MINI_BATCHES = 8, 4, 6, 2  # every row is PROMPT + RESPONSE = 10 tokens long
 CONFIGS = {
     "grpo": {"grpo": {"beta": 0.01}},
-    "kl_in_reward": {"grpo": {"beta": 0.01}, "algo": {"advantage": "reinforce_pp", "kl_in_reward": True}},
+    "kl_in_reward": {"grpo": {"beta": 0.01}, "algo": {"advantage": "reinforce_pp_baseline", "kl_in_reward": True}},
+    "gae": {"grpo": {"beta": 0.01}, "algo": {"advantage": "gae", "gamma": 0.9, "lam": 0.8}, "critic": {"lr": 1e-3}},
 }
 
 
@@ -58,6 +60,10 @@ def main() -> None:
         tr = TorchTrainer(cfg)
         tr.snapshot_reference()
         tr.reset_optimizer(cfg.trainer.lr, 1)
+        if cfg.critic_enabled:
+            tr.init_critic()
+            with torch.no_grad():  # values that differ by token (a fresh head gives 0 everywhere)
+                tr.critic.net.head.weight.normal_(0.0, 0.5)
         handoff = BatchHandOff(*tr.data_parallel(), cfg.trainer.mini_batches)
         m: dict = {}
         share = train_share(tr, handoff, whole_batch() if collective.is_main() else None, cfg, m)
@@ -66,6 +72,7 @@ def main() -> None:
             "shape": tuple(share.tokens.shape), "metrics": m,
             "rows": share_rows(B, MINI_BATCHES, collective.rank(), collective.world()),
             "old_logprobs": share.old_logprobs, "ref_logprobs": share.ref_logprobs, "advantages": share.advantages,
+            "values": share.values, "returns": share.returns,
         }
     # a batch too small for the ranks: every rank gets the same error (none waits in a collective)
     handoff = BatchHandOff(collective.rank(), collective.world(), MINI_BATCHES)
@@ -75,6 +82,10 @@ def main() -> None:
         res["too_small"] = None
     except ValueError as e:
         res["too_small"] = str(e)
+    # model-parallel peers (pairs of ranks as one DP rank): a sum over the DP ranks counts each once
+    dp_rank, dp_size = (collective.rank() // 2, collective.world() // 2) if collective.world() > 1 else (0, 1)
+    peers = BatchHandOff(dp_rank, dp_size, MINI_BATCHES)
+    res["peer_sums"] = peers.batch_sum(torch.tensor([1.0, float(dp_rank)], dtype=torch.float64)).tolist()
     torch.save(res, os.path.join(out, f"rank{collective.rank()}.pt"))
     collective.barrier()
 

@@ -1,7 +1,10 @@
 """The batch hand-off (megaforge.driver.handoff, issue 22 item 6) on 1, 2 and 4 gloo ranks of the same
 batch: every rank receives exactly its share's tensors (bytes computed from the shapes, so 1/DP of the
 batch) and holds only its share's per-token tensors after the passes; the step's metrics name both;
-the per-token results, advantages and training metrics are those of one process."""
+the per-token results, advantages and training metrics are those of one process. Advantages that
+read the trainer's per-token results (the KL in the reward, the critic's values) are computed on
+every rank's share: the main rank receives no per-token data for them, whatever the DP size, and
+they equal one process's computation on the whole batch of the same inputs."""
 import os
 import socket
 import subprocess
@@ -14,7 +17,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "loop", "handoff_worker.py")
 sys.path.insert(0, os.path.dirname(WORKER))
-from handoff_worker import B, CONFIGS, MINI_BATCHES, PROMPT, RESPONSE  # noqa: E402
+from handoff_worker import B, CONFIGS, MINI_BATCHES, PROMPT, RESPONSE, config, whole_batch  # noqa: E402
 
 T = PROMPT + RESPONSE
 N_FIELDS = 12  # TrainBatch.TENSOR_FIELDS
@@ -22,8 +25,17 @@ HEADER = 8 * (4 + N_FIELDS + 4 * MINI_BATCHES)  # int64: counts, shape, dtype co
 # bytes per row of what the main rank sends: per token tokens (int64) + loss_mask, advantages,
 # rollout_logprobs (float32); per row lengths, group_ids, weight_versions (int64) + rewards (float32)
 SENT_PER_TOKEN, SENT_PER_ROW = 8 + 4 + 4 + 4, 8 + 8 + 8 + 4
-# held after the passes: the sent per-token tensors + old and reference log-probs (float32)
-HELD_PER_TOKEN = SENT_PER_TOKEN + 4 + 4
+# held after the passes: the sent per-token tensors + old and reference log-probs (float32), and with
+# the critic its values and returns (float32)
+HELD_PER_TOKEN = {"grpo": SENT_PER_TOKEN + 4 + 4, "kl_in_reward": SENT_PER_TOKEN + 4 + 4,
+                  "gae": SENT_PER_TOKEN + 4 + 4 + 4 + 4}
+# the configs whose advantages every rank computes on its share (the others: the main rank, whole batch)
+ON_SHARES = ("kl_in_reward", "gae")
+# for those, every rank but the main one receives the whole batch's rewards (float32) and group ids
+# (int64), and every rank, when there are several, the whitening's three all-reduces of float64:
+# (-min, max), (count, sum), centred sum of squares
+SEQUENCES = B * (4 + 8)
+REDUCTIONS = 8 * (2 + 2 + 1)
 
 
 def free_port() -> int:
@@ -62,53 +74,121 @@ def run_world(model_dir: str, out: str, world: int, timeout: float = 120.0) -> l
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
+def model(tmp_path_factory):
     sys.path.insert(0, ROOT)
     from tests.conftest import make_tiny_model
 
+    return make_tiny_model(str(tmp_path_factory.mktemp("handoff_model")))
+
+
+@pytest.fixture(scope="module")
+def worlds(model, tmp_path_factory):
     root = tmp_path_factory.mktemp("handoff")
-    model = make_tiny_model(str(root / "model"))
     return {w: run_world(model, str(root / f"w{w}"), w) for w in (1, 2, 4)}
+
+
+def received_bytes(name: str, w: int, r: int, n: int) -> int:
+    """What rank ``r`` of ``w`` receives in the step of config ``name`` (its share has ``n`` rows)."""
+    share = 0 if r == 0 else HEADER + n * (T * SENT_PER_TOKEN + SENT_PER_ROW)
+    if name not in ON_SHARES:
+        return share
+    return share + (0 if r == 0 else SEQUENCES) + (REDUCTIONS if w > 1 else 0)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_each_rank_receives_and_holds_its_share_only(worlds, name):
+    held_per_token = HELD_PER_TOKEN[name]
     for w, ranks in worlds.items():
         n = B // w  # each mini-batch of B / MINI_BATCHES rows splits evenly over w ranks
         for r, res in enumerate(ranks):
             got = res[name]
             assert got["shape"] == (n, T)
-            assert got["per_token_bytes"] == n * T * HELD_PER_TOKEN, (w, r)
+            assert got["per_token_bytes"] == n * T * held_per_token, (w, r)
             assert got["metrics"]["handoff/per_token_bytes"] == got["per_token_bytes"]
-            assert got["metrics"]["handoff/per_token_bytes_max"] == n * T * HELD_PER_TOKEN
-            received = 0 if r == 0 else HEADER + n * (T * SENT_PER_TOKEN + SENT_PER_ROW)
-            if name == "kl_in_reward":  # the advantages scattered back (float32), the log-probs gathered
-                received = (2 * 4 * n * T * (w - 1)) if r == 0 else received + 4 * n * T
+            assert got["metrics"]["handoff/per_token_bytes_max"] == n * T * held_per_token
+            received = received_bytes(name, w, r, n)
             assert got["received"] == received, (name, w, r, got["received"], received)
             assert got["metrics"]["handoff/bytes_received"] == received
-    # what a rank other than the main one receives falls as 1/DP (the header aside)
-    one = [worlds[w][1][name]["received"] - HEADER for w in (2, 4)]
+    # what a rank other than the main one receives of the share falls as 1/DP (the header and the
+    # whole batch's rewards, group ids and reductions aside)
+    one = [worlds[w][1][name]["received"] - received_bytes(name, w, 1, 0) for w in (2, 4)]
     assert one[0] == 2 * one[1]
     held = [worlds[w][-1][name]["per_token_bytes"] for w in (1, 2, 4)]
     assert held == [held[0], held[0] // 2, held[0] // 4]
 
 
+@pytest.mark.parametrize("name", ON_SHARES)
+def test_the_main_rank_receives_no_per_token_data_for_share_advantages(worlds, name):
+    """Before, the main rank gathered the shares' [n, T] log-probs / values ((w - 1) B / w rows of
+    them): 320 and 480 bytes at 2 and 4 ranks for the KL's two float32 fields. Now 0, 40, 40."""
+    assert [worlds[w][0][name]["received"] for w in (1, 2, 4)] == [0, REDUCTIONS, REDUCTIONS]
+
+
+def whole_batch_reference(model, name, ranks):
+    """One process's advantages and returns of the whole batch whose rows' per-token inputs (old and
+    reference log-probs, values) are the ones the ranks computed, and the (local-only) advantages a
+    rank would get by whitening its share by itself."""
+    from megaforge.data.batch import set_denominators
+    from megaforge.driver.steps import batch_advantages
+
+    cfg = config(model, CONFIGS[name])
+    whole = set_denominators(whole_batch())
+    for field in ("old_logprobs", "ref_logprobs", "values"):
+        if ranks[0][name][field] is not None:
+            setattr(whole, field, torch.zeros(B, T))
+            for res in ranks:
+                getattr(whole, field)[torch.tensor(res[name]["rows"])] = res[name][field]
+    local = []
+    for res in ranks:
+        part = whole.select(res[name]["rows"])
+        local.append(batch_advantages(part, cfg))
+    return batch_advantages(whole, cfg), whole.returns, local
+
+
+@pytest.mark.parametrize("name", ON_SHARES)
+def test_share_advantages_equal_the_whole_batch_computation(model, worlds, name):
+    """Each rank's advantages (and the critic's returns) equal one process's computation on the
+    whole batch of the same per-token inputs. The rows' token work is the same float32 arithmetic
+    per row; the whitening's float64 count / sum / centred sum of squares add up the shares' partials
+    (2 or 4 of them, 48 trained tokens) in another order, ~1e-15 relative, so the float32 results may
+    differ by an ulp of the cast: rtol 2.5e-7 (2 ulps), atol 1e-7 for values near 0. A rank that
+    whitened only its own share would be off by far more (checked: > 1e-3)."""
+    for w in (1, 2, 4):
+        adv, returns, local = whole_batch_reference(model, name, worlds[w])
+        for r, res in enumerate(worlds[w]):
+            got, rows = res[name], torch.tensor(res[name]["rows"])
+            torch.testing.assert_close(got["advantages"], adv[rows], rtol=2.5e-7, atol=1e-7, msg=f"{name} w{w} r{r}")
+            if returns is not None:
+                torch.testing.assert_close(got["returns"], returns[rows], rtol=2.5e-7, atol=1e-7)
+            if w > 1:
+                assert float((local[r] - adv[rows]).abs().max()) > 1e-3, (name, w, r)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_results_are_those_of_one_process(worlds, name):
-    """The rows' log-probs and advantages on their ranks equal one process's rows; the step's metrics
-    (sums over ranks) equal one process's. Tolerances: float32 log-probs of the same rows computed in
-    micro-batches of other rows (batched matmuls may round differently: ~1e-6 relative over the
-    2-layer model's few hundred accumulations), and metrics summed over up to 4 ranks in another
-    order (float32, relative 1e-5)."""
+    """The rows' log-probs, values, advantages and returns on their ranks equal one process's rows;
+    the step's metrics (sums over ranks) equal one process's. Tolerances: float32 log-probs / values of
+    the same rows computed in micro-batches of other rows (batched matmuls may round differently:
+    ~1e-6 relative over the 2-layer model's few hundred accumulations, and what follows from them),
+    and metrics summed over up to 4 ranks in another order (float32, relative 1e-5)."""
     ref = worlds[1][0][name]
     for w in (2, 4):
         for res in worlds[w]:
             got = res[name]
             rows = torch.tensor(got["rows"])
-            for field in ("old_logprobs", "ref_logprobs", "advantages"):
-                torch.testing.assert_close(got[field], ref[field][rows], rtol=1e-5, atol=1e-5, msg=field)
+            for field in ("old_logprobs", "ref_logprobs", "values", "advantages", "returns"):
+                if ref[field] is not None:
+                    torch.testing.assert_close(got[field], ref[field][rows], rtol=1e-5, atol=1e-5, msg=field)
             for k in ("loss", "pg_loss", "grad_norm", "entropy", "kl"):
                 assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-5, abs=1e-6), (w, k)
+
+
+def test_a_dp_rank_of_several_model_parallel_peers_is_summed_once(worlds):
+    """Pairs of ranks as one DP rank each (the worker's ``peers``): batch_sum over the DP ranks of
+    (1, dp_rank) gives (DP size, 0 + 1 + ...), not twice that; exact in float64 (small integers)."""
+    assert [res["peer_sums"] for res in worlds[1]] == [[1.0, 0.0]]
+    assert [res["peer_sums"] for res in worlds[2]] == [[1.0, 0.0]] * 2
+    assert [res["peer_sums"] for res in worlds[4]] == [[2.0, 1.0]] * 4
 
 
 def test_a_batch_too_small_for_the_ranks_fails_on_every_rank(worlds):
@@ -138,3 +218,17 @@ def test_shares_partition_every_mini_batch():
     assert torch.equal(share.tokens, whole.select([2, 3, 6]).tokens)  # trimmed to its longest row
     with pytest.raises(ValueError, match="a mini-batch of 3 sequences cannot feed 4 data-parallel ranks"):
         share_of(whole, 2, 0, 4)
+
+
+def test_an_estimator_not_declared_for_shares_is_refused_on_several_ranks(model):
+    """A plug-in estimator (``package.module:callable``: no declarations) may reduce over the rows it
+    is given, which on a share would be the share's statistics: with several DP ranks and advantages
+    computed on the shares, the step stops naming it, before any collective (one process here)."""
+    from megaforge.driver.handoff import BatchHandOff
+    from megaforge.driver.steps import share_advantages
+
+    cfg = config(model, {"grpo": {"beta": 0.01}, "algo": {
+        "advantage": "megaforge.algorithms.advantages:reinforce_pp_advantage", "kl_in_reward": True}})
+    share = whole_batch()
+    with pytest.raises(ValueError, match="reinforce_pp_advantage' does not declare that it can .*shares=True"):
+        share_advantages(BatchHandOff(0, 2, MINI_BATCHES), share, None, cfg)
