@@ -96,7 +96,7 @@ class TorchCritic(Critic):
         return lambda: metrics
 
     def step(self) -> dict[str, float]:
-        norm, stepped = torch_ddp.clipped_step(self.net.parameters(), self.opt, self.cfg.trainer.grad_clip)
+        norm, stepped = torch_ddp.clipped_step(self.net.named_parameters(), self.opt, self.cfg.trainer.grad_clip)
         self.steps += int(stepped)
         return {"grad_norm": norm}
 

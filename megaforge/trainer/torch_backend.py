@@ -63,7 +63,7 @@ class TorchTrainer(Trainer):
             g["lr"] = lr
 
     def _clip_and_step(self) -> tuple[float, bool]:
-        return torch_ddp.clipped_step(self.model.parameters(), self.opt, self.cfg.trainer.grad_clip)
+        return torch_ddp.clipped_step(self.model.named_parameters(), self.opt, self.cfg.trainer.grad_clip)
 
     # -------------------------------------------------------------------------------- forward
     def _forward(self, module, mb: TrainBatch, temperature: float, with_entropy: bool):

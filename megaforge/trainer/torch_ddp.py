@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from typing import Iterable
 
 import torch
@@ -61,10 +62,13 @@ def accumulate(module: torch.nn.Module, rows: TrainBatch, micro_batch_size: int,
     return {k: float(vec[i]) for i, k in enumerate(keys)}
 
 
-def clipped_step(params: Iterable[torch.nn.Parameter], opt: torch.optim.Optimizer, clip: float) -> tuple[float, bool]:
-    """Clip the gradients of ``params`` to global norm ``clip`` (0: no clipping) and step ``opt``; a
-    non-finite norm skips the step. Gradients are cleared either way. Returns (norm, stepped)."""
-    params = [p for p in params if p.grad is not None]
+def clipped_step(named: Iterable[tuple[str, torch.nn.Parameter]], opt: torch.optim.Optimizer,
+                 clip: float) -> tuple[float, bool]:
+    """Clip the gradients of the ``named`` parameters (``module.named_parameters()``) to global norm
+    ``clip`` (0: no clipping) and step ``opt``; a non-finite norm skips the step and says on stderr
+    (main rank) which gradients were non-finite. Gradients are cleared either way. Returns (norm, stepped)."""
+    named = [(n, p) for n, p in named if p.grad is not None]
+    params = [p for _, p in named]
     if clip > 0:
         norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
     else:
@@ -72,8 +76,18 @@ def clipped_step(params: Iterable[torch.nn.Parameter], opt: torch.optim.Optimize
     stepped = math.isfinite(norm)
     if stepped:
         opt.step()
+    elif collective.is_main():
+        print(f"[megaforge] optimizer update skipped: {non_finite_report(named)}", file=sys.stderr, flush=True)
     opt.zero_grad(set_to_none=True)
     return norm, stepped
+
+
+def non_finite_report(named: list[tuple[str, torch.nn.Parameter]], show: int = 3) -> str:
+    """Which of the ``named`` parameters' gradients hold NaN / inf: the first ``show`` names and the count."""
+    bad = [n for n, p in named if not bool(torch.isfinite(p.grad).all())]
+    more = f" and {len(bad) - show} more" if len(bad) > show else ""
+    return (f"non-finite gradient in {len(bad)} of {len(named)} tensors ({', '.join(bad[:show])}{more})" if bad
+            else f"the gradient norm over {len(named)} finite tensors overflowed")
 
 
 def adamw(params, lr: float, t) -> torch.optim.AdamW:

@@ -23,6 +23,10 @@ def test_nan_loss_steps_skipped_then_stop(tmp_path):
                "--trainer.max_bad_steps", "3")
     assert p.returncode == 1
     assert "3 consecutive steps had a non-finite loss or gradient (trainer.max_bad_steps=3)" in p.stderr
+    # each skipped update names the gradients (a NaN loss makes every one of them NaN)
+    skips = [ln for ln in p.stderr.splitlines() if ln.startswith("[megaforge] optimizer update skipped: ")]
+    assert len(skips) == 3 and all("non-finite gradient in" in ln and "model.embed_tokens.weight" in ln
+                                   for ln in skips), skips
     recs = [json.loads(l) for l in open(tmp_path / "n" / "metrics.jsonl")]
     assert [r["health/skipped_steps"] for r in recs] == [1.0, 2.0, 3.0]
     assert all(r["weight_version"] == 0.0 for r in recs)  # nothing was applied
