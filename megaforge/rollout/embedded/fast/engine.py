@@ -14,9 +14,10 @@ Per generate call (``B`` = slots = min(max_batch, requests) rounded up to a powe
           finished rows free their slots and waiting requests take them (continuous refill);
           with nobody waiting, busy rows are compacted into the lowest slots so Bb shrinks.
 
-Sampling is :func:`~megaforge.rollout.embedded.sampling.sample_from_uniform` (the simple engine's math) with
-``u = counter_uniform(seed, index of the generated token)``; a request without a seed gets one drawn
-from the engine's seed generator, so every row is batch-independent. Stop strings and aborts are
+Sampling is :func:`~megaforge.rollout.embedded.sampling.sample_from_keys` (the simple engine's math: Gumbel-max
+with counter-based noise) with the key ``counter_keys(seed, index of the generated token)``; a request
+without a seed gets one drawn from the engine's seed generator, so every row is batch-independent.
+With ``compile`` set, the draw (noise, argmax, logprob: one fused pass over the vocabulary) is compiled. Stop strings and aborts are
 checked on the host at chunk boundaries (rows decoded past a stop string are truncated there).
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 
 from megaforge.rollout.embedded.fast.forward import StaticForward
-from megaforge.rollout.embedded.sampling import counter_uniform, sample_from_uniform
+from megaforge.rollout.embedded.sampling import counter_keys, draw_tokens, sample_from_keys
 from megaforge.types import Completion, GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class FastDecoder:
     (their K/V rows plus the sampling buffers of a step) take at most this fraction of the free
     device memory: fewer slots than requested means more refill rounds, not an out-of-memory error;
     compile: a torch.compile backend for the decode step's per-layer pieces (forward.py; GPU:
-    "inductor"), None: the HF modules run as they are; attention: "auto" | "sdpa" | "matmul", how a
+    "inductor") and the sampler's draw (sampling.draw_tokens), None: both run eagerly; attention: "auto" | "sdpa" | "matmul", how a
     decode step attends (forward.py).
     """
 
@@ -100,6 +101,7 @@ class FastDecoder:
                  memory_fraction: float = 0.5, compile: Optional[str] = None, attention: str = "auto"):
         self.engine = engine
         self.fwd = StaticForward(engine.model, compile=compile, attention=attention)
+        self._draw = torch.compile(draw_tokens, backend=compile, dynamic=True, fullgraph=True) if compile else draw_tokens
         self.device = engine.device
         self.use_graphs = (self.device.type == "cuda") if graphs is None else bool(graphs)
         if self.use_graphs and self.device.type != "cuda":
@@ -141,7 +143,9 @@ class FastDecoder:
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         if self.cache is not None:
             free += self.cache.nbytes
-        per_row = L * self.fwd.kv_bytes_per_token + 24 * self.vocab
+        # sampling: the eager draw's int64 / float64 temporaries (hash, t, E, g, score: ~6 of 8 bytes per
+        # vocabulary entry) beside the float32 logits; compiled, the draw keeps none of them
+        per_row = L * self.fwd.kv_bytes_per_token + 56 * self.vocab
         fit = max(1, int(self.memory_fraction * free) // per_row)
         if fit < B:
             log.warning("fast rollout path: %d slots of %d tokens fit in %.0f%% of the free GPU memory (asked %d)",
@@ -179,8 +183,9 @@ class FastDecoder:
         need_k, need_p, greedy = flags
         active = ~s.fin[:Bb]
         logits = self.fwd.decode(self.cache, s.tok[:Bb], s.lens[:Bb], Lb)
-        u = counter_uniform(s.seed[:Bb], s.ngen[:Bb])
-        tok, lp = sample_from_uniform(logits, s.temp[:Bb], s.topk[:Bb], s.topp[:Bb], u, need_k, need_p, greedy)
+        keys = counter_keys(s.seed[:Bb], s.ngen[:Bb])
+        tok, lp = sample_from_keys(logits, s.temp[:Bb], s.topk[:Bb], s.topp[:Bb], keys, need_k, need_p, greedy,
+                                   draw=self._draw)
         col = s.step.expand(Bb)[:, None]
         s.out_tok[:Bb].scatter_(1, col, tok[:, None])
         s.out_lp[:Bb].scatter_(1, col, lp[:, None].float())
@@ -368,8 +373,8 @@ class _Run:
             if p.stop_token_ids:
                 stops[j, :len(p.stop_token_ids)] = torch.tensor(list(p.stop_token_ids), dtype=torch.long)
         s.stops[idx] = stops.to(dev)
-        u = counter_uniform(s.seed[idx], torch.zeros(m, dtype=torch.long, device=dev))
-        tok, lp = sample_from_uniform(logits, s.temp[idx], s.topk[idx], s.topp[idx], u, *self.flags)
+        keys = counter_keys(s.seed[idx], torch.zeros(m, dtype=torch.long, device=dev))
+        tok, lp = sample_from_keys(logits, s.temp[idx], s.topk[idx], s.topp[idx], keys, *self.flags, draw=dec._draw)
         tok_l, lp_l = tok.tolist(), lp.float().tolist()
         done = []
         for j, r in enumerate(rs):
