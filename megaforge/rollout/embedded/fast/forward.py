@@ -1,9 +1,12 @@
-"""A compact forward of Llama / Qwen2 / Qwen3 over a static KV cache, running the HF model's own modules.
+"""A compact forward of Llama / Qwen2 / Qwen3 over a static KV cache, on the HF model's own weights.
 
-The embeddings, norms (incl. Qwen3's q/k norms), projections (incl. Qwen2's qkv bias), MLPs, rotary
-embedding and LM head are the HF modules themselves, called directly: no weight is copied, so a
-weight update by HF name (``param.data.copy_``) is seen by the next step. Only the attention and
-the cache are ours. Shapes (H query heads, Hkv key/value heads, G = H / Hkv, D head dim, C hidden):
+The embeddings, rotary embedding, final norm and LM head are the HF modules, called directly. Each
+layer's work around the attention is ours, as two functions of the layer's tensors (``_layer_pieces``):
+RMSNorm, ONE projection GEMM for q/k/v (incl. Qwen2's bias), Qwen3's q/k norms and rotary before;
+the o-projection, residuals, norm, ONE GEMM for gate/up and the down projection after. The fused
+q/k/v and gate/up tensors are the parameters' storage (fuse.py): no weight is copied per step, so a
+weight update by HF name (``param.data.copy_``) is seen by the next step. Shapes (H query heads, Hkv
+key/value heads, G = H / Hkv, D head dim, C hidden):
 
     cache K, V per layer     [B_max, Hkv, L_max, D]   row b holds one sequence at positions 0..len-1
     prefill(ids [U, T] right-padded, lengths [U], slots [U]) -> logits [U, V] of each last prompt token
@@ -25,10 +28,9 @@ float32 softmax (HF's eager attention):
 
 each reads the cache once with no padded query rows (tools/profile_fast_decode.py measures both).
 
-``compile``: a torch.compile backend (GPU: "inductor") for the decode step's per-layer pieces around
-the attention (norm, q/k/v, q/k norm, rotary; o-projection, residuals, norm, MLP), written as
-functions of the layer's parameter tensors, read at each call (one compiled graph serves every layer
-and batch size; the graphs capture the compiled kernels). None: the HF modules themselves.
+``compile``: a torch.compile backend (GPU: "inductor") for the decode step's two per-layer pieces;
+their tensors are read at each call (one compiled graph serves every layer and batch size; the CUDA
+graphs capture the compiled kernels). None: the pieces run eagerly. Prefill runs them eagerly always.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from megaforge.rollout.embedded.fast.fuse import fuse_layer
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 ATTENTION = ("auto", "sdpa", "matmul")
@@ -96,10 +100,13 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _layer_pieces(fwd: "StaticForward"):
-    """(pre, post, pre_args, post_args): the decode step's per-layer work as functions of tensors.
+    """(pre, post, pre_args, post_args): a layer's work around the attention as functions of tensors
+    (the fused projections of fuse.py: one GEMM for q/k/v, one for gate/up).
 
-    pre(x [N, T, C], cos, sin [N, T, D], *pre_args(layer)) -> q [N, H, T, D], k, v [N, Hkv, T, D]
-    post(x [N, T, C], o [N, T, H*D], *post_args(layer)) -> x [N, T, C]
+    pre(x [N, T, C], cos, sin [N, T, D], *pre_args(li)) -> q [N, H, T, D], k, v [N, Hkv, T, D]
+        h = rms(x) ln_w;  [q | k | v] = h qkv_w^T + qkv_b;  Qwen3: q, k = rms(q) qn_w, rms(k) kn_w;  rotary
+    post(x [N, T, C], o [N, T, H*D], *post_args(li)) -> x [N, T, C]
+        x = x + o o_w^T;  h = rms(x) ln_w;  [g | u] = h gate_up_w^T;  x + (act(g) * u) down_w^T
     """
     layers = fwd.model.model.layers
     eps = {float(m.variance_epsilon) for ly in layers for m in (ly.input_layernorm, ly.post_attention_layernorm)}
@@ -108,36 +115,37 @@ def _layer_pieces(fwd: "StaticForward"):
     if qk_norm:
         eps |= {float(m.variance_epsilon) for ly in layers for m in (ly.self_attn.q_norm, ly.self_attn.k_norm)}
     if len(eps) != 1:
-        raise ValueError(f"fast rollout path: compile needs one RMSNorm epsilon, the model has {sorted(eps)}")
+        raise ValueError(f"fast rollout path: one RMSNorm epsilon needed, the model has {sorted(eps)}")
+    splits = {(f["q"], f["kv"], f["ff"]) for f in fwd.fused}
+    if len(splits) != 1:
+        raise ValueError(f"fast rollout path: the layers' projection sizes differ: {sorted(splits)}")
     eps_v = eps.pop()
+    (nq, nkv, nff), = splits
     act, rope, D = layers[0].mlp.act_fn, fwd.apply_rope, fwd.head_dim
 
-    def pre(x, cos, sin, ln_w, q_w, q_b, k_w, k_b, v_w, v_b, qn_w, kn_w):
+    def pre(x, cos, sin, ln_w, qkv_w, qkv_b, qn_w, kn_w):
         N, T = x.shape[0], x.shape[1]
-        h = _rms(x, ln_w, eps_v)
-        q = F.linear(h, q_w, q_b).view(N, T, -1, D)
-        k = F.linear(h, k_w, k_b).view(N, T, -1, D)
-        v = F.linear(h, v_w, v_b).view(N, T, -1, D)
+        q, k, v = F.linear(_rms(x, ln_w, eps_v), qkv_w, qkv_b).split([nq, nkv, nkv], dim=-1)
+        q, k, v = q.view(N, T, -1, D), k.view(N, T, -1, D), v.view(N, T, -1, D)
         if qk_norm:
             q, k = _rms(q, qn_w, eps_v), _rms(k, kn_w, eps_v)
         q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return q, k, v.transpose(1, 2)
 
-    def post(x, o, o_w, o_b, ln_w, g_w, g_b, u_w, u_b, d_w, d_b):
+    def post(x, o, o_w, o_b, ln_w, gu_w, gu_b, d_w, d_b):
         x = x + F.linear(o, o_w, o_b)
-        h = _rms(x, ln_w, eps_v)
-        return x + F.linear(act(F.linear(h, g_w, g_b)) * F.linear(h, u_w, u_b), d_w, d_b)
+        g, u = F.linear(_rms(x, ln_w, eps_v), gu_w, gu_b).split([nff, nff], dim=-1)
+        return x + F.linear(act(g) * u, d_w, d_b)
 
-    def pre_args(ly):
-        a = ly.self_attn
-        return (ly.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
-                a.v_proj.weight, a.v_proj.bias, a.q_norm.weight if qk_norm else None,
+    def pre_args(li):
+        a, f = layers[li].self_attn, fwd.fused[li]
+        return (layers[li].input_layernorm.weight, f["qkv_w"], f["qkv_b"], a.q_norm.weight if qk_norm else None,
                 a.k_norm.weight if qk_norm else None)
 
-    def post_args(ly):
-        a, m = ly.self_attn, ly.mlp
-        return (a.o_proj.weight, a.o_proj.bias, ly.post_attention_layernorm.weight, m.gate_proj.weight,
-                m.gate_proj.bias, m.up_proj.weight, m.up_proj.bias, m.down_proj.weight, m.down_proj.bias)
+    def post_args(li):
+        ly, f = layers[li], fwd.fused[li]
+        return (ly.self_attn.o_proj.weight, ly.self_attn.o_proj.bias, ly.post_attention_layernorm.weight,
+                f["gate_up_w"], f["gate_up_b"], ly.mlp.down_proj.weight, ly.mlp.down_proj.bias)
 
     return pre, post, pre_args, post_args
 
@@ -163,11 +171,12 @@ class StaticForward:
         self.n_layers = len(model.model.layers)
         attn0 = model.model.layers[0].self_attn
         self.apply_rope = sys.modules[type(attn0).__module__].apply_rotary_pos_emb
-        self.compiled = None
+        self.fused = [fuse_layer(ly) for ly in model.model.layers]
+        self.pre, self.post, self.pre_args, self.post_args = _layer_pieces(self)
+        self.compiled = None  # (pre, post) through torch.compile: the decode step's
         if compile:
-            pre, post, pre_args, post_args = _layer_pieces(self)
-            self.compiled = (torch.compile(pre, backend=compile, dynamic=True, fullgraph=True),
-                             torch.compile(post, backend=compile, dynamic=True, fullgraph=True), pre_args, post_args)
+            self.compiled = (torch.compile(self.pre, backend=compile, dynamic=True, fullgraph=True),
+                             torch.compile(self.post, backend=compile, dynamic=True, fullgraph=True))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -181,15 +190,18 @@ class StaticForward:
     def new_cache(self, B: int, L: int, device) -> StaticKVCache:
         return StaticKVCache(self.n_layers, B, self.kv_heads, L, self.head_dim, self.dtype, device)
 
-    def _qkv(self, attn, h: torch.Tensor):
-        """h [N, T, C] -> q [N, H, T, D], k, v [N, Hkv, T, D] (before rotary)."""
-        shape = (*h.shape[:-1], -1, self.head_dim)
-        q = attn.q_proj(h).view(shape)
-        k = attn.k_proj(h).view(shape)
-        if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        v = attn.v_proj(h).view(shape)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    def check_fused(self) -> None:
+        """Raise unless every layer's q/k/v and gate/up parameters still view the fused tensors (a
+        rebinding, e.g. ``load_state_dict(assign=True)``, would leave the fast path on stale weights)."""
+        for li, (ly, f) in enumerate(zip(self.model.model.layers, self.fused)):
+            a, m = ly.self_attn, ly.mlp
+            views = ((a.q_proj.weight, f["qkv_w"], 0), (a.k_proj.weight, f["qkv_w"], f["q"]),
+                     (a.v_proj.weight, f["qkv_w"], f["q"] + f["kv"]), (m.gate_proj.weight, f["gate_up_w"], 0),
+                     (m.up_proj.weight, f["gate_up_w"], f["ff"]))
+            for p, fused, row in views:
+                if p.data_ptr() != fused[row].data_ptr():
+                    raise RuntimeError(f"fast rollout path: layer {li}: a projection weight no longer views the fused "
+                                       "q/k/v or gate/up tensor (the parameter was rebound, not copied into)")
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head of hidden states [N, C] -> logits [N, V]."""
@@ -203,18 +215,16 @@ class StaticForward:
         x = inner.embed_tokens(ids)
         pos = torch.arange(T, device=ids.device)[None, :].expand(U, T)
         cos, sin = inner.rotary_emb(x, pos)
+        self.check_fused()
         for li, layer in enumerate(inner.layers):
-            attn = layer.self_attn
-            q, k, v = self._qkv(attn, layer.input_layernorm(x))
-            q, k = self.apply_rope(q, k, cos, sin)
+            q, k, v = self.pre(x, cos, sin, *self.pre_args(li))
             cache.k[li][slots, :, :T] = k
             cache.v[li][slots, :, :T] = v
             if self.groups > 1:
                 k = k.repeat_interleave(self.groups, dim=1)
                 v = v.repeat_interleave(self.groups, dim=1)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(U, T, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.self_attn.scaling)
+            x = self.post(x, o.transpose(1, 2).reshape(U, T, -1), *self.post_args(li))
         last = x[torch.arange(U, device=ids.device), lengths - 1]
         return self._head(last)
 
@@ -237,21 +247,12 @@ class StaticForward:
         cos, sin = inner.rotary_emb(x, pos[:, None])
         mask = (torch.arange(Lb, device=tok.device)[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, Lb]
         idx = pos.view(B, 1, 1, 1).expand(B, Hkv, 1, D)
+        pre, post = self.compiled or (self.pre, self.post)
         for li, layer in enumerate(inner.layers):
-            attn = layer.self_attn
-            if self.compiled is not None:
-                q, k, v = self.compiled[0](x, cos, sin, *self.compiled[2](layer))
-            else:
-                q, k, v = self._qkv(attn, layer.input_layernorm(x))
-                q, k = self.apply_rope(q, k, cos, sin)
+            q, k, v = pre(x, cos, sin, *self.pre_args(li))
             kc, vc = cache.k[li][:B], cache.v[li][:B]
             kc.scatter_(2, idx, k)
             vc.scatter_(2, idx, v)
-            o = self._attend(q.reshape(B, Hkv, G, D), kc[:, :, :Lb], vc[:, :, :Lb], mask, attn.scaling)
-            o = o.reshape(B, 1, Hkv * G * D)
-            if self.compiled is not None:
-                x = self.compiled[1](x, o, *self.compiled[3](layer))
-                continue
-            x = x + attn.o_proj(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            o = self._attend(q.reshape(B, Hkv, G, D), kc[:, :, :Lb], vc[:, :, :Lb], mask, layer.self_attn.scaling)
+            x = post(x, o.reshape(B, 1, Hkv * G * D), *self.post_args(li))
         return self._head(x[:, 0])
