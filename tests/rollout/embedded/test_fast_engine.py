@@ -295,6 +295,32 @@ def test_fused_forward_equals_the_hf_modules(models, family):
     assert (torch.stack(got, 1) - want).abs().max() <= 1e-5
 
 
+def test_decode_stores_k_and_v_at_each_rows_position(models):
+    """One decode step of ragged rows writes K and V (one indexed write per layer) at (row b, pos[b])
+    and nowhere else, equal to what a prefill of the one-longer prompt stores there (float32; the
+    same projections of one token, other batch shapes: measured <= 6.0e-7, bound 1e-5)."""
+    from megaforge.rollout.embedded.fast.forward import StaticForward
+
+    fwd = StaticForward(copy.deepcopy(models["qwen3"]))
+    g = torch.Generator().manual_seed(5)
+    lens = [3, 9, 5]
+    ids = [torch.randint(3, 512, (n + 1,), generator=g) for n in lens]
+    pad = lambda seqs, T: torch.stack([torch.cat([s, torch.zeros(T - len(s), dtype=torch.long)]) for s in seqs])
+    cache, full = fwd.new_cache(3, 32, "cpu"), fwd.new_cache(3, 32, "cpu")
+    U = torch.arange(3)
+    fwd.prefill(cache, pad([s[:-1] for s in ids], 9), torch.tensor(lens), U)
+    fwd.prefill(full, pad(ids, 10), torch.tensor(lens) + 1, U)
+    before = [t.clone() for t in cache.kv]
+    pos = torch.tensor(lens)
+    fwd.decode(cache, torch.stack([s[-1] for s in ids]), pos, 16)
+    for li, (t, t0, ref) in enumerate(zip(cache.kv, before, full.kv)):
+        changed = (t != t0).any(-1).any(2)  # [2, B, L]: positions whose K or V changed
+        want = torch.zeros_like(changed)
+        want[:, U, pos] = True
+        assert torch.equal(changed, want), li
+        assert (t[:, U, :, pos] - ref[:, U, :, pos]).abs().max() <= 1e-5
+
+
 def test_fused_tensors_are_the_parameters_storage(models):
     """After the fast path is built the q/k/v and gate/up parameters (the same objects, the same
     values) view the fused tensors; a second engine on the model reuses them; a rebound parameter is

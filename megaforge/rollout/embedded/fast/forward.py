@@ -8,12 +8,14 @@ q/k/v and gate/up tensors are the parameters' storage (fuse.py): no weight is co
 weight update by HF name (``param.data.copy_``) is seen by the next step. Shapes (H query heads, Hkv
 key/value heads, G = H / Hkv, D head dim, C hidden):
 
-    cache K, V per layer     [B_max, Hkv, L_max, D]   row b holds one sequence at positions 0..len-1
+    cache per layer          kv [2, B_max, Hkv, L_max, D] (K = kv[0], V = kv[1]); row b holds one sequence
+                             at positions 0..len-1
     prefill(ids [U, T] right-padded, lengths [U], slots [U]) -> logits [U, V] of each last prompt token
         causal SDPA over the prompt; K/V written to cache rows ``slots`` at positions 0..T-1
     decode(tok [B], pos [B], Lb) -> logits [B, V]
-        K/V of ``tok`` scattered to (row b, position pos[b]); the G query heads of a KV head act as
-        G queries of one SDPA call: q [B, Hkv, G, D] against K[:B, :, :Lb], mask key j <= pos[b]
+        K and V of ``tok`` stored at (row b, position pos[b]) by one indexed write per layer; the G
+        query heads of a KV head act as G queries of one SDPA call: q [B, Hkv, G, D] against
+        K[:B, :, :Lb], additive mask 0 for keys j <= pos[b], -inf elsewhere (made once per step)
 
 Rows never shift: a sequence starts at cache position 0 whatever slot it occupies, so its rotary
 positions equal those of an unpadded HF forward.
@@ -23,7 +25,7 @@ positions equal those of an unpadded HF forward.
 only the G query heads of one KV head: G=2 for Qwen3-1.7B); "matmul": two batched matmuls around a
 float32 softmax (HF's eager attention):
 
-    s = q @ K^T [B, Hkv, G, Lb] (model dtype), p = softmax(scale * s, masked to j <= pos) in float32,
+    s = q @ K^T [B, Hkv, G, Lb] (model dtype), p = softmax(scale * s + mask) in float32,
     o = p.to(dtype) @ V [B, Hkv, G, D]
 
 each reads the cache once with no padded query rows (tools/profile_fast_decode.py measures both).
@@ -74,22 +76,23 @@ def unsupported_reason(model) -> Optional[str]:
 
 
 class StaticKVCache:
-    """Per-layer K and V, each [B, Hkv, L, D] in the model dtype, preallocated and written in place."""
+    """Per layer one tensor kv [2, B, Hkv, L, D] in the model dtype, preallocated and written in place:
+    K = kv[0], V = kv[1] (``k[li]`` / ``v[li]``: views), so one indexed write stores a step's K and V."""
 
     def __init__(self, n_layers: int, B: int, kv_heads: int, L: int, head_dim: int, dtype, device):
         self.B, self.L = B, L
-        shape = (B, kv_heads, L, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.kv = [torch.zeros((2, B, kv_heads, L, head_dim), dtype=dtype, device=device) for _ in range(n_layers)]
+        self.k = [t[0] for t in self.kv]
+        self.v = [t[1] for t in self.kv]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.kv)
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
         """K/V of rows ``src`` [n] (positions < length) into rows ``dst`` [n] (disjoint sets)."""
-        for t in self.k + self.v:
-            t[dst, :, :length] = t[src, :, :length]
+        for t in self.kv:
+            t[:, dst, :, :length] = t[:, src, :, :length]
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,7 +103,7 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _layer_pieces(fwd: "StaticForward"):
-    """(pre, post, pre_args, post_args): a layer's work around the attention as functions of tensors
+    """(pre, pre_decode, post, pre_args, post_args): a layer's work around the attention as functions of tensors
     (the fused projections of fuse.py: one GEMM for q/k/v, one for gate/up).
 
     pre(x [N, T, C], cos, sin [N, T, D], *pre_args(li)) -> q [N, H, T, D], k, v [N, Hkv, T, D]
@@ -147,7 +150,13 @@ def _layer_pieces(fwd: "StaticForward"):
         return (ly.self_attn.o_proj.weight, ly.self_attn.o_proj.bias, ly.post_attention_layernorm.weight,
                 f["gate_up_w"], f["gate_up_b"], ly.mlp.down_proj.weight, ly.mlp.down_proj.bias)
 
-    return pre, post, pre_args, post_args
+    def pre_decode(x, cos, sin, *args):
+        """pre for one token per row (T = 1) -> q [N, H, 1, D], kv [N, 2, Hkv, D] (K and V stacked for
+        the cache's one indexed write)."""
+        q, k, v = pre(x, cos, sin, *args)
+        return q, torch.stack((k[:, :, 0], v[:, :, 0]), dim=1)
+
+    return pre, pre_decode, post, pre_args, post_args
 
 
 class StaticForward:
@@ -172,10 +181,10 @@ class StaticForward:
         attn0 = model.model.layers[0].self_attn
         self.apply_rope = sys.modules[type(attn0).__module__].apply_rotary_pos_emb
         self.fused = [fuse_layer(ly) for ly in model.model.layers]
-        self.pre, self.post, self.pre_args, self.post_args = _layer_pieces(self)
-        self.compiled = None  # (pre, post) through torch.compile: the decode step's
+        self.pre, self.pre_decode, self.post, self.pre_args, self.post_args = _layer_pieces(self)
+        self.compiled = None  # (pre_decode, post) through torch.compile: the decode step's
         if compile:
-            self.compiled = (torch.compile(self.pre, backend=compile, dynamic=True, fullgraph=True),
+            self.compiled = (torch.compile(self.pre_decode, backend=compile, dynamic=True, fullgraph=True),
                              torch.compile(self.post, backend=compile, dynamic=True, fullgraph=True))
 
     @property
@@ -228,13 +237,22 @@ class StaticForward:
         last = x[torch.arange(U, device=ids.device), lengths - 1]
         return self._head(last)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [B, Hkv, G, D] against k, v [B, Hkv, Lb, D] where mask [B, 1, 1, Lb] -> o [B, Hkv, G, D]."""
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, Hkv, G, D] against k, v [B, Hkv, Lb, D] with the additive mask bias [B, 1, 1, Lb] (0 where
+        a key is seen, -inf elsewhere; :meth:`_mask_bias`) -> o [B, Hkv, G, D]."""
         if self.attention == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        s = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, Lb]
-        p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
-        return torch.matmul(p.to(v.dtype), v)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+        s = torch.matmul(q, k.transpose(-1, -2)).float() * scale + bias  # [B, Hkv, G, Lb]
+        return torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
+
+    def _mask_bias(self, pos: torch.Tensor, Lb: int) -> torch.Tensor:
+        """[B, 1, 1, Lb]: 0 for keys j <= pos[b], -inf elsewhere; the model dtype for sdpa (what SDPA makes
+        of a boolean mask, at each call), float32 for matmul (added to the float32 scores). Made once
+        per step, not per layer."""
+        seen = torch.arange(Lb, device=pos.device)[None, :] <= pos[:, None]
+        dtype = self.dtype if self.attention == "sdpa" else torch.float32
+        zero = torch.zeros((), dtype=dtype, device=pos.device)
+        return torch.where(seen, zero, torch.full_like(zero, float("-inf")))[:, None, None, :]
 
     @torch.no_grad()
     def decode(self, cache: StaticKVCache, tok: torch.Tensor, pos: torch.Tensor, Lb: int) -> torch.Tensor:
@@ -245,14 +263,13 @@ class StaticForward:
         Hkv, G, D = self.kv_heads, self.groups, self.head_dim
         x = inner.embed_tokens(tok[:, None])  # [B, 1, C]
         cos, sin = inner.rotary_emb(x, pos[:, None])
-        mask = (torch.arange(Lb, device=tok.device)[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, Lb]
-        idx = pos.view(B, 1, 1, 1).expand(B, Hkv, 1, D)
-        pre, post = self.compiled or (self.pre, self.post)
+        bias = self._mask_bias(pos, Lb)
+        rows = torch.arange(B, device=tok.device)
+        pre, post = self.compiled or (self.pre_decode, self.post)
         for li, layer in enumerate(inner.layers):
-            q, k, v = pre(x, cos, sin, *self.pre_args(li))
-            kc, vc = cache.k[li][:B], cache.v[li][:B]
-            kc.scatter_(2, idx, k)
-            vc.scatter_(2, idx, v)
-            o = self._attend(q.reshape(B, Hkv, G, D), kc[:, :, :Lb], vc[:, :, :Lb], mask, layer.self_attn.scaling)
+            q, kv = pre(x, cos, sin, *self.pre_args(li))
+            cache.kv[li][:, rows, :, pos] = kv  # K and V of row b at position pos[b]: one indexed write
+            o = self._attend(q.reshape(B, Hkv, G, D), cache.k[li][:B, :, :Lb], cache.v[li][:B, :, :Lb], bias,
+                             layer.self_attn.scaling)
             x = post(x, o.reshape(B, 1, Hkv * G * D), *self.post_args(li))
         return self._head(x[:, 0])
