@@ -193,8 +193,10 @@ def test_stop_tokens_strings_and_max_tokens(models, tok):
     got = fast.generate(reqs)
     assert got[0].finish_reason == "stop" and len(got[0].output_ids) < 24 and stop_str in got[0].text
     _same(got, simple.generate(reqs))
+    t0 = fast.progress_time
     one = fast.generate(_reqs([p], temperature=1.0, max_new_tokens=1, seed=0))[0]
     assert len(one.output_ids) == 1 and one.finish_reason == "length"
+    assert fast.progress_time > t0  # the server's /health_generate waits for this (a 1-token generate)
     with pytest.raises(ValueError, match="stop strings need"):
         _fast(model).generate(reqs)
 

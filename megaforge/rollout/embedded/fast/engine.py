@@ -276,6 +276,7 @@ class _Run:
                 break
             if self.waiting and self.free:
                 self._admit()
+                self.eng.mark_progress()  # the admitted rows' first tokens (a 1-token request ends here)
             busy = [i for i, r in enumerate(self.slot_req) if r >= 0]
             if not busy:
                 if self.waiting:
