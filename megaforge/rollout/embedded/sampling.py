@@ -76,13 +76,13 @@ _GOLDEN, _MIX1, _MIX2 = _to_i64(0x9E3779B97F4A7C15), _to_i64(0xBF58476D1CE4E5B9)
 
 
 def _mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's output function on int64 (wrap-around products; logical right shifts as masked
-    arithmetic ones)."""
-    x = x ^ ((x >> 30) & ((1 << 34) - 1))
-    x = x * _MIX1
-    x = x ^ ((x >> 27) & ((1 << 37) - 1))
-    x = x * _MIX2
-    return x ^ ((x >> 31) & ((1 << 33) - 1))
+    """splitmix64's output function on int64, in place on ``x`` (wrap-around products; logical right
+    shifts as masked arithmetic ones)."""
+    for shift, mul in ((30, _MIX1), (27, _MIX2), (31, None)):
+        x ^= (x >> shift) & ((1 << (64 - shift)) - 1)
+        if mul is not None:
+            x *= mul
+    return x
 
 
 def counter_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -98,20 +98,25 @@ def gumbel_noise(keys: torch.Tensor, V: int) -> torch.Tensor:
     bit picks a half of the unit interval and its low 62 bits m give t = (m + 1/2) 2^-63 in (0, 1/2]:
     u = t (top bit set) or u = 1 - t, never formed: E = -log(u) = -log t or -log1p(-t) ~ Exp(1), and
     g = -log E. Both halves keep t's relative precision (2^-53 + 1/m) in E (a factor <= 1.45), so
-    near u = 1, where the winning tokens' noise lives, E is as fine as near 0.
+    near u = 1, where the winning tokens' noise lives, E is as fine as near 0. Eager, the work is in
+    place: at most 4 [B, V] tensors of 8 bytes live at once.
     """
     off = torch.arange(1, V + 1, device=keys.device, dtype=torch.int64) * _GOLDEN
     h = _mix64(keys.to(torch.int64)[:, None] + off[None, :])
-    t = ((h & ((1 << 62) - 1)).to(torch.float64) + 0.5) * 2.0 ** -63
-    e = torch.where(h < 0, -torch.log(t), -torch.log1p(-t))
-    return -torch.log(e)
+    upper = h < 0
+    t = (h & ((1 << 62) - 1)).to(torch.float64)
+    del h
+    t.add_(0.5).mul_(2.0 ** -63)
+    e = torch.neg(t).log1p_().neg_()  # -log1p(-t): u = 1 - t
+    e = torch.where(upper, t.log_().neg_(), e)  # -log t: u = t
+    return e.log_().neg_()
 
 
 def gumbel_argmax(z: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """argmax_v (z[b, v] + g[b, v]) with g = :func:`gumbel_noise` (keys [B]), long [B]: an exact draw
     from softmax(z[b]) (Gumbel-max) up to the noise's discretisation (module docstring: bias bound).
     z [B, V] float (-inf: never drawn); the sum is taken in float64."""
-    return (z.to(torch.float64) + gumbel_noise(keys, z.shape[-1])).argmax(-1)
+    return gumbel_noise(keys, z.shape[-1]).add_(z).argmax(-1)
 
 
 def draw_tokens(z: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

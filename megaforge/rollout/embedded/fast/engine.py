@@ -143,9 +143,10 @@ class FastDecoder:
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         if self.cache is not None:
             free += self.cache.nbytes
-        # sampling: the eager draw's int64 / float64 temporaries (hash, t, E, g, score: ~6 of 8 bytes per
-        # vocabulary entry) beside the float32 logits; compiled, the draw keeps none of them
-        per_row = L * self.fwd.kv_bytes_per_token + 56 * self.vocab
+        # sampling per vocabulary entry: the logits (<= 4 B), their float32 scaled copy (4 B) and the eager
+        # draw's in-place noise (sampling.gumbel_noise: at most three 8-byte tensors and a mask, 25 B);
+        # compiled, the draw keeps none of them
+        per_row = L * self.fwd.kv_bytes_per_token + 33 * self.vocab
         fit = max(1, int(self.memory_fraction * free) // per_row)
         if fit < B:
             log.warning("fast rollout path: %d slots of %d tokens fit in %.0f%% of the free GPU memory (asked %d)",
