@@ -8,7 +8,7 @@ Per generate call (``B`` = slots = min(max_batch, requests) rounded up to a powe
     loop: K decode steps on rows [0, Bb) (Bb: power-of-two bucket of the highest busy slot)
           attention over cache positions [0, Lb) (Lb: bucket of the longest busy row)
           each step = one CUDA graph replay (key (Bb, Lb, sampling stages)) on GPU, eager on CPU:
-              forward one token per row -> sample (counter uniforms) -> write token / logprob to
+              forward one token per row -> sample (counter-based Gumbel noise) -> write token / logprob to
               out_tok / out_lp [B, K] at column ``step`` -> stop-token and max-token checks on GPU
           then ONE host copy: per-row counts, finished flags, the K tokens and logprobs;
           finished rows free their slots and waiting requests take them (continuous refill);
