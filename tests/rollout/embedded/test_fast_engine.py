@@ -373,8 +373,11 @@ def test_matmul_attention_equals_sdpa(models, family, compile):
     reqs = [GenerateRequest(p, SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=9, seed=i))
             for i, p in enumerate(_prompts(5))] + _reqs(_prompts(3, seed=1), temperature=0.0, max_new_tokens=7)
     ref = _fast(model, max_batch=3, attention="sdpa").generate(reqs)
+    from megaforge.rollout.embedded.fast.forward import matmul_attention
+
     eng = _fast(model, max_batch=3, attention="matmul", compile=compile)
     assert eng.fast.fwd.attention == "matmul"
+    assert (eng.fast.fwd.matmul_attention is matmul_attention) == (compile is None)  # compiled with the pieces
     _same(eng.generate(reqs), ref)
     with pytest.raises(ValueError, match="attention 'flash': valid: auto, sdpa, matmul"):
         _fast(model, attention="flash")

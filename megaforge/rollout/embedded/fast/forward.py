@@ -30,9 +30,10 @@ float32 softmax (HF's eager attention):
 
 each reads the cache once with no padded query rows (tools/profile_fast_decode.py measures both).
 
-``compile``: a torch.compile backend (GPU: "inductor") for the decode step's two per-layer pieces;
-their tensors are read at each call (one compiled graph serves every layer and batch size; the CUDA
-graphs capture the compiled kernels). None: the pieces run eagerly. Prefill runs them eagerly always.
+``compile``: a torch.compile backend (GPU: "inductor") for the decode step's two per-layer pieces
+and the matmul attention; their tensors are read at each call (one compiled graph serves every layer
+and batch size; the CUDA graphs capture the compiled kernels). None: they run eagerly. Prefill runs
+the pieces eagerly always.
 """
 from __future__ import annotations
 
@@ -100,6 +101,14 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return w * x32.to(x.dtype)
+
+
+def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """The "matmul" decode attention (module docstring): q [B, Hkv, G, D], k, v [B, Hkv, Lb, D], additive
+    mask bias [B, 1, 1, Lb] (float32) -> o [B, Hkv, G, D]; the casts, scale, mask and softmax between
+    the two matmuls are one kernel when compiled."""
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale + bias  # [B, Hkv, G, Lb]
+    return torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
 
 
 def _layer_pieces(fwd: "StaticForward"):
@@ -183,9 +192,11 @@ class StaticForward:
         self.fused = [fuse_layer(ly) for ly in model.model.layers]
         self.pre, self.pre_decode, self.post, self.pre_args, self.post_args = _layer_pieces(self)
         self.compiled = None  # (pre_decode, post) through torch.compile: the decode step's
+        self.matmul_attention = matmul_attention
         if compile:
             self.compiled = (torch.compile(self.pre_decode, backend=compile, dynamic=True, fullgraph=True),
                              torch.compile(self.post, backend=compile, dynamic=True, fullgraph=True))
+            self.matmul_attention = torch.compile(matmul_attention, backend=compile, dynamic=True, fullgraph=True)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -242,8 +253,7 @@ class StaticForward:
         a key is seen, -inf elsewhere; :meth:`_mask_bias`) -> o [B, Hkv, G, D]."""
         if self.attention == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-        s = torch.matmul(q, k.transpose(-1, -2)).float() * scale + bias  # [B, Hkv, G, Lb]
-        return torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
+        return self.matmul_attention(q, k, v, bias, scale)
 
     def _mask_bias(self, pos: torch.Tensor, Lb: int) -> torch.Tensor:
         """[B, 1, 1, Lb]: 0 for keys j <= pos[b], -inf elsewhere; the model dtype for sdpa (what SDPA makes
