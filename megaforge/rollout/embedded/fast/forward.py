@@ -32,8 +32,8 @@ each reads the cache once with no padded query rows (tools/profile_fast_decode.p
 
 ``compile``: a torch.compile backend (GPU: "inductor") for the decode step's two per-layer pieces
 and the matmul attention; their tensors are read at each call (one compiled graph serves every layer
-and batch size; the CUDA graphs capture the compiled kernels). None: they run eagerly. Prefill runs
-the pieces eagerly always.
+and batch size; the CUDA graphs capture the compiled kernels); prefill runs pre and post compiled
+too (other graphs: T > 1). None: they run eagerly.
 """
 from __future__ import annotations
 
@@ -191,11 +191,11 @@ class StaticForward:
         self.apply_rope = sys.modules[type(attn0).__module__].apply_rotary_pos_emb
         self.fused = [fuse_layer(ly) for ly in model.model.layers]
         self.pre, self.pre_decode, self.post, self.pre_args, self.post_args = _layer_pieces(self)
-        self.compiled = None  # (pre_decode, post) through torch.compile: the decode step's
+        self.compiled = None  # (pre_decode, post, pre) through torch.compile
         self.matmul_attention = matmul_attention
         if compile:
-            self.compiled = (torch.compile(self.pre_decode, backend=compile, dynamic=True, fullgraph=True),
-                             torch.compile(self.post, backend=compile, dynamic=True, fullgraph=True))
+            self.compiled = tuple(torch.compile(f, backend=compile, dynamic=True, fullgraph=True)
+                                  for f in (self.pre_decode, self.post, self.pre))
             self.matmul_attention = torch.compile(matmul_attention, backend=compile, dynamic=True, fullgraph=True)
 
     @property
@@ -236,15 +236,16 @@ class StaticForward:
         pos = torch.arange(T, device=ids.device)[None, :].expand(U, T)
         cos, sin = inner.rotary_emb(x, pos)
         self.check_fused()
+        _, post, pre = self.compiled or (None, self.post, self.pre)
         for li, layer in enumerate(inner.layers):
-            q, k, v = self.pre(x, cos, sin, *self.pre_args(li))
+            q, k, v = pre(x, cos, sin, *self.pre_args(li))
             cache.k[li][slots, :, :T] = k
             cache.v[li][slots, :, :T] = v
             if self.groups > 1:
                 k = k.repeat_interleave(self.groups, dim=1)
                 v = v.repeat_interleave(self.groups, dim=1)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.self_attn.scaling)
-            x = self.post(x, o.transpose(1, 2).reshape(U, T, -1), *self.post_args(li))
+            x = post(x, o.transpose(1, 2).reshape(U, T, -1), *self.post_args(li))
         last = x[torch.arange(U, device=ids.device), lengths - 1]
         return self._head(last)
 
@@ -275,7 +276,7 @@ class StaticForward:
         cos, sin = inner.rotary_emb(x, pos[:, None])
         bias = self._mask_bias(pos, Lb)
         rows = torch.arange(B, device=tok.device)
-        pre, post = self.compiled or (self.pre_decode, self.post)
+        pre, post, _ = self.compiled or (self.pre_decode, self.post, None)
         for li, layer in enumerate(inner.layers):
             q, kv = pre(x, cos, sin, *self.pre_args(li))
             cache.kv[li][:, rows, :, pos] = kv  # K and V of row b at position pos[b]: one indexed write
