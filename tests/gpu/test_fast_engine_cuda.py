@@ -146,29 +146,30 @@ def test_sampler_on_cuda_draws_softmax_batch_invariantly():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rollout", "embedded"))
     from test_sampling import LOGITS, chi2_stat, chi2_threshold
 
-    from megaforge.rollout.embedded.sampling import counter_keys, draw_tokens, gumbel_noise
+    from megaforge.rollout.embedded.sampling import counter_keys, draw_tokens, gumbel_noise, vocab_offsets
 
     compiled = torch.compile(draw_tokens, backend="inductor", dynamic=True, fullgraph=True)
     g = torch.Generator().manual_seed(0)
     B, V = 64, 151936
     z = 4 * torch.randn(B, V, generator=g)
     keys = counter_keys(torch.randint(0, 2 ** 40, (B,), generator=g), torch.randint(0, 4096, (B,), generator=g))
-    cpu_tok, cpu_lp = draw_tokens(z, keys)
+    off, offc = vocab_offsets(V), vocab_offsets(V, "cuda")
+    cpu_tok, cpu_lp = draw_tokens(z, keys, off)
     zc, kc = z.cuda(), keys.cuda()
     # float64 noise: CUDA's and ATen's CPU log differ by <= ~2 ulp (|g| < 45: ~1.4e-14 each)
-    assert (gumbel_noise(kc[:4], 1000).cpu() - gumbel_noise(keys[:4], 1000)).abs().max() <= 1e-13
+    assert (gumbel_noise(kc[:4], offc).cpu() - gumbel_noise(keys[:4], off)).abs().max() <= 1e-13
     for fn in (draw_tokens, compiled):
-        tok, lp = fn(zc, kc)
+        tok, lp = fn(zc, kc, offc)
         assert torch.equal(tok.cpu(), cpu_tok)
         # float32 log-softmax over 151,936 values, CUDA vs CPU reduction order (|lp| <= ~25)
         assert (lp.cpu() - cpu_lp).abs().max() <= 1e-4
-        half = fn(zc[B // 2:], kc[B // 2:])[0]
+        half = fn(zc[B // 2:], kc[B // 2:], offc)[0]
         assert torch.equal(half, tok[B // 2:])  # batch invariance
     n, T = 100_000, 0.7
     zs = (LOGITS / T).repeat(n, 1).cuda()
     ks = counter_keys(torch.arange(n), torch.full((n,), 3)).cuda()
     for fn in (draw_tokens, compiled):
-        tok = fn(zs, ks)[0].cpu()
+        tok = fn(zs, ks, vocab_offsets(LOGITS.numel(), "cuda"))[0].cpu()
         assert chi2_stat(tok, torch.softmax(LOGITS.double() / T, -1)) < chi2_threshold(LOGITS.numel() - 1)
 
 

@@ -91,8 +91,18 @@ def counter_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return _mix64(seeds.to(torch.int64) * _GOLDEN + positions.to(torch.int64) + 1)
 
 
-def gumbel_noise(keys: torch.Tensor, V: int) -> torch.Tensor:
-    """Standard Gumbel noise g [B, V] (float64), element (b, v) a function of (keys[b], v) alone.
+def vocab_offsets(V: int, device=None) -> torch.Tensor:
+    """(v + 1) * golden for v < V, int64 [V] (wrap-around): the splitmix64 stream steps of the tokens.
+
+    A tensor input of the compiled draw, not computed inside it: inductor's CPU code generation
+    miscompiled ``arange * constant`` in int64 (a vectorised arange with a 64-bit step: wrong values,
+    then heap corruption; torch 2.13), so the compiled code only loads these values."""
+    return torch.arange(1, V + 1, device=device, dtype=torch.int64) * _GOLDEN
+
+
+def gumbel_noise(keys: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise g [B, V] (float64), element (b, v) a function of (keys[b], v) alone
+    (offsets: :func:`vocab_offsets` (V)).
 
     h = splitmix64(keys[b] + (v + 1) * golden) (the splitmix64 stream of the key, 64 bits); its top
     bit picks a half of the unit interval and its low 62 bits m give t = (m + 1/2) 2^-63 in (0, 1/2]:
@@ -101,8 +111,7 @@ def gumbel_noise(keys: torch.Tensor, V: int) -> torch.Tensor:
     near u = 1, where the winning tokens' noise lives, E is as fine as near 0. Eager, the work is in
     place: at most 4 [B, V] tensors of 8 bytes live at once.
     """
-    off = torch.arange(1, V + 1, device=keys.device, dtype=torch.int64) * _GOLDEN
-    h = _mix64(keys.to(torch.int64)[:, None] + off[None, :])
+    h = _mix64(keys.to(torch.int64)[:, None] + offsets[None, :])
     upper = h < 0
     t = (h & ((1 << 62) - 1)).to(torch.float64)
     del h
@@ -112,18 +121,18 @@ def gumbel_noise(keys: torch.Tensor, V: int) -> torch.Tensor:
     return e.log_().neg_()
 
 
-def gumbel_argmax(z: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """argmax_v (z[b, v] + g[b, v]) with g = :func:`gumbel_noise` (keys [B]), long [B]: an exact draw
-    from softmax(z[b]) (Gumbel-max) up to the noise's discretisation (module docstring: bias bound).
-    z [B, V] float (-inf: never drawn); the sum is taken in float64."""
-    return gumbel_noise(keys, z.shape[-1]).add_(z).argmax(-1)
+def gumbel_argmax(z: torch.Tensor, keys: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """argmax_v (z[b, v] + g[b, v]) with g = :func:`gumbel_noise` (keys [B], offsets [V]), long [B]: an
+    exact draw from softmax(z[b]) (Gumbel-max) up to the noise's discretisation (module docstring:
+    bias bound). z [B, V] float (-inf: never drawn); the sum is taken in float64."""
+    return gumbel_noise(keys, offsets).add_(z).argmax(-1)
 
 
-def draw_tokens(z: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_tokens(z: torch.Tensor, keys: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens long [B], logprobs float32 [B]) of rows z [B, V] (float32 scaled, truncated logits):
-    token = :func:`gumbel_argmax` (z, keys), logprob = log_softmax(z)[token]. Flag-free, so one
-    torch.compile graph serves every sampling configuration (the fast path compiles it)."""
-    tok = gumbel_argmax(z, keys)
+    token = :func:`gumbel_argmax` (z, keys, offsets), logprob = log_softmax(z)[token]. Flag-free, so
+    one torch.compile graph serves every sampling configuration (the fast path compiles it)."""
+    tok = gumbel_argmax(z, keys, offsets)
     return tok, torch.log_softmax(z, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
 
 
@@ -167,20 +176,22 @@ def sample_from_keys(
     need_p: bool,
     greedy: str,
     draw: Callable = draw_tokens,
+    offsets: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample_tokens` with no host synchronisation (safe inside a CUDA graph).
 
     logits [B, V]; temperature, top_p float [B]; top_k long [B]; keys int64 [B] (unused when every
     row is greedy). The caller fixes the stages: ``need_k`` / ``need_p`` (any row truncates) and
     ``greedy``: "all" | "some" | "none" (rows with temperature <= 0). ``draw``: :func:`draw_tokens`
-    or a compiled form of it. Returns (tokens long [B], logprobs float32 [B]).
+    or a compiled form of it; ``offsets``: :func:`vocab_offsets` of the vocabulary (None: made here).
+    Returns (tokens long [B], logprobs float32 [B]).
     """
     is_greedy = temperature <= 0
     if greedy == "all":
         tok = logits.argmax(-1)
         return tok, torch.log_softmax(logits.float(), -1).gather(-1, tok[:, None]).squeeze(-1)
     z = process_logits(logits, temperature, top_k, top_p, need_k=need_k, need_p=need_p)
-    tok, lp = draw(z, keys)
+    tok, lp = draw(z, keys, vocab_offsets(z.shape[-1], z.device) if offsets is None else offsets)
     if greedy == "some":
         tok_greedy = logits.argmax(-1)
         lp_greedy = torch.log_softmax(logits.float(), -1).gather(-1, tok_greedy[:, None]).squeeze(-1)

@@ -449,3 +449,17 @@ def test_bench_tool_runs_on_cpu():
     row = json.loads(lines[0])["shapes"]["tiny"]["batches"]["4"]
     assert row["hf"]["tokens"] == row["fast"]["tokens"] == 4 * 6
     assert row["ratio"] > 0 and row["fast"]["warmup_s"] > 0
+
+
+@pytest.mark.slow
+def test_inductor_on_cpu_answers_as_the_eager_pieces(models):
+    """The fast path with compile "inductor" (generated C++ on the CPU: the lowering the GPU's Triton
+    shares) answers as the eager pieces: layer pieces, prefill, matmul attention, the Gumbel draw
+    (whose per-token stream offsets are an input: inductor's CPU code for int64 ``arange * constant``
+    was wrong, see sampling.vocab_offsets). float32, other fusions: within _same's bounds. ~15 s of
+    compilation, hence slow."""
+    model = models["qwen3"]
+    reqs = [GenerateRequest(p, SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=9, seed=i))
+            for i, p in enumerate(_prompts(5))] + _reqs(_prompts(3, seed=1), temperature=0.0, max_new_tokens=7)
+    ref = _fast(model, max_batch=3, attention="matmul").generate(reqs)
+    _same(_fast(model, max_batch=3, attention="matmul", compile="inductor").generate(reqs), ref)

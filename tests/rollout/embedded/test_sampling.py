@@ -7,7 +7,7 @@ import math
 import torch
 
 from megaforge.rollout.embedded.sampling import (counter_keys, draw_tokens, gumbel_noise, process_logits,
-                                                 sample_from_keys, sample_tokens)
+                                                 sample_from_keys, sample_tokens, vocab_offsets)
 
 #: probability that an exact sampler fails a chi-square check below (its threshold's upper tail)
 FALSE_FAILURE = 1e-6
@@ -87,7 +87,7 @@ def test_a_row_draws_the_same_whatever_its_batch():
     tok_p, lp_p = sample_tokens(logits[perm], temp, top_k, top_p, seeds=seeds[perm], positions=pos[perm])
     assert torch.equal(tok_p, tok[perm]) and torch.equal(lp_p, lp[perm])
     keys = counter_keys(seeds, pos)
-    noise = gumbel_noise(keys, V)
+    noise = gumbel_noise(keys, vocab_offsets(V))
     for b in range(B):
         one_tok, one_lp = sample_tokens(logits[b:b + 1], temp[:1], top_k[:1], top_p[:1], seeds=seeds[b:b + 1],
                                         positions=pos[b:b + 1])
@@ -95,9 +95,9 @@ def test_a_row_draws_the_same_whatever_its_batch():
         # one row's float32 log-softmax over 1000 values, alone or in a batch: the same kernel per row
         # (bit-equal measured); 1e-6 allows a vector-width change of the sum order (|lp| <= ~15)
         assert abs(one_lp.item() - lp[b].item()) <= 1e-6
-        assert torch.equal(gumbel_noise(keys[b:b + 1], V)[0], noise[b])  # elementwise: exactly the same
+        assert torch.equal(gumbel_noise(keys[b:b + 1], vocab_offsets(V))[0], noise[b])  # elementwise: exactly the same
     # other positions or seeds draw other noise
-    assert not torch.equal(gumbel_noise(counter_keys(seeds, pos + 1), V), noise)
+    assert not torch.equal(gumbel_noise(counter_keys(seeds, pos + 1), vocab_offsets(V)), noise)
     assert len(set(tok.tolist())) > 1
 
 
@@ -135,7 +135,7 @@ def test_noise_equals_the_unsigned_64_bit_reference():
     seeds, pos = [0, 1, 12345, 2 ** 62 - 1, 7], [0, 0, 99, 2 ** 40, 5]
     keys = counter_keys(torch.tensor(seeds), torch.tensor(pos))
     V = 40
-    noise = gumbel_noise(keys, V)
+    noise = gumbel_noise(keys, vocab_offsets(V))
     for b, (s, p) in enumerate(zip(seeds, pos)):
         key = _splitmix64(s * golden + p + 1)
         assert int(keys[b]) & m == key
@@ -155,6 +155,6 @@ def test_draw_tokens_is_the_gumbel_argmax():
     z = torch.randn(5, 64, generator=g)
     z[:, 10:] = float("-inf")
     keys = counter_keys(torch.arange(5), torch.full((5,), 2))
-    tok, lp = draw_tokens(z, keys)
-    assert torch.equal(tok, (z.double() + gumbel_noise(keys, 64)).argmax(-1))
+    tok, lp = draw_tokens(z, keys, vocab_offsets(64))
+    assert torch.equal(tok, (z.double() + gumbel_noise(keys, vocab_offsets(64))).argmax(-1))
     assert (tok < 10).all() and torch.equal(lp, torch.log_softmax(z, -1).gather(-1, tok[:, None]).squeeze(-1))

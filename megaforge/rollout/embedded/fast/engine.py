@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 
 from megaforge.rollout.embedded.fast.forward import StaticForward
-from megaforge.rollout.embedded.sampling import counter_keys, draw_tokens, sample_from_keys
+from megaforge.rollout.embedded.sampling import counter_keys, draw_tokens, sample_from_keys, vocab_offsets
 from megaforge.types import Completion, GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,7 @@ class FastDecoder:
         self.memory_fraction = float(memory_fraction)
         self._side = None
         self.vocab = engine.model.lm_head.weight.shape[0]
+        self._offsets = vocab_offsets(self.vocab, self.device)  # the draw's per-token stream steps
         self.cache = None
         self.slots: Optional[SlotState] = None
         self._shape: Optional[tuple[int, int, int]] = None  # (B, L, S) of the allocation
@@ -186,7 +187,7 @@ class FastDecoder:
         logits = self.fwd.decode(self.cache, s.tok[:Bb], s.lens[:Bb], Lb)
         keys = counter_keys(s.seed[:Bb], s.ngen[:Bb])
         tok, lp = sample_from_keys(logits, s.temp[:Bb], s.topk[:Bb], s.topp[:Bb], keys, need_k, need_p, greedy,
-                                   draw=self._draw)
+                                   draw=self._draw, offsets=self._offsets)
         col = s.step.expand(Bb)[:, None]
         s.out_tok[:Bb].scatter_(1, col, tok[:, None])
         s.out_lp[:Bb].scatter_(1, col, lp[:, None].float())
@@ -376,7 +377,8 @@ class _Run:
                 stops[j, :len(p.stop_token_ids)] = torch.tensor(list(p.stop_token_ids), dtype=torch.long)
         s.stops[idx] = stops.to(dev)
         keys = counter_keys(s.seed[idx], torch.zeros(m, dtype=torch.long, device=dev))
-        tok, lp = sample_from_keys(logits, s.temp[idx], s.topk[idx], s.topp[idx], keys, *self.flags, draw=dec._draw)
+        tok, lp = sample_from_keys(logits, s.temp[idx], s.topk[idx], s.topp[idx], keys, *self.flags, draw=dec._draw,
+                                   offsets=dec._offsets)
         tok_l, lp_l = tok.tolist(), lp.float().tolist()
         done = []
         for j, r in enumerate(rs):
