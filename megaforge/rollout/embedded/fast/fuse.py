@@ -54,7 +54,6 @@ def fuse_rows(params: Sequence[Optional[torch.Tensor]], what: str) -> Optional[t
             n = p.shape[0]
             p.data = fused[off:off + n]
             off += n
-        first = params[0]
     size = (rows, *first.shape[1:])
     stride = tuple(first.stride())
     return first.detach().as_strided(size, stride, first.storage_offset())
