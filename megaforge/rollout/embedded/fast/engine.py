@@ -101,7 +101,10 @@ class FastDecoder:
                  memory_fraction: float = 0.5, compile: Optional[str] = None, attention: str = "auto"):
         self.engine = engine
         self.fwd = StaticForward(engine.model, compile=compile, attention=attention)
-        self._draw = torch.compile(draw_tokens, backend=compile, dynamic=True, fullgraph=True) if compile else draw_tokens
+        self._draw, self._keys = draw_tokens, counter_keys
+        if compile:  # the draw: one fused pass over the vocabulary; the keys: one kernel, not 14
+            self._draw, self._keys = (torch.compile(f, backend=compile, dynamic=True, fullgraph=True)
+                                      for f in (draw_tokens, counter_keys))
         self.device = engine.device
         self.use_graphs = (self.device.type == "cuda") if graphs is None else bool(graphs)
         if self.use_graphs and self.device.type != "cuda":
@@ -185,7 +188,7 @@ class FastDecoder:
         need_k, need_p, greedy = flags
         active = ~s.fin[:Bb]
         logits = self.fwd.decode(self.cache, s.tok[:Bb], s.lens[:Bb], Lb)
-        keys = counter_keys(s.seed[:Bb], s.ngen[:Bb])
+        keys = self._keys(s.seed[:Bb], s.ngen[:Bb])
         tok, lp = sample_from_keys(logits, s.temp[:Bb], s.topk[:Bb], s.topp[:Bb], keys, need_k, need_p, greedy,
                                    draw=self._draw, offsets=self._offsets)
         col = s.step.expand(Bb)[:, None]
@@ -376,7 +379,7 @@ class _Run:
             if p.stop_token_ids:
                 stops[j, :len(p.stop_token_ids)] = torch.tensor(list(p.stop_token_ids), dtype=torch.long)
         s.stops[idx] = stops.to(dev)
-        keys = counter_keys(s.seed[idx], torch.zeros(m, dtype=torch.long, device=dev))
+        keys = dec._keys(s.seed[idx], torch.zeros(m, dtype=torch.long, device=dev))
         tok, lp = sample_from_keys(logits, s.temp[idx], s.topk[idx], s.topp[idx], keys, *self.flags, draw=dec._draw,
                                    offsets=dec._offsets)
         tok_l, lp_l = tok.tolist(), lp.float().tolist()

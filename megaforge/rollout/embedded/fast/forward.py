@@ -1,12 +1,12 @@
 """A compact forward of Llama / Qwen2 / Qwen3 over a static KV cache, on the HF model's own weights.
 
-The embeddings, rotary embedding, final norm and LM head are the HF modules, called directly. Each
-layer's work around the attention is ours, as two functions of the layer's tensors (``_layer_pieces``):
-RMSNorm, ONE projection GEMM for q/k/v (incl. Qwen2's bias), Qwen3's q/k norms and rotary before;
-the o-projection, residuals, norm, ONE GEMM for gate/up and the down projection after. The fused
-q/k/v and gate/up tensors are the parameters' storage (fuse.py): no weight is copied per step, so a
-weight update by HF name (``param.data.copy_``) is seen by the next step. Shapes (H query heads, Hkv
-key/value heads, G = H / Hkv, D head dim, C hidden):
+The embeddings and the rotary embedding are the HF modules, called directly. Each layer's work
+around the attention is ours, as two functions of the layer's tensors (``_layer_pieces``): RMSNorm,
+ONE projection GEMM for q/k/v (incl. Qwen2's bias), Qwen3's q/k norms and rotary before; the
+o-projection, residuals, norm, ONE GEMM for gate/up and the down projection after; a third is the
+final norm and LM head. The fused q/k/v and gate/up tensors are the parameters' storage (fuse.py):
+no weight is copied per step, so a weight update by HF name (``param.data.copy_``) is seen by the
+next step. Shapes (H query heads, Hkv key/value heads, G = H / Hkv, D head dim, C hidden):
 
     cache per layer          kv [2, B_max, Hkv, L_max, D] (K = kv[0], V = kv[1]); row b holds one sequence
                              at positions 0..len-1
@@ -30,7 +30,7 @@ float32 softmax (HF's eager attention):
 
 each reads the cache once with no padded query rows (tools/profile_fast_decode.py measures both).
 
-``compile``: a torch.compile backend (GPU: "inductor") for the decode step's two per-layer pieces
+``compile``: a torch.compile backend (GPU: "inductor") for the decode step's pieces (the head too)
 and the matmul attention; their tensors are read at each call (one compiled graph serves every layer
 and batch size; the CUDA graphs capture the compiled kernels); prefill runs pre and post compiled
 too (other graphs: T > 1). None: they run eagerly.
@@ -112,7 +112,8 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
 
 
 def _layer_pieces(fwd: "StaticForward"):
-    """(pre, pre_decode, post, pre_args, post_args): a layer's work around the attention as functions of tensors
+    """({pre, pre_decode, post, head}, pre_args, post_args): a layer's work around the attention (and the
+    final norm + LM head) as functions of tensors
     (the fused projections of fuse.py: one GEMM for q/k/v, one for gate/up).
 
     pre(x [N, T, C], cos, sin [N, T, D], *pre_args(li)) -> q [N, H, T, D], k, v [N, Hkv, T, D]
@@ -122,6 +123,7 @@ def _layer_pieces(fwd: "StaticForward"):
     """
     layers = fwd.model.model.layers
     eps = {float(m.variance_epsilon) for ly in layers for m in (ly.input_layernorm, ly.post_attention_layernorm)}
+    eps.add(float(fwd.model.model.norm.variance_epsilon))
     attn0 = layers[0].self_attn
     qk_norm = hasattr(attn0, "q_norm")
     if qk_norm:
@@ -165,7 +167,11 @@ def _layer_pieces(fwd: "StaticForward"):
         q, k, v = pre(x, cos, sin, *args)
         return q, torch.stack((k[:, :, 0], v[:, :, 0]), dim=1)
 
-    return pre, pre_decode, post, pre_args, post_args
+    def head(x, norm_w, lm_w, lm_b):
+        """Final norm and LM head of hidden states x [N, C] -> logits [N, V]."""
+        return F.linear(_rms(x, norm_w, eps_v), lm_w, lm_b)
+
+    return {"pre": pre, "pre_decode": pre_decode, "post": post, "head": head}, pre_args, post_args
 
 
 class StaticForward:
@@ -190,12 +196,12 @@ class StaticForward:
         attn0 = model.model.layers[0].self_attn
         self.apply_rope = sys.modules[type(attn0).__module__].apply_rotary_pos_emb
         self.fused = [fuse_layer(ly) for ly in model.model.layers]
-        self.pre, self.pre_decode, self.post, self.pre_args, self.post_args = _layer_pieces(self)
-        self.compiled = None  # (pre_decode, post, pre) through torch.compile
+        self.eager, self.pre_args, self.post_args = _layer_pieces(self)
+        self.compiled = None  # the pieces through torch.compile (same keys as ``eager``)
         self.matmul_attention = matmul_attention
         if compile:
-            self.compiled = tuple(torch.compile(f, backend=compile, dynamic=True, fullgraph=True)
-                                  for f in (self.pre_decode, self.post, self.pre))
+            self.compiled = {k: torch.compile(f, backend=compile, dynamic=True, fullgraph=True)
+                             for k, f in self.eager.items()}
             self.matmul_attention = torch.compile(matmul_attention, backend=compile, dynamic=True, fullgraph=True)
 
     @property
@@ -223,9 +229,10 @@ class StaticForward:
                     raise RuntimeError(f"fast rollout path: layer {li}: a projection weight no longer views the fused "
                                        "q/k/v or gate/up tensor (the parameter was rebound, not copied into)")
 
-    def _head(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head of hidden states [N, C] -> logits [N, V]."""
-        return self.model.lm_head(self.model.model.norm(x))
+    def _head(self, fn: dict, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head of hidden states [N, C] -> logits [N, V] (``fn``: the eager or compiled pieces)."""
+        lm = self.model.lm_head
+        return fn["head"](x, self.model.model.norm.weight, lm.weight, lm.bias)
 
     @torch.no_grad()
     def prefill(self, cache: StaticKVCache, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -236,18 +243,18 @@ class StaticForward:
         pos = torch.arange(T, device=ids.device)[None, :].expand(U, T)
         cos, sin = inner.rotary_emb(x, pos)
         self.check_fused()
-        _, post, pre = self.compiled or (None, self.post, self.pre)
+        fn = self.compiled or self.eager
         for li, layer in enumerate(inner.layers):
-            q, k, v = pre(x, cos, sin, *self.pre_args(li))
+            q, k, v = fn["pre"](x, cos, sin, *self.pre_args(li))
             cache.k[li][slots, :, :T] = k
             cache.v[li][slots, :, :T] = v
             if self.groups > 1:
                 k = k.repeat_interleave(self.groups, dim=1)
                 v = v.repeat_interleave(self.groups, dim=1)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.self_attn.scaling)
-            x = post(x, o.transpose(1, 2).reshape(U, T, -1), *self.post_args(li))
+            x = fn["post"](x, o.transpose(1, 2).reshape(U, T, -1), *self.post_args(li))
         last = x[torch.arange(U, device=ids.device), lengths - 1]
-        return self._head(last)
+        return self._head(fn, last)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, Hkv, G, D] against k, v [B, Hkv, Lb, D] with the additive mask bias [B, 1, 1, Lb] (0 where
@@ -276,11 +283,11 @@ class StaticForward:
         cos, sin = inner.rotary_emb(x, pos[:, None])
         bias = self._mask_bias(pos, Lb)
         rows = torch.arange(B, device=tok.device)
-        pre, post, _ = self.compiled or (self.pre_decode, self.post, None)
+        fn = self.compiled or self.eager
         for li, layer in enumerate(inner.layers):
-            q, kv = pre(x, cos, sin, *self.pre_args(li))
+            q, kv = fn["pre_decode"](x, cos, sin, *self.pre_args(li))
             cache.kv[li][:, rows, :, pos] = kv  # K and V of row b at position pos[b]: one indexed write
             o = self._attend(q.reshape(B, Hkv, G, D), cache.k[li][:B, :, :Lb], cache.v[li][:B, :, :Lb], bias,
                              layer.self_attn.scaling)
-            x = post(x, o.reshape(B, 1, Hkv * G * D), *self.post_args(li))
-        return self._head(x[:, 0])
+            x = fn["post"](x, o.reshape(B, 1, Hkv * G * D), *self.post_args(li))
+        return self._head(fn, x[:, 0])
