@@ -11,7 +11,7 @@ Per variant (``eager``: the HF modules; ``compiled``: the per-layer pieces throu
 1. ``step_ms``: wall time per decode step of a generate call with CUDA graphs (as rollouts run);
 2. a second engine with graphs off runs the same call under ``torch.profiler``: every kernel's time,
    grouped into ``gemm`` (matmul kernels), ``attention`` (SDPA kernels), ``vocab`` (kernels over the
-   [B, V] logits after the LM head: softmax, cumsum/scan, searchsorted, sort) and ``other`` (the
+   [B, V] logits after the LM head: softmax, the sampler's Gumbel argmax, sort) and ``other`` (the
    elementwise and copy kernels); ``kernels_per_step`` and ``kernel_ms_per_step`` (their sum over
    the call, the prompts' prefill included, divided by its decode steps: when it is close to
    ``step_ms`` the kernels themselves are the cost, not launch gaps);

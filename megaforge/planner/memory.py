@@ -49,7 +49,7 @@ a prefill workspace (``chunk*p*(2h + (qd + 2kvd)/etp + 3*F'/etp) + 8*max_bs*V``)
 ``2*L*max(g/etp, 1)*d*kv_bytes``. The embedded (HF) engine: weights ``p*P``, DynamicCache
 ``B*(P+N)*2*L*g*d*p`` (+1/L while a layer's cache is re-concatenated), prefill logits of every
 prompt position ``B*P*V*p`` with one layer's activations and the padding mask ``B*P^2``, and
-``B*V*(p + 24)`` for sampling (fp32 / fp64 CDF buffers).
+``B*V*(p + 29)`` for sampling (the fp32 scaled logits, the Gumbel noise's int64 / fp64 temporaries).
 
 Optimizer step: PyTorch's foreach Adam (megatron-core's fallback without Transformer Engine or Apex,
 and the torch backend's AdamW) allocates the square root of the second moment, one temporary per
@@ -305,7 +305,7 @@ def engine_items(cfg, shape, lay, memory: float) -> tuple[list[Item], list[Item]
     w = p * n
     kv_end = B * (P + N) * per_tok * (1 + 1 / shape.layers)
     prefill = B * P * (per_tok + shape.vocab * p + p * (2 * shape.hidden + shape.qd + 2 * shape.kvd + 4 * ffn) + P)
-    decode = kv_end + B * shape.vocab * (p + 24)
+    decode = kv_end + B * shape.vocab * (p + 29)
     roll = [Item("engine weights", w, "engine", f"{n / 1e9:.3f} B params x {p} B (HF model)")]
     if prefill >= decode:
         roll.append(Item("prefill: KV + logits of every prompt position", prefill, "engine", f"{B} rows x {P} prompt tokens"))

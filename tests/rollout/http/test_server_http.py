@@ -131,6 +131,37 @@ def test_update_from_distributed_gloo_matches_hf(engine, url, long_model_dir):
     _check_served_logprobs(engine, ref, 10)
 
 
+def test_fast_path_server_follows_every_update_route(long_model_dir, tmp_path, tokenizer):
+    """The embedded server on the fast path (rollout.fast on: static cache, fused q/k/v and gate/up
+    weights viewed by the parameters, fast/fuse.py) after updates through /update_weights_from_tensor,
+    /update_weights_from_disk and /update_weights_from_distributed (gloo): it serves the new weights."""
+    from megaforge.rollout import build_engine
+    from megaforge.rollout.http.engine import HTTPEngine
+
+    eng = build_engine(engine_config(tmp_path / "run", long_model_dir, fast="on", fast_compile="off"), tokenizer)
+    try:
+        with open(eng.processes[0].log_path) as f:
+            assert "--fast on" in f.read()
+        url = eng.clients[0].url
+        ref, named = perturbed_state(long_model_dir, seed=31)
+        eng.update_weights(buckets_of(named, 3), version=31)
+        _check_served_logprobs(eng, ref, 31)
+        ref, _ = perturbed_state(long_model_dir, seed=32)
+        ref.save_pretrained(tmp_path / "w")
+        st, out = http(url, "POST", "/update_weights_from_disk", {"model_path": str(tmp_path / "w"), "weight_version": "32"})
+        assert st == 200 and out["success"], out
+        _check_served_logprobs(eng, ref, 32)
+        ref, named = perturbed_state(long_model_dir, seed=33)
+        dist = HTTPEngine([url], transport="nccl")  # CPU tensors: a gloo group, this process is rank 0
+        try:
+            dist.update_weights(buckets_of(named, 3), version=33)
+        finally:
+            dist.shutdown()
+        _check_served_logprobs(eng, ref, 33)
+    finally:
+        eng.shutdown()
+
+
 def test_wrong_fields_are_400_naming_them(url):
     cases = [
         ("/generate", {"input_ids": [1, 2], "max_tokens": 3}, "max_tokens"),

@@ -8,15 +8,16 @@ Per generate call (``B`` = slots = min(max_batch, requests) rounded up to a powe
     loop: K decode steps on rows [0, Bb) (Bb: power-of-two bucket of the highest busy slot)
           attention over cache positions [0, Lb) (Lb: bucket of the longest busy row)
           each step = one CUDA graph replay (key (Bb, Lb, sampling stages)) on GPU, eager on CPU:
-              forward one token per row -> sample (counter uniforms) -> write token / logprob to
+              forward one token per row -> sample (counter-based Gumbel noise) -> write token / logprob to
               out_tok / out_lp [B, K] at column ``step`` -> stop-token and max-token checks on GPU
           then ONE host copy: per-row counts, finished flags, the K tokens and logprobs;
           finished rows free their slots and waiting requests take them (continuous refill);
           with nobody waiting, busy rows are compacted into the lowest slots so Bb shrinks.
 
-Sampling is :func:`~megaforge.rollout.embedded.sampling.sample_from_uniform` (the simple engine's math) with
-``u = counter_uniform(seed, index of the generated token)``; a request without a seed gets one drawn
-from the engine's seed generator, so every row is batch-independent. Stop strings and aborts are
+Sampling is :func:`~megaforge.rollout.embedded.sampling.sample_from_keys` (the simple engine's math: Gumbel-max
+with counter-based noise) with the key ``counter_keys(seed, index of the generated token)``; a request
+without a seed gets one drawn from the engine's seed generator, so every row is batch-independent.
+With ``compile`` set, the draw (noise, argmax, logprob: one fused pass over the vocabulary) is compiled. Stop strings and aborts are
 checked on the host at chunk boundaries (rows decoded past a stop string are truncated there).
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 
 from megaforge.rollout.embedded.fast.forward import StaticForward
-from megaforge.rollout.embedded.sampling import counter_uniform, sample_from_uniform
+from megaforge.rollout.embedded.sampling import counter_keys, draw_tokens, sample_from_keys, vocab_offsets
 from megaforge.types import Completion, GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class FastDecoder:
     (their K/V rows plus the sampling buffers of a step) take at most this fraction of the free
     device memory: fewer slots than requested means more refill rounds, not an out-of-memory error;
     compile: a torch.compile backend for the decode step's per-layer pieces (forward.py; GPU:
-    "inductor"), None: the HF modules run as they are; attention: "auto" | "sdpa" | "matmul", how a
+    "inductor") and the sampler's draw (sampling.draw_tokens), None: both run eagerly; attention: "auto" | "sdpa" | "matmul", how a
     decode step attends (forward.py).
     """
 
@@ -100,6 +101,10 @@ class FastDecoder:
                  memory_fraction: float = 0.5, compile: Optional[str] = None, attention: str = "auto"):
         self.engine = engine
         self.fwd = StaticForward(engine.model, compile=compile, attention=attention)
+        self._draw, self._keys = draw_tokens, counter_keys
+        if compile:  # the draw: one fused pass over the vocabulary; the keys: one kernel, not 14
+            self._draw, self._keys = (torch.compile(f, backend=compile, dynamic=True, fullgraph=True)
+                                      for f in (draw_tokens, counter_keys))
         self.device = engine.device
         self.use_graphs = (self.device.type == "cuda") if graphs is None else bool(graphs)
         if self.use_graphs and self.device.type != "cuda":
@@ -109,6 +114,7 @@ class FastDecoder:
         self.memory_fraction = float(memory_fraction)
         self._side = None
         self.vocab = engine.model.lm_head.weight.shape[0]
+        self._offsets = vocab_offsets(self.vocab, self.device)  # the draw's per-token stream steps
         self.cache = None
         self.slots: Optional[SlotState] = None
         self._shape: Optional[tuple[int, int, int]] = None  # (B, L, S) of the allocation
@@ -141,7 +147,10 @@ class FastDecoder:
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         if self.cache is not None:
             free += self.cache.nbytes
-        per_row = L * self.fwd.kv_bytes_per_token + 24 * self.vocab
+        # sampling per vocabulary entry: the logits (<= 4 B), their float32 scaled copy (4 B) and the eager
+        # draw's in-place noise (sampling.gumbel_noise: at most three 8-byte tensors and a mask, 25 B);
+        # compiled, the draw keeps none of them
+        per_row = L * self.fwd.kv_bytes_per_token + 33 * self.vocab
         fit = max(1, int(self.memory_fraction * free) // per_row)
         if fit < B:
             log.warning("fast rollout path: %d slots of %d tokens fit in %.0f%% of the free GPU memory (asked %d)",
@@ -179,8 +188,9 @@ class FastDecoder:
         need_k, need_p, greedy = flags
         active = ~s.fin[:Bb]
         logits = self.fwd.decode(self.cache, s.tok[:Bb], s.lens[:Bb], Lb)
-        u = counter_uniform(s.seed[:Bb], s.ngen[:Bb])
-        tok, lp = sample_from_uniform(logits, s.temp[:Bb], s.topk[:Bb], s.topp[:Bb], u, need_k, need_p, greedy)
+        keys = self._keys(s.seed[:Bb], s.ngen[:Bb])
+        tok, lp = sample_from_keys(logits, s.temp[:Bb], s.topk[:Bb], s.topp[:Bb], keys, need_k, need_p, greedy,
+                                   draw=self._draw, offsets=self._offsets)
         col = s.step.expand(Bb)[:, None]
         s.out_tok[:Bb].scatter_(1, col, tok[:, None])
         s.out_lp[:Bb].scatter_(1, col, lp[:, None].float())
@@ -271,6 +281,7 @@ class _Run:
                 break
             if self.waiting and self.free:
                 self._admit()
+                self.eng.mark_progress()  # the admitted rows' first tokens (a 1-token request ends here)
             busy = [i for i, r in enumerate(self.slot_req) if r >= 0]
             if not busy:
                 if self.waiting:
@@ -368,8 +379,9 @@ class _Run:
             if p.stop_token_ids:
                 stops[j, :len(p.stop_token_ids)] = torch.tensor(list(p.stop_token_ids), dtype=torch.long)
         s.stops[idx] = stops.to(dev)
-        u = counter_uniform(s.seed[idx], torch.zeros(m, dtype=torch.long, device=dev))
-        tok, lp = sample_from_uniform(logits, s.temp[idx], s.topk[idx], s.topp[idx], u, *self.flags)
+        keys = dec._keys(s.seed[idx], torch.zeros(m, dtype=torch.long, device=dev))
+        tok, lp = sample_from_keys(logits, s.temp[idx], s.topk[idx], s.topp[idx], keys, *self.flags, draw=dec._draw,
+                                   offsets=dec._offsets)
         tok_l, lp_l = tok.tolist(), lp.float().tolist()
         done = []
         for j, r in enumerate(rs):
