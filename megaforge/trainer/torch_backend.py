@@ -76,22 +76,23 @@ class TorchTrainer(Trainer):
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> torch.Tensor:
+        """See :meth:`Trainer.compute_logprobs`; computed in length-ordered micro-batches
+        (:func:`megaforge.trainer.torch_ddp.per_row_results`), returned in the batch's row order."""
         module = self._select_model(model, self.model)
         local = torch_ddp.rows_to_compute(batch)
         ref_dev = next(module.parameters()).device
-        parts = []
-        for mb in local.micro_batches(self.cfg.trainer.micro_batch_size):
-            if ref_dev != self.device:
-                mb_ = mb.to(ref_dev)
-                T = mb_.tokens.shape[1]
-                attn = (torch.arange(T, device=ref_dev)[None, :] < mb_.lengths[:, None]).long()
-                with precision.autocast(self.cfg.trainer.autocast, ref_dev):
-                    logits = module(input_ids=mb_.tokens, attention_mask=attn, use_cache=False).logits
-                lp, _ = token_logprobs(logits, mb_.tokens, mb_.lengths, self.temperature)
-            else:
-                lp, _ = self._forward(module, mb, self.temperature, False)
-            parts.append(torch.nn.functional.pad(lp.cpu(), (0, batch.tokens.shape[1] - lp.shape[1])))
-        local_lp = torch.cat(parts) if parts else torch.zeros((0, batch.tokens.shape[1]))
+
+        def logprobs(mb: TrainBatch) -> torch.Tensor:
+            if ref_dev == self.device:
+                return self._forward(module, mb, self.temperature, False)[0]
+            mb = mb.to(ref_dev)
+            T = mb.tokens.shape[1]
+            attn = (torch.arange(T, device=ref_dev)[None, :] < mb.lengths[:, None]).long()
+            with precision.autocast(self.cfg.trainer.autocast, ref_dev):
+                logits = module(input_ids=mb.tokens, attention_mask=attn, use_cache=False).logits
+            return token_logprobs(logits, mb.tokens, mb.lengths, self.temperature)[0]
+
+        local_lp = torch_ddp.per_row_results(local, self.cfg.trainer.micro_batch_size, batch.tokens.shape[1], logprobs)
         return torch_ddp.whole_or_share(local_lp, batch)
 
     @onloaded
