@@ -8,7 +8,7 @@ from algo_helpers import ROOT
 from megaforge.config import load_config
 from megaforge.trainer import torch_ddp
 from megaforge.trainer.base import Objective
-from megaforge.trainer.logprobs import token_logprobs
+from megaforge.trainer.causal_lm import causal_lm_logprobs
 from megaforge.types import TrainBatch
 
 BASE = ["--config", f"{ROOT}/configs/demo_cpu.yaml", "--model.config", f"{ROOT}/configs/models/tiny-qwen2",
@@ -86,7 +86,7 @@ def test_gradient_and_metrics_equal_one_micro_batch(extra):
     grads, metrics = [], []
     for mbs in (3, 9):
         tr = _trainer("--trainer.micro_batch_size", str(mbs), *extra)
-        rl = Objective(tr.temperature, entropy=True, packed=False, loss=tr._policy_loss)
+        rl = Objective(tr.temperature, entropy=True, packed=False, loss=tr._policy_loss, trained_positions=True)
         metrics.append(tr._forward_backward(batch, rl)())
         grads.append({n: p.grad.clone() for n, p in tr.model.named_parameters()})
     for n, g in grads[1].items():
@@ -110,7 +110,7 @@ def test_logprobs_and_values_come_back_in_row_order():
         per_row_v = torch.zeros_like(batch.old_logprobs)
         for b, n in enumerate(batch.lengths.tolist()):
             tok, ln = batch.tokens[b:b + 1, :n], batch.lengths[b:b + 1]
-            per_row_lp[b, :n] = token_logprobs(tr.model(input_ids=tok).logits, tok, ln, 0.8)[0][0]
+            per_row_lp[b, :n] = causal_lm_logprobs(tr.model, tok, ln, 0.8, False, "off")[0][0]
             per_row_v[b, :n] = tr.critic.net(tok, ln)[0]
     assert torch.equal(tr.compute_logprobs(batch), per_row_lp)
     assert torch.equal(tr.compute_values(batch), per_row_v)
