@@ -132,7 +132,7 @@ def main(argv=None) -> int:
         again = copy.deepcopy(batch)
         with Stopwatch(dev) as ref:
             if needs_ref(run.cfg):
-                again.ref_logprobs = run.trainer.compute_logprobs(again, "ref")
+                again.ref_logprobs = run.trainer.compute_logprobs(again, "ref", positions="trained")  # as the loop
         with Stopwatch(dev) as train:
             run.trainer.train_step(again)
         t_ref, t_train = ref.seconds, train.seconds

@@ -189,7 +189,7 @@ def main(argv=None) -> int:
 
     def train_phase():
         if a.beta > 0:
-            batch.ref_logprobs = tr.compute_logprobs(batch, "ref")
+            batch.ref_logprobs = tr.compute_logprobs(batch, "ref", positions="trained")  # as the loop does
         return tr.train_step(batch)
 
     progress("warm-up train step")

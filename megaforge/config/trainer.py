@@ -43,6 +43,12 @@ class TrainerConfig:
     """torch backend on CUDA: run the forward and backward of the decoder layers under bfloat16
     autocast (parameters, gradients and AdamW state stay in model.dtype, e.g. float32 master weights);
     the LM head and the log-softmax stay in float32, so token log-probs keep float32 resolution."""
+    head_positions: Literal["trained", "all"] = "trained"
+    """torch backend, RL forwards (the policy loss, pi_old and reference log-probs): run the LM head,
+    log-softmax and entropy only at the positions whose token is trained (loss_mask > 0; the values
+    elsewhere are 0 and read by nothing); "all": at every position, through the CausalLM's own forward
+    (needed for model types other than llama / qwen2 / qwen3 and their MoE variants). SFT and
+    compute_logprobs' default (parity checks) compute every position either way."""
     max_bad_steps: int = 3
     """Consecutive steps with a non-finite loss or gradient (skipped) before the run stops."""
     # --- megatron backend ---

@@ -244,9 +244,9 @@ def train_share(trainer, handoff: BatchHandOff, batch: Optional[TrainBatch], cfg
             batch.advantages = batch_advantages(batch, cfg)
     share = handoff.share(batch)
     if needs_ref(cfg):
-        share.ref_logprobs = trainer.compute_logprobs(share, "ref")
+        share.ref_logprobs = trainer.compute_logprobs(share, "ref", positions="trained")
     if needs_old_logprobs(cfg):
-        share.old_logprobs = trainer.compute_logprobs(share, "policy")
+        share.old_logprobs = trainer.compute_logprobs(share, "policy", positions="trained")
     if cfg.critic_enabled:
         share.values = trainer.compute_values(share)
     if advantages_need_trainer(cfg):

@@ -42,6 +42,9 @@ entropy is detached (``algo.entropy_coef`` 0); 26 with an entropy bonus (three m
 temporaries of the entropy gradient). With ``trainer.fused_logprobs`` (megatron backend, on for
 CUDA unless ``false``) the sums and the gradient are compiled kernels: 2*p (the logits kept for
 backward, their gradient), +p for the logits / temperature copy when the temperature is not 1.
+The torch backend's RL step with ``trainer.head_positions: trained`` runs the head on the trained
+positions only: at most ``rows * min(seq, rollout.max_new_tokens)`` per micro-batch (a row's trained
+tokens stay within max_new_tokens), plus their gathered hidden states (p bytes x hidden each).
 
 Engines: SGLang holds ``mem_fraction * M`` (weights ``p*P/etp`` + KV pool) plus CUDA graphs
 (``0.5 GiB + max_bs*(4*V/etp + p*(4h + (qd + 2kvd)/etp + 3*F'/etp))``, ``F' = F`` or ``k*Fe``) and
@@ -191,9 +194,11 @@ def layer_bytes(shape, p: int, spec: str, tp: int, sp: bool, recompute: str, moe
     return saved, full
 
 
-def activations(cfg, shape, lay, stage: int, seq: int, rows: int, n_micro: int, loss_b: int) -> list[Item]:
+def activations(cfg, shape, lay, stage: int, seq: int, rows: int, n_micro: int, loss_b: int,
+                head_tokens: float | None = None) -> list[Item]:
     """Activation and loss items of one pipeline stage for micro-batches of ``rows`` rows of ``seq``
-    tokens (forward + backward peak)."""
+    tokens (forward + backward peak); ``head_tokens``: the positions of a micro-batch whose logits are
+    computed when not all of them (:func:`head_positions`)."""
     p = dtype_bytes(cfg.model.dtype)
     c = lay.cp
     seq_pad = math.ceil(seq / (2 * c)) * 2 * c if c > 1 else seq
@@ -223,8 +228,13 @@ def activations(cfg, shape, lay, stage: int, seq: int, rows: int, n_micro: int, 
         vloc = (shape.padded_vocab(lay.tp) if lay.backend == "megatron" else shape.vocab) / lay.tp
         n = p if spec == "te" else 4 + p
         head = s * (n + p) * shape.hidden / (lay.tp if lay.sp else 1)
-        items.append(Item("logits / logprob buffers", s * vloc * loss_b + head, "trainer",
-                          f"{s:.0f} tokens x {vloc:.0f} vocab cols x {loss_b} B (vocab-parallel)"))
+        if head_tokens is None:
+            items.append(Item("logits / logprob buffers", s * vloc * loss_b + head, "trainer",
+                              f"{s:.0f} tokens x {vloc:.0f} vocab cols x {loss_b} B (vocab-parallel)"))
+        else:  # the trained positions' hidden states gathered, then the head on them alone
+            gathered = head_tokens * p * shape.hidden
+            items.append(Item("logits / logprob buffers", head_tokens * vloc * loss_b + head + gathered, "trainer",
+                              f"{head_tokens:.0f} trained positions x {vloc:.0f} vocab cols x {loss_b} B"))
     return items
 
 
@@ -232,7 +242,8 @@ def work_items(cfg, shape, lay, stage: int, mode: str) -> list[Item]:
     """Activations and loss buffers of a train (``grpo``) or SFT step, plus the optimizer step's
     temporary where it exceeds them (see module docstring)."""
     seq, rows, nm = micro_batches(cfg, lay, mode)
-    items = activations(cfg, shape, lay, stage, seq, rows, nm, loss_bytes(cfg, mode, lay.backend))
+    items = activations(cfg, shape, lay, stage, seq, rows, nm, loss_bytes(cfg, mode, lay.backend),
+                        head_positions(cfg, lay, mode, seq, rows))
     if lay.backend == "megatron":
         if lay.spec == "te" or importlib.util.find_spec("transformer_engine") is not None:
             return items  # TE's fused Adam: no temporaries
@@ -247,6 +258,15 @@ def work_items(cfg, shape, lay, stage: int, mode: str) -> list[Item]:
         items.append(Item("optimizer step temporaries (beyond the activations)", extra, "trainer",
                           "PyTorch foreach Adam: sqrt of the second moment"))
     return items
+
+
+def head_positions(cfg, lay, mode: str, seq: int, rows: int) -> float | None:
+    """Positions of a micro-batch whose logits the torch backend's RL step computes with
+    ``trainer.head_positions: trained`` (at most ``rows * min(seq, rollout.max_new_tokens)``); None
+    where every position's are (SFT, "all", megatron)."""
+    if lay.backend != "torch" or mode != "grpo" or cfg.trainer.head_positions != "trained":
+        return None
+    return float(rows * min(seq, cfg.rollout.max_new_tokens))
 
 
 def loss_bytes(cfg, mode: str, backend: str = "torch") -> int:

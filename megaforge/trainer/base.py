@@ -55,7 +55,8 @@ MetricsReader = Callable[[], dict[str, float]]
 class Objective:
     """What a backend's forward/backward computes for one kind of update: token-aligned logprobs at
     ``temperature`` (and the policy entropy when ``entropy``; rows packed several per row where the
-    backend can when ``packed``), then ``loss(logprobs [b, T], entropy [b, T] or None, micro_batch)
+    backend can when ``packed``; only at the trained positions, 0 elsewhere, when
+    ``trained_positions``: the loss reads no other), then ``loss(logprobs [b, T], entropy [b, T] or None, micro_batch)
     -> (scalar loss contribution, {metric: scalar contribution})`` with the micro-batch's rows on the
     trainer's device."""
 
@@ -63,6 +64,7 @@ class Objective:
     entropy: bool
     packed: bool
     loss: Callable
+    trained_positions: bool = False
 
 
 def sft_loss(logprobs: torch.Tensor, entropy, mb: TrainBatch):
@@ -114,10 +116,13 @@ class Trainer(ABC):
         self.sched: dict = {}
 
     @abstractmethod
-    def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> torch.Tensor:
+    def compute_logprobs(self, batch: TrainBatch, model: str = "policy", positions: str = "all") -> torch.Tensor:
         """Token-aligned logprobs (temperature applied) of ``model`` in {"policy", "ref"}, on CPU,
         float32; 0 at t = 0 and on padding. No gradient. [B, T] on every rank for a whole batch
-        (gathered); the share's [n, T] rows for a share (``batch.is_share``: nothing gathered)."""
+        (gathered); the share's [n, T] rows for a share (``batch.is_share``: nothing gathered).
+        ``positions``: "all" (every 1 <= t < length: parity checks, engine comparisons) or "trained"
+        (only where loss_mask > 0, 0 elsewhere: pi_old and the reference of an RL step, whose readers
+        all mask by loss_mask; the torch backend then runs its LM head there alone)."""
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One RL update on ``batch`` (mini-batches x epochs as configured) with the objective of
@@ -125,7 +130,7 @@ class Trainer(ABC):
         has returns. Returns batch-level metrics (at least ``loss``, ``pg_loss``, ``entropy``,
         ``clip_frac``, ``train_rollout_logprob_abs_diff``, ``grad_norm``, ``lr``; ``kl`` when a
         reference is used; ``critic/...``)."""
-        rl = Objective(self.temperature, entropy=True, packed=False, loss=self._policy_loss)
+        rl = Objective(self.temperature, entropy=True, packed=False, loss=self._policy_loss, trained_positions=True)
         out = self._updates(batch, lambda mini: self._forward_backward(mini, rl), self._optimizer_step)
         if self.critic is not None and batch.returns is not None:
             out.update(self.train_critic(batch))

@@ -73,14 +73,12 @@ class TorchCritic(Critic):
 
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
-        """Values on CPU (float32): [B, T] on every rank for a whole batch, [n, T] for a share."""
+        """Values on CPU (float32): [B, T] on every rank for a whole batch, [n, T] for a share (rows
+        in the batch's order; computed in length-ordered micro-batches)."""
         self.net.eval()
         local = torch_ddp.rows_to_compute(batch)
-        parts = []
-        for mb in local.micro_batches(self.cfg.trainer.micro_batch_size):
-            v = self.net(mb.tokens.to(self.device), mb.lengths.to(self.device))
-            parts.append(torch.nn.functional.pad(v.cpu(), (0, batch.tokens.shape[1] - v.shape[1])))
-        local_v = torch.cat(parts) if parts else torch.zeros((0, batch.tokens.shape[1]))
+        local_v = torch_ddp.per_row_results(local, self.cfg.trainer.micro_batch_size, batch.tokens.shape[1],
+                                            lambda mb: self.net(mb.tokens.to(self.device), mb.lengths.to(self.device)))
         return torch_ddp.whole_or_share(local_v, batch)
 
     def forward_backward(self, mini: TrainBatch):

@@ -19,8 +19,8 @@ from megaforge.memory import build_offloader, onloaded
 from megaforge.memory.state import grad_entries, on_device, optimizer_entries, param_entries
 from megaforge.trainer import precision, torch_ddp
 from megaforge.trainer.base import HFBucket, Objective, Trainer, modules_weights
+from megaforge.trainer.causal_lm import POSITIONS, CausalLMLogprobs, check_split_head
 from megaforge.trainer.critic import TorchCritic
-from megaforge.trainer.logprobs import token_logprobs
 from megaforge.types import TrainBatch
 
 
@@ -34,7 +34,10 @@ class TorchTrainer(Trainer):
             precision.float32_head(self.model)
         if t.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
-        self.module = torch_ddp.wrap(self.model, self.device)
+        if t.head_positions == "trained":
+            check_split_head(self.model)
+        # the training forward, under DDP with several ranks; self.model stays the HF CausalLM
+        self.module = torch_ddp.wrap(CausalLMLogprobs(self.model, t.autocast), self.device)
         self.opt = torch_ddp.adamw(self.model.parameters(), t.lr, t)
         self.reset_optimizer(t.lr, cfg.max_steps * t.mini_batches * t.epochs, t.warmup_steps, t.lr_schedule, t.min_lr)
         # memory.offload: pinned host buffers / torch_memory_saver (megaforge.memory); None: resident
@@ -66,32 +69,30 @@ class TorchTrainer(Trainer):
         return torch_ddp.clipped_step(self.model.named_parameters(), self.opt, self.cfg.trainer.grad_clip)
 
     # -------------------------------------------------------------------------------- forward
-    def _forward(self, module, mb: TrainBatch, temperature: float, with_entropy: bool):
-        mb = mb.to(self.device)
-        T = mb.tokens.shape[1]
-        attn = (torch.arange(T, device=self.device)[None, :] < mb.lengths[:, None]).long()
-        with precision.autocast(self.cfg.trainer.autocast, self.device):
-            logits = module(input_ids=mb.tokens, attention_mask=attn, use_cache=False).logits
-        return token_logprobs(logits, mb.tokens, mb.lengths, temperature, with_entropy)
+    def _logprobs(self, module, mb: TrainBatch, temperature: float, with_entropy: bool, trained: bool):
+        """(logprobs, entropy) of ``mb`` by ``module`` (a :class:`CausalLMLogprobs`, DDP-wrapped or not)
+        on the module's device: at the trained positions only (0 elsewhere) when ``trained``, else at
+        every position 1 <= t < length. The head runs on the trained positions alone when
+        ``trainer.head_positions`` is "trained"; with "all" every position's is computed and masked."""
+        mb = mb.to(next(module.parameters()).device)
+        select = trained and self.cfg.trainer.head_positions == "trained"
+        lp, ent = module(mb.tokens, mb.lengths, temperature, with_entropy, mb.loss_mask if select else None)
+        if trained and not select:
+            keep = (mb.loss_mask > 0).float()
+            lp, ent = lp * keep, (None if ent is None else ent * keep)
+        return lp, ent
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> torch.Tensor:
-        module = self._select_model(model, self.model)
+    def compute_logprobs(self, batch: TrainBatch, model: str = "policy", positions: str = "all") -> torch.Tensor:
+        """See :meth:`Trainer.compute_logprobs`; computed in length-ordered micro-batches
+        (:func:`megaforge.trainer.torch_ddp.per_row_results`), returned in the batch's row order."""
+        if positions not in POSITIONS:
+            raise ValueError(f"compute_logprobs: positions must be one of {POSITIONS}, got {positions!r}")
+        module = CausalLMLogprobs(self._select_model(model, self.model), self.cfg.trainer.autocast)
         local = torch_ddp.rows_to_compute(batch)
-        ref_dev = next(module.parameters()).device
-        parts = []
-        for mb in local.micro_batches(self.cfg.trainer.micro_batch_size):
-            if ref_dev != self.device:
-                mb_ = mb.to(ref_dev)
-                T = mb_.tokens.shape[1]
-                attn = (torch.arange(T, device=ref_dev)[None, :] < mb_.lengths[:, None]).long()
-                with precision.autocast(self.cfg.trainer.autocast, ref_dev):
-                    logits = module(input_ids=mb_.tokens, attention_mask=attn, use_cache=False).logits
-                lp, _ = token_logprobs(logits, mb_.tokens, mb_.lengths, self.temperature)
-            else:
-                lp, _ = self._forward(module, mb, self.temperature, False)
-            parts.append(torch.nn.functional.pad(lp.cpu(), (0, batch.tokens.shape[1] - lp.shape[1])))
-        local_lp = torch.cat(parts) if parts else torch.zeros((0, batch.tokens.shape[1]))
+        local_lp = torch_ddp.per_row_results(
+            local, self.cfg.trainer.micro_batch_size, batch.tokens.shape[1],
+            lambda mb: self._logprobs(module, mb, self.temperature, False, positions == "trained")[0])
         return torch_ddp.whole_or_share(local_lp, batch)
 
     @onloaded
@@ -117,7 +118,8 @@ class TorchTrainer(Trainer):
             if packed:
                 lp, ent = self._forward_packed(self.module, mb, objective.temperature), None
             else:
-                lp, ent = self._forward(self.module, mb, objective.temperature, objective.entropy)
+                lp, ent = self._logprobs(self.module, mb, objective.temperature, objective.entropy,
+                                         objective.trained_positions)
             return objective.loss(lp, ent, mb.to(self.device))
 
         metrics = torch_ddp.accumulate(self.module, mini, self.cfg.trainer.micro_batch_size, loss_fn)
@@ -125,14 +127,11 @@ class TorchTrainer(Trainer):
 
     def _forward_packed(self, module, mb: TrainBatch, temperature: float):
         """Token-aligned logprobs [B, T] of ``mb``'s rows, computed on packed rows (several rows per
-        packed row, position ids restarting per row, attention within a row only)."""
+        packed row, position ids restarting per row, attention within a row only), every position."""
         pk = pack_rows(mb.tokens, mb.lengths, self.cfg.sft.pack_len)
         tokens, pos = pk.tokens.to(self.device), pk.position_ids.to(self.device)
-        # no attention_mask: transformers derives the block-diagonal causal mask from the restarts
-        with precision.autocast(self.cfg.trainer.autocast, self.device):
-            logits = module(input_ids=tokens, position_ids=pos, use_cache=False).logits
         full = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=self.device)
-        lp, _ = token_logprobs(logits, tokens, full, temperature)
+        lp, _ = module(tokens, full, temperature, False, position_ids=pos)
         return pk.unpack(lp * (pos >= 1).float())
 
     # --------------------------------------------------------------------------------- weights

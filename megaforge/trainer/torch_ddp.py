@@ -1,6 +1,13 @@
 """Data parallelism of the torch backend (policy and critic): DDP wrapping, gradient accumulation over
 micro-batches, the clipped AdamW step.
 
+Micro-batches are cut from a rank's rows ordered by length, longest first
+(:func:`length_ordered_micro_batches`), and each is trimmed to its longest row, so rows of similar
+length share a micro-batch and little padding is computed. The order changes nothing but float
+summation order: every loss is a sum of per-row terms over global denominators (num_tokens /
+num_seqs, :mod:`megaforge.algorithms.aggregation`), and every metric a sum of contributions.
+Per-row results (log-probs, values) are put back in the rows' own order (:func:`per_row_results`).
+
 Every rank trains on its rows of each mini-batch (:func:`megaforge.data.batch.share_of`). Losses
 are contributions to the global objective (see megaforge.algorithms.aggregation), so gradients are
 *summed* over ranks: DDP averages, hence each micro-batch's loss is multiplied by the world size.
@@ -41,13 +48,44 @@ def whole_or_share(local: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
     return local if batch.is_share else collective.all_gather_rows(local, batch.batch_size)
 
 
+def length_ordered(lengths: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Row indices [<= size] of each micro-batch: the rows sorted by length, longest first (a stable
+    sort: rows of equal length keep their order), cut into runs of ``size``."""
+    if lengths.numel() == 0:
+        return []
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    return list(order.split(size))
+
+
+def padded_tokens(lengths: torch.Tensor, index: list[torch.Tensor]) -> int:
+    """Positions the forwards of micro-batches ``index`` compute: sum over micro-batches of rows x
+    the longest row (each micro-batch is trimmed to it)."""
+    return sum(len(i) * int(lengths[i].max()) for i in index if len(i))
+
+
+def length_ordered_micro_batches(rows: TrainBatch, size: int) -> list[tuple[torch.Tensor, TrainBatch]]:
+    """(row indices into ``rows``, micro-batch) of :func:`length_ordered`, each micro-batch trimmed
+    to its longest row; the counts (num_tokens / num_seqs) stay the whole mini-batch's."""
+    return [(i, rows.select(i)) for i in length_ordered(rows.lengths, size)]
+
+
+def per_row_results(rows: TrainBatch, size: int, width: int, fn) -> torch.Tensor:
+    """``fn(micro_batch) -> [b, t]`` over the length-ordered micro-batches of ``rows``, put back in
+    the order of ``rows``: [n, width] float32 on CPU, zero beyond each micro-batch's width t."""
+    out = torch.zeros((rows.batch_size, width), dtype=torch.float32)
+    for index, mb in length_ordered_micro_batches(rows, size):
+        r = fn(mb)
+        out[index, : r.shape[1]] = r.detach().float().cpu()
+    return out
+
+
 def accumulate(module: torch.nn.Module, rows: TrainBatch, micro_batch_size: int, loss_fn) -> dict[str, float]:
-    """Backward of ``loss_fn(micro_batch) -> (loss, {metric: scalar})`` over the micro-batches of
-    ``rows`` (gradients all-reduced once, after the last one); returns every metric summed over the
-    micro-batches and ranks."""
+    """Backward of ``loss_fn(micro_batch) -> (loss, {metric: scalar})`` over the length-ordered
+    micro-batches of ``rows`` (:func:`length_ordered_micro_batches`; gradients all-reduced once, after
+    the last one); returns every metric summed over the micro-batches and ranks."""
     scale = float(collective.world())
     sums: dict[str, torch.Tensor] = {}
-    mbs = list(rows.micro_batches(micro_batch_size))
+    mbs = [mb for _, mb in length_ordered_micro_batches(rows, micro_batch_size)]
     for i, mb in enumerate(mbs):
         sync = i == len(mbs) - 1 or not hasattr(module, "no_sync")
         with (contextlib.nullcontext() if sync else module.no_sync()):

@@ -103,10 +103,10 @@ def test_packed_logprobs_equal_unpacked(attn):
     mb = TrainBatch(tokens=tokens, lengths=lens, loss_mask=torch.ones(len(lens), T),
                     advantages=torch.zeros(len(lens), T), rollout_logprobs=torch.zeros(len(lens), T))
     with torch.no_grad():
-        ref, _ = t._forward(t.model, mb, 1.0, False)
+        ref, _ = t._logprobs(t.module, mb, 1.0, False, trained=False)  # every position, unpacked
         for cap in (0, 24):  # rows of the longest example's length, and longer rows
             t.cfg.sft.pack_len = cap
-            packed = t._forward_packed(t.model, mb, 1.0)
+            packed = t._forward_packed(t.module, mb, 1.0)
             assert torch.allclose(packed, ref, atol=1e-5), (cap, (packed - ref).abs().max())
     assert pack_rows(tokens, lens, 24).tokens.shape[0] < len(lens)  # several examples share a row
     # and attention really is blocked between documents: without restarts the result differs

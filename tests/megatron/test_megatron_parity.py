@@ -35,6 +35,8 @@ def _check_logprobs(results, tiny_models, expected_keys):
             assert d <= TOL, f"{name} {layout} {kind}: max |logprob - HF| = {d:.3g}"
         d = _max_diff(r["packed"], r["single"])
         assert d <= TOL, f"{name} {layout}: packed vs one-row micro-batches differ by {d:.3g}"
+        # positions="trained": the same forward, masked to loss_mask > 0 (exact, within one run)
+        assert torch.equal(r["trained"], r["packed"] * (batch.loss_mask > 0)), f"{name} {layout}: trained positions"
         for other in results[1:]:
             # every rank ends with the same reduced / broadcast bits: exact, within one run
             assert torch.equal(other[(name, layout)]["packed"], r["packed"]), f"{name} {layout}: ranks disagree"

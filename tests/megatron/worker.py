@@ -4,7 +4,8 @@
 
 Scenarios:
 * ``logprobs``: for every (name, model dir, layout) in ``runs``, build a MegatronTrainer and record
-  compute_logprobs of the shared batch (packed several rows per micro-batch, and one per micro-batch),
+  compute_logprobs of the shared batch (packed several rows per micro-batch, and one per micro-batch;
+  positions="trained" too),
   and of the rank's data-parallel share of it (its rows only, nothing gathered).
 * ``train``: train / SFT steps at one layout, HF weights via iter_hf_buckets, save; reload at a
   second layout, logprobs and weights again, more steps, export_hf.
@@ -50,11 +51,12 @@ def scenario_logprobs(spec, res):
         t0 = time.time()
         tr = MegatronTrainer(trainer_cfg(path, layout=layout, micro_batch_size=batch.batch_size))
         packed = tr.compute_logprobs(batch)
+        trained = tr.compute_logprobs(batch, positions="trained")  # what the loop asks for pi_old / the reference
         share = share_of(batch, 1, *tr.data_parallel())  # this DP rank's rows, as the loop hands them off
         share_lp = tr.compute_logprobs(share)
         tr.cfg.trainer.micro_batch_size = 1
         single = tr.compute_logprobs(batch)
-        res[(name, layout_name(layout))] = {"packed": packed, "single": single, "s": time.time() - t0,
+        res[(name, layout_name(layout))] = {"packed": packed, "single": single, "s": time.time() - t0, "trained": trained,
                                             "share": share_lp, "dp": tr.data_parallel()[1],
                                             "share_rows": share_rows(batch.batch_size, 1, *tr.data_parallel())}
         tr.close()

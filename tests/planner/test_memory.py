@@ -292,3 +292,20 @@ def test_optimizer_step_temporary_bounds_the_train_peak():
     assert items["optimizer step temporaries (beyond the activations)"] == pytest.approx(step - work, abs=2e-3)
     big = plan(GSM8K, model_config=QWEN3, gpus_per_node=8, gpu="H200")
     assert not any("temporaries" in k for k in big["phases"]["train"]["items"])  # activations dominate
+
+
+def test_torch_rl_head_on_trained_positions_only(tmp_path):
+    """torch backend, RL step: with trainer.head_positions trained the logits buffer covers at most
+    rows x rollout.max_new_tokens positions (14 B per vocab column, detached entropy) plus their
+    gathered hidden states (p B x hidden), instead of rows x (max_prompt_len + max_new_tokens)."""
+    common = ("--trainer.backend", "torch", "--model.dtype", "float32", "--max_steps", "2", "--data.path", "gsm8k",
+              "--data.max_prompt_len", "96", "--rollout.max_new_tokens", "32", "--trainer.micro_batch_size", "4")
+    got = {}
+    for mode in ("trained", "all"):
+        cfg, shape, lay = tiny_layout(tmp_path, *common, "--trainer.head_positions", mode, gpus=1, mode="grpo")
+        got[mode] = {i.name: i.bytes for i in M.work_items(cfg, shape, lay, 0, "grpo")}["logits / logprob buffers"]
+    seq, rows, _ = M.micro_batches(cfg, lay, "grpo")
+    assert (seq, rows) == (128, 4)
+    assert got["all"] - got["trained"] == (rows * seq - rows * 32) * 1000 * 14 - rows * 32 * 4 * 64
+    sft_cfg, _, sft_lay = tiny_layout(tmp_path, *common, gpus=1)
+    assert M.head_positions(sft_cfg, sft_lay, "sft", seq, rows) is None  # SFT: every position

@@ -241,8 +241,12 @@ class MegatronTrainer(Trainer):
 
     # ---------------------------------------------------------------------------- logprobs
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> torch.Tensor:
-        return self.forward_rows(batch, model, ("logprobs",))["logprobs"]
+    def compute_logprobs(self, batch: TrainBatch, model: str = "policy", positions: str = "all") -> torch.Tensor:
+        """Every position is computed (the fused vocab-parallel loss); "trained" masks to loss_mask > 0."""
+        if positions not in ("all", "trained"):
+            raise ValueError(f"compute_logprobs: positions must be 'all' or 'trained', got {positions!r}")
+        lp = self.forward_rows(batch, model, ("logprobs",))["logprobs"]
+        return lp * (batch.loss_mask > 0).to(lp.dtype) if positions == "trained" else lp
 
     @torch.no_grad()
     def forward_rows(self, batch: TrainBatch, model: str = "policy", fields=("logprobs",)) -> dict:
