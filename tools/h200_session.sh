@@ -16,6 +16,7 @@
 #   call h:                                        bash tools/h200_session.sh recipe_fp8
 # GSM8K recipe (issue 20; kit as configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's header says, under .carry/):
 #   calls 1..7, carry .carry/q/SHA256SUMS + .carry/q/*.part_0K:  bash tools/h200_session.sh gsm_part
+#     (call 1 may add: && PYTHONPATH=$PWD python3 -m pytest -q tests/gpu/test_fast_engine_cuda.py tests/gpu/test_trainer_cuda.py)
 #   call 8, carry .carry/q/*.part_07 .carry/data .carry/whl:     bash tools/h200_session.sh gsm_prep gsm_chunk
 #   calls 9..:                                                   GSM_SECONDS=540 bash tools/h200_session.sh gsm_chunk
 # The tools import megaforge from the checkout (PYTHONPATH below). The machine's copy of the tree has no
