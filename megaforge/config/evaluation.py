@@ -5,6 +5,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from megaforge.config.rewards import reward_label
+
 
 @dataclass
 class EvalSetConfig:
@@ -92,11 +94,23 @@ class EvalConfig:
         need(self.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0")
         need(not self.sets or self.interval > 0 or self.before_train, "eval.sets",
              "are never evaluated: set eval.interval and/or eval.before_train")
-        rewards = [f.name for f in cfg.rewards.functions] + [f.name.rsplit(":", 1)[-1] for f in cfg.rewards.functions]
-        need(not self.correct_reward or self.correct_reward in rewards, "eval.correct_reward",
-             f"{self.correct_reward!r} is not in rewards.functions ({', '.join(f.name for f in cfg.rewards.functions)})")
+        need(not self.correct_reward or correct_reward_label(cfg) is not None, "eval.correct_reward",
+             f"{self.correct_reward!r} is not in rewards.functions (names "
+             f"{', '.join(f.name for f in cfg.rewards.functions)}; labels "
+             f"{', '.join(reward_label(f) for f in cfg.rewards.functions)})")
 
     @property
     def ks(self) -> list[int]:
         """The k values of sampled pass@k."""
         return list(self.pass_k) if self.pass_k else sorted({1, self.n_samples}) if self.n_samples else []
+
+
+def correct_reward_label(cfg) -> Optional[str]:
+    """The label (its key in a sample's reward components) of the reward that decides correctness:
+    eval.correct_reward matched against each function's name, the name's last part or its label;
+    empty: the first function's. None when nothing matches."""
+    want = cfg.eval.correct_reward
+    for f in cfg.rewards.functions:
+        if not want or want in (f.name, f.name.rsplit(":", 1)[-1], reward_label(f)):
+            return reward_label(f)
+    return None

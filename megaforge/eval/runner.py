@@ -21,6 +21,7 @@ import os
 import time
 from typing import Optional
 
+from megaforge.config.evaluation import correct_reward_label
 from megaforge.eval.sets import EvalSet
 from megaforge.eval.stats import SampleResult, summarize
 from megaforge.rollout.manager import generate_samples
@@ -49,8 +50,8 @@ class Evaluator:
         self.cfg, self.sets, self.tokenizer, self.rewards = cfg, sets, tokenizer, rewards
         self.stop_ids = list(stop_ids)
         self.out_dir = out_dir if cfg.eval.write_samples else None
-        # the component that decides correctness, named as RewardManager names it (module part dropped)
-        self.correct_name = (cfg.eval.correct_reward or cfg.rewards.functions[0].name).rsplit(":", 1)[-1]
+        # the component that decides correctness, by its label (RewardManager's key for it)
+        self.correct_name = correct_reward_label(cfg)
 
     def _params(self, temperature: float) -> SamplingParams:
         r, e = self.cfg.rollout, self.cfg.eval

@@ -122,3 +122,17 @@ def test_eval_response_limit_must_fit_the_context():
     check_context(cfg_for("x.jsonl", *args, "--eval.max_new_tokens", "448"))
     with pytest.raises(ConfigError, match=r"'eval.max_new_tokens' \(449\) = 513 tokens exceed the model's context of 512"):
         check_context(cfg_for("x.jsonl", *args, "--eval.max_new_tokens", "449"))
+
+
+@pytest.mark.parametrize("given,label", [("", "r"), ("pkg.mod:fn", "mine"), ("fn", "mine"), ("mine", "mine"),
+                                         ("math", "math")])
+def test_correct_reward_resolves_to_the_components_label(given, label):
+    """Samples' reward components are keyed by label: eval.correct_reward given as a name, the name's
+    last part or the label resolves to it (a labelled plug-in was looked up by its function name)."""
+    from megaforge.config.evaluation import correct_reward_label
+
+    cfg = cfg_for("x.jsonl", "--rewards.functions",
+                  "[{name: math, label: r}, {name: 'pkg.mod:fn', label: mine}, {name: math, label: math2}]"
+                  if given == "" else "[{name: 'pkg.mod:fn', label: mine}, {name: math}]",
+                  *(["--eval.correct_reward", given] if given else []))
+    assert correct_reward_label(cfg) == label
