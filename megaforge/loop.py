@@ -262,6 +262,7 @@ class Run:
                 before = self._evaluate(0)  # eval.before_train: the starting policy, logged as step 0
                 if before and logger is not None:
                     logger.log(0, before)
+            self._evaluate_pending(logger)
             while self.state["rl_step"] < cfg.max_steps:
                 step = self.state["rl_step"] + 1
                 try:
@@ -274,7 +275,14 @@ class Run:
                 self.state["skipped_steps"] += int(m.get("skipped", 0.0) > 0)
                 m["health/skipped_steps"] = float(self.state["skipped_steps"])
                 self.state["rl_step"] = step
-                m.update(self._evaluate(step))  # eval/<set>/... when due: part of the step's row
+                # a stop signal (preemption: its grace period is short) defers the step's evaluation to
+                # the resumed run, which evaluates the same weights first (_evaluate_pending)
+                stopping = step < cfg.max_steps and self._stop_requested()
+                if stopping and is_due(cfg, step):
+                    self.state["eval_pending"] = step
+                    say(f"stop requested: the evaluation of step {step} runs first in the resumed run")
+                else:
+                    m.update(self._evaluate(step))  # eval/<set>/... when due: part of the step's row
                 if logger is not None:
                     logger.log(step, m)
                 bar.update(m)
@@ -282,12 +290,12 @@ class Run:
                     raise RunError(f"{bad} consecutive steps had a non-finite loss or gradient "
                                    f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}); stopping. "
                                    f"Metrics up to step {step} are in {self.run_dir}/metrics.jsonl")
-                if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and step < cfg.max_steps:
-                    self._save_rl()
+                if stopping or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0
+                                and step < cfg.max_steps):
+                    self._save_rl()  # once, also when the stop falls on a checkpoint step
                 if cfg.export_hf_every and step % cfg.export_hf_every == 0:
                     self.trainer.export_hf(os.path.join(self.run_dir, "hf", f"step_{step}"))
-                if step < cfg.max_steps and self._stop_requested():
-                    self._save_rl()
+                if stopping:
                     self._stop("RL", step)
             self._save_rl()
         finally:
@@ -306,10 +314,11 @@ class Run:
         if self.engine is not None:
             self.engine.shutdown()
 
-    def _evaluate(self, step: int) -> dict:
+    def _evaluate(self, step: int, force: bool = False) -> dict:
         """Every rank: the ``eval/...`` metrics of the engine's weights when evaluation is due after
-        ``step`` (0: before training), else {} (the metrics stay on the main rank)."""
-        if not is_due(self.cfg, step):
+        ``step`` (0: before training) or ``force`` (with eval sets), else {} (the metrics stay on the
+        main rank)."""
+        if not (is_due(self.cfg, step) or (force and self.cfg.eval.sets)):
             return {}
 
         def run():
@@ -322,6 +331,19 @@ class Run:
                 f"{k.removeprefix('eval/')} {v:.3f}" for k, v in m.items() if k.endswith(("pass@1", "/reward/mean"))
                 and "/sampled/reward" not in k))
         return m
+
+    def _evaluate_pending(self, logger) -> None:
+        """Every rank: the evaluation a stop signal deferred (``state["eval_pending"]``: the stopped
+        step, whose weights the checkpoint holds), merged into that step's metrics row."""
+        step = self.state.pop("eval_pending", None)
+        if step is None:
+            return
+        if step != self.state["rl_step"]:
+            raise RunError(f"checkpoint state has eval_pending={step} but rl_step={self.state['rl_step']}: "
+                           f"the deferred evaluation belongs to another step")
+        m = self._evaluate(step, force=True)
+        if m and logger is not None:
+            logger.amend(step, m)
 
     def _save_rl(self) -> None:
         if self.driver is not None:

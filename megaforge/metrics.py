@@ -75,6 +75,30 @@ class MetricsLogger:
         self._f.write(json.dumps(rec) + "\n")
         self._f.flush()
         os.fsync(self._f.fileno())
+        self._to_dashboards(step, rec)
+
+    def amend(self, step: int, metrics: dict) -> None:
+        """Merge ``metrics`` into the jsonl row of ``step`` (the last such row; a new row when there is
+        none), by an atomic rewrite: a deferred evaluation joins the row of the step it evaluates."""
+        add = {k: _clean(v) for k, v in metrics.items() if k != "step"}
+        self._f.close()
+        with open(self.path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        at = [i for i, r in enumerate(rows) if r.get("step") == step]
+        if at:
+            rows[at[-1]].update(add)
+        else:
+            rows.append({"step": step, **add})
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        self._f = open(self.path, "a")
+        self._to_dashboards(step, {"step": step, **add})
+
+    def _to_dashboards(self, step: int, rec: dict) -> None:
         if self.tb is not None:
             for k, v in rec.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -26,6 +27,21 @@ EVAL = ["--eval.sets", "[{name: held, holdout: 0.2, max_rows: 6}]", "--eval.befo
 def even_length(prompt: str, response: str, target) -> float:
     """1 when the response has an even number of characters: about half the random model's responses."""
     return float(len(response) % 2 == 0)
+
+
+def even_length_stopping(prompt: str, response: str, target) -> float:
+    """``even_length``, and once: SIGTERM to the run (this reward worker's parent process) on the first
+    call that finds ``MF_TEST_STOP_ROWS=<metrics.jsonl>:<n>`` holding n rows. Rewards of step s are
+    scored before its row is written, so the signal lands inside step n - 1's rollout scoring whatever
+    the timing (with eval.before_train, row 0 is the starting policy's evaluation)."""
+    spec = os.environ.get("MF_TEST_STOP_ROWS")
+    if spec:
+        path, n = spec.rsplit(":", 1)
+        fired = path + ".stop_sent"
+        if not os.path.exists(fired) and len(lines(path)) >= int(n):
+            open(fired, "w").close()
+            os.kill(os.getppid(), signal.SIGTERM)
+    return even_length(prompt, response, target)
 
 
 def env() -> dict:

@@ -5,9 +5,11 @@ its steps, and the same evaluation from the in-process engine."""
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
-from eval_helpers import EVAL, eval_part, launch, samples, stable, train_part
+from eval_helpers import EVAL, ROOT, TINY, env, eval_part, launch, lines, samples, stable, train_part
 
 from megaforge.eval.stats import mean_pass_at_k
 
@@ -47,6 +49,30 @@ def test_eval_rows_samples_and_resume(tmp_path):
     # greedy responses differ between steps only through training: the policy changed
     assert first[0]["eval/weight_version"] < first[2]["eval/weight_version"] < first[4]["eval/weight_version"]
     assert sorted(os.listdir(os.path.join(run, "eval", "held"))) == [f"step_00000{i}.jsonl" for i in (0, 2, 4)]
+
+    # SIGTERM inside step 2, an evaluation step and a checkpoint step: the stopped run writes step 2's row
+    # without its evaluation and one checkpoint; the resumed run evaluates step 2's weights first, into
+    # that row, and goes on: the same metrics as the run that was never stopped
+    stopping = ["--rewards.functions", "[{name: 'eval_helpers:even_length_stopping', label: even_length, "
+                "weight: 1.0}, {name: math, weight: 0.5}]", "--rewards.workers", "1",
+                "--eval.correct_reward", "even_length"]  # its label
+    args = [sys.executable, os.path.join(ROOT, "launchers", "grpo.py"), *TINY, "--output_dir", out,
+            "--run_name", "b", "--max_steps", "4", "--checkpoint.interval", "2", "--eval.interval", "2", *EVAL,
+            *stopping]
+    stopped_rows = os.path.join(out, "b", "metrics.jsonl")
+    p = subprocess.run(args, cwd=ROOT, env=dict(env(), MF_TEST_STOP_ROWS=f"{stopped_rows}:2"),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 143, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "SIGTERM received: stopped after RL step 2" in p.stderr
+    assert "the evaluation of step 2 runs first in the resumed run" in p.stdout
+    assert p.stdout.count("checkpoints/step_") == 1 and "checkpoints/step_000002" in p.stdout  # not twice
+    stopped = lines(stopped_rows)
+    assert [r["step"] for r in stopped] == [0, 1, 2] and not eval_part(stopped[2])
+    assert stable(stopped[:2]) == stable(first[:2])
+    resumed_b = launch(out, "b", "--max_steps", "4", "--checkpoint.interval", "2", "--eval.interval", "2",
+                       "--resume", *EVAL, *stopping)
+    assert stable(resumed_b) == stable(first)
+    check_against_samples(os.path.join(out, "b"), 2, resumed_b[2])
 
     # lose the step-4 checkpoint: the resume goes back to step 2, redoes 3 and 4 and goes on to 6
     shutil.rmtree(os.path.join(run, "checkpoints", "step_000004"))
