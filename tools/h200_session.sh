@@ -15,10 +15,14 @@
 #   call g, carry .tep/te-small:                   bash tools/h200_session.sh te_build
 #   call h:                                        bash tools/h200_session.sh recipe_fp8
 # GSM8K recipe (issue 20; kit as configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's header says, under .carry/):
-#   calls 1..7, carry .carry/q/SHA256SUMS + .carry/q/*.part_0K:  bash tools/h200_session.sh gsm_part
+#   calls 1..8, carry .carry/q/SHA256SUMS + .carry/q/*.part_0K:  bash tools/h200_session.sh gsm_part
 #     (call 1 may add: && PYTHONPATH=$PWD python3 -m pytest -q tests/gpu/test_fast_engine_cuda.py tests/gpu/test_trainer_cuda.py)
-#   call 8, carry .carry/q/*.part_07 .carry/data .carry/whl:     bash tools/h200_session.sh gsm_prep gsm_chunk
-#   calls 9..:                                                   GSM_SECONDS=540 bash tools/h200_session.sh gsm_chunk
+#   call 9, carry .carry/q/*.part_08 .carry/data .carry/whl:     GSM_SECONDS=430 bash tools/h200_session.sh gsm_prep gsm_chunk
+#   calls 10..:                                                  GSM_SECONDS=520 bash tools/h200_session.sh gsm_chunk
+#   Each call's size first, here: python3 tools/carry_size.py <its carry paths> (the tree counts too: at 3.9 MB
+#   the 62 MB parts of an earlier kit left the last call at 64.0 MiB, over the limit; 55 MB parts leave 59.4).
+#   A part call holds the machine ~6 s, the GPU tests ~110 s, the join + convert ~95 s; every chunk after a
+#   restart spends ~20 s compiling (its first step and first evaluation).
 # The tools import megaforge from the checkout (PYTHONPATH below). The machine's copy of the tree has no
 # .git, so their JSON lines say "commit": "unknown" unless the call's command names it:
 #   MEGAFORGE_COMMIT=<sha from git rev-parse HEAD here> bash tools/h200_session.sh ...
