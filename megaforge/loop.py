@@ -77,7 +77,8 @@ class Run:
             loaded = on_main(lambda: load_eval_sets(cfg, self.tokenizer), share=False)
             self.eval_sets, self.held_out = loaded or ([], frozenset())
         self.trainer = build_trainer(cfg, self.tokenizer)
-        self.state = {"sft_step": 0, "rl_step": 0, "data": None, "sft_data": None, "skipped_steps": 0}
+        self.state = {"sft_step": 0, "rl_step": 0, "data": None, "sft_data": None, "skipped_steps": 0,
+                      "skipped_updates": 0}
         self.resumed_from = None
         if cfg.resume:
             self._resume()
@@ -271,9 +272,13 @@ class Run:
                     self._save_rl()
                     raise InputError(f"{e}\nRL step {step - 1} is checkpointed: fix the input and continue "
                                      f"with --resume") from None
-                bad = bad + 1 if m.get("skipped", 0.0) > 0 else 0
-                self.state["skipped_steps"] += int(m.get("skipped", 0.0) > 0)
+                skipped = m.get("skipped", 0.0)
+                # a bad step applied none of its updates (every one had a non-finite loss or gradient)
+                bad = bad + 1 if skipped > 0 and skipped >= m.get("updates", 1.0) else 0
+                self.state["skipped_steps"] += int(skipped > 0)
+                self.state["skipped_updates"] = self.state.get("skipped_updates", 0) + int(skipped)
                 m["health/skipped_steps"] = float(self.state["skipped_steps"])
+                m["health/skipped_updates"] = float(self.state["skipped_updates"])
                 self.state["rl_step"] = step
                 # a stop signal (preemption: its grace period is short) defers the step's evaluation to
                 # the resumed run, which evaluates the same weights first (_evaluate_pending)
@@ -287,8 +292,8 @@ class Run:
                     logger.log(step, m)
                 bar.update(m)
                 if bad >= cfg.trainer.max_bad_steps:
-                    raise RunError(f"{bad} consecutive steps had a non-finite loss or gradient "
-                                   f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}); stopping. "
+                    raise RunError(f"{bad} consecutive steps had a non-finite loss or gradient in every "
+                                   f"update (trainer.max_bad_steps={cfg.trainer.max_bad_steps}); stopping. "
                                    f"Metrics up to step {step} are in {self.run_dir}/metrics.jsonl")
                 if stopping or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0
                                 and step < cfg.max_steps):

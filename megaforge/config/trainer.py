@@ -50,7 +50,10 @@ class TrainerConfig:
     (needed for model types other than llama / qwen2 / qwen3 and their MoE variants). SFT and
     compute_logprobs' default (parity checks) compute every position either way."""
     max_bad_steps: int = 3
-    """Consecutive steps with a non-finite loss or gradient (skipped) before the run stops."""
+    """Consecutive steps in which every optimizer update had a non-finite loss or gradient (all skipped:
+    nothing learned) before the run stops. A step with some updates skipped goes on; the skipped
+    updates name their gradients on stderr and are counted in health/skipped_updates
+    (health/skipped_steps: steps with at least one)."""
     # --- megatron backend ---
     tensor_parallel: int = 1
     """Tensor-parallel size (megatron)."""

@@ -341,7 +341,7 @@ class StepMetrics:
     """Averages per-optimizer-step metrics over the mini-batches x epochs of one ``train_step``.
 
     ``skipped`` is the number of optimizer steps skipped for a non-finite gradient (summed, not
-    averaged); ``empty_minibatches`` counts mini-batches with no trained token (every response empty,
+    averaged), ``updates`` the number attempted (skipped ones included); ``empty_minibatches`` counts mini-batches with no trained token (every response empty,
     e.g. all requests aborted), for which no optimizer step runs at all: a zero gradient would still
     move the weights through Adam's momentum.
     """
@@ -362,6 +362,7 @@ class StepMetrics:
     def result(self) -> dict[str, float]:
         out = {k: v / self.steps for k, v in self.totals.items()} if self.steps else {}
         out["skipped"] = self.totals.get("skipped", 0.0)
+        out["updates"] = float(self.steps)
         out["empty_minibatches"] = float(self.empty)
         return out
 

@@ -22,14 +22,28 @@ def test_nan_loss_steps_skipped_then_stop(tmp_path):
     p = launch(str(tmp_path), "--run_name", "n", "--max_steps", "10", "--algo.loss", "nan_loss:nan_loss",
                "--trainer.max_bad_steps", "3")
     assert p.returncode == 1
-    assert "3 consecutive steps had a non-finite loss or gradient (trainer.max_bad_steps=3)" in p.stderr
+    assert "3 consecutive steps had a non-finite loss or gradient in every update (trainer.max_bad_steps=3)" in p.stderr
     # each skipped update names the gradients (a NaN loss makes every one of them NaN)
     skips = [ln for ln in p.stderr.splitlines() if ln.startswith("[megaforge] optimizer update skipped: ")]
     assert len(skips) == 3 and all("non-finite gradient in" in ln and "model.embed_tokens.weight" in ln
                                    for ln in skips), skips
     recs = [json.loads(l) for l in open(tmp_path / "n" / "metrics.jsonl")]
     assert [r["health/skipped_steps"] for r in recs] == [1.0, 2.0, 3.0]
+    assert [r["health/skipped_updates"] for r in recs] == [1.0, 2.0, 3.0]
     assert all(r["weight_version"] == 0.0 for r in recs)  # nothing was applied
+
+
+def test_some_updates_skipped_the_run_goes_on(tmp_path):
+    """A step that applied some of its updates learned something: it is not a bad step (GSM8K run 2
+    stopped on 3 consecutive steps with 1 of 4 updates skipped each, 9 of 12 applied)."""
+    p = launch(str(tmp_path), "--run_name", "h", "--max_steps", "4", "--algo.loss", "nan_loss:nan_first_of_two",
+               "--trainer.max_bad_steps", "2", "--trainer.mini_batches", "2", "--trainer.micro_batch_size", "64")
+    assert p.returncode == 0, p.stderr[-2000:]
+    recs = [json.loads(l) for l in open(tmp_path / "h" / "metrics.jsonl")]
+    assert [r["updates"] for r in recs] == [2.0] * 4 and [r["skipped"] for r in recs] == [1.0] * 4
+    assert [r["health/skipped_updates"] for r in recs] == [1.0, 2.0, 3.0, 4.0]
+    assert [r["health/skipped_steps"] for r in recs] == [1.0, 2.0, 3.0, 4.0]
+    assert [r["weight_version"] for r in recs] == [1.0, 2.0, 3.0, 4.0]  # the second update of each step
 
 
 @pytest.mark.slow
