@@ -14,6 +14,9 @@
 #   (SGLang's calls 1-2 as above; call 1 may also carry .tep/te-part1: 42 + 4 + 47 MB is over 64 MiB, so not)
 #   call g, carry .tep/te-small:                   bash tools/h200_session.sh te_build
 #   call h:                                        bash tools/h200_session.sh recipe_fp8
+# Issue 19's remainder in one session (~1,400 of 1,800 device s; sizes from tools/carry_size.py, 64 MiB a call):
+#   te1 .. te6 (6 calls, 51.8 MiB each) -> parts (.sgl/sgl-part1 + part2, 50.9) -> install (.sgl/sgl-small + .whl,
+#   52.2) -> te_build (.tep/te-small, 9.1; 3-6 min) -> rollout (fast engine vs SGLang, ~420 s) -> recipe_fp8 (540 s)
 # GSM8K recipe (issue 20; kit as configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's header says, under .carry/):
 #   calls 1..8, carry .carry/q/SHA256SUMS + .carry/q/*.part_0K:  bash tools/h200_session.sh gsm_part
 #     (call 1 may add: && PYTHONPATH=$PWD python3 -m pytest -q tests/gpu/test_fast_engine_cuda.py tests/gpu/test_trainer_cuda.py)
