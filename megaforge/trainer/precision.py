@@ -43,15 +43,17 @@ def training_attention(device: torch.device):
     return sdpa_kernel(list(TRAINING_SDPA_BACKENDS))
 
 
+@contextlib.contextmanager
 def autocast(mode: str, device: torch.device):
     """The context of a trainer forward (policy, reference, critic): bfloat16 autocast on ``device``
     for mode "bfloat16" (none for "off"), and on CUDA the SDPA backends of
-    :data:`TRAINING_SDPA_BACKENDS` (cuDNN's attention left out: its backward can return NaN)."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(training_attention(device))
-    if mode != "off":
-        stack.enter_context(torch.autocast(device_type=device.type, dtype=DTYPES[mode]))
-    return stack
+    :data:`TRAINING_SDPA_BACKENDS` (cuDNN's attention left out: its backward can return NaN).
+    Entered by ``with``, not by the call."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(training_attention(device))
+        if mode != "off":
+            stack.enter_context(torch.autocast(device_type=device.type, dtype=DTYPES[mode]))
+        yield
 
 
 def _float32_linear(self, x: torch.Tensor) -> torch.Tensor:

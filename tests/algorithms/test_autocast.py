@@ -100,3 +100,15 @@ def test_training_forwards_leave_cudnn_attention_out():
     with precision.autocast("bfloat16", torch.device("cpu")):
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")  # CPU machines: torch.autocast('cuda') is off
+def test_autocast_context_acts_inside_with_only():
+    """Calling precision.autocast changes nothing until its ``with`` (it once entered both contexts at
+    the call, so a context made and not entered left autocast and the SDPA flags switched)."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    ctx = precision.autocast("bfloat16", torch.device("cuda"))
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before and not torch.is_autocast_enabled("cuda")
+    with ctx:
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before and not torch.is_autocast_enabled("cuda")
