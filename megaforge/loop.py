@@ -272,13 +272,7 @@ class Run:
                     self._save_rl()
                     raise InputError(f"{e}\nRL step {step - 1} is checkpointed: fix the input and continue "
                                      f"with --resume") from None
-                skipped = m.get("skipped", 0.0)
-                # a bad step applied none of its updates (every one had a non-finite loss or gradient)
-                bad = bad + 1 if skipped > 0 and skipped >= m.get("updates", 1.0) else 0
-                self.state["skipped_steps"] += int(skipped > 0)
-                self.state["skipped_updates"] = self.state.get("skipped_updates", 0) + int(skipped)
-                m["health/skipped_steps"] = float(self.state["skipped_steps"])
-                m["health/skipped_updates"] = float(self.state["skipped_updates"])
+                bad = bad + 1 if self._count_skips(m) else 0
                 self.state["rl_step"] = step
                 # a stop signal (preemption: its grace period is short) defers the step's evaluation to
                 # the resumed run, which evaluates the same weights first (_evaluate_pending)
@@ -336,6 +330,16 @@ class Run:
                 f"{k.removeprefix('eval/')} {v:.3f}" for k, v in m.items() if k.endswith(("pass@1", "/reward/mean"))
                 and "/sampled/reward" not in k))
         return m
+
+    def _count_skips(self, m: dict) -> bool:
+        """Add the step's skipped updates to the run's health counters (and to ``m``); True when the
+        step applied none of its updates (every one had a non-finite loss or gradient)."""
+        skipped = m.get("skipped", 0.0)
+        self.state["skipped_steps"] += int(skipped > 0)
+        self.state["skipped_updates"] = self.state.get("skipped_updates", 0) + int(skipped)
+        m["health/skipped_steps"] = float(self.state["skipped_steps"])
+        m["health/skipped_updates"] = float(self.state["skipped_updates"])
+        return skipped > 0 and skipped >= m.get("updates", 1.0)
 
     def _evaluate_pending(self, logger) -> None:
         """Every rank: the evaluation a stop signal deferred (``state["eval_pending"]``: the stopped
