@@ -9,6 +9,10 @@ import sys
 import pytest
 import torch
 
+# ~2 min on 2 cores (280 SFT steps before the RL steps): out of the default run, which keeps the tool
+# rollouts' masking and rewards (test_multiturn_tools.py); `python -m pytest -q tests -m ''` runs it
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 CONFIG = os.path.join(ROOT, "examples", "tool_use", "tool_use.yaml")
 STEPS = 12
