@@ -25,23 +25,33 @@ def _clean(v):
     return v
 
 
+def _read_jsonl(path: str) -> list[dict]:
+    """The records of a jsonl file, a line cut by a crash left out."""
+    recs = []
+    with open(path) as f:
+        for line in f:
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash (or a blank line)
+    return recs
+
+
+def _replace_jsonl(path: str, recs: list[dict]) -> None:
+    """Write ``recs`` as ``path`` atomically: a temporary file, fsynced, then renamed over it."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in recs))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def truncate_jsonl(path: str, keep_upto_step: int) -> None:
     """Drop lines whose ``step`` is greater than ``keep_upto_step`` (atomic rewrite)."""
     if not os.path.exists(path):
         return
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a crash
-            if rec.get("step", 0) <= keep_upto_step:
-                kept.append(json.dumps(rec))
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write("".join(k + "\n" for k in kept))
-    os.replace(tmp, path)
+    _replace_jsonl(path, [r for r in _read_jsonl(path) if r.get("step", 0) <= keep_upto_step])
 
 
 class MetricsLogger:
@@ -82,19 +92,13 @@ class MetricsLogger:
         none), by an atomic rewrite: a deferred evaluation joins the row of the step it evaluates."""
         add = {k: _clean(v) for k, v in metrics.items() if k != "step"}
         self._f.close()
-        with open(self.path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        rows = _read_jsonl(self.path)
         at = [i for i, r in enumerate(rows) if r.get("step") == step]
         if at:
             rows[at[-1]].update(add)
         else:
             rows.append({"step": step, **add})
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in rows))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        _replace_jsonl(self.path, rows)
         self._f = open(self.path, "a")
         self._to_dashboards(step, {"step": step, **add})
 

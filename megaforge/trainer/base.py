@@ -341,9 +341,9 @@ class StepMetrics:
     """Averages per-optimizer-step metrics over the mini-batches x epochs of one ``train_step``.
 
     ``skipped`` is the number of optimizer steps skipped for a non-finite gradient (summed, not
-    averaged), ``updates`` the number attempted (skipped ones included); ``empty_minibatches`` counts mini-batches with no trained token (every response empty,
-    e.g. all requests aborted), for which no optimizer step runs at all: a zero gradient would still
-    move the weights through Adam's momentum.
+    averaged), ``updates`` the number attempted (skipped ones included); ``empty_minibatches`` counts
+    mini-batches with no trained token (every response empty, e.g. all requests aborted), for which no
+    optimizer step runs at all: a zero gradient would still move the weights through Adam's momentum.
     """
 
     def __init__(self):
