@@ -14,9 +14,11 @@
 #   (SGLang's calls 1-2 as above; call 1 may also carry .tep/te-part1: 42 + 4 + 47 MB is over 64 MiB, so not)
 #   call g, carry .tep/te-small:                   bash tools/h200_session.sh te_build
 #   call h:                                        bash tools/h200_session.sh recipe_fp8
+#   call i:                                        bash tools/h200_session.sh resume_fp8
 # Issue 19's remainder in one session (~1,400 of 1,800 device s; sizes from tools/carry_size.py, 64 MiB a call):
-#   te1 .. te6 (6 calls, 51.8 MiB each) -> parts (.sgl/sgl-part1 + part2, 50.9) -> install (.sgl/sgl-small + .whl,
-#   52.2) -> te_build (.tep/te-small, 9.1; 3-6 min) -> rollout (fast engine vs SGLang, ~420 s) -> recipe_fp8 (540 s)
+#   parts (.sgl/sgl-part1 + part2, 50.9 MiB) -> install rollout in one call (.sgl/sgl-small + .whl, 52.2; fast
+#   engine vs SGLang ~420 s) -> te1 .. te6 (6 calls, 51.8 each) -> te_build (.tep/te-small, 9.1; 3-6 min)
+#   -> recipe_fp8 (540 s) -> resume_fp8 (~200 s)
 # GSM8K recipe (issue 20; kit as configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's header says, under .carry/):
 #   calls 1..8, carry .carry/q/SHA256SUMS + .carry/q/*.part_0K:  bash tools/h200_session.sh gsm_part
 #     (call 1 may add: && PYTHONPATH=$PWD python3 -m pytest -q tests/gpu/test_fast_engine_cuda.py tests/gpu/test_trainer_cuda.py)
@@ -85,8 +87,13 @@ for stage in "$@"; do
       bash tools/te_build.sh .tep/te-small /tmp/tesite > "$OUT/te_build.log" 2>&1; echo "exit $?"; tail -3 "$OUT/te_build.log"
       export PYTHONPATH=$PYTHONPATH:/tmp/tesite ;;
     recipe_fp8)
-      recipe 540 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid > "$OUT/recipe_fp8.log" 2>&1
+      recipe 570 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid > "$OUT/recipe_fp8.log" 2>&1
       echo "exit $?"; grep -v -i warn "$OUT/recipe_fp8.log" | tail -25
+      cp "$RUNS/grpo_h200_colocated_fp8/metrics.jsonl" "$OUT/recipe_fp8_metrics.jsonl" ;;
+    resume_fp8)
+      recipe 280 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid --resume --max_steps 6 \
+        > "$OUT/resume_fp8.log" 2>&1; echo "exit $?"
+      grep -v -i warn "$OUT/resume_fp8.log" | tail -12
       cp "$RUNS/grpo_h200_colocated_fp8/metrics.jsonl" "$OUT/recipe_fp8_metrics.jsonl" ;;
     gsm_part)  # carry .carry/q/SHA256SUMS and one .carry/q/*.part_NN: collects the GGUF's parts under /tmp/mf/q
       mkdir -p /tmp/mf/q && cp .carry/q/* /tmp/mf/q/ && ls /tmp/mf/q | tr '\n' ' ' && echo ;;
