@@ -13,6 +13,8 @@
 #   calls a..f, carry .tep/te-partK (K = 1..6):     bash tools/h200_session.sh teK
 #   (SGLang's calls 1-2 as above; call 1 may also carry .tep/te-part1: 42 + 4 + 47 MB is over 64 MiB, so not)
 #   call g, carry .tep/te-small:                   bash tools/h200_session.sh te_build
+#     (it returns the built extension as te_ext.tgz.*: put them in .tep/te-ext and carry that too next time:
+#      the build is skipped)
 #   call h:                                        bash tools/h200_session.sh recipe_fp8
 #   call i:                                        bash tools/h200_session.sh resume_fp8
 # Issue 19's remainder in one session (~1,400 of 1,800 device s; sizes from tools/carry_size.py, 64 MiB a call):
@@ -84,7 +86,9 @@ for stage in "$@"; do
       grep '^{"bench"' "$OUT/bench_rollout.log" > "$OUT/bench_rollout_sglang.json" ;;
     te[1-6]) mkdir -p /tmp/te && cat .tep/te-part${stage#te}/* >> /tmp/te/core.part && ls -l /tmp/te ;;
     te_build)
-      bash tools/te_build.sh .tep/te-small /tmp/tesite > "$OUT/te_build.log" 2>&1; echo "exit $?"; tail -3 "$OUT/te_build.log"
+      ext=""; [ -d .tep/te-ext ] && ext=$PWD/.tep/te-ext  # a build brought back by an earlier call ($OUT/te_ext.tgz.*)
+      TE_EXT_DIR=$ext TE_EXT_OUT=$OUT bash tools/te_build.sh .tep/te-small /tmp/tesite > "$OUT/te_build.log" 2>&1
+      echo "exit $?"; tail -3 "$OUT/te_build.log"; ls -l "$OUT" | grep te_ext
       export PYTHONPATH=$PYTHONPATH:/tmp/tesite ;;
     recipe_fp8)
       recipe 570 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid > "$OUT/recipe_fp8.log" 2>&1
