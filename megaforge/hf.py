@@ -32,13 +32,33 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+class ModelSourceError(OSError):
+    """A model or tokenizer named by the config is neither a folder here nor loadable from the hub."""
+
+
+def from_pretrained(field: str, source: str, load, **kw):
+    """``load(source, **kw)`` (a transformers ``from_pretrained``), its OSError re-raised naming the
+    config ``field`` and, for a relative path, the directory it was read from (relative paths are
+    read from the current directory, not from the config file's)."""
+    try:
+        return load(source, **kw)
+    except OSError as e:
+        where = ""
+        if not os.path.isabs(source) and not os.path.exists(source):
+            where = (f"; no such folder under the current directory {os.getcwd()} (relative paths are read "
+                     f"from there: run from the repository root or give an absolute path)")
+        raise ModelSourceError(f"{field} {source!r}: cannot be loaded{where}; transformers said: "
+                               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+
+
 def load_tokenizer(model_cfg):
     from transformers import AutoTokenizer
 
     path = model_cfg.tokenizer or model_cfg.path
     if not path:
         raise ValueError("model.tokenizer: set a tokenizer (or model.path)")
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    field = "model.tokenizer" if model_cfg.tokenizer else "model.path"
+    tok = from_pretrained(field, path, AutoTokenizer.from_pretrained, trust_remote_code=model_cfg.trust_remote_code)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -49,12 +69,14 @@ def hf_config(model_cfg):
     from transformers import AutoConfig
 
     if model_cfg.path:
-        return AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
+        return from_pretrained("model.path", model_cfg.path, AutoConfig.from_pretrained,
+                               trust_remote_code=model_cfg.trust_remote_code)
     src = model_cfg.config
     if os.path.isdir(src):
         src = os.path.join(src, "config.json")
     if not os.path.exists(src):
-        raise FileNotFoundError(f"model.config {model_cfg.config!r}: no config.json there")
+        raise FileNotFoundError(f"model.config {model_cfg.config!r}: no config.json there (relative paths are "
+                                f"read from the current directory {os.getcwd()})")
     with open(src) as f:
         data = json.load(f)
     mt = data.get("model_type")
@@ -69,9 +91,9 @@ def load_hf_model(model_cfg, device: torch.device, dtype: Optional[torch.dtype] 
 
     dtype = dtype or DTYPES[model_cfg.dtype]
     if model_cfg.path:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_cfg.path, dtype=dtype, attn_implementation=model_cfg.attn_implementation,
-            trust_remote_code=model_cfg.trust_remote_code,
+        model = from_pretrained(
+            "model.path", model_cfg.path, AutoModelForCausalLM.from_pretrained, dtype=dtype,
+            attn_implementation=model_cfg.attn_implementation, trust_remote_code=model_cfg.trust_remote_code,
         )
     else:
         config = hf_config(model_cfg)

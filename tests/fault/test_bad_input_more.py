@@ -113,3 +113,26 @@ def test_all_empty_responses_skip_the_step(tiny_model_dir, tokenizer):
     # no optimizer step at all (Adam momentum would move the weights even on a zero gradient)
     assert m["empty_minibatches"] == 1.0 and m["skipped"] == 0.0 and tr.version == 0
     assert all(torch.equal(before[k], v) for k, v in tr.model.state_dict().items())
+
+
+def test_relative_model_paths_from_another_directory_name_the_field(tmp_path, monkeypatch):
+    """A config's relative tokenizer / model path, run from another directory: the error names the
+    field, the path and the directory it was read from (not transformers' bare hub OSError)."""
+    from types import SimpleNamespace
+
+    from megaforge.hf import ModelSourceError, hf_config, load_tokenizer
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    cfg = SimpleNamespace(tokenizer="assets/tiny-tokenizer", path=None, trust_remote_code=False)
+    with pytest.raises(ModelSourceError) as e:
+        load_tokenizer(cfg)
+    msg = str(e.value)
+    assert "model.tokenizer 'assets/tiny-tokenizer'" in msg and str(tmp_path) in msg, msg
+    cfg = SimpleNamespace(tokenizer=None, path="models/nowhere", trust_remote_code=False)
+    with pytest.raises(ModelSourceError, match=r"model.path 'models/nowhere'.*current directory"):
+        hf_config(cfg)
+    # the same tokenizer by absolute path loads
+    cfg = SimpleNamespace(tokenizer=os.path.join(repo, "assets", "tiny-tokenizer"), path=None, trust_remote_code=False)
+    assert load_tokenizer(cfg).pad_token_id is not None
