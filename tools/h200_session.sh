@@ -20,7 +20,9 @@
 # Issue 19's remainder in one session (~1,400 of 1,800 device s; sizes from tools/carry_size.py, 64 MiB a call):
 #   parts (.sgl/sgl-part1 + part2, 50.9 MiB) -> install rollout in one call (.sgl/sgl-small + .whl, 52.2; fast
 #   engine vs SGLang ~420 s) -> te1 .. te6 (6 calls, 51.8 each) -> te_build (.tep/te-small, 9.1; 3-6 min)
-#   -> recipe_fp8 (540 s) -> resume_fp8 (~200 s)
+#   -> recipe_fp8 (540 s) -> resume_fp8 (~200 s). Measured 2026-12-02: install 37 s, rollout 499 s, te_build 147 s
+#   (core wheel + build; its te_ext.tgz.00 is 1.7 MB). The machine goes back 30 s after a call: a gap between two
+#   calls loses /tmp (twice that day: parts and te1..te6 carried again, and refusals cost 15 s each).
 # GSM8K recipe (issue 20; kit as configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's header says, under .carry/):
 #   calls 1..8, carry .carry/q/SHA256SUMS + .carry/q/*.part_0K:  bash tools/h200_session.sh gsm_part
 #     (call 1 may add: && PYTHONPATH=$PWD python3 -m pytest -q tests/gpu/test_fast_engine_cuda.py tests/gpu/test_trainer_cuda.py)
