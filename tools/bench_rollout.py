@@ -26,7 +26,8 @@ HF: the shape's random weights are saved with a tokenizer folder, ``python -m sg
 (its own environment: ``--sglang_env_sh`` / ``--sglang_python``, as ``rollout.engine_env`` /
 ``rollout.engine_python``) serves them, each batch is one batched ``/generate`` of the same prompts
 (``input_ids``, temperature 1, ``ignore_eos``, logprobs returned, as megaforge's rollout asks):
-a warm-up run, the prefix cache flushed, the timed run; then the server's memory is released and the
+a warm-up run, the prefix cache flushed, ``--repeats`` timed runs (default 3, the median reported, every
+run's figure in ``tok_s_runs``); then the server's memory is released and the
 fast engine runs the same requests: eager, compiled, and compiled with the matmul decode attention
 (``ratio`` = fast / sglang, ``ratio_compiled``, ``ratio_compiled_matmul``; ``--no-compile`` keeps the
 eager one only). Shapes default to qwen2-0.5b and
@@ -135,17 +136,23 @@ def measure_hf(model, prompts, new, cap) -> dict:
             "warmup_tokens": w_tok, "capped": tok < prompts.shape[0] * new}
 
 
-def measure_fast(model, reqs, max_batch, cap, dev, **opts) -> dict:
+def measure_fast(model, reqs, max_batch, cap, dev, repeats: int = 1, **opts) -> dict:
+    """A first run (graph captures, compilation), then ``repeats`` timed runs: the median by tok/s."""
     from megaforge.rollout.embedded import EmbeddedEngine
 
     eng = EmbeddedEngine(model, None, max_batch=max_batch, fast="on", fast_options=opts)
     try:
         c_tok, c_wall, _ = fast_run(eng, reqs, cap)
-        tok, wall, comps = fast_run(eng, reqs, cap)
+        runs = []
+        for _ in range(repeats):
+            tok, wall, comps = fast_run(eng, reqs, cap)
+            runs.append((tok, wall))
         st = dict(eng.fast.stats)
         want = sum(r.sampling.max_new_tokens for r in reqs)
-        return {"tok_s": round(tok / wall, 1), "wall_s": round(wall, 3), "tokens": tok,
-                "warmup_s": round(c_wall, 3), "warmup_tok_s": round(c_tok / c_wall, 1), "capped": tok < want,
+        return {**(timed_runs(runs) if repeats > 1 else {"tok_s": round(tok / wall, 1), "wall_s": round(wall, 3),
+                                                          "tokens": tok}),
+                "warmup_s": round(c_wall, 3), "warmup_tok_s": round(c_tok / c_wall, 1),
+                "capped": min(t for t, _ in runs) < want,
                 "graph_captures": st["graph_captures"], "graph_failures": st["graph_failures"],
                 "cache_gib": round(st["cache_bytes"] / 2 ** 30, 2), "_comps": comps}
     finally:
@@ -280,8 +287,9 @@ class SGLangServer:
         self.loop.close()
 
 
-def measure_sglang(srv: SGLangServer, prompts, new: int) -> dict:
-    """A warm-up run and a timed run of one batched /generate (prefix cache flushed in between)."""
+def measure_sglang(srv: SGLangServer, prompts, new: int, repeats: int = 1) -> dict:
+    """A warm-up run, then ``repeats`` timed runs of one batched /generate (the prefix cache flushed
+    after each); the median by tok/s (:func:`timed_runs`)."""
     payload = {"input_ids": prompts.tolist(), "return_logprob": True,
                "sampling_params": [{"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": new,
                                     "ignore_eos": True}] * prompts.shape[0]}
@@ -293,10 +301,21 @@ def measure_sglang(srv: SGLangServer, prompts, new: int) -> dict:
 
     w_tok, w_wall = once()
     srv.call(srv.client.flush_cache())
-    tok, wall = once()
-    srv.call(srv.client.flush_cache())
-    return {"tok_s": round(tok / wall, 1), "wall_s": round(wall, 3), "tokens": tok, "warmup_s": round(w_wall, 3),
-            "capped": tok < prompts.shape[0] * new}
+    runs = []
+    for _ in range(repeats):
+        runs.append(once())
+        srv.call(srv.client.flush_cache())
+    return dict(timed_runs(runs), warmup_s=round(w_wall, 3), capped=min(t for t, _ in runs) < prompts.shape[0] * new)
+
+
+def timed_runs(runs: list[tuple[int, float]]) -> dict:
+    """The median run (the lower middle one of an even count) of (tokens, seconds) timed runs by tok/s
+    (``tok_s``, ``wall_s``, ``tokens``) and
+    every run's tok/s (``tok_s_runs``, in order)."""
+    rates = [t / w for t, w in runs]
+    mid = sorted(range(len(runs)), key=lambda i: rates[i])[(len(runs) - 1) // 2]
+    return {"tok_s": round(rates[mid], 1), "wall_s": round(runs[mid][1], 3), "tokens": runs[mid][0],
+            "tok_s_runs": [round(r, 1) for r in rates]}
 
 
 def fast_variants(args) -> list[tuple[str, dict]]:
@@ -306,7 +325,14 @@ def fast_variants(args) -> list[tuple[str, dict]]:
     if args.compile:
         out += [("fast_compiled", {"compile": args.compile, "attention": "sdpa"}),
                 ("fast_compiled_matmul", {"compile": args.compile, "attention": "matmul"})]
-    return out
+    if not getattr(args, "variants", None):
+        return out
+    out.append(("fast_default", {"compile": args.compile, "attention": "auto"}))  # what rollout.fast_* auto gives
+    want = args.variants.split(",")
+    unknown = sorted(set(want) - {n for n, _ in out})
+    if unknown:
+        raise SystemExit(f"--variants: {unknown} not among {[n for n, _ in out]} (compile off drops the compiled ones)")
+    return [(n, o) for n, o in out if n in want]
 
 
 def sglang_rows(shape: str, model, args, dev, tmp: str) -> dict:
@@ -328,13 +354,14 @@ def sglang_rows(shape: str, model, args, dev, tmp: str) -> dict:
     try:
         for B in args.batches:
             say(f"{shape} B={B}: {args.sglang_server}")
-            rows[str(B)]["sglang"] = variant(lambda: measure_sglang(srv, prompts[B], args.new), dev)
+            rows[str(B)]["sglang"] = variant(lambda: measure_sglang(srv, prompts[B], args.new, args.repeats), dev)
             say(f"  sglang: {rows[str(B)]['sglang'].get('tok_s')} tok/s")
         srv.call(srv.client.release_memory_occupation(["kv_cache", "weights"]))
         for B in args.batches:
             for name, opts in fast_variants(args):
                 say(f"{shape} B={B}: {name} {opts}")
-                row = variant(lambda: measure_fast(model, requests(prompts[B], args.new), B, args.cap, dev, **opts), dev)
+                row = variant(lambda: measure_fast(model, requests(prompts[B], args.new), B, args.cap, dev,
+                                                   args.repeats, **opts), dev)
                 row.pop("_comps", None)
                 rows[str(B)][name] = row
                 say(f"  {name}: {row.get('tok_s')} tok/s")
@@ -368,10 +395,20 @@ def main(argv=None) -> int:
     ap.add_argument("--sglang_env_sh", default=os.environ.get("MEGAFORGE_SGLANG_ENV_SH", ""),
                     help="a shell file setting the server's environment (the GPU kit's /tmp/sgl/env.sh)")
     ap.add_argument("--sglang_python", default=os.environ.get("MEGAFORGE_SGLANG_PYTHON", ""))
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="timed runs per variant and batch after the warm-up, the median reported "
+                         "(default 3 with --sglang: SGLang's single-run figure moves by up to 25%% between runs; else 1)")
     ap.add_argument("--sglang_mem", type=float, default=0.5, help="--mem-fraction-static of the server")
     ap.add_argument("--sglang_args", default="--attention-backend triton --sampling-backend pytorch "
                     "--cuda-graph-backend-prefill disabled", help="more server flags (the ones that work on the H200 kit)")
+    ap.add_argument("--variants", default=None,
+                    help="with --sglang: comma-separated fast-engine variants to run (fast, fast_compiled, "
+                         "fast_compiled_matmul, or fast_default: rollout.fast_compile / fast_attention auto, what "
+                         "a user gets; default the first three)")
     args = ap.parse_args(argv)
+    args.repeats = args.repeats or (3 if args.sglang else 1)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     dev = torch.device(args.device)
     args.compile = None if args.no_compile else (args.compile or ("inductor" if dev.type == "cuda" else None))
     if args.tiny:
@@ -428,7 +465,7 @@ def main_sglang(shapes, args, dev, dtype) -> int:
 
     out = {"bench": "rollout_vs_sglang", "device": device_name(dev),
            "torch": torch.__version__, "dtype": args.dtype_name, "prompt_tokens": args.prompt, "sampled_tokens": args.new,
-           "server": args.sglang_server, "server_args": args.sglang_args, "shapes": {}}
+           "server": args.sglang_server, "server_args": args.sglang_args, "repeats": args.repeats, "shapes": {}}
     tmp = tempfile.mkdtemp(prefix="bench-rollout-sglang-")
     for shape in shapes:
         say(f"{shape}: building random {dtype} model on {dev}")

@@ -92,6 +92,15 @@ for stage in "$@"; do
       TE_EXT_DIR=$ext TE_EXT_OUT=$OUT bash tools/te_build.sh .tep/te-small /tmp/tesite > "$OUT/te_build.log" 2>&1
       echo "exit $?"; tail -3 "$OUT/te_build.log"; ls -l "$OUT" | grep te_ext
       export PYTHONPATH=$PYTHONPATH:/tmp/tesite ;;
+    te_tests)  # the Megatron trainer's TE spec, bf16 and FP8, on a tiny Qwen3 (needs te_build, install's megatron)
+      timeout -k 20 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_megatron_te_cuda.py 2>&1 \
+        | tee "$OUT/te_tests.log" | grep -v -i warn | tail -15 ;;
+    rollout_b64)  # issue 19 point 5 again where it was close: the defaults, 5 timed runs each side, the median
+      timeout -k 30 540 python3 tools/bench_rollout.py --sglang --sglang_env_sh /tmp/sgl/env.sh \
+        --shapes "${B64_SHAPES:-qwen2-0.5b,qwen3-1.7b}" --batches 64,256 --repeats 5 --variants fast_default \
+        > "$OUT/bench_rollout_b64.log" 2>&1
+      echo "exit $?"; grep "^\[bench" "$OUT/bench_rollout_b64.log" | tail -12
+      grep '^{"bench"' "$OUT/bench_rollout_b64.log" > "$OUT/bench_rollout_sglang_b64.json" ;;
     recipe_fp8)
       recipe 570 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid > "$OUT/recipe_fp8.log" 2>&1
       echo "exit $?"; grep -v -i warn "$OUT/recipe_fp8.log" | tail -25

@@ -162,7 +162,8 @@ def hf_logprobs(path: str, batch, temperature: float = 1.0) -> torch.Tensor:
     return out
 
 
-def trainer_cfg(model_path: str, backend: str = "megatron", layout: dict | None = None, **trainer):
+def trainer_cfg(model_path: str, backend: str = "megatron", layout: dict | None = None, dtype: str = "float32",
+                **trainer):
     """The megaforge Config of these tests (fp32, temperature 0.8, Adam eps 1e-6: with eps 1e-8,
     parameters whose gradient is ~1e-8 (e.g. k_proj under q/k norm) move by lr * g / (|g| + eps),
     which float32 rounding of g alone changes by ~1e-4, for any two implementations)."""
@@ -175,7 +176,7 @@ def trainer_cfg(model_path: str, backend: str = "megatron", layout: dict | None 
                  context_parallel=layout.get("cp", 1), sequence_parallel=layout.get("sp", False),
                  distributed_optimizer=layout.get("dist_opt", True))
     t.update(trainer)
-    return config_from_dict({"model": {"path": model_path, "dtype": "float32"}, "trainer": t,
+    return config_from_dict({"model": {"path": model_path, "dtype": dtype}, "trainer": t,
                              "grpo": {"temperature": 0.8}, "max_steps": 0, "seed": 0})
 
 

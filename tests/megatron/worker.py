@@ -10,6 +10,8 @@ Scenarios:
 * ``train``: train / SFT steps at one layout, HF weights via iter_hf_buckets, save; reload at a
   second layout, logprobs and weights again, more steps, export_hf.
 * ``reset``: ``reset_optimizer`` after steps against a fresh trainer (the optimizer is built once).
+* ``te_cuda``: the TE layer spec on CUDA in bfloat16 (FP8 where ``fp8`` is set) beside the torch spec:
+  HF weights in and out, logprobs, RL steps, save / load, export_hf (tests/gpu/test_megatron_te_cuda.py).
 Results go to OUTDIR/SCENARIO.rank{R}.pt.
 """
 from __future__ import annotations
@@ -174,13 +176,45 @@ def scenario_reset(spec, res):
     fresh.close()
 
 
+def scenario_te_cuda(spec, res):
+    from mt_helpers import make_batch, trainer_cfg
+    from megaforge.trainer.megatron import MegatronTrainer
+
+    batch = make_batch(B=5, T=40, lengths=(40, 17, 33, 9, 27))
+    kw = dict(device=spec.get("device", "cuda"), micro_batch_size=batch.batch_size, lr=spec.get("lr", 1e-4))
+    ref = MegatronTrainer(trainer_cfg(spec["model"], dtype="bfloat16", layer_spec="torch", **kw))
+    res["torch_lp0"] = ref.compute_logprobs(batch)
+    ref.close()
+    del ref
+    cfg = trainer_cfg(spec["model"], dtype="bfloat16", layer_spec=spec.get("layer_spec", "te"), fp8=spec.get("fp8"), **kw)
+    tr = MegatronTrainer(cfg)
+    res["spec"] = tr.spec
+    res["names"] = sorted(n for n, _ in tr.bm.model.named_parameters())
+    res["w0"], _ = hf_weights(tr, 1 << 30)
+    res["lp0_first"] = tr.compute_logprobs(batch)  # FP8: scales from an empty amax history
+    res["lp0"] = tr.compute_logprobs(batch)  # FP8: scales from the first forward's amax
+    res["metrics"] = run_steps(tr, batch, ["rl", "rl"])
+    res["w1"], _ = hf_weights(tr, 1 << 30)
+    res["lp1"] = tr.compute_logprobs(batch)
+    tr.save(spec["ckpt"])
+    tr.close()
+    tr = MegatronTrainer(cfg)
+    tr.load(spec["ckpt"])
+    res["w2"], _ = hf_weights(tr, 1 << 30)
+    res["lp2"] = tr.compute_logprobs(batch)
+    res["metrics2"] = run_steps(tr, batch, ["rl"])
+    tr.export_hf(spec["export"])
+    res["w3"], _ = hf_weights(tr, 1 << 30)
+    tr.close()
+
+
 def main():
     scenario, spec_file, outdir = sys.argv[1:4]
     with open(spec_file) as f:
         spec = json.load(f)
     res = {}
     {"logprobs": scenario_logprobs, "train": scenario_train, "critic": scenario_critic,
-     "reset": scenario_reset}[scenario](spec, res)
+     "reset": scenario_reset, "te_cuda": scenario_te_cuda}[scenario](spec, res)
     from mt_helpers import save_rank_result
 
     save_rank_result(res, outdir, scenario)

@@ -451,6 +451,33 @@ def test_bench_tool_runs_on_cpu():
     assert row["ratio"] > 0 and row["fast"]["warmup_s"] > 0
 
 
+def test_bench_tool_against_a_server_repeats_and_reports_the_median():
+    """--sglang with megaforge's embedded server standing in for SGLang (the GPU runs the real one):
+    --repeats timed runs per side, every run's tok/s and the median's tokens; --variants picks the
+    fast engine's forms."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_rollout.py"), "--sglang", "--sglang_server",
+                        "embedded", "--tiny", "--batches", "4", "--new", "6", "--prompt", "5", "--repeats", "3",
+                        "--variants", "fast,fast_default"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["repeats"] == 3
+    row = out["shapes"]["tiny"]["batches"]["4"]
+    assert sorted(row) == ["fast", "fast_default", "ratio", "ratio_default", "sglang"]
+    for side in ("sglang", "fast"):
+        runs = row[side]["tok_s_runs"]
+        assert len(runs) == 3 and row[side]["tok_s"] == sorted(runs)[1] and row[side]["tokens"] == 4 * 6
+    assert row["ratio"] == round(row["fast"]["tok_s"] / row["sglang"]["tok_s"], 3)
+
+
+def test_bench_timed_runs_takes_the_median_run():
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from bench_rollout import timed_runs
+
+    got = timed_runs([(100, 1.0), (90, 0.3), (100, 0.5), (100, 2.0)])  # 100, 300, 200, 50 tok/s
+    assert got == {"tok_s": 100.0, "wall_s": 1.0, "tokens": 100, "tok_s_runs": [100.0, 300.0, 200.0, 50.0]}
+    assert timed_runs([(10, 0.5)])["tok_s"] == 20.0
+
+
 @pytest.mark.slow
 def test_inductor_on_cpu_answers_as_the_eager_pieces(models):
     """The fast path with compile "inductor" (generated C++ on the CPU: the lowering the GPU's Triton

@@ -1,0 +1,86 @@
+"""The Megatron trainer's Transformer Engine layer spec on CUDA, in bfloat16 and with FP8 (hybrid,
+delayed scaling), on a 4-layer Qwen3 (q/k norms, head_dim 24, vocabulary 250 padded by megatron):
+what the main path's TE + FP8 recipe relies on, checked on a model small enough to compare exactly.
+
+* HF weights in -> TE's fused names (norms inside linear_qkv / linear_fc1) -> HF weights out:
+  bit-equal to the checkpoint cast to bfloat16 (the converter only renames and splits).
+* logprobs against the float32 HF model: as close as the torch spec's in bfloat16 (<= 3x its mean
+  error: the fused TE kernels round differently, no more), and with FP8 further than that (FP8 is
+  really applied: e4m3 keeps 3 mantissa bits, bfloat16 7) yet < half the logprobs' own spread over
+  tokens (a mis-mapped weight moves them by about that spread); FP8 measured at the second forward,
+  whose delayed scales come from the first's amax (the first quantizes with scale 1).
+* two RL steps move the weights; save -> a new trainer -> load gives the same weights bit for bit and
+  the same logprobs (bfloat16: equal; FP8: the amax history advanced by one forward since, so within
+  a tenth of the spread); one more step and export_hf reload in transformers as the same tensors.
+
+Skipped without CUDA (conftest) or without transformer_engine.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron"))
+from mt_helpers import hf_logprobs, make_batch, make_tiny, run_workers  # noqa: E402
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
+                                reason="needs transformer_engine (tools/te_build.sh)")
+
+
+def _masked_mean_abs(x, mask):
+    return float((x.abs() * mask).sum() / mask.sum())
+
+
+@pytest.mark.parametrize("fp8", [None, "hybrid"])
+def test_te_spec_weights_logprobs_steps_and_checkpoint(tmp_path, fp8):
+    import transformers
+
+    model = make_tiny("qwen3", str(tmp_path / "qwen3"))
+    spec = {"model": model, "fp8": fp8, "ckpt": str(tmp_path / "ckpt"), "export": str(tmp_path / "export")}
+    res = run_workers("te_cuda", 1, spec, tmp_path / "work", timeout=420)[0]
+    assert res["spec"] == "te"
+    assert any(n.endswith("linear_qkv.layer_norm_weight") for n in res["names"]), res["names"][:8]
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).state_dict()
+    assert sorted(res["w0"]) == sorted(hf)
+    for k, v in hf.items():
+        assert torch.equal(res["w0"][k], v.to(torch.bfloat16)), k
+
+    batch = make_batch(B=5, T=40, lengths=(40, 17, 33, 9, 27))
+    mask = (torch.arange(40)[None] < batch.lengths[:, None]).float()
+    mask[:, 0] = 0  # no logprob at t = 0
+    ref = hf_logprobs(model, batch, temperature=0.8)
+    centre = (ref * mask).sum() / mask.sum()
+    spread = _masked_mean_abs(ref - centre, mask)
+    err_torch = _masked_mean_abs(res["torch_lp0"] - ref, mask)
+    err = _masked_mean_abs(res["lp0"] - ref, mask)
+    err_first = _masked_mean_abs(res["lp0_first"] - ref, mask)
+    print(f"fp8={fp8}: mean |logprob - HF fp32|: te {err:.3e} (first forward {err_first:.3e}), "
+          f"torch spec bf16 {err_torch:.3e}; spread {spread:.3e}")
+    assert spread > 0.01, "the test model's logprobs barely vary: the comparison would not discriminate"
+    if fp8 is None:
+        assert err <= 3 * err_torch + 1e-5
+    else:
+        assert 2 * err_torch < err < 0.5 * spread
+
+    for m in res["metrics"] + res["metrics2"]:
+        assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
+    assert any(not torch.equal(res["w0"][k], res["w1"][k]) for k in hf), "two RL steps left every weight as it was"
+
+    for k in hf:
+        assert torch.equal(res["w1"][k], res["w2"][k]), f"{k} differs after save -> load"
+    drift = _masked_mean_abs(res["lp2"] - res["lp1"], mask)
+    if fp8 is None:
+        assert drift == 0.0
+    else:
+        assert drift < 0.1 * spread, drift
+
+    exported = transformers.AutoModelForCausalLM.from_pretrained(spec["export"], dtype=torch.bfloat16).state_dict()
+    assert sorted(exported) == sorted(hf)
+    for k, v in exported.items():
+        assert torch.equal(v, res["w3"][k]), k
