@@ -64,6 +64,9 @@ for stage in "$@"; do
       tail -2 "$OUT/install.log"
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsite .whl/*.whl
       export PYTHONPATH=$PWD:/tmp/mfsite ;;
+    mfsite)  # megaforge's wheels (.whl: megatron-core, ...) without SGLang: for tests that need no server
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsite .whl/*.whl
+      export PYTHONPATH=$PWD:/tmp/mfsite ;;
     tests)
       MEGAFORGE_GPU_REPORT="$OUT/gpu_tests.json" timeout -k 20 470 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
       cp /tmp/pytest-of-*/pytest-*/run*/gpu/logs/engine_0.log "$OUT/gpu_tests_engine.log" 2>/dev/null ;;
@@ -102,11 +105,12 @@ for stage in "$@"; do
       echo "exit $?"; grep "^\[bench" "$OUT/bench_rollout_b64.log" | tail -12
       grep '^{"bench"' "$OUT/bench_rollout_b64.log" > "$OUT/bench_rollout_sglang_b64.json" ;;
     recipe_fp8)
-      recipe 570 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid > "$OUT/recipe_fp8.log" 2>&1
+      recipe 530 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid --checkpoint.interval 4 \
+        > "$OUT/recipe_fp8.log" 2>&1
       echo "exit $?"; grep -v -i warn "$OUT/recipe_fp8.log" | tail -25
       cp "$RUNS/grpo_h200_colocated_fp8/metrics.jsonl" "$OUT/recipe_fp8_metrics.jsonl" ;;
     resume_fp8)
-      recipe 280 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid --resume --max_steps 6 \
+      recipe 450 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid --resume --max_steps 6 \
         > "$OUT/resume_fp8.log" 2>&1; echo "exit $?"
       grep -v -i warn "$OUT/resume_fp8.log" | tail -12
       cp "$RUNS/grpo_h200_colocated_fp8/metrics.jsonl" "$OUT/recipe_fp8_metrics.jsonl" ;;

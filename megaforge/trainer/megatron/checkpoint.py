@@ -44,15 +44,24 @@ _OPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_
 
 
 def _ensure_adam_state(optimizer) -> None:
-    """Materialise torch AdamW's lazily created state (step 0, zero moments: exactly what its first
-    ``step`` would create) so megatron can describe it before any step has run."""
+    """Materialise the Adam state a fresh optimizer creates lazily at its first ``step``, exactly as
+    that step would, so megatron can describe it before any step has run: torch AdamW keeps a
+    per-parameter ``step`` (0) and zero moments; Transformer Engine's FusedAdam (megatron's Adam
+    whenever TE imports) keeps ``step`` per param group and builds its moments, in its configured
+    dtypes, with its own ``initialize_state`` (a per-parameter ``step`` there makes its
+    ``state_dict`` raise KeyError 'step', as the H200 showed on loading a TE checkpoint)."""
     for o in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(o, "optimizer", None)
         if inner is None:
             continue
+        te_init = getattr(inner, "initialize_state", None)  # TE FusedAdam
         for group in inner.param_groups:
             for p in group["params"]:
-                if p.numel() and not inner.state[p]:
+                if not p.numel() or inner.state[p]:
+                    continue
+                if te_init is not None:
+                    te_init(p, bool(getattr(inner, "store_param_remainders", False)) and p.dtype == torch.bfloat16)
+                else:
                     inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                                       "exp_avg_sq": torch.zeros_like(p)}
 

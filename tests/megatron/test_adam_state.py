@@ -1,0 +1,81 @@
+"""checkpoint._ensure_adam_state: a fresh optimizer's state materialised as its own first step makes it,
+for torch AdamW (megatron's Adam without Transformer Engine) and for TE's FusedAdam (its Adam with TE).
+
+TE cannot be installed on this CPU: ``TEFusedAdamDouble`` follows transformer_engine 2.20.2's
+``transformer_engine/pytorch/optimizers/fused_adam.py`` field by field where the helper touches it:
+``step`` lives in the param group, ``initialize_state(param, store_param_remainders)`` creates
+``exp_avg`` / ``exp_avg_sq`` in the dtypes of ``name_to_dtype_map``, and ``state_dict`` unscales every
+per-parameter key through that map (KeyError for any other key, e.g. a per-parameter ``step``: what
+the H200 raised when loading a TE checkpoint into a fresh trainer). The real path runs on the GPU in
+tests/gpu/test_megatron_te_cuda.py (save, then load into a new trainer).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import torch
+
+from megaforge.trainer.megatron.checkpoint import _ensure_adam_state
+
+
+class TEFusedAdamDouble:
+    def __init__(self, params, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32):
+        self.param_groups = [{"params": list(params), "lr": 1e-3, "bias_correction": True}]
+        self.state = defaultdict(dict)
+        self.master_weights = False
+        self.store_param_remainders = False
+        self.name_to_dtype_map = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype,
+                                  "master_param": torch.float32}
+        self.calls = []
+
+    def initialize_state(self, param, store_param_remainders):
+        self.calls.append(store_param_remainders)
+        for name in ("exp_avg", "exp_avg_sq"):
+            self.state[param][name] = torch.zeros_like(param, dtype=self.name_to_dtype_map[name])
+
+    def get_unscaled_state(self, param, state_name):
+        dtype = self.name_to_dtype_map[state_name]  # KeyError for a key FusedAdam does not keep
+        return self.state[param][state_name].float() if dtype != torch.float32 else self.state[param][state_name]
+
+    def state_dict(self):
+        return {"state": {i: {name: self.get_unscaled_state(p, name) for name in self.state[p]}
+                          for i, p in enumerate(self.param_groups[0]["params"]) if self.state[p]},
+                "param_groups": self.param_groups}
+
+
+def _chained(inner):
+    return SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=inner)])
+
+
+def test_torch_adamw_state_is_what_its_first_step_creates():
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    _ensure_adam_state(_chained(opt))
+    stepped = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-3)
+    for q in stepped.param_groups[0]["params"]:
+        q.grad = torch.zeros_like(q)
+    stepped.step()
+    for p, q in zip(params, stepped.param_groups[0]["params"]):
+        assert sorted(opt.state[p]) == sorted(stepped.state[q]) == ["exp_avg", "exp_avg_sq", "step"]
+        assert float(opt.state[p]["step"]) == 0.0
+        assert torch.equal(opt.state[p]["exp_avg"], torch.zeros_like(p))
+    opt.state_dict()  # describable
+
+
+def test_te_fused_adam_state_through_its_initialize_state_without_a_per_parameter_step():
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4)),
+              torch.nn.Parameter(torch.randn(0))]
+    opt = TEFusedAdamDouble(params, exp_avg_dtype=torch.bfloat16)
+    done = torch.ones(5)
+    opt.param_groups[0]["params"].append(done)
+    opt.state[done] = {"exp_avg": torch.full((5,), 2.0), "exp_avg_sq": torch.full((5,), 3.0)}  # already stepped
+    _ensure_adam_state(_chained(opt))
+    assert opt.calls == [False, False]  # the two non-empty fresh parameters, no param-remainder storage
+    for p in params[:2]:
+        assert sorted(opt.state[p]) == ["exp_avg", "exp_avg_sq"]
+        assert opt.state[p]["exp_avg"].dtype == torch.bfloat16 and not opt.state[p]["exp_avg"].any()
+    assert not opt.state[params[2]]
+    assert float(opt.state[done]["exp_avg"][0]) == 2.0  # existing state is left alone
+    assert "step" not in opt.param_groups[0]
+    opt.state_dict()  # raised KeyError('step') when the torch AdamW layout was forced on it
