@@ -23,6 +23,12 @@
 #   -> recipe_fp8 (540 s) -> resume_fp8 (~200 s). Measured 2026-12-02: install 37 s, rollout 499 s, te_build 147 s
 #   (core wheel + build; its te_ext.tgz.00 is 1.7 MB). The machine goes back 30 s after a call: a gap between two
 #   calls loses /tmp (twice that day: parts and te1..te6 carried again, and refusals cost 15 s each).
+# 2026-12-02 afternoon (code 6be9d3e / fda30aa): a successful start cost ~30 s of device time, each refused one 90-165 s;
+#   te_build with .tep/te-ext (the build skipped) 16 s; te_tests 68-97 s; recipe_fp8 ran its 5 TE + FP8 steps
+#   (80.5 / 57.7 / 61.6 / 55.7 / 64.5 s) and was killed at 570 s while saving step 5, before its metrics were
+#   copied: it now checkpoints at step 4 too and stops at 530 s. Remaining sequence (~1,300 s): parts -> install
+#   -> te1 .. te5 -> te6 te_build te_tests (carry .tep/te-part6 .tep/te-small [.tep/te-ext]) -> recipe_fp8 -> resume_fp8.
+#   tests without SGLang need only: mfsite (carry .whl; it fits beside .tep/te-part1).
 # GSM8K recipe (issue 20; kit as configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's header says, under .carry/):
 #   calls 1..8, carry .carry/q/SHA256SUMS + .carry/q/*.part_0K:  bash tools/h200_session.sh gsm_part
 #     (call 1 may add: && PYTHONPATH=$PWD python3 -m pytest -q tests/gpu/test_fast_engine_cuda.py tests/gpu/test_trainer_cuda.py)
@@ -111,6 +117,7 @@ for stage in "$@"; do
       cp "$RUNS/grpo_h200_colocated_fp8/metrics.jsonl" "$OUT/recipe_fp8_metrics.jsonl" ;;
     resume_fp8)
       recipe 450 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid --resume --max_steps 6 \
+        --checkpoint.trust_te_pickle true \
         > "$OUT/resume_fp8.log" 2>&1; echo "exit $?"
       grep -v -i warn "$OUT/resume_fp8.log" | tail -12
       cp "$RUNS/grpo_h200_colocated_fp8/metrics.jsonl" "$OUT/recipe_fp8_metrics.jsonl" ;;

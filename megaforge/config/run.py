@@ -87,6 +87,13 @@ class CheckpointConfig:
     is complete); the checkpoint a run resumed from is kept for the whole run."""
     save_optimizer: bool = True
     """Include optimizer and scheduler state."""
+    trust_te_pickle: bool = False
+    """Let Transformer Engine unpickle the FP8 delayed-scaling state (each TE module's scales and amax
+    history, its ``_extra_state``) of a Megatron checkpoint being loaded. TE 2.20 refuses by default:
+    unpickling can run code. true sets its NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 only while megaforge
+    loads; use it for checkpoints you wrote or trust, e.g. ``--resume`` of your own run with
+    ``trainer.fp8`` and ``trainer.fp8_recipe: delayed`` (stateless recipes such as tensorwise store
+    no pickle). false: such a checkpoint is refused with an error naming this key."""
 
 
 @dataclass

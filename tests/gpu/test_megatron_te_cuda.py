@@ -12,6 +12,8 @@ what the main path's TE + FP8 recipe relies on, checked on a model small enough 
 * two RL steps move the weights; save -> a new trainer -> load gives the same weights bit for bit and
   the same logprobs (bfloat16: equal; FP8: the amax history advanced by one forward since, so within
   a tenth of the spread); one more step and export_hf reload in transformers as the same tensors.
+* FP8 delayed scaling's checkpointed state is a pickle: loading it is refused (UntrustedCheckpointState
+  naming checkpoint.trust_te_pickle) until the config trusts it.
 
 Skipped without CUDA (conftest) or without transformer_engine.
 """
@@ -72,6 +74,8 @@ def test_te_spec_weights_logprobs_steps_and_checkpoint(tmp_path, fp8):
         assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
     assert any(not torch.equal(res["w0"][k], res["w1"][k]) for k in hf), "two RL steps left every weight as it was"
 
+    if fp8:
+        assert "checkpoint.trust_te_pickle" in res["untrusted_load"], res["untrusted_load"]
     for k in hf:
         assert torch.equal(res["w1"][k], res["w2"][k]), f"{k} differs after save -> load"
     drift = _masked_mean_abs(res["lp2"] - res["lp1"], mask)

@@ -11,9 +11,11 @@ tests/gpu/test_megatron_te_cuda.py (save, then load into a new trainer).
 """
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from megaforge.trainer.megatron.checkpoint import _ensure_adam_state
@@ -79,3 +81,44 @@ def test_te_fused_adam_state_through_its_initialize_state_without_a_per_paramete
     assert float(opt.state[done]["exp_avg"][0]) == 2.0  # existing state is left alone
     assert "step" not in opt.param_groups[0]
     opt.state_dict()  # raised KeyError('step') when the torch AdamW layout was forced on it
+
+
+# ---------------------------------------------------------------- TE's pickled FP8 state on load
+def test_te_extra_state_policy_trust_sets_tes_switch_only_inside(monkeypatch):
+    from megaforge.trainer.megatron.checkpoint import TE_PICKLE_ENV, te_extra_state_policy
+
+    monkeypatch.delenv(TE_PICKLE_ENV, raising=False)
+    with te_extra_state_policy("/ckpt", trust=True):
+        assert os.environ[TE_PICKLE_ENV] == "1"
+    assert TE_PICKLE_ENV not in os.environ
+    monkeypatch.setenv(TE_PICKLE_ENV, "0")
+    with te_extra_state_policy("/ckpt", trust=True):
+        assert os.environ[TE_PICKLE_ENV] == "1"
+    assert os.environ[TE_PICKLE_ENV] == "0"
+    with te_extra_state_policy("/ckpt", trust=False):
+        assert os.environ[TE_PICKLE_ENV] == "0"
+
+
+def test_te_refusal_names_the_checkpoint_and_the_key_other_errors_pass():
+    """The message TE 2.20 raises from set_extra_state (_extra_state.extra_state_pickle_advisory), as
+    the H200 printed it; the real refusal is exercised by tests/gpu/test_megatron_te_cuda.py."""
+    from megaforge.trainer.megatron.checkpoint import UntrustedCheckpointState, te_extra_state_policy
+
+    te_says = ("Refusing to load pickled Transformer Engine extra state for TERowParallelLinear. Delayed-scaling "
+               "FP8 metadata can be stored as a Python pickle, and loading it can execute arbitrary code. Only "
+               "enable unsafe loading if this checkpoint is from a trusted source. To load it anyway, set "
+               "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1.")
+    with pytest.raises(UntrustedCheckpointState, match=r"/runs/x/step_000005: .*checkpoint.trust_te_pickle: true"):
+        with te_extra_state_policy("/runs/x/step_000005", trust=False):
+            raise RuntimeError(te_says)
+    with pytest.raises(RuntimeError, match="^size mismatch$"):
+        with te_extra_state_policy("/runs/x/step_000005", trust=False):
+            raise RuntimeError("size mismatch")
+
+
+def test_trust_te_pickle_is_a_documented_config_key():
+    from megaforge.config import config_from_dict
+
+    base = {"model": {"config": "configs/models/tiny-qwen2"}, "max_steps": 0}
+    assert config_from_dict(base).checkpoint.trust_te_pickle is False
+    assert config_from_dict(dict(base, checkpoint={"trust_te_pickle": True})).checkpoint.trust_te_pickle

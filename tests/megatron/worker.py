@@ -199,6 +199,17 @@ def scenario_te_cuda(spec, res):
     tr.save(spec["ckpt"])
     tr.close()
     tr = MegatronTrainer(cfg)
+    if spec.get("fp8"):  # FP8 delayed scaling's state is a pickle: refused unless checkpoint.trust_te_pickle
+        from megaforge.trainer.megatron.checkpoint import UntrustedCheckpointState
+
+        try:
+            tr.load(spec["ckpt"])
+            res["untrusted_load"] = "loaded"
+        except UntrustedCheckpointState as e:
+            res["untrusted_load"] = str(e)
+        tr.close()
+        cfg.checkpoint.trust_te_pickle = True
+        tr = MegatronTrainer(cfg)
     tr.load(spec["ckpt"])
     res["w2"], _ = hf_weights(tr, 1 << 30)
     res["lp2"] = tr.compute_logprobs(batch)

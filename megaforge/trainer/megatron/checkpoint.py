@@ -180,6 +180,42 @@ def read_meta(path: str) -> dict:
         return json.load(f)
 
 
+#: Transformer Engine's switch for unpickling FP8 delayed-scaling ``_extra_state`` and the start of
+#: the error it raises without it (transformer_engine/pytorch/_extra_state.py, TE 2.20)
+TE_PICKLE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+TE_PICKLE_REFUSAL = "Refusing to load pickled Transformer Engine extra state"
+
+
+class UntrustedCheckpointState(RuntimeError):
+    """A checkpoint holds pickled state that is loaded only when the user says it is trusted."""
+
+
+@contextlib.contextmanager
+def te_extra_state_policy(path: str, trust: bool):
+    """Around a ``load_state_dict`` of TE modules: with ``trust``, TE may unpickle FP8 delayed-scaling
+    state (:data:`TE_PICKLE_ENV` = 1 inside, the previous value restored after); without it, TE's
+    refusal becomes :class:`UntrustedCheckpointState` naming the checkpoint and the config key."""
+    prev = os.environ.get(TE_PICKLE_ENV)
+    if trust:
+        os.environ[TE_PICKLE_ENV] = "1"
+    try:
+        yield
+    except RuntimeError as e:
+        if TE_PICKLE_REFUSAL not in str(e):
+            raise
+        raise UntrustedCheckpointState(
+            f"{path}: holds Transformer Engine FP8 delayed-scaling state (scales, amax history) as a Python "
+            f"pickle, which can run code when loaded; TE refused it ({str(e).split('.')[0]}). If you wrote or "
+            f"trust this checkpoint, set checkpoint.trust_te_pickle: true (--checkpoint.trust_te_pickle true; "
+            f"tools outside the trainer: {TE_PICKLE_ENV}=1)") from e
+    finally:
+        if trust:
+            if prev is None:
+                os.environ.pop(TE_PICKLE_ENV, None)
+            else:
+                os.environ[TE_PICKLE_ENV] = prev
+
+
 def load(tr, path: str) -> None:
     """Collective load of what :func:`save` (or the HF -> Megatron converter) wrote, into the
     current layout (resharding as needed)."""
@@ -190,8 +226,9 @@ def load(tr, path: str) -> None:
         raise ValueError(f"{path}: checkpoint of family {meta['family']!r}, trainer is {tr.family.name!r}")
     saved_spec = meta.get("layer_spec", tr.spec)
     with_critic = bool(meta.get("critic", False))
+    trust = bool(tr.cfg.checkpoint.trust_te_pickle)
     if not meta["optimizer"] and not meta["ref"] and not with_critic:  # weights only (e.g. the HF converter's)
-        load_model(tr.bm, path, saved_spec)
+        load_model(tr.bm, path, saved_spec, trust_te_pickle=trust)
         tr.optimizer.reload_model_params()  # fp32 main copies of bf16 / fp16 weights
         tr.version = int(meta["version"])
         if meta["sched"] is not None:
@@ -204,15 +241,19 @@ def load(tr, path: str) -> None:
         tr.init_critic()  # allocate; overwritten below
     sd = _sharded(tr, meta["optimizer"], meta["ref"], loading=True, saved_spec=saved_spec, with_critic=with_critic)
     state = dist_checkpointing.load(sd, path, sharded_strategy=_STRATEGY)
-    tr.bm.model.load_state_dict(state["model"], strict=True)
+    with te_extra_state_policy(path, trust):
+        tr.bm.model.load_state_dict(state["model"], strict=True)
     if meta["optimizer"]:
         with _step_tolerant_reshardable_load():
             tr.optimizer.load_state_dict(state["optimizer"])
         _unshare_adam_steps(tr.optimizer)
     if meta["ref"]:
-        tr.ref.load_state_dict({k.removeprefix("ref."): v for k, v in state["ref"].items()}, strict=True)
+        with te_extra_state_policy(path, trust):
+            tr.ref.load_state_dict({k.removeprefix("ref."): v for k, v in state["ref"].items()}, strict=True)
     if with_critic:
-        tr.critic.bm.model.load_state_dict({k.removeprefix("critic."): v for k, v in state["critic"].items()}, strict=True)
+        with te_extra_state_policy(path, trust):
+            tr.critic.bm.model.load_state_dict({k.removeprefix("critic."): v for k, v in state["critic"].items()},
+                                               strict=True)
         if meta["optimizer"]:
             with _step_tolerant_reshardable_load():
                 tr.critic.optimizer.load_state_dict(state["critic_optimizer"])
@@ -325,10 +366,11 @@ def _repad_vocab(sd: dict, path: str) -> dict:
     return out
 
 
-def load_model(bm, path: str, saved_spec: Optional[str] = None) -> None:
+def load_model(bm, path: str, saved_spec: Optional[str] = None, trust_te_pickle: bool = False) -> None:
     """Collective load of the model weights only (any checkpoint of :func:`save` / the converter,
     at any layout; optimizer and reference state ignored) into ``bm`` at the current layout, after
-    :func:`check_model_against`; vocabulary padding of another TP size is re-padded."""
+    :func:`check_model_against`; vocabulary padding of another TP size is re-padded. FP8
+    delayed-scaling state of TE modules: :func:`te_extra_state_policy`."""
     from megatron.core import dist_checkpointing
 
     check_model_against(bm, path, saved_spec)
@@ -338,4 +380,5 @@ def load_model(bm, path: str, saved_spec: Optional[str] = None) -> None:
                                     validate_access_integrity=not repadded)["model"]
     for k, buf in repadded.items():
         state[k] = buf
-    bm.model.load_state_dict(state, strict=True)
+    with te_extra_state_policy(path, trust_te_pickle):
+        bm.model.load_state_dict(state, strict=True)
