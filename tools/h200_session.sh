@@ -26,7 +26,7 @@
 # 2026-12-02 afternoon (code 6be9d3e / fda30aa): a successful start cost ~30 s of device time, each refused one 90-165 s;
 #   te_build with .tep/te-ext (the build skipped) 16 s; te_tests 68-97 s; recipe_fp8 ran its 5 TE + FP8 steps
 #   (80.5 / 57.7 / 61.6 / 55.7 / 64.5 s) and was killed at 570 s while saving step 5, before its metrics were
-#   copied: it now checkpoints at step 4 too and stops at 530 s. Remaining sequence (~1,300 s): parts -> install
+#   copied: it now checkpoints at step 4 too and stops at 555 s (+30 s to exit: 585 < 600). Remaining sequence (~1,300 s): parts -> install
 #   -> te1 .. te5 -> te6 te_build te_tests (carry .tep/te-part6 .tep/te-small [.tep/te-ext]) -> recipe_fp8 -> resume_fp8.
 #   tests without SGLang need only: mfsite (carry .whl; it fits beside .tep/te-part1).
 # GSM8K recipe (issue 20; kit as configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's header says, under .carry/):
@@ -111,7 +111,7 @@ for stage in "$@"; do
       echo "exit $?"; grep "^\[bench" "$OUT/bench_rollout_b64.log" | tail -12
       grep '^{"bench"' "$OUT/bench_rollout_b64.log" > "$OUT/bench_rollout_sglang_b64.json" ;;
     recipe_fp8)
-      recipe 530 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid --checkpoint.interval 4 \
+      recipe 555 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid --checkpoint.interval 4 \
         > "$OUT/recipe_fp8.log" 2>&1
       echo "exit $?"; grep -v -i warn "$OUT/recipe_fp8.log" | tail -25
       cp "$RUNS/grpo_h200_colocated_fp8/metrics.jsonl" "$OUT/recipe_fp8_metrics.jsonl" ;;
