@@ -146,12 +146,10 @@ def measure_fast(model, reqs, max_batch, cap, dev, repeats: int = 1, **opts) -> 
         runs = []
         for _ in range(repeats):
             tok, wall, comps = fast_run(eng, reqs, cap)
-            runs.append((tok, wall))
+            runs.append((tok, wall))  # comps: the last run's (logprob_check reads them)
         st = dict(eng.fast.stats)
         want = sum(r.sampling.max_new_tokens for r in reqs)
-        return {**(timed_runs(runs) if repeats > 1 else {"tok_s": round(tok / wall, 1), "wall_s": round(wall, 3),
-                                                          "tokens": tok}),
-                "warmup_s": round(c_wall, 3), "warmup_tok_s": round(c_tok / c_wall, 1),
+        return {**timed_runs(runs), "warmup_s": round(c_wall, 3), "warmup_tok_s": round(c_tok / c_wall, 1),
                 "capped": min(t for t, _ in runs) < want,
                 "graph_captures": st["graph_captures"], "graph_failures": st["graph_failures"],
                 "cache_gib": round(st["cache_bytes"] / 2 ** 30, 2), "_comps": comps}
@@ -309,9 +307,8 @@ def measure_sglang(srv: SGLangServer, prompts, new: int, repeats: int = 1) -> di
 
 
 def timed_runs(runs: list[tuple[int, float]]) -> dict:
-    """The median run (the lower middle one of an even count) of (tokens, seconds) timed runs by tok/s
-    (``tok_s``, ``wall_s``, ``tokens``) and
-    every run's tok/s (``tok_s_runs``, in order)."""
+    """The median run by tok/s (the lower middle one of an even count) of (tokens, seconds) timed runs
+    (``tok_s``, ``wall_s``, ``tokens``) and every run's tok/s (``tok_s_runs``, in order)."""
     rates = [t / w for t, w in runs]
     mid = sorted(range(len(runs)), key=lambda i: rates[i])[(len(runs) - 1) // 2]
     return {"tok_s": round(rates[mid], 1), "wall_s": round(runs[mid][1], 3), "tokens": runs[mid][0],
@@ -325,7 +322,7 @@ def fast_variants(args) -> list[tuple[str, dict]]:
     if args.compile:
         out += [("fast_compiled", {"compile": args.compile, "attention": "sdpa"}),
                 ("fast_compiled_matmul", {"compile": args.compile, "attention": "matmul"})]
-    if not getattr(args, "variants", None):
+    if not args.variants:
         return out
     out.append(("fast_default", {"compile": args.compile, "attention": "auto"}))  # what rollout.fast_* auto gives
     want = args.variants.split(",")

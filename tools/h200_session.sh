@@ -55,6 +55,10 @@ export MEGAFORGE_SGLANG_ENV_SH=/tmp/sgl/env.sh
 engine_env() {  # the SGLang kit's environment as rollout.engine_env (JSON is YAML)
   python3 -c "import json; from megaforge.rollout.http.processes import env_from_script; print(json.dumps(env_from_script('/tmp/sgl/env.sh')))"
 }
+mfsite() {  # megaforge's wheels (.whl: megatron-core, submitit, ...) into their own site folder
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsite .whl/*.whl
+  export PYTHONPATH=$PWD:/tmp/mfsite
+}
 recipe() {  # $1: seconds allowed, then launcher flags
   local t=$1; shift
   timeout -k 30 "$t" $TORCHRUN launchers/grpo.py --config configs/grpo_h200_colocated.yaml --output_dir "$RUNS" \
@@ -68,11 +72,8 @@ for stage in "$@"; do
     install)
       bash .sgl/sgl-small/sglang-install.sh > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
       tail -2 "$OUT/install.log"
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsite .whl/*.whl
-      export PYTHONPATH=$PWD:/tmp/mfsite ;;
-    mfsite)  # megaforge's wheels (.whl: megatron-core, ...) without SGLang: for tests that need no server
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsite .whl/*.whl
-      export PYTHONPATH=$PWD:/tmp/mfsite ;;
+      mfsite ;;
+    mfsite) mfsite ;;  # without SGLang: for tests that need no server
     tests)
       MEGAFORGE_GPU_REPORT="$OUT/gpu_tests.json" timeout -k 20 470 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
       cp /tmp/pytest-of-*/pytest-*/run*/gpu/logs/engine_0.log "$OUT/gpu_tests_engine.log" 2>/dev/null ;;

@@ -241,19 +241,18 @@ def load(tr, path: str) -> None:
         tr.init_critic()  # allocate; overwritten below
     sd = _sharded(tr, meta["optimizer"], meta["ref"], loading=True, saved_spec=saved_spec, with_critic=with_critic)
     state = dist_checkpointing.load(sd, path, sharded_strategy=_STRATEGY)
-    with te_extra_state_policy(path, trust):
+    with te_extra_state_policy(path, trust):  # the policy, reference and critic modules' TE state
         tr.bm.model.load_state_dict(state["model"], strict=True)
+        if meta["ref"]:
+            tr.ref.load_state_dict({k.removeprefix("ref."): v for k, v in state["ref"].items()}, strict=True)
+        if with_critic:
+            tr.critic.bm.model.load_state_dict({k.removeprefix("critic."): v for k, v in state["critic"].items()},
+                                               strict=True)
     if meta["optimizer"]:
         with _step_tolerant_reshardable_load():
             tr.optimizer.load_state_dict(state["optimizer"])
         _unshare_adam_steps(tr.optimizer)
-    if meta["ref"]:
-        with te_extra_state_policy(path, trust):
-            tr.ref.load_state_dict({k.removeprefix("ref."): v for k, v in state["ref"].items()}, strict=True)
     if with_critic:
-        with te_extra_state_policy(path, trust):
-            tr.critic.bm.model.load_state_dict({k.removeprefix("critic."): v for k, v in state["critic"].items()},
-                                               strict=True)
         if meta["optimizer"]:
             with _step_tolerant_reshardable_load():
                 tr.critic.optimizer.load_state_dict(state["critic_optimizer"])
