@@ -130,16 +130,18 @@ class Run:
             raise RunError(err)
 
     def _resume(self) -> None:
-        path = None
+        path, t0 = None, time.perf_counter()
         if collective.is_main():
-            path = checkpoint.latest_valid(os.path.join(self.run_dir, "checkpoints"))
+            path = checkpoint.latest_valid(os.path.join(self.run_dir, "checkpoints"))  # checksums every file
         path = collective.broadcast_object(path)
         if path is None:
             say(f"--resume: no complete checkpoint in {self.run_dir}/checkpoints; starting from the beginning")
             return
+        t1 = time.perf_counter()
         self.state = checkpoint.load(path, self.trainer)
         self.resumed_from = path
-        say(f"resumed from {path} (sft step {self.state['sft_step']}, rl step {self.state['rl_step']})")
+        say(f"resumed from {path} (sft step {self.state['sft_step']}, rl step {self.state['rl_step']}; "
+            f"verified in {t1 - t0:.1f} s, loaded in {time.perf_counter() - t1:.1f} s)")
 
     def _build_engine(self):
         return build_engines(self.cfg, self.tokenizer)  # rank 0's engine; node leaders start their node's servers
@@ -148,13 +150,14 @@ class Run:
         """A checkpoint (with ``tensors``: main rank, ``{file name: {name: tensor}}`` written beside the
         loop state); pruning never deletes the one this run resumed from. Non-finite weights
         and failed writes (a full disk) stop the run naming the tensors / the path and the cause."""
+        t0 = time.perf_counter()
         try:
             path = checkpoint.save(os.path.join(self.run_dir, "checkpoints"), step, self.trainer, self.state,
                                    self.cfg.checkpoint.keep_last_n, phase, protect=[self.resumed_from],
                                    tensor_files=tensors)
         except (NonFiniteWeights, checkpoint.CheckpointWriteError) as e:
             raise RunError(f"{phase.upper()} step {step}: {e}") from None
-        say(f"checkpoint written: {path}")
+        say(f"checkpoint written: {path} in {time.perf_counter() - t0:.1f} s")
 
     # ------------------------------------------------------------------------------------ SFT
     def sft(self) -> None:

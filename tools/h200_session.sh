@@ -59,10 +59,17 @@ mfsite() {  # megaforge's wheels (.whl: megatron-core, submitit, ...) into their
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsite .whl/*.whl
   export PYTHONPATH=$PWD:/tmp/mfsite
 }
-recipe() {  # $1: seconds allowed, then launcher flags
+recipe() {  # $1: seconds allowed, then launcher flags; $KILL_GRACE: seconds from SIGTERM to SIGKILL
   local t=$1; shift
-  timeout -k 30 "$t" $TORCHRUN launchers/grpo.py --config configs/grpo_h200_colocated.yaml --output_dir "$RUNS" \
-    --rollout.engine_env "$(engine_env)" "$@"
+  timeout -k "${KILL_GRACE:-30}" "$t" $TORCHRUN launchers/grpo.py --config configs/grpo_h200_colocated.yaml \
+    --output_dir "$RUNS" --rollout.engine_env "$(engine_env)" "$@"
+}
+ram_runs() {  # the run folder in RAM (/dev/shm) when it has room for two 24 GB checkpoints: a checkpoint's
+  # write + checksum to this disk took ~100 s (the FP8 run of 2026-12-02 was killed at 570 s while saving)
+  local avail; avail=$(df --output=avail -BG /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
+  df -h /tmp /dev/shm | sed 's/^/  /'; free -g | head -2 | sed 's/^/  /'
+  if [ "${avail:-0}" -ge 64 ]; then RUNS=/dev/shm/mf-runs; fi
+  echo "  run folder: $RUNS"
 }
 
 for stage in "$@"; do
@@ -111,16 +118,18 @@ for stage in "$@"; do
         > "$OUT/bench_rollout_b64.log" 2>&1
       echo "exit $?"; grep "^\[bench" "$OUT/bench_rollout_b64.log" | tail -12
       grep '^{"bench"' "$OUT/bench_rollout_b64.log" > "$OUT/bench_rollout_sglang_b64.json" ;;
-    recipe_fp8)
-      recipe 555 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid --checkpoint.interval 4 \
+    recipe_fp8)  # 575 s + 15 s grace < the call's 600 s; the checkpoint at step 5 (the config's interval)
+      ram_runs
+      KILL_GRACE=15 recipe 575 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid \
         > "$OUT/recipe_fp8.log" 2>&1
-      echo "exit $?"; grep -v -i warn "$OUT/recipe_fp8.log" | tail -25
+      echo "exit $?"; grep -v -i warn "$OUT/recipe_fp8.log" | tr "\r" "\n" | grep -v "step/s" | tail -25
       cp "$RUNS/grpo_h200_colocated_fp8/metrics.jsonl" "$OUT/recipe_fp8_metrics.jsonl" ;;
     resume_fp8)
+      ram_runs
       recipe 450 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid --resume --max_steps 6 \
         --checkpoint.trust_te_pickle true \
         > "$OUT/resume_fp8.log" 2>&1; echo "exit $?"
-      grep -v -i warn "$OUT/resume_fp8.log" | tail -12
+      grep -v -i warn "$OUT/resume_fp8.log" | tr "\r" "\n" | grep -v "step/s" | tail -14
       cp "$RUNS/grpo_h200_colocated_fp8/metrics.jsonl" "$OUT/recipe_fp8_metrics.jsonl" ;;
     gsm_part)  # carry .carry/q/SHA256SUMS and one .carry/q/*.part_NN: collects the GGUF's parts under /tmp/mf/q
       mkdir -p /tmp/mf/q && cp .carry/q/* /tmp/mf/q/ && ls /tmp/mf/q | tr '\n' ' ' && echo ;;
