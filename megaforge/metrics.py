@@ -1,13 +1,17 @@
 """Metric sinks (jsonl, TensorBoard, W&B) and the progress display.
 
 ``<run dir>/metrics.jsonl`` holds one JSON object per RL step (``sft_metrics.jsonl`` for the warm
-start). On resume the file is cut back to the checkpoint's step, so no step appears twice.
+start). On resume the file is cut back to the checkpoint's step, so no step appears twice; a
+``--resume`` that finds no checkpoint starts the file again. The rows so removed (steps a killed
+attempt ran after its last checkpoint) are not lost: they are appended to ``metrics.superseded.jsonl``
+(``sft_metrics.superseded.jsonl``) beside it, each with ``"superseded_at"`` (unix time).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import time
 from typing import Optional
 
 from megaforge.configtree import to_dict
@@ -47,11 +51,27 @@ def _replace_jsonl(path: str, recs: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def truncate_jsonl(path: str, keep_upto_step: int) -> None:
-    """Drop lines whose ``step`` is greater than ``keep_upto_step`` (atomic rewrite)."""
+def superseded_path(path: str) -> str:
+    """``metrics.jsonl`` -> ``metrics.superseded.jsonl``: where :func:`truncate_jsonl` keeps what it drops."""
+    return (path[:-len(".jsonl")] if path.endswith(".jsonl") else path) + ".superseded.jsonl"
+
+
+def truncate_jsonl(path: str, keep_upto_step: int) -> int:
+    """Drop lines whose ``step`` is greater than ``keep_upto_step`` (atomic rewrite), after appending
+    them, each with ``"superseded_at"``, to :func:`superseded_path` (fsynced first: a crash between the
+    two writes duplicates rows there, never loses them). Returns how many were dropped."""
     if not os.path.exists(path):
-        return
-    _replace_jsonl(path, [r for r in _read_jsonl(path) if r.get("step", 0) <= keep_upto_step])
+        return 0
+    recs = _read_jsonl(path)
+    keep = [r for r in recs if r.get("step", 0) <= keep_upto_step]
+    dropped = [dict(r, superseded_at=round(time.time(), 3)) for r in recs if r.get("step", 0) > keep_upto_step]
+    if dropped:
+        with open(superseded_path(path), "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in dropped))
+            f.flush()
+            os.fsync(f.fileno())
+    _replace_jsonl(path, keep)
+    return len(dropped)
 
 
 class MetricsLogger:
@@ -61,10 +81,13 @@ class MetricsLogger:
                  tb_subdir: str = "tensorboard"):
         self.cfg = cfg.metrics
         self.path = os.path.join(run_dir, filename)
-        if resume_step is not None:
-            truncate_jsonl(self.path, resume_step)
-        elif os.path.exists(self.path):
-            os.remove(self.path)  # a fresh run in an old directory starts a fresh file
+        # resumed: rows after the checkpoint's step go; a fresh start in an old directory (a --resume that
+        # found no checkpoint): every row goes. Either way they are kept in superseded_path(self.path).
+        dropped = truncate_jsonl(self.path, resume_step if resume_step is not None else -math.inf)
+        if dropped:
+            what = (f"steps after {resume_step}, the checkpoint resumed from" if resume_step is not None
+                    else "an earlier attempt that left no checkpoint")
+            print(f"[megaforge] {self.path}: {dropped} rows ({what}) moved to {superseded_path(self.path)}", flush=True)
         self._f = open(self.path, "a")
         self.tb = None
         if self.cfg.tensorboard:

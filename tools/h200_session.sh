@@ -29,6 +29,13 @@
 #   copied: it now checkpoints at step 4 too and stops at 555 s (+30 s to exit: 585 < 600). Remaining sequence (~1,300 s): parts -> install
 #   -> te1 .. te5 -> te6 te_build te_tests (carry .tep/te-part6 .tep/te-small [.tep/te-ext]) -> recipe_fp8 -> resume_fp8.
 #   tests without SGLang need only: mfsite (carry .whl; it fits beside .tep/te-part1).
+# 2026-12-02 evening (code 058d798): start 30 s, parts 0.2 s, install 36 s, te1..te5 0.3 s each, te6 + te_build (full
+#   build) + te_tests 186 s (te_tests 2 passed in 71 s); recipe_fp8 ran 5 steps in 56.2 / 42.6 / 42.4 / 43.0 / 42.5 s
+#   and was SIGKILLed 472 s in (no timeout was due: the kernel's OOM killer, most likely) while it wrote the step-5
+#   checkpoint to /dev/shm (host RAM held the 31 GB of pinned offload buffers, the save's host copies and the
+#   checkpoint itself; /dev/shm held 15 GB of it); on the disk that save fits: ~210 s start +
+#   ~230 s steps + the save < 575 s. rollout_b64 282 s. Next: parts -> install -> te1..te5 -> te6 te_build
+#   [te_tests] -> recipe_fp8 -> resume_fp8, ~1,050 s.
 # GSM8K recipe (issue 20; kit as configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's header says, under .carry/):
 #   calls 1..8, carry .carry/q/SHA256SUMS + .carry/q/*.part_0K:  bash tools/h200_session.sh gsm_part
 #     (call 1 may add: && PYTHONPATH=$PWD python3 -m pytest -q tests/gpu/test_fast_engine_cuda.py tests/gpu/test_trainer_cuda.py)
@@ -63,13 +70,6 @@ recipe() {  # $1: seconds allowed, then launcher flags; $KILL_GRACE: seconds fro
   local t=$1; shift
   timeout -k "${KILL_GRACE:-30}" "$t" $TORCHRUN launchers/grpo.py --config configs/grpo_h200_colocated.yaml \
     --output_dir "$RUNS" --rollout.engine_env "$(engine_env)" "$@"
-}
-ram_runs() {  # the run folder in RAM (/dev/shm) when it has room for two 24 GB checkpoints: a checkpoint's
-  # write + checksum to this disk took ~100 s (the FP8 run of 2026-12-02 was killed at 570 s while saving)
-  local avail; avail=$(df --output=avail -BG /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
-  df -h /tmp /dev/shm | sed 's/^/  /'; free -g | head -2 | sed 's/^/  /'
-  if [ "${avail:-0}" -ge 64 ]; then RUNS=/dev/shm/mf-runs; fi
-  echo "  run folder: $RUNS"
 }
 
 for stage in "$@"; do
@@ -118,14 +118,13 @@ for stage in "$@"; do
         > "$OUT/bench_rollout_b64.log" 2>&1
       echo "exit $?"; grep "^\[bench" "$OUT/bench_rollout_b64.log" | tail -12
       grep '^{"bench"' "$OUT/bench_rollout_b64.log" > "$OUT/bench_rollout_sglang_b64.json" ;;
-    recipe_fp8)  # 575 s + 15 s grace < the call's 600 s; the checkpoint at step 5 (the config's interval)
-      ram_runs
+    recipe_fp8)  # 575 s + 15 s grace < the call's 600 s; the checkpoint at step 5 (the config's interval). Its run
+      # folder stays on the disk: in /dev/shm the step-5 save was SIGKILLed, most likely by the OOM killer (2026-12-02)
       KILL_GRACE=15 recipe 575 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid \
         > "$OUT/recipe_fp8.log" 2>&1
       echo "exit $?"; grep -v -i warn "$OUT/recipe_fp8.log" | tr "\r" "\n" | grep -v "step/s" | tail -25
       cp "$RUNS/grpo_h200_colocated_fp8/metrics.jsonl" "$OUT/recipe_fp8_metrics.jsonl" ;;
     resume_fp8)
-      ram_runs
       recipe 450 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid --resume --max_steps 6 \
         --checkpoint.trust_te_pickle true \
         > "$OUT/resume_fp8.log" 2>&1; echo "exit $?"

@@ -74,6 +74,8 @@ def test_corrupt_checkpoint_falls_back(tmp_path):
     assert "step_000004 is not usable (trainer/trainer.pt:" in p.stdout
     assert "resumed from" in p.stdout and "step_000002" in p.stdout
     assert [r["step"] for r in lines(os.path.join(run, "metrics.jsonl"))] == [1, 2, 3, 4, 5, 6]
+    # the first attempt's steps 3-4, which the resume from step 2 ran again, are kept aside
+    assert [r["step"] for r in lines(os.path.join(run, "metrics.superseded.jsonl"))] == [3, 4]
     assert set(before) <= set(os.listdir(run))
 
 
