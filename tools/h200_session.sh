@@ -118,6 +118,12 @@ for stage in "$@"; do
         > "$OUT/bench_rollout_b64.log" 2>&1
       echo "exit $?"; grep "^\[bench" "$OUT/bench_rollout_b64.log" | tail -12
       grep '^{"bench"' "$OUT/bench_rollout_b64.log" > "$OUT/bench_rollout_sglang_b64.json" ;;
+    bench_ckpt)  # the recipe's checkpoint alone (torch spec, no engine; after mfsite or install): write, verify, load
+      free -g | head -2
+      timeout -k 10 "${CKPT_SECONDS:-400}" $TORCHRUN tools/bench_checkpoint.py --config configs/grpo_h200_colocated.yaml \
+        --dir /tmp/ckpt-bench > "$OUT/bench_checkpoint.log" 2>&1; echo "exit $?"
+      grep "^\[bench\|^{" "$OUT/bench_checkpoint.log" | tail -8
+      grep '^{"bench"' "$OUT/bench_checkpoint.log" > "$OUT/bench_checkpoint.json" ;;
     recipe_fp8)  # 575 s + 15 s grace < the call's 600 s; the checkpoint at step 5 (the config's interval). Its run
       # folder stays on the disk: in /dev/shm the step-5 save was SIGKILLed, most likely by the OOM killer (2026-12-02)
       KILL_GRACE=15 recipe 575 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid \

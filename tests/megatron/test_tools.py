@@ -101,3 +101,19 @@ def test_bench_grpo_step_tiny_reports_the_step_beside_its_parts(tmp_path):
     assert rep["train_alone"]["train_step_s"] > 0 and rep["raw"]["seconds"] > 0 and rep["raw"]["tokens"] > 0
     assert set(rep["targets"]) == {"overhead_le_0.05", "step_vs_parts_le_1.10", "first_step_offload_le_2s"}
     assert 0 <= rep["step"]["overhead"] < 1 and rep["step_vs_parts"] > 0
+
+
+def test_bench_checkpoint_times_save_verify_load_and_cleans_up(tmp_path):
+    """tools/bench_checkpoint.py on the CPU demo's model with the megatron trainer: one JSON line with
+    the checkpoint's size and phases, and --dir left without the checkpoint."""
+    where = tmp_path / "ckpt"
+    codes, logs = run_ranks([os.path.join(ROOT, "tools", "bench_checkpoint.py"), "--config",
+                             os.path.join(ROOT, "configs", "demo_cpu.yaml"), "--dir", str(where),
+                             "--trainer.backend", "megatron"], 1, tmp_path, "bench_ckpt")
+    assert codes == [0], tails(logs)
+    rep = _json_line(logs[0])
+    assert rep["bench"] == "checkpoint" and rep["backend"] == "megatron" and rep["world"] == 1, rep
+    # weights + Adam's two moments of the demo model, float32: well over 1 MB (13.2 MB measured)
+    assert rep["bytes"] > 1e6 and rep["save_s"] > 0 and rep["verify_s"] >= 0 and rep["load_s"] > 0, rep
+    assert rep["write_gb_s"] > 0 and rep["host_peak_rss_gib_after_save"] > 0, rep
+    assert not (where / "checkpoints").exists(), "the checkpoint is removed without --keep"
