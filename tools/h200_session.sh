@@ -34,8 +34,9 @@
 #   and was SIGKILLed 472 s in (no timeout was due: the kernel's OOM killer, most likely) while it wrote the step-5
 #   checkpoint to /dev/shm (host RAM held the 31 GB of pinned offload buffers, the save's host copies and the
 #   checkpoint itself; /dev/shm held 15 GB of it); on the disk that save fits: ~210 s start +
-#   ~230 s steps + the save < 575 s. rollout_b64 282 s. Next: parts -> install -> te1..te5 -> te6 te_build
-#   [te_tests] -> recipe_fp8 -> resume_fp8, ~1,050 s.
+#   ~230 s steps + the save (57 s for the 24 GB on the disk, bench_ckpt: 102 s with mfsite; its host peak RSS 59 GiB)
+#   <= ~530 s. rollout_b64 282 s. Next: parts -> install -> te1..te5 -> te6 te_build [te_tests] -> recipe_fp8
+#   -> resume_fp8, ~1,050 s.
 # GSM8K recipe (issue 20; kit as configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's header says, under .carry/):
 #   calls 1..8, carry .carry/q/SHA256SUMS + .carry/q/*.part_0K:  bash tools/h200_session.sh gsm_part
 #     (call 1 may add: && PYTHONPATH=$PWD python3 -m pytest -q tests/gpu/test_fast_engine_cuda.py tests/gpu/test_trainer_cuda.py)
