@@ -52,6 +52,7 @@ PIECE_BYTES = 256 << 20
 
 
 def hash_threads() -> int:
+    """Threads hashing a checkpoint's pieces: one a core, at most 16 (beyond, the disk or memory is the limit)."""
     return max(1, min(16, os.cpu_count() or 1))
 
 

@@ -56,10 +56,10 @@ def superseded_path(path: str) -> str:
     return (path[:-len(".jsonl")] if path.endswith(".jsonl") else path) + ".superseded.jsonl"
 
 
-def truncate_jsonl(path: str, keep_upto_step: int) -> int:
-    """Drop lines whose ``step`` is greater than ``keep_upto_step`` (atomic rewrite), after appending
-    them, each with ``"superseded_at"``, to :func:`superseded_path` (fsynced first: a crash between the
-    two writes duplicates rows there, never loses them). Returns how many were dropped."""
+def truncate_jsonl(path: str, keep_upto_step: float) -> int:
+    """Drop lines whose ``step`` is greater than ``keep_upto_step`` (-inf: every line; atomic rewrite),
+    after appending them, each with ``"superseded_at"``, to :func:`superseded_path` (fsynced first: a
+    crash between the two writes duplicates rows there, never loses them). Returns how many went."""
     if not os.path.exists(path):
         return 0
     recs = _read_jsonl(path)

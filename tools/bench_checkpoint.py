@@ -79,7 +79,8 @@ def main(argv=None) -> int:
         say(f"save into {ckpts}")
         with Stopwatch(dev) as w:
             path = checkpoint.save(ckpts, 1, run.trainer, dict(run.state, rl_step=1), keep_last_n=1)
-        res["save_s"] = round(w.seconds, 2)
+        save_s = w.seconds
+        res["save_s"] = round(save_s, 2)
         res["host_peak_rss_gib_after_save"] = _peak_rss_gib()
         res["mem_available_gib_after_save"] = _mem_available_gib()
         res["bytes"] = _bytes(path) if collective.is_main() else None
@@ -89,7 +90,8 @@ def main(argv=None) -> int:
                 why = checkpoint.verify(path)
             if why is not None:
                 raise RuntimeError(f"the checkpoint just written does not verify: {why}")
-            res["verify_s"] = round(w.seconds, 2)
+            verify_s = w.seconds
+            res["verify_s"] = round(verify_s, 2)
         collective.barrier()
         say("load")
         with Stopwatch(dev) as w:
@@ -97,8 +99,8 @@ def main(argv=None) -> int:
         res["load_s"] = round(w.seconds, 2)
         res["host_peak_rss_gib_after_load"] = _peak_rss_gib()
         if res["bytes"]:
-            res["write_gb_s"] = round(res["bytes"] / 1e9 / res["save_s"], 3)
-            res["hash_gb_s"] = round(res["bytes"] / 1e9 / res["verify_s"], 3)
+            res["write_gb_s"] = round(res["bytes"] / 1e9 / save_s, 3)
+            res["hash_gb_s"] = round(res["bytes"] / 1e9 / verify_s, 3)
         if collective.is_main():
             emit(res, dev)
     finally:
