@@ -72,6 +72,19 @@ recipe() {  # $1: seconds allowed, then launcher flags; $KILL_GRACE: seconds fro
   timeout -k "${KILL_GRACE:-30}" "$t" $TORCHRUN launchers/grpo.py --config configs/grpo_h200_colocated.yaml \
     --output_dir "$RUNS" --rollout.engine_env "$(engine_env)" "$@"
 }
+recipe_until() {  # $1: seconds until the run is asked to stop, $2: seconds until it is killed, then launcher flags.
+  # The stop is SIGTERM to torchrun's worker itself: it finishes the step in flight, writes a checkpoint and
+  # exits (megaforge's stop signal). Through torchrun the SIGTERM would reach the worker too, but torchrun's
+  # agent kills its workers 30 s later, too soon for a 24 GB checkpoint.
+  local soft=$1 hard=$2; shift 2
+  KILL_GRACE=5 recipe "$hard" "$@" &
+  local pid=$!
+  ( sleep "$soft"; pkill -TERM -f -- " -u launchers/grpo.py" && echo "[h200_session] stop asked at $soft s" ) &  # the worker: torchrun runs it as python -u
+  local dog=$!
+  wait "$pid"; local rc=$?
+  kill "$dog" 2>/dev/null
+  return $rc
+}
 
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
@@ -125,11 +138,15 @@ for stage in "$@"; do
         --dir /tmp/ckpt-bench > "$OUT/bench_checkpoint.log" 2>&1; echo "exit $?"
       grep "^\[bench\|^{" "$OUT/bench_checkpoint.log" | tail -8
       grep '^{"bench"' "$OUT/bench_checkpoint.log" > "$OUT/bench_checkpoint.json" ;;
-    recipe_fp8)  # 575 s + 15 s grace < the call's 600 s; the checkpoint at step 5 (the config's interval). Its run
-      # folder stays on the disk: in /dev/shm the step-5 save was SIGKILLed, most likely by the OOM killer (2026-12-02)
-      KILL_GRACE=15 recipe 575 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid \
+    recipe_fp8)  # the checkpoint at step 5 (the config's interval), expected ~530 s in. Asked to stop at 440 s (a step
+      # still in flight then finishes and is checkpointed: --resume continues from it), killed at 585 s (< the
+      # call's 600). The run folder stays on the disk: in /dev/shm the step-5 save was SIGKILLed, most likely by
+      # the OOM killer (2026-12-02)
+      df -h /tmp | tail -1; free -g | sed -n 2p
+      recipe_until 440 585 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid \
         > "$OUT/recipe_fp8.log" 2>&1
       echo "exit $?"; grep -v -i warn "$OUT/recipe_fp8.log" | tr "\r" "\n" | grep -v "step/s" | tail -25
+      df -h /tmp | tail -1
       cp "$RUNS/grpo_h200_colocated_fp8/metrics.jsonl" "$OUT/recipe_fp8_metrics.jsonl" ;;
     resume_fp8)
       recipe 450 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid --resume --max_steps 6 \
