@@ -293,6 +293,20 @@ def test_pause_continue_and_abort(engine):
     assert engine.health() and engine._call(c.health_generate())
 
 
+def _wait_for_log(path, offset, text, timeout_s):
+    """Until ``text`` appears in the log at ``path`` after byte ``offset`` (polled every 2 ms)."""
+    deadline = time.monotonic() + timeout_s
+    with open(path, "rb") as f:
+        f.seek(offset)
+        got = b""
+        while time.monotonic() < deadline:
+            got += f.read()
+            if text.encode() in got:
+                return
+            time.sleep(0.002)
+    raise AssertionError(f"{text!r} not in {path} within {timeout_s} s")
+
+
 def test_sigkill_mid_rollout_is_recovered_with_every_prompt_answered_once(engine, trainer):
     from megaforge.sync import push_weights
 
@@ -309,19 +323,26 @@ def test_sigkill_mid_rollout_is_recovered_with_every_prompt_answered_once(engine
             box["err"] = e
 
     th = threading.Thread(target=run)
+    seen = os.path.getsize(proc.log_path)
     t0 = time.perf_counter()
     th.start()
-    time.sleep(1.0)
+    # Killed as soon as the server has prefilled the batch (its log's "Prefill batch" line): after a fixed 1 s
+    # the rollout of the trained weights had already ended at EOS on the H200 (2026-12-03), so nothing was
+    # in flight to recover.
+    _wait_for_log(proc.log_path, seen, "Prefill batch", 120)
     os.killpg(pid, signal.SIGKILL)
+    killed_after = time.perf_counter() - t0
     th.join(900)
     took = time.perf_counter() - t0
     assert "err" not in box, box.get("err")
     out = box["out"]
+    assert engine.health_metrics()["health/engine_restarts"] == 1.0, (
+        f"not restarted: the rollout ended {killed_after:.3f} s in, before the kill "
+        f"({sum(len(c.output_ids) for c in out)} tokens)")
     assert proc.pid != pid and proc.alive()
     assert [c.rid for c in out] == [r.rid for r in reqs]  # every prompt answered, once, in order
     assert all(c.weight_version == 8 for c in out)
-    assert engine.health_metrics()["health/engine_restarts"] == 1.0
     got = _lp_diff(trainer, out)
-    _report("sigkill_recovery", {"seconds": took, "max_abs_after": got[1],
+    _report("sigkill_recovery", {"seconds": took, "killed_after_s": killed_after, "max_abs_after": got[1],
                                  "tokens": sum(len(c.output_ids) for c in out)})
     assert got[1] <= LP_MAX_DIFF  # re-synced to the weights it served (from the snapshot)
