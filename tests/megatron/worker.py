@@ -10,6 +10,8 @@ Scenarios:
 * ``train``: train / SFT steps at one layout, HF weights via iter_hf_buckets, save; reload at a
   second layout, logprobs and weights again, more steps, export_hf.
 * ``reset``: ``reset_optimizer`` after steps against a fresh trainer (the optimizer is built once).
+* ``opt_state``: after RL steps at one layout, the optimizer's fully reshardable sharded state dict as
+  megaforge saves it (no gather at one DP rank) beside megatron's own, entry by entry.
 * ``te_cuda``: the TE layer spec on CUDA in bfloat16 (FP8 where ``fp8`` is set) beside the torch spec:
   HF weights in and out, logprobs, RL steps, save / load, export_hf (tests/gpu/test_megatron_te_cuda.py).
 Results go to OUTDIR/SCENARIO.rank{R}.pt.
@@ -176,6 +178,50 @@ def scenario_reset(spec, res):
     fresh.close()
 
 
+def scenario_opt_state(spec, res):
+    import torch
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from mt_helpers import make_batch, trainer_cfg
+    from megaforge.trainer.megatron import MegatronTrainer
+    from megaforge.trainer.megatron import checkpoint as ck
+
+    tr = MegatronTrainer(trainer_cfg(spec["model"], layout=spec["layout"]))
+    run_steps(tr, make_batch(), ["rl", "rl"])  # Adam's moments away from zero
+    ours = ck._sharded(tr, with_optimizer=True, with_ref=False, loading=False)["optimizer"]
+    md = dict(ck._OPT_METADATA)
+    theirs = tr.optimizer.sharded_state_dict(ck.model_sharded_state_dict(tr.bm, None, md), is_loading=False,
+                                             metadata=md)
+
+    def entries(sd):
+        return {(v.key, v.global_offset): v for v in nested_values(sd) if isinstance(v, ShardedTensor)}
+
+    a, b = entries(ours), entries(theirs)
+    own = set()  # storages of the optimizer's own main params and moments
+    for inner in getattr(tr.optimizer, "chained_optimizers", [tr.optimizer]):
+        for group in inner.optimizer.param_groups:
+            for p in group["params"]:
+                own.add(p.untyped_storage().data_ptr())
+                own.update(t.untyped_storage().data_ptr() for t in inner.optimizer.state[p].values()
+                           if torch.is_tensor(t) and t.dim())
+    diffs = [f"{k}: only in one" for k in set(a) ^ set(b)]
+    for k in set(a) & set(b):
+        x, y = a[k], b[k]
+        for f in ("global_shape", "local_shape", "dtype", "replica_id", "axis_fragmentations"):
+            if getattr(x, f) != getattr(y, f):
+                diffs.append(f"{k}: {f} {getattr(x, f)} != {getattr(y, f)}")
+        if not torch.equal(x.data, y.data):
+            diffs.append(f"{k}: values differ")
+    res["entries"] = len(a)
+    res["optimizer_keys"] = sorted({k[0].split(".")[2] for k in a if k[0].startswith("optimizer.state.")})
+    res["diffs"] = diffs
+    res["ours_own_storage"] = sum(v.data.untyped_storage().data_ptr() in own for v in a.values())
+    res["theirs_own_storage"] = sum(v.data.untyped_storage().data_ptr() in own for v in b.values())
+    res["optimizer_entries"] = sum(k[0].startswith("optimizer.state.") for k in a)
+    tr.close()
+
+
 def scenario_te_cuda(spec, res):
     from mt_helpers import make_batch, trainer_cfg
     from megaforge.trainer.megatron import MegatronTrainer
@@ -225,7 +271,7 @@ def main():
         spec = json.load(f)
     res = {}
     {"logprobs": scenario_logprobs, "train": scenario_train, "critic": scenario_critic,
-     "reset": scenario_reset, "te_cuda": scenario_te_cuda}[scenario](spec, res)
+     "reset": scenario_reset, "opt_state": scenario_opt_state, "te_cuda": scenario_te_cuda}[scenario](spec, res)
     from mt_helpers import save_rank_result
 
     save_rank_result(res, outdir, scenario)
