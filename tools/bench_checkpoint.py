@@ -10,7 +10,9 @@ optimizer state materialised as a fresh run's first checkpoint has it, then, tim
   the manifest's sha256 of every file, in pieces on a thread pool);
 * ``verify_s``: ``checkpoint.verify`` as ``--resume`` runs it (every file read and hashed again; the
   files are likely still in the page cache, as on a resume right after a save);
-* ``load_s``: ``checkpoint.load`` into the same trainer.
+* ``load_s``: ``checkpoint.load`` into the same trainer, in this process: memory the save freed may be
+  reused, so a resume's load in a new process can take longer (CPU, a 2.6 GB Megatron checkpoint:
+  11-13 s in a new process, 5-8 s here).
 
 ``bytes`` is the checkpoint's size on disk, ``write_gb_s`` = bytes / save_s, ``hash_gb_s`` = bytes /
 verify_s; ``host_peak_rss_gib`` is this process's peak resident memory (ru_maxrss) after each phase,

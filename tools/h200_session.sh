@@ -40,8 +40,9 @@
 # 2026-12-03 (code 688b4dc): parts 0.3 s, install 32 s, tests 223 s (1 failed, 22 passed, 2 skipped without TE: the
 #   SIGKILL test's rollout had ended before its fixed 1 s kill; it now kills on the log's "Prefill batch"). Refused
 #   starts cost 90-180 s each and a batch of calls fired into a refusal costs 15 s per call: make the first call of a
-#   sequence alone, then the rest. Next (~1,400 s): parts -> install tests -> te1..te5 -> te6 te_build -> recipe_fp8
-#   -> resume_fp8.
+#   sequence alone, then the rest. At 2cc833c (lean Megatron save): tests 23 passed, 2 skipped in 296 s; bench_ckpt
+#   save 41.4 s, host peak 23.9 GiB (59.2 before). Next (~1,200 s): parts -> install -> te1..te5 -> te6 te_build
+#   te_tests -> recipe_fp8 -> resume_fp8.
 # GSM8K recipe (issue 20; kit as configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's header says, under .carry/):
 #   calls 1..8, carry .carry/q/SHA256SUMS + .carry/q/*.part_0K:  bash tools/h200_session.sh gsm_part
 #     (call 1 may add: && PYTHONPATH=$PWD python3 -m pytest -q tests/gpu/test_fast_engine_cuda.py tests/gpu/test_trainer_cuda.py)
