@@ -213,7 +213,6 @@ def scenario_opt_state(spec, res):
                 diffs.append(f"{k}: {f} {getattr(x, f)} != {getattr(y, f)}")
         if not torch.equal(x.data, y.data):
             diffs.append(f"{k}: values differ")
-    res["entries"] = len(a)
     res["optimizer_keys"] = sorted({k[0].split(".")[2] for k in a if k[0].startswith("optimizer.state.")})
     res["diffs"] = diffs
     res["ours_own_storage"] = sum(v.data.untyped_storage().data_ptr() in own for v in a.values())

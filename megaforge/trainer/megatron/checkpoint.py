@@ -92,26 +92,35 @@ def _fully_reshardable_state_dp1(opt, model_sharded_state_dict):
 
     msd, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
     meta = {sh.data: sh for sh in nested_values(msd)}
-    state, idx = {}, 0
-    for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
-        for _dtype in gbuf_range_maps:
-            for model_param in opt.buffers[gbuf_idx].param_index_map:  # megatron's order
-                sh = meta[model_param]
-                src = opt._get_main_param_and_optimizer_states(model_param)
-                tensors = {}
-                for k in ("param", "exp_avg", "exp_avg_sq"):
-                    ten = src[k].detach()
-                    if ten.numel() != model_param.numel():
-                        return None  # not the whole parameter here: megatron's own path
-                    ten = ten.to(torch.float32).view(sh.data.shape)
-                    kw = dict(key=f"optimizer.state.{k}.{sh.key}", data=ten, dtype=ten.dtype, replica_id=sh.replica_id)
-                    if isinstance(sh, ShardedTensorFactory):
-                        kw.pop("dtype")
-                    tensors[k] = replace(sh, **kw)
-                    tensors[k].validate_metadata_integrity()
-                state[idx] = tensors
-                idx += 1
+    state = {}
+    for buffer in opt.buffers:  # one per gbuf_ranges entry, each of one dtype (megatron asserts it)
+        for model_param in buffer.param_index_map:  # megatron's order, numbered across buffers
+            sh = meta[model_param]
+            src = opt._get_main_param_and_optimizer_states(model_param)
+            tensors = {}
+            for k in ("param", "exp_avg", "exp_avg_sq"):
+                ten = src[k].detach()
+                if ten.numel() != model_param.numel():
+                    return None  # not the whole parameter here: megatron's own path
+                ten = ten.to(torch.float32).view(sh.data.shape)
+                kw = dict(key=f"optimizer.state.{k}.{sh.key}", data=ten, dtype=ten.dtype, replica_id=sh.replica_id)
+                if isinstance(sh, ShardedTensorFactory):
+                    kw.pop("dtype")
+                tensors[k] = replace(sh, **kw)
+                tensors[k].validate_metadata_integrity()
+            state[len(state)] = tensors
     return state
+
+
+@contextlib.contextmanager
+def _patched_method(cls, name: str, wrap):
+    """``cls.name`` replaced by ``wrap(original)`` inside the block, the original restored after."""
+    orig = getattr(cls, name)
+    setattr(cls, name, wrap(orig))
+    try:
+        yield
+    finally:
+        setattr(cls, name, orig)
 
 
 @contextlib.contextmanager
@@ -124,20 +133,17 @@ def _lean_fully_reshardable_save(loading: bool):
         return
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    orig = DistributedOptimizer.sharded_param_state_fully_reshardable
+    def wrap(orig):
+        def lean(self, model_sharded_state_dict, is_loading=False, metadata=None):
+            if not is_loading and self.data_parallel_group.size() == 1:
+                state = _fully_reshardable_state_dp1(self, model_sharded_state_dict)
+                if state is not None:
+                    return state
+            return orig(self, model_sharded_state_dict, is_loading, metadata)
+        return lean
 
-    def lean(self, model_sharded_state_dict, is_loading=False, metadata=None):
-        if not is_loading and self.data_parallel_group.size() == 1:
-            state = _fully_reshardable_state_dp1(self, model_sharded_state_dict)
-            if state is not None:
-                return state
-        return orig(self, model_sharded_state_dict, is_loading, metadata)
-
-    DistributedOptimizer.sharded_param_state_fully_reshardable = lean
-    try:
+    with _patched_method(DistributedOptimizer, "sharded_param_state_fully_reshardable", wrap):
         yield
-    finally:
-        DistributedOptimizer.sharded_param_state_fully_reshardable = orig
 
 
 def _sharded(tr, with_optimizer: bool, with_ref: bool, loading: bool, saved_spec: Optional[str] = None,
@@ -228,22 +234,19 @@ def _step_tolerant_reshardable_load():
     restored."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    orig = DistributedOptimizer._set_main_param_and_optimizer_states
+    def wrap(orig):
+        def patched(self, model_param, tensors):
+            if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+                group_index, group_order = self.model_param_group_index_map[model_param]
+                main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+                st = self.optimizer.state[main_param]
+                if "step" in st:
+                    tensors = dict(tensors, step=st["step"])
+            return orig(self, model_param, tensors)
+        return patched
 
-    def patched(self, model_param, tensors):
-        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            group_index, group_order = self.model_param_group_index_map[model_param]
-            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-            st = self.optimizer.state[main_param]
-            if "step" in st:
-                tensors = dict(tensors, step=st["step"])
-        return orig(self, model_param, tensors)
-
-    DistributedOptimizer._set_main_param_and_optimizer_states = patched
-    try:
+    with _patched_method(DistributedOptimizer, "_set_main_param_and_optimizer_states", wrap):
         yield
-    finally:
-        DistributedOptimizer._set_main_param_and_optimizer_states = orig
 
 
 def _unshare_adam_steps(optimizer) -> None:
