@@ -154,8 +154,10 @@ for stage in "$@"; do
       echo "exit $?"; grep -v -i warn "$OUT/recipe_fp8.log" | tr "\r" "\n" | grep -v "step/s" | tail -25
       df -h /tmp | tail -1
       cp "$RUNS/grpo_h200_colocated_fp8/metrics.jsonl" "$OUT/recipe_fp8_metrics.jsonl" ;;
-    resume_fp8)
-      recipe 450 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid --resume --max_steps 6 \
+    resume_fp8)  # one step past the newest checkpoint the stop wrote (step 5 or 6, depending on the steps' pace)
+      last=$(ls -d "$RUNS"/grpo_h200_colocated_fp8/checkpoints/step_* 2>/dev/null | tail -1 | sed 's/.*step_0*//'); last=${last:-0}
+      echo "[h200_session] newest checkpoint: step $last; resuming to step $((last + 1))"
+      recipe 450 --run_name grpo_h200_colocated_fp8 --trainer.layer_spec te --trainer.fp8 hybrid --resume --max_steps $((last + 1)) \
         --checkpoint.trust_te_pickle true \
         > "$OUT/resume_fp8.log" 2>&1; echo "exit $?"
       grep -v -i warn "$OUT/resume_fp8.log" | tr "\r" "\n" | grep -v "step/s" | tail -14
