@@ -66,6 +66,9 @@ def test_semantic_validation_names_key():
         load_config(["--config", DEMO, "--grpo.temperature", "0"])
     with pytest.raises(ConfigError, match="trainer.sequence_parallel"):
         load_config(["--config", DEMO, "--trainer.sequence_parallel", "true"])
+    with pytest.raises(ConfigError, match="config key 'sync.transport': 'ipc' is for engines in other processes"):
+        load_config(["--config", DEMO, "--sync.transport", "ipc"])  # DEMO's engine is embedded: ipc would be unused
+    assert load_config(["--config", DEMO, "--sync.transport", "inproc"]).sync.transport == "inproc"
 
 
 def test_resolved_config_round_trips(tmp_path):

@@ -187,6 +187,9 @@ class Config:
             not self.trainer.sequence_parallel or self.trainer.tensor_parallel > 1,
             "trainer.sequence_parallel", "needs trainer.tensor_parallel > 1",
         )
+        need(self.sync.transport in ("auto", "inproc") or self.rollout.engine != "embedded", "sync.transport",
+             f"{self.sync.transport!r} is for engines in other processes (sglang, embedded_server); rollout.engine "
+             "'embedded' takes the trainer's weights in its own process: set sync.transport auto (or inproc)")
         need(self.sync.bucket_mb >= 1, "sync.bucket_mb", "must be >= 1")
         need(self.sync.interval >= 1, "sync.interval", "must be >= 1")
         self._validate_loop(need)
