@@ -131,6 +131,20 @@ def tail(path: str, n: int = 40) -> str:
     return "\n".join(lines[-n:])
 
 
+# Start failures whose log line says what to change (the line as SGLang 0.5.16 writes it -> the remedy).
+START_FAILURE_HINTS = (
+    ("Can not import FA3 in sgl_kernel",
+     "this sgl_kernel build has no FlashAttention-3 kernels (SGLang picks FA3 on Hopper by default): add "
+     "--attention-backend triton (and --sampling-backend pytorch without FlashInfer) to rollout.extra_args"),
+)
+
+
+def start_failure_hint(log_tail: str) -> str:
+    """The remedy for a known start failure found in ``log_tail``, as a sentence to append ('' if none)."""
+    hints = [h for line, h in START_FAILURE_HINTS if line in log_tail]
+    return "".join(f"\nhint: {h}" for h in hints)
+
+
 _SPAWNER = None
 _SPAWNER_LOCK = threading.Lock()
 
@@ -241,8 +255,9 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
+                last = tail(self.log_path)
                 raise ServerStartError(f"{self.name} exited with code {self.proc.returncode} before it was ready "
-                                       f"({self.url}); last lines of {self.log_path}:\n{tail(self.log_path)}")
+                                       f"({self.url}); last lines of {self.log_path}:\n{last}{start_failure_hint(last)}")
             if self._ready_once():
                 return
             if time.monotonic() >= deadline:

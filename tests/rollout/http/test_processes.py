@@ -135,6 +135,19 @@ def test_early_exit_reports_exit_code_and_log_tail(tmp_path):
     assert "exited with code 2" in str(e.value) and "no config.json" in str(e.value)
 
 
+def test_known_start_failure_names_the_config_key_to_change(tmp_path):
+    # the last line SGLang 0.5.16 logs on an H200 whose sgl_kernel has no FA3 (the server then exits)
+    from megaforge.rollout.http.processes import ServerProcess, ServerStartError, child_env
+
+    fa3 = "ImportError: Can not import FA3 in sgl_kernel. Please check your installation."
+    cmd = lambda port, fd: [sys.executable, "-c", f"print({fa3!r}, flush=True); raise SystemExit(1)"]
+    s = ServerProcess("engine_0", cmd, str(tmp_path / "engine_0.log"), env=child_env())
+    with pytest.raises(ServerStartError) as e:
+        s.start_ready(timeout_s=60.0)
+    assert fa3 in str(e.value) and "hint:" in str(e.value) and "--attention-backend triton" in str(e.value)
+    assert "rollout.extra_args" in str(e.value)
+
+
 def test_non_loopback_bind_needs_api_key_and_admin_needs_token(tmp_path, tiny_model_dir):
     from megaforge.net import free_port
     from megaforge.rollout.http.processes import ServerProcess, child_env
