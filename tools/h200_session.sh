@@ -189,7 +189,7 @@ for stage in "$@"; do
       grep -v -i warn "$OUT/gsm_train.log" | grep -i "error\|Traceback" | tail -5
       cp $run/metrics.jsonl "$OUT/gsm_metrics.jsonl"; gzip -c $(ls $run/eval/gsm8k_test/step_*.jsonl | head -1) > "$OUT/gsm_eval_first.jsonl.gz"
       gzip -c $(ls $run/eval/gsm8k_test/step_*.jsonl | tail -1) > "$OUT/gsm_eval_last.jsonl.gz"; python3 tools/plot_run.py $run --out "$OUT/gsm_curves.png" > /dev/null 2>&1
-      python3 -c "import json,sys; [print(r['step'], round(r['eval/gsm8k_test/greedy/pass@1'],4)) for r in map(json.loads, open(sys.argv[1])) if 'eval/gsm8k_test/greedy/pass@1' in r]" $run/metrics.jsonl
+      python3 -c "import json,sys; [print(r['step'], 'greedy', round(r['eval/gsm8k_test/greedy/pass@1'],4), 'sampled', round(r.get('eval/gsm8k_test/sampled/pass@1', -1),4)) for r in map(json.loads, open(sys.argv[1])) if 'eval/gsm8k_test/greedy/pass@1' in r]" $run/metrics.jsonl
       tail -c 1500 "$OUT/gsm_train.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
