@@ -123,7 +123,12 @@ def test_relative_model_paths_from_another_directory_name_the_field(tmp_path, mo
     from megaforge.hf import ModelSourceError, hf_config, load_tokenizer
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub read the variable when it was imported: without this the lookup of
+    # 'assets/tiny-tokenizer' as a hub repo goes to the network (70 s of retries on CI's machine)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.chdir(tmp_path)
     cfg = SimpleNamespace(tokenizer="assets/tiny-tokenizer", path=None, trust_remote_code=False)
     with pytest.raises(ModelSourceError) as e:
