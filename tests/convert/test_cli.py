@@ -56,6 +56,7 @@ def test_cli_missing_shard_fails_naming_it_and_leaves_nothing(ckpt, tmp_path):
     assert not out.exists() and not [f for f in os.listdir(tmp_path) if f.startswith(".hf.")]
 
 
+@pytest.mark.slow  # ~12 s; a benchmark (run on the H200: docs/benchmarks); the conversions: tests/convert
 def test_bench_convert_tiny_reports_one_json_line(tmp_path):
     """tools/bench_convert.py --tiny (CPU, Qwen3-MoE, 50 kB buckets) streams the whole model."""
     p = _run("bench_convert.py", "--tiny")

@@ -79,6 +79,7 @@ def test_corrupt_checkpoint_falls_back(tmp_path):
     assert set(before) <= set(os.listdir(run))
 
 
+@pytest.mark.slow  # ~30 s, 3 runs; the pruning that protects the resumed-from checkpoint: tests/test_checkpoint.py; the fallback in a run: test_corrupt_checkpoint_falls_back
 def test_prune_after_fallback_keeps_a_resumable_checkpoint(tmp_path, reference):
     """The newest checkpoint is corrupt; the resumed run falls back, completes and prunes to
     keep_last_n 1: it must keep the checkpoint it resumed from and its own (the old pruning kept

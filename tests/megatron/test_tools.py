@@ -32,6 +32,7 @@ def _check_parity_passes(tiny_models, tmp_path, args: list, ranks: int, tokens: 
     return rep
 
 
+@pytest.mark.slow  # ~27 s; the parity it reports is test_megatron_parity's (default run)
 def test_check_parity_passes_and_fails_above_tol(tiny_models, tmp_path):
     """One rank (the tool's reading of the model, its JSON line, its exit codes); TP=2 + SP: slow test below."""
     rep = _check_parity_passes(tiny_models, tmp_path, ["--seq", "32"], 1, 76)
@@ -51,6 +52,7 @@ def test_check_parity_tp2_sp_passes(tiny_models, tmp_path):
     assert (rep["tp"], rep["sp"]) == (2, True), rep
 
 
+@pytest.mark.slow  # ~14 s; a benchmark (run on the H200: docs/benchmarks); the train step: tests/megatron
 def test_bench_train_tiny_runs_both_steps(tmp_path):
     codes, logs = run_ranks([os.path.join(ROOT, "tools", "bench_train.py"), "--tiny"], 1, tmp_path, "bench")
     assert codes == [0], tails(logs)
@@ -103,6 +105,7 @@ def test_bench_grpo_step_tiny_reports_the_step_beside_its_parts(tmp_path):
     assert 0 <= rep["step"]["overhead"] < 1 and rep["step_vs_parts"] > 0
 
 
+@pytest.mark.slow  # ~17 s; a benchmark (run on the H200: docs/benchmarks); save / verify / load: tests/test_checkpoint.py, tests/megatron
 def test_bench_checkpoint_times_save_verify_load_and_cleans_up(tmp_path):
     """tools/bench_checkpoint.py on the CPU demo's model with the megatron trainer: one JSON line with
     the checkpoint's size and phases, and --dir left without the checkpoint."""

@@ -42,6 +42,7 @@ def test_the_example_config_and_rubric_grade_through_the_engine(judge_dir):
         j.close()
 
 
+@pytest.mark.slow  # ~18 s, the whole example run; the judge in a run: tests/rewards/test_judge.py
 def test_the_cpu_demo_with_a_judge_reward_streamed(judge_dir, tmp_path):
     rubric = os.path.join(EXAMPLE, "rubric.txt")
     rewards = (f"[{{name: math, weight: 0.9}}, {{name: llm_judge, weight: 0.5, judge: {{model: {{path: {judge_dir}}}, "

@@ -451,6 +451,7 @@ def test_bench_tool_runs_on_cpu():
     assert row["ratio"] > 0 and row["fast"]["warmup_s"] > 0
 
 
+@pytest.mark.slow  # ~19 s; the tool on the CPU: test_bench_tool_runs_on_cpu; against real SGLang: docs/benchmarks
 def test_bench_tool_against_a_server_repeats_and_reports_the_median():
     """--sglang with megaforge's embedded server standing in for SGLang (the GPU runs the real one):
     --repeats timed runs per side, every run's tok/s and the median's tokens; --variants picks the
