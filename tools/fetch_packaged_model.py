@@ -203,11 +203,14 @@ def load_gguf(folder: str, fname: str, dtype):
     """(model, tokenizer, special ids) from a GGUF file, dequantised, quantizer dropped."""
     import torch  # noqa: F401
     from gguf import GGUFReader
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    # the config read once and handed on: each read of the GGUF parses all its metadata (~7 s for SmolLM2's
+    # 49k-token vocabulary on this CPU), and the tokenizer and the model would each read it for their config
+    config = AutoConfig.from_pretrained(folder, gguf_file=fname)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname, config=config)
     special = _fix_special_tokens(tok, GGUFReader(os.path.join(folder, fname)))
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, config=config, dtype=dtype).eval()
     model.hf_quantizer = None  # save_pretrained refuses a model with a GGUF quantizer
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
