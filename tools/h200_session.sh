@@ -43,15 +43,17 @@
 #   sequence alone, then the rest. At 2cc833c (lean Megatron save): tests 23 passed, 2 skipped in 296 s; bench_ckpt
 #   save 41.4 s, host peak 23.9 GiB (59.2 before). Next (~1,200 s): parts -> install -> te1..te5 -> te6 te_build
 #   te_tests -> recipe_fp8 -> resume_fp8.
-# GSM8K recipe (issue 20; kit as configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's header says, under .carry/):
-#   calls 1..8, carry .carry/q/SHA256SUMS + .carry/q/*.part_0K:  bash tools/h200_session.sh gsm_part
-#     (call 1 may add: && PYTHONPATH=$PWD python3 -m pytest -q tests/gpu/test_fast_engine_cuda.py tests/gpu/test_trainer_cuda.py)
-#   call 9, carry .carry/q/*.part_08 .carry/data .carry/whl:     GSM_SECONDS=430 bash tools/h200_session.sh gsm_prep gsm_chunk
-#   calls 10..:                                                  GSM_SECONDS=520 bash tools/h200_session.sh gsm_chunk
+# GSM8K recipe (issue 20; kit as configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's header says, under .carry/). The recipe
+# runs on the main path (Megatron + SGLang), so SGLang's calls 1-2 above come first (parts alone), then:
+#   8 calls, carry .carry/q/SHA256SUMS + .carry/q/*.part_0K:    bash tools/h200_session.sh gsm_part
+#   then carry .carry/q/*.part_08 .carry/data .carry/whl:       GSM_SECONDS=430 bash tools/h200_session.sh gsm_prep gsm_chunk
+#   then, each:                                                 GSM_SECONDS=520 bash tools/h200_session.sh gsm_chunk
+#   (GSM_ENGINE=embedded: runs 1-3's embedded engine + torch trainer instead; no SGLang calls needed)
 #   Each call's size first, here: python3 tools/carry_size.py <its carry paths> (the tree counts too: at 3.9 MB
 #   the 62 MB parts of an earlier kit left the last call at 64.0 MiB, over the limit; 55 MB parts leave 59.4).
-#   A part call holds the machine ~6 s, the GPU tests ~110 s, the join + convert ~95 s; every chunk after a
-#   restart spends ~20 s compiling (its first step and first evaluation).
+#   A part call holds the machine ~4 s, the join + convert ~95 s. 2026-12-03 (code 07bab35): a main-path chunk
+#   took 2 min 45 s from its start to SGLang's ready (decode CUDA graphs 68 s of it) and 34 s for the step-0
+#   evaluation with one sample per prompt; the embedded engine's chunks spent ~20 s compiling after a restart.
 # The tools import megaforge from the checkout (PYTHONPATH below). The machine's copy of the tree has no
 # .git, so their JSON lines say "commit": "unknown" unless the call's command names it:
 #   MEGAFORGE_COMMIT=<sha from git rev-parse HEAD here> bash tools/h200_session.sh ...
