@@ -75,10 +75,14 @@ mfsite() {  # megaforge's wheels (.whl: megatron-core, submitit, ...) into their
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsite .whl/*.whl
   export PYTHONPATH=$PWD:/tmp/mfsite
 }
-recipe() {  # $1: seconds allowed, then launcher flags; $KILL_GRACE: seconds from SIGTERM to SIGKILL
+recipe_argv() {  # the recipe's command into $argv (SGLang's environment read now, so after install)
+  argv=($TORCHRUN launchers/grpo.py --config configs/grpo_h200_colocated.yaml --output_dir "$RUNS"
+        --rollout.engine_env "$(engine_env)")
+}
+recipe() {  # $1: seconds allowed (then SIGTERM through torchrun; SIGKILL 30 s later), then launcher flags
   local t=$1; shift
-  timeout -k "${KILL_GRACE:-30}" "$t" $TORCHRUN launchers/grpo.py --config configs/grpo_h200_colocated.yaml \
-    --output_dir "$RUNS" --rollout.engine_env "$(engine_env)" "$@"
+  recipe_argv
+  timeout -k 30 "$t" "${argv[@]}" "$@"
 }
 stop_worker_at() {  # $1: seconds until torchrun's worker is asked to stop, $2: seconds until all is killed, then the command.
   # The stop is SIGTERM to the worker itself: it finishes the step in flight, writes a checkpoint and exits
@@ -95,8 +99,8 @@ stop_worker_at() {  # $1: seconds until torchrun's worker is asked to stop, $2: 
 }
 recipe_until() {  # $1: seconds until the run is asked to stop, $2: seconds until it is killed, then launcher flags
   local soft=$1 hard=$2; shift 2
-  stop_worker_at "$soft" "$hard" $TORCHRUN launchers/grpo.py --config configs/grpo_h200_colocated.yaml \
-    --output_dir "$RUNS" --rollout.engine_env "$(engine_env)" "$@"
+  recipe_argv
+  stop_worker_at "$soft" "$hard" "${argv[@]}" "$@"
 }
 
 for stage in "$@"; do
