@@ -152,20 +152,21 @@ def _sharded(tr, with_optimizer: bool, with_ref: bool, loading: bool, saved_spec
     md = dict(_OPT_METADATA)
     model_sd = model_sharded_state_dict(tr.bm, saved_spec, md)
     sd = {"model": model_sd}
-    if with_optimizer:
-        _ensure_adam_state(tr.optimizer)
+
+    def optimizer_sd(optimizer, model_part: dict) -> dict:
+        _ensure_adam_state(optimizer)
         with _lean_fully_reshardable_save(loading):
-            sd["optimizer"] = tr.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=md)
+            return optimizer.sharded_state_dict(model_part, is_loading=loading, metadata=md)
+
+    if with_optimizer:
+        sd["optimizer"] = optimizer_sd(tr.optimizer, model_sd)
     if with_ref:
         sd["ref"] = tr.ref.sharded_state_dict(prefix="ref.", metadata=md)
     if with_critic:  # the PPO critic (megaforge.trainer.megatron.critic) and its optimizer
         critic_sd = tr.critic.bm.model.sharded_state_dict(prefix="critic.", metadata=md)
         sd["critic"] = critic_sd
         if with_optimizer:
-            _ensure_adam_state(tr.critic.optimizer)
-            with _lean_fully_reshardable_save(loading):
-                sd["critic_optimizer"] = tr.critic.optimizer.sharded_state_dict(critic_sd, is_loading=loading,
-                                                                                metadata=md)
+            sd["critic_optimizer"] = optimizer_sd(tr.critic.optimizer, critic_sd)
     return sd
 
 
