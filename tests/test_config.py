@@ -69,6 +69,8 @@ def test_semantic_validation_names_key():
     with pytest.raises(ConfigError, match="config key 'sync.transport': 'ipc' is for engines in other processes"):
         load_config(["--config", DEMO, "--sync.transport", "ipc"])  # DEMO's engine is embedded: ipc would be unused
     assert load_config(["--config", DEMO, "--sync.transport", "inproc"]).sync.transport == "inproc"
+    with pytest.raises(ConfigError, match="config key 'sync.transport': 'inproc' needs rollout.engine: embedded"):
+        load_config(["--config", DEMO, "--rollout.engine", "embedded_server", "--sync.transport", "inproc"])
 
 
 def test_resolved_config_round_trips(tmp_path):

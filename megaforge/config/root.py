@@ -187,9 +187,14 @@ class Config:
             not self.trainer.sequence_parallel or self.trainer.tensor_parallel > 1,
             "trainer.sequence_parallel", "needs trainer.tensor_parallel > 1",
         )
-        need(self.sync.transport in ("auto", "inproc") or self.rollout.engine != "embedded", "sync.transport",
-             f"{self.sync.transport!r} is for engines in other processes (sglang, embedded_server); rollout.engine "
-             "'embedded' takes the trainer's weights in its own process: set sync.transport auto (or inproc)")
+        if self.rollout.engine == "embedded":  # the transport must fit where the engine runs
+            need(self.sync.transport in ("auto", "inproc"), "sync.transport",
+                 f"{self.sync.transport!r} is for engines in other processes (sglang, embedded_server); rollout.engine "
+                 "'embedded' takes the trainer's weights in its own process: set sync.transport auto (or inproc)")
+        else:
+            need(self.sync.transport != "inproc", "sync.transport",
+                 f"'inproc' needs rollout.engine: embedded (rollout.engine {self.rollout.engine!r} runs in other "
+                 "processes): set sync.transport auto, ipc, shm, disk or nccl")
         need(self.sync.bucket_mb >= 1, "sync.bucket_mb", "must be >= 1")
         need(self.sync.interval >= 1, "sync.interval", "must be >= 1")
         self._validate_loop(need)
