@@ -46,8 +46,13 @@
 # GSM8K recipe (issue 20; kit as configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's header says, under .carry/). The recipe
 # runs on the main path (Megatron + SGLang), so SGLang's calls 1-2 above come first (parts alone), then:
 #   8 calls, carry .carry/q/SHA256SUMS + .carry/q/*.part_0K:    bash tools/h200_session.sh gsm_part
-#   then carry .carry/q/*.part_08 .carry/data .carry/whl:       GSM_SECONDS=430 bash tools/h200_session.sh gsm_prep gsm_chunk
-#   then, each:                                                 GSM_SECONDS=520 bash tools/h200_session.sh gsm_chunk
+#   then carry .carry/q/*.part_08 .carry/data .carry/whl:       bash tools/h200_session.sh gsm_prep gsm_start && sleep 240 \
+#                                                                 && WATCH_SECONDS=200 bash tools/h200_session.sh gsm_watch
+#   then, each right after the last:                            WATCH_SECONDS=545 bash tools/h200_session.sh gsm_watch
+#   (gsm_start's run lives in its own process session: the device keeps it running after the call returns, for as
+#   long as the machine is held, so one run trains across calls with no restart. Run 4, 2026-12-04, code f881733:
+#   parts 0.3 s, install 32 s, parts ~5 s each, gsm_prep 89 s; the run reached step 57 in the 1,762 s used.)
+#   Or in resumable chunks: GSM_SECONDS=430 ... gsm_prep gsm_chunk, then GSM_SECONDS=520 ... gsm_chunk each call
 #   (GSM_ENGINE=embedded: runs 1-3's embedded engine + torch trainer instead; no SGLang calls needed)
 #   Each call's size first, here: python3 tools/carry_size.py <its carry paths> (the tree counts too: at 3.9 MB
 #   the 62 MB parts of an earlier kit left the last call at 64.0 MiB, over the limit; 55 MB parts leave 59.4).
