@@ -76,6 +76,26 @@ def test_a_set_sharing_a_training_prompt_is_refused_naming_set_and_row(tmp_path,
                                "--sft.data", f"{{path: {sft}}}"), tokenizer)
 
 
+def test_a_datasets_split_is_a_set(tmp_path, tokenizer):
+    """eval.sets[].path can be a `datasets` dataset: here a DatasetDict saved to disk, whose ``split``
+    (default ``test``) is read, not its train split; its rows name the dataset and split."""
+    datasets = pytest.importorskip("datasets")
+    train = write(tmp_path / "train.jsonl", [{"prompt": f"Q{i}", "answer": "1"} for i in range(5)])
+    dd = datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"question": ["Q0", "Q1"], "label": ["1", "1"]}),
+        "test": datasets.Dataset.from_dict({"question": ["What is 2 + 2?", "What is 3 + 3?", "What is 4 + 4?"],
+                                            "label": ["4", "6", "8"]})})
+    dd.save_to_disk(str(tmp_path / "dd"))
+    spec = f"{{name: t, path: {tmp_path / 'dd'}, format: hf, input_key: question, label_key: label}}"
+    sets, held = load_eval_sets(cfg_for(train, "--eval.sets", f"[{spec}]", "--eval.interval", "1"), tokenizer)
+    assert [r.label for r in sets[0].rows] == ["4", "6", "8"] and held == frozenset()
+    assert sets[0].rows[1].where.endswith("[test]:row 1")
+    # the train split shares the run's training prompts: asking for it is refused, naming the split's row
+    with pytest.raises(DataError, match=r"eval set 't': row .*dd\[train\]:row 0 has the same prompt"):
+        load_eval_sets(cfg_for(train, "--eval.sets", f"[{spec[:-1]}, split: train}}]", "--eval.interval", "1"),
+                       tokenizer)
+
+
 def test_bad_rows_and_empty_sets_name_the_set(tmp_path, tokenizer):
     train = write(tmp_path / "train.jsonl", [{"prompt": "Q", "answer": "1"}])
     bad = write(tmp_path / "bad.jsonl", [{"prompt": "fine", "answer": "1"}, {"prompt": "no label"}])
