@@ -79,3 +79,12 @@ def run_in_process(mode: str, argv: list[str]) -> tuple[int, str, str]:
         np.random.set_state(states[1])
         torch.set_rng_state(states[2])
     return rc, out.getvalue(), err.getvalue()
+
+
+def completed_in_process(mode: str, argv: list[str]):
+    """:func:`run_in_process` as a ``subprocess.CompletedProcess`` (returncode, stdout, stderr), for
+    tests written against ``subprocess.run`` of a launcher."""
+    import subprocess
+
+    rc, out, err = run_in_process(mode, argv)
+    return subprocess.CompletedProcess([mode, *argv], rc, out, err)
