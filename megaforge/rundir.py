@@ -30,6 +30,8 @@ class RunDirBusy(RunDirError):
 
 
 class RunDirLock:
+    fd = None  # until the lock is taken (a refused lock's __del__ has nothing to release)
+
     def __init__(self, run_dir: str):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, ".lock")

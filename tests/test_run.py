@@ -1,10 +1,13 @@
-"""End-to-end runs of the launcher on tiny settings: run directory, metrics, checkpoints, resume."""
+"""End-to-end runs of the launcher on tiny settings: run directory, metrics, checkpoints, resume.
+Runs whose process the test does not need (the refused second run, the resume, the bfloat16 engine) run
+in the test's (run_helpers.run_in_process: the launcher's main without a new interpreter's imports)."""
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from run_helpers import run_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
@@ -18,6 +21,13 @@ def launch(*args, expect_rc=0, timeout=300):
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == expect_rc, p.stdout[-3000:] + p.stderr[-3000:]
     return p
+
+
+def here(*args, expect_rc=0):
+    """:func:`launch` in this process; (stdout, stderr)."""
+    rc, out, err = run_in_process("grpo", ["--config", DEMO, *TINY, *args])
+    assert rc == expect_rc, out[-3000:] + err[-3000:]
+    return out, err
 
 
 def metrics(run_dir, name="metrics.jsonl"):
@@ -42,12 +52,12 @@ def test_run_dir_metrics_and_resume(tmp_path):
 
     # a second run into the same directory without --resume is refused and changes nothing
     before = open(os.path.join(run, "metrics.jsonl")).read()
-    p = launch("--output_dir", out, "--run_name", "a", "--max_steps", "4", expect_rc=1)
-    assert "already holds a run: pass --resume" in p.stderr
+    _, err = here("--output_dir", out, "--run_name", "a", "--max_steps", "4", expect_rc=1)
+    assert "already holds a run: pass --resume" in err
     assert open(os.path.join(run, "metrics.jsonl")).read() == before
 
     # resume continues from step 4 to 6 with no duplicated step
-    launch("--output_dir", out, "--run_name", "a", "--max_steps", "6", "--resume", "--checkpoint.interval", "2")
+    here("--output_dir", out, "--run_name", "a", "--max_steps", "6", "--resume", "--checkpoint.interval", "2")
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
 
 
@@ -77,8 +87,8 @@ def test_bfloat16_engine_beside_a_float32_autocast_trainer(tmp_path):
     another model's numerics, the PPO ratio's pi_old is the trainer's own (its detached log-probs for
     one update per batch), so the ratio is 1 (up to the mean's float32 rounding over the tokens)."""
     out = str(tmp_path)
-    launch("--output_dir", out, "--run_name", "bf", "--max_steps", "2", "--sft.max_steps", "0",
-           "--rollout.dtype", "bfloat16", "--trainer.autocast", "bfloat16")
+    here("--output_dir", out, "--run_name", "bf", "--max_steps", "2", "--sft.max_steps", "0",
+         "--rollout.dtype", "bfloat16", "--trainer.autocast", "bfloat16")
     rows = metrics(os.path.join(out, "bf"))
     assert len(rows) == 2
     for r in rows:

@@ -12,7 +12,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from run_helpers import lines, stable  # noqa: E402,F401  (re-exported)
+from run_helpers import lines, run_in_process, stable  # noqa: E402,F401  (re-exported)
 
 DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
 TINY = ["--config", DEMO, "--sft.max_steps", "2", "--sft.batch_size", "8", "--rollout.batch_size", "4",
@@ -54,6 +54,13 @@ def launch(out: str, name: str, *extra, timeout: int = 600) -> list[dict]:
            "--run_name", name, *extra]
     p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return lines(os.path.join(out, name, "metrics.jsonl"))
+
+
+def launch_here(out: str, name: str, *extra) -> list[dict]:
+    """:func:`launch` in this process (run_helpers.run_in_process: no new interpreter's imports)."""
+    rc, stdout, stderr = run_in_process("grpo", [*TINY, "--output_dir", out, "--run_name", name, *extra])
+    assert rc == 0, stdout[-3000:] + stderr[-3000:]
     return lines(os.path.join(out, name, "metrics.jsonl"))
 
 

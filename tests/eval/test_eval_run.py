@@ -1,7 +1,8 @@
 """Evaluation inside RL runs of the CPU demo: eval rows at step 0 and every eval.interval steps, the
 per-sample files agreeing with the logged metrics, resume keeping the eval history (nothing lost, nothing
 twice), an off-policy run through the HTTP engine whose training is unchanged by the evaluations between
-its steps, and the same evaluation from the in-process engine."""
+its steps, and the same evaluation from the in-process engine. The runs that need no process of their own
+run in the test's (eval_helpers.launch_here)."""
 import json
 import os
 import shutil
@@ -9,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from eval_helpers import EVAL, ROOT, TINY, env, eval_part, launch, lines, samples, stable, train_part
+from eval_helpers import EVAL, ROOT, TINY, env, eval_part, launch, launch_here, lines, samples, stable, train_part
 
 from megaforge.eval.stats import mean_pass_at_k
 
@@ -39,7 +40,7 @@ def check_against_samples(run_dir: str, step: int, rec: dict) -> None:
 
 def test_eval_rows_samples_and_resume(tmp_path):
     out = str(tmp_path)
-    first = launch(out, "a", "--max_steps", "4", "--checkpoint.interval", "2", "--eval.interval", "2", *EVAL)
+    first = launch_here(out, "a", "--max_steps", "4", "--checkpoint.interval", "2", "--eval.interval", "2", *EVAL)
     run = os.path.join(out, "a")
     assert [r["step"] for r in first] == [0, 1, 2, 3, 4]
     assert set(first[0]) == {"step", "time/eval"} | set(eval_part(first[0]))  # step 0: the evaluation only
@@ -69,14 +70,14 @@ def test_eval_rows_samples_and_resume(tmp_path):
     stopped = lines(stopped_rows)
     assert [r["step"] for r in stopped] == [0, 1, 2] and not eval_part(stopped[2])
     assert stable(stopped[:2]) == stable(first[:2])
-    resumed_b = launch(out, "b", "--max_steps", "4", "--checkpoint.interval", "2", "--eval.interval", "2",
+    resumed_b = launch_here(out, "b", "--max_steps", "4", "--checkpoint.interval", "2", "--eval.interval", "2",
                        "--resume", *EVAL, *stopping)
     assert stable(resumed_b) == stable(first)
     check_against_samples(os.path.join(out, "b"), 2, resumed_b[2])
 
     # lose the step-4 checkpoint: the resume goes back to step 2, redoes 3 and 4 and goes on to 6
     shutil.rmtree(os.path.join(run, "checkpoints", "step_000004"))
-    resumed = launch(out, "a", "--max_steps", "6", "--checkpoint.interval", "2", "--eval.interval", "2", "--resume",
+    resumed = launch_here(out, "a", "--max_steps", "6", "--checkpoint.interval", "2", "--eval.interval", "2", "--resume",
                      *EVAL)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4, 5, 6]
     assert [bool(eval_part(r)) for r in resumed] == [True, False, True, False, True, False, True]

@@ -1,10 +1,9 @@
-"""Bad input gives a clear message and loses nothing already written."""
+"""Bad input gives a clear message and loses nothing already written. The runs run in the test's process
+(run_helpers.run_in_process)."""
 import json
 import os
-import subprocess
-import sys
-
 import pytest
+from run_helpers import completed_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
@@ -12,10 +11,8 @@ TINY = ["--config", DEMO, "--sft.max_steps", "0", "--rollout.batch_size", "2", "
         "--rollout.max_new_tokens", "8", "--metrics.progress", "false"]
 
 
-def launch(out, *extra, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.path.dirname(__file__))
-    return subprocess.run([sys.executable, os.path.join(ROOT, "launchers", "grpo.py"), *TINY, "--output_dir", out,
-                           *extra], env=env, capture_output=True, text=True, timeout=timeout)
+def launch(out, *extra):
+    return completed_in_process("grpo", [*TINY, "--output_dir", out, *extra])
 
 
 def test_nan_loss_steps_skipped_then_stop(tmp_path):

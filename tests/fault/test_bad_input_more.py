@@ -1,12 +1,12 @@
 """Bad input (issue 10, point 4), continued: a prompt + response longer than the model's context and
 an engine GPU that does not exist fail at start-up naming the config keys, before any run directory
-is written; empty responses (an engine's aborted requests) batch and train without touching the loss."""
+is written; empty responses (an engine's aborted requests) batch and train without touching the loss.
+The runs run in the test's process (run_helpers.run_in_process)."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from run_helpers import completed_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
@@ -15,9 +15,7 @@ TINY = ["--config", DEMO, "--sft.max_steps", "2", "--rollout.batch_size", "2", "
 
 
 def launch(out, *extra):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, os.path.join(ROOT, "launchers", "grpo.py"), *TINY, "--output_dir", out,
-                           "--run_name", "r", *extra], env=env, capture_output=True, text=True, timeout=300)
+    return completed_in_process("grpo", [*TINY, "--output_dir", out, "--run_name", "r", *extra])
 
 
 def test_prompt_plus_response_longer_than_context_fails_at_startup(tmp_path):

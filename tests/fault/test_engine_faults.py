@@ -22,11 +22,12 @@ VERSION = 3
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, tmp_path_factory, tokenizer):
     """Two embedded servers; each /generate batch waits 1 s before decoding (--generate-delay), so a
-    test can hit it while it runs. A request unanswered after 10 s means a hung engine."""
+    test can hit it while it runs. A request unanswered after 6 s means a hung engine (an answer takes
+about 1.2 s: the 1 s delay and 12 tokens of a tiny model; the SIGSTOP test waits this long)."""
     from megaforge.rollout import build_engine
 
     cfg = engine_config(tmp_path_factory.mktemp("run"), tiny_model_dir, num_engines=2, max_restarts=2,
-                        request_timeout_s=10.0, health_timeout_s=3.0, extra_args=["--generate-delay", "1.0"])
+                        request_timeout_s=6.0, health_timeout_s=3.0, extra_args=["--generate-delay", "1.0"])
     eng = build_engine(cfg, tokenizer)
     _, named = perturbed_state(tiny_model_dir, seed=VERSION)
     eng.update_weights(buckets_of(named, 3), VERSION)
@@ -130,11 +131,11 @@ def test_sigstopped_engine_times_out_and_is_replaced(engine, reference):
         except ProcessLookupError:
             pass
     assert "err" not in box, box.get("err")
-    assert time.time() - t0 >= 10.0  # found by rollout.request_timeout_s
+    assert time.time() - t0 >= 6.0  # found by rollout.request_timeout_s
     _check_answers(box["out"], reqs, reference)
     assert proc.pid != old_pid and not _alive(old_pid)
     assert engine.health_metrics() == {"health/engine_restarts": 1.0}
-    assert "no answer within 10 s" in open(proc.log_path).read()
+    assert "no answer within 6 s" in open(proc.log_path).read()
 
 
 def test_health_check_between_steps_restores_state(engine, reference):

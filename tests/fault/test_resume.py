@@ -1,12 +1,14 @@
 """Exact resume: a run stopped by SIGTERM (or killed with SIGKILL) anywhere and resumed with --resume
-writes the same metrics.jsonl values as an uninterrupted run; corrupt checkpoints are skipped."""
+writes the same metrics.jsonl values as an uninterrupted run; corrupt checkpoints are skipped.
+The runs that get a signal are processes of their own; the others (the reference, the resumes, the
+corrupt-checkpoint runs) run in this process (run_helpers.run_in_process: no new interpreter's imports)."""
 import os
 import signal
 import subprocess
 import sys
 
 import pytest
-from run_helpers import lines, stable, stop_when
+from run_helpers import lines, run_in_process, stable, stop_when
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
@@ -19,6 +21,13 @@ def cmd(out, name, *extra):
     return [sys.executable, os.path.join(ROOT, "launchers", "grpo.py"), *ARGS, "--output_dir", out, "--run_name", name, *extra]
 
 
+def here(out, name, *extra) -> str:
+    """The run in this process (it must exit 0); its stdout."""
+    rc, stdout, stderr = run_in_process("grpo", [*ARGS, "--output_dir", out, "--run_name", name, *extra])
+    assert rc == 0, stdout[-2000:] + stderr[-2000:]
+    return stdout
+
+
 def env():
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 
@@ -26,7 +35,7 @@ def env():
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ref"))
-    subprocess.run(cmd(out, "r"), env=env(), check=True, capture_output=True, timeout=300)
+    here(out, "r")
     run = os.path.join(out, "r")
     return lines(os.path.join(run, "metrics.jsonl")), lines(os.path.join(run, "sft_metrics.jsonl"))
 
@@ -39,7 +48,7 @@ def test_sigterm_then_resume_matches_uninterrupted(tmp_path, reference, where, n
     rc = stop_when(p, os.path.join(run, where), n, signal.SIGTERM)
     assert rc == 143, p.stderr.read()[-2000:]
     assert "received: stopped after" in p.stderr.read()
-    subprocess.run(cmd(out, "s", "--resume"), env=env(), check=True, capture_output=True, timeout=300)
+    here(out, "s", "--resume")
     rl, sft = reference
     assert stable(lines(os.path.join(run, "metrics.jsonl"))) == stable(rl)
     assert stable(lines(os.path.join(run, "sft_metrics.jsonl"))) == stable(sft)
@@ -51,10 +60,8 @@ def test_sigkill_resumes_from_last_checkpoint(tmp_path, reference):
     p = subprocess.Popen(cmd(out, "k", "--checkpoint.interval", "2"), env=env(), stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True)
     stop_when(p, os.path.join(run, "metrics.jsonl"), 3, signal.SIGKILL)
-    p = subprocess.run(cmd(out, "k", "--resume", "--checkpoint.interval", "2"), env=env(), capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert "resumed from" in p.stdout and "step_000002" in p.stdout
+    stdout = here(out, "k", "--resume", "--checkpoint.interval", "2")  # the killed run's lock is left behind
+    assert "resumed from" in stdout and "step_000002" in stdout
     assert stable(lines(os.path.join(run, "metrics.jsonl"))) == stable(reference[0])
 
 
@@ -62,17 +69,15 @@ def test_corrupt_checkpoint_falls_back(tmp_path):
     out = str(tmp_path)
     run = os.path.join(out, "c")
     short = ["--max_steps", "4", "--checkpoint.interval", "2", "--checkpoint.keep_last_n", "3"]
-    subprocess.run(cmd(out, "c", *short), env=env(), check=True, capture_output=True, timeout=300)
+    here(out, "c", *short)
     ckpts = os.path.join(run, "checkpoints")
     newest = os.path.join(ckpts, "step_000004", "trainer", "trainer.pt")
     with open(newest, "r+b") as f:  # truncate the newest checkpoint's weights
         f.truncate(os.path.getsize(newest) // 2)
     before = os.listdir(run)
-    p = subprocess.run(cmd(out, "c", *short[:1], "6", *short[2:], "--resume"), env=env(), capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert "step_000004 is not usable (trainer/trainer.pt:" in p.stdout
-    assert "resumed from" in p.stdout and "step_000002" in p.stdout
+    stdout = here(out, "c", *short[:1], "6", *short[2:], "--resume")
+    assert "step_000004 is not usable (trainer/trainer.pt:" in stdout
+    assert "resumed from" in stdout and "step_000002" in stdout
     assert [r["step"] for r in lines(os.path.join(run, "metrics.jsonl"))] == [1, 2, 3, 4, 5, 6]
     # the first attempt's steps 3-4, which the resume from step 2 ran again, are kept aside
     assert [r["step"] for r in lines(os.path.join(run, "metrics.superseded.jsonl"))] == [3, 4]

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from run_helpers import lines
+from run_helpers import completed_in_process, lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
@@ -17,7 +17,11 @@ HANGS = ["--rewards.functions", "[{name: 'fault_plugins:hang_on_label'}]", "--re
 
 
 def cmd(out, name, data, *extra):
-    return [sys.executable, os.path.join(ROOT, "launchers", "grpo.py"), "--config", DEMO, "--sft.max_steps", "0",
+    return [sys.executable, os.path.join(ROOT, "launchers", "grpo.py"), *argv(out, name, data, *extra)]
+
+
+def argv(out, name, data, *extra):
+    return ["--config", DEMO, "--sft.max_steps", "0",
             "--rollout.batch_size", "2", "--grpo.n_samples", "2", "--rollout.max_new_tokens", "8",
             "--metrics.progress", "false", "--metrics.tensorboard", "false", "--data.path", str(data),
             "--data.format", "jsonl", "--data.shuffle", "false", "--output_dir", str(out), "--run_name", name, *extra]
@@ -67,9 +71,8 @@ def test_hanging_calls_time_out_per_step_and_sigterm_still_stops_promptly(tmp_pa
 
 def test_reward_failing_on_every_sample_stops_the_run_naming_it(tmp_path):
     data = data_file(tmp_path, ["2"] * 8)
-    p = subprocess.run(cmd(tmp_path, "f", data, "--max_steps", "3", "--rewards.functions",
-                           "[{name: 'fault_plugins:always_raises'}]"), env=env(), capture_output=True, text=True,
-                       timeout=400)
+    p = completed_in_process("grpo", argv(tmp_path, "f", data, "--max_steps", "3", "--rewards.functions",
+                                          "[{name: 'fault_plugins:always_raises'}]"))  # in this process
     assert p.returncode == 1
     assert ("reward 'always_raises' failed on every sample of step 1 (4 calls: 0 not done within "
             "rewards.timeout_s=30 s, 4 raised or returned a non-number); last: reward 'fault_plugins:always_raises' "

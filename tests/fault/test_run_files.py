@@ -1,6 +1,7 @@
 """Runs and their files: non-finite weights never reach a checkpoint, a full disk is named with
 its cause and leaves no partial checkpoint, one run directory has one writer at a time, and a
-worker dies with its torchrun agent."""
+worker dies with its torchrun agent. The runs that need no process of their own run in the test's
+(run_helpers.run_in_process)."""
 import os
 import signal
 import subprocess
@@ -8,7 +9,7 @@ import sys
 import time
 
 import pytest
-from run_helpers import lines
+from run_helpers import completed_in_process, lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
@@ -18,6 +19,11 @@ TINY = ["--config", DEMO, "--sft.max_steps", "0", "--rollout.batch_size", "2", "
 
 def env():
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.path.dirname(__file__))
+
+
+def here(out, name, *extra):
+    """The run in this process (``subprocess.CompletedProcess``)."""
+    return completed_in_process("grpo", [*TINY, "--output_dir", str(out), "--run_name", name, *extra])
 
 
 def cmd(out, name, *extra, torchrun=False):
@@ -30,6 +36,7 @@ def test_non_finite_weights_stop_the_run_and_are_not_written(tmp_path):
     """Weights that hold inf after a step (injected: tests/fault/inf_weights.py): the run stops
     naming the tensor instead of writing it into the checkpoint (trainer.lr .inf used to exit 0
     with 51 non-finite tensors there); .inf itself is a config error now."""
+    # a process of its own: the plug-in patches TorchTrainer.train_step for the life of the process
     p = subprocess.run(cmd(tmp_path, "n", "--max_steps", "1", "--algo.plugins", "[inf_weights]"), env=env(),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 1, p.stderr[-3000:]
@@ -38,7 +45,7 @@ def test_non_finite_weights_stop_the_run_and_are_not_written(tmp_path):
     assert "Traceback" not in p.stderr
     assert os.listdir(tmp_path / "n" / "checkpoints") == []  # no step_, no .tmp-
     assert [r["step"] for r in lines(os.path.join(tmp_path, "n", "metrics.jsonl"))] == [1]  # what was logged stays
-    p = subprocess.run(cmd(tmp_path, "inf", "--trainer.lr", ".inf"), env=env(), capture_output=True, text=True, timeout=120)
+    p = here(tmp_path, "inf", "--trainer.lr", ".inf")
     assert p.returncode == 2 and "config key 'trainer.lr': expected a finite number, got inf" in p.stderr
 
 
@@ -49,7 +56,7 @@ def test_full_disk_names_the_checkpoint_and_the_cause(tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here")
     try:
-        p = subprocess.run(cmd(mnt, "d", "--max_steps", "1"), env=env(), capture_output=True, text=True, timeout=300)
+        p = here(mnt, "d", "--max_steps", "1")
         assert p.returncode == 1, p.stderr[-3000:]
         ckpt = os.path.join(mnt, "d", "checkpoints", "step_000001")
         assert f"megaforge: error: RL step 1: writing checkpoint {ckpt} failed: No space left on device (ENOSPC)" \
@@ -74,8 +81,7 @@ def test_a_second_process_cannot_write_a_run_directory(tmp_path):
                              stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_metrics(str(run / "metrics.jsonl"), first)
-        second = subprocess.run(cmd(tmp_path, "l", "--max_steps", "200", "--resume"), env=env(), capture_output=True,
-                                text=True, timeout=300)
+        second = here(tmp_path, "l", "--max_steps", "200", "--resume")
         assert second.returncode == 1
         assert f"run directory {run} is in use by process {first.pid}@" in second.stderr, second.stderr[-3000:]
         assert first.poll() is None  # the holder was not disturbed (the next test resumes a freed directory)

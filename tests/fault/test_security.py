@@ -15,13 +15,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tests", "rollout"))
 sys.path.insert(0, os.path.join(ROOT, "tests", "rollout", "http"))
-# the admin-endpoint check lives with the server-process tests; collected here too, as the issue lists it
-from test_processes import test_non_loopback_bind_needs_api_key_and_admin_needs_token as \
-    test_admin_endpoint_without_token_on_non_loopback_bind_is_401  # noqa: E402,F401
+# the admin-endpoint check lives with the server-process tests; listed here too, as the issue lists it
+from test_processes import test_non_loopback_bind_needs_api_key_and_admin_needs_token as admin_check  # noqa: E402
 
 DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
 ARGS = ["--config", DEMO, "--sft.max_steps", "0", "--rollout.batch_size", "2", "--grpo.n_samples", "2",
         "--rollout.max_new_tokens", "6", "--metrics.progress", "false", "--metrics.tensorboard", "false"]
+
+
+@pytest.mark.slow  # ~6 s; the very same test runs by default as tests/rollout/http/test_processes.py::test_non_loopback_bind_needs_api_key_and_admin_needs_token
+def test_admin_endpoint_without_token_on_non_loopback_bind_is_401(tmp_path, tiny_model_dir):
+    admin_check(tmp_path, tiny_model_dir)
 
 
 class Evil:

@@ -101,18 +101,40 @@ def test_preempted_job_checkpoints_requeues_and_resumes(tmp_path, env):
     assert sorted(os.listdir(run / "checkpoints"))[-1] == "step_000004"
 
 
-@pytest.mark.parametrize("recipe", ["grpo_gsm8k_qwen3_1.7b.yaml", "gspo_qwen3_30b_a3b.yaml", "sft_llama3.1_8b.yaml",
-                                    "dapo_math_qwen2.5_7b.yaml"])
-def test_recipe_headers_make_their_sbatch_script(recipe):
-    path = os.path.join(ROOT, "configs", recipe)
-    lines = [ln[1:].strip() for ln in open(path) if ln.startswith("#")]
-    cmds = [ln.split() for ln in lines if ln.startswith("python launchers/slurm.py")]
+RECIPES = ["grpo_gsm8k_qwen3_1.7b.yaml", "gspo_qwen3_30b_a3b.yaml", "sft_llama3.1_8b.yaml", "dapo_math_qwen2.5_7b.yaml"]
+
+
+def header_commands(recipe):
+    lines = [ln[1:].strip() for ln in open(os.path.join(ROOT, "configs", recipe)) if ln.startswith("#")]
+    return [ln.split() for ln in lines if ln.startswith("python launchers/slurm.py")]
+
+
+def print_sbatch_here(cmd, monkeypatch, capsys):
+    """``python launchers/slurm.py ... --print_sbatch`` in this process (megaforge.slurm.main, what the
+    launcher runs), from the repo root: its exit code and stdout."""
+    monkeypatch.chdir(ROOT)
+    capsys.readouterr()
+    rc = slurm.main([*cmd[2:], "--print_sbatch"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return out
+
+
+def test_the_launcher_script_prints_the_sbatch_script(monkeypatch, capsys):
+    """launchers/slurm.py as a process: the sbatch script megaforge.slurm.main prints in this process."""
+    cmd = header_commands(RECIPES[0])[0]
+    p = subprocess.run([sys.executable, *cmd[1:], "--print_sbatch"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == print_sbatch_here(cmd, monkeypatch, capsys) and "#SBATCH --nodes=1" in p.stdout
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_headers_make_their_sbatch_script(recipe, monkeypatch, capsys):
+    cmds = header_commands(recipe)
     assert cmds
     for cmd in cmds:
-        p = subprocess.run([sys.executable, *cmd[1:], "--print_sbatch"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-        assert p.returncode == 0, p.stderr
+        text = print_sbatch_here(cmd, monkeypatch, capsys)
         flags = dict(zip(cmd[2::2], cmd[3::2]))
-        text = p.stdout
         assert f"#SBATCH --nodes={flags['--nodes']}" in text and f"#SBATCH --gpus-per-node={flags['--gpus_per_node']}" in text
         assert f"#SBATCH --partition={flags['--partition']}" in text and f"#SBATCH --account={flags['--account']}" in text
         assert f"#SBATCH --time={slurm.time_minutes(flags['--time'])}" in text

@@ -1,11 +1,12 @@
-"""Launcher runs of the CPU demo for the loop tests (tiny settings, one process, CPU)."""
+"""Launcher runs of the CPU demo for the loop tests (tiny settings, one process, CPU): :func:`launch` in the
+test's process (run_helpers.run_in_process), :func:`cmd` for a run that must be a process of its own."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
 
-from run_helpers import lines, stable, stop_when  # noqa: F401  (re-exported to the loop tests)
+from run_helpers import lines, run_in_process, stable, stop_when  # noqa: F401  (re-exported to the loop tests)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
@@ -23,7 +24,8 @@ def cmd(out: str, name: str, *extra) -> list[str]:
             *extra]
 
 
-def launch(out: str, name: str, *extra, timeout: int = 600) -> list[dict]:
-    p = subprocess.run(cmd(out, name, *extra), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+def launch(out: str, name: str, *extra) -> list[dict]:
+    """The run in this process (no new interpreter's imports: ~1.5 s instead of ~7 s); its metrics."""
+    rc, stdout, stderr = run_in_process("grpo", [*TINY, "--output_dir", out, "--run_name", name, *extra])
+    assert rc == 0, stdout[-3000:] + stderr[-3000:]
     return lines(os.path.join(out, name, "metrics.jsonl"))

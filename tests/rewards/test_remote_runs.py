@@ -1,15 +1,14 @@
 """Whole CPU demo runs with a remote reward: the math reward served by python -m
 megaforge.rewards.serve gives the same metrics as the local one on the same seed; a service down for a
 step stops the run naming it; a service failing half its requests is counted and logged by URL; a
-slow service streamed while generation continues shows the overlap in time/reward."""
+slow service streamed while generation continues shows the overlap in time/reward. The runs run in the
+test's process (run_helpers.run_in_process); the services are processes of their own."""
 import os
 import socket
-import subprocess
-import sys
 
 import pytest
 
-from run_helpers import lines, stable
+from run_helpers import completed_in_process, lines, stable
 from service_helpers import ROOT, bad_server, serve
 
 DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
@@ -18,11 +17,8 @@ QUICK = ["--sft.max_steps", "0", "--rollout.batch_size", "4", "--grpo.n_samples"
 
 
 def launch(out, name, *args, ok=True):
-    cmd = [sys.executable, os.path.join(ROOT, "launchers", "grpo.py"), "--config", DEMO, "--metrics.progress", "false",
-           "--metrics.tensorboard", "false", "--metrics.log_samples", "0", "--output_dir", str(out), "--run_name", name,
-           *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false")
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    p = completed_in_process("grpo", ["--config", DEMO, "--metrics.progress", "false", "--metrics.tensorboard", "false",
+                                      "--metrics.log_samples", "0", "--output_dir", str(out), "--run_name", name, *args])
     if ok:
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p, lines(os.path.join(out, name, "metrics.jsonl"))
