@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from eval_helpers import EVAL, ROOT, eval_part, launch, samples
+from eval_helpers import EVAL, ROOT, eval_part, launch, launch_here, samples
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))  # as when run as a script: its folder's common.py
 _spec = importlib.util.spec_from_file_location("megaforge_evaluate_tool", os.path.join(ROOT, "tools", "evaluate.py"))
@@ -31,7 +31,7 @@ def evaluate(capsys, monkeypatch):
 
 def test_checkpoint_evaluation_equals_the_runs_own(tmp_path, evaluate):
     out = str(tmp_path)
-    recs = launch(out, "r", "--max_steps", "2", "--eval.interval", "2", *EVAL)
+    recs = launch_here(out, "r", "--max_steps", "2", "--eval.interval", "2", *EVAL)
     run = os.path.join(out, "r")
     got, _ = evaluate("--model", run, "--k", "4", "--out", str(tmp_path / "s.jsonl"), "--eval.pass_k", "[1, 2, 4]")
     assert got["weights"] == "step_000002" and got["engine"] == "embedded"

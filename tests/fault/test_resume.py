@@ -40,7 +40,9 @@ def reference(tmp_path_factory):
     return lines(os.path.join(run, "metrics.jsonl")), lines(os.path.join(run, "sft_metrics.jsonl"))
 
 
-@pytest.mark.parametrize("where,n", [("metrics.jsonl", 2), ("sft_metrics.jsonl", 3)])
+# in RL (slow, ~10 s): a SIGTERM inside an RL step, its checkpoint and the exact resume are also
+# tests/eval/test_eval_run.py::test_eval_rows_samples_and_resume's (default run); in SFT: here only
+@pytest.mark.parametrize("where,n", [pytest.param("metrics.jsonl", 2, marks=pytest.mark.slow), ("sft_metrics.jsonl", 3)])
 def test_sigterm_then_resume_matches_uninterrupted(tmp_path, reference, where, n):
     out = str(tmp_path)
     run = os.path.join(out, "s")
