@@ -67,6 +67,12 @@ class TrainerConfig:
     """Sequence parallelism (megatron, needs tensor_parallel > 1)."""
     layer_spec: Literal["auto", "te", "torch"] = "auto"
     """Transformer layer implementation (megatron): te (Transformer Engine), torch, or auto."""
+    moe_experts: Literal["auto", "grouped", "sequential"] = "auto"
+    """Mixture-of-experts expert layers (megatron): grouped = one grouped GEMM over a rank's local
+    experts per projection (Transformer Engine's GroupedLinear through megatron's TEGroupedMLP, with
+    TE's fused token permute / unpermute on GPU); sequential = one GEMM per expert (megatron's
+    SequentialMLP: a loop over experts); auto = grouped under layer_spec te, sequential under torch
+    (no grouped kernel without TE). grouped needs layer_spec te. Checkpoints are interchangeable."""
     fp8: Optional[Literal["hybrid", "e4m3"]] = None
     """FP8 training format (megatron + te)."""
     fp8_recipe: str = "delayed"

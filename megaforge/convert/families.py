@@ -193,6 +193,21 @@ def spec_name(name: str, spec: str, moe_layer: bool = False) -> str:
     return name
 
 
+def grouped_expert_name(name: str) -> str:
+    """A SequentialMLP expert parameter's name as megatron's TEGroupedMLP names it: local expert
+    ``k``'s ``mlp.experts.local_experts.{k}.linear_fcN.weight`` is the grouped linear layer's
+    ``mlp.experts.linear_fcN.weight{k}`` (one GroupedLinear per projection holds every local expert;
+    its dist-checkpoint keys are SequentialMLP's, so checkpoints do not change)."""
+    head, sep, tail = name.partition("mlp.experts.local_experts.")
+    if not sep:
+        return name
+    k, _, rest = tail.partition(".")
+    proj, _, what = rest.rpartition(".")
+    if not k.isdigit() or proj not in ("linear_fc1", "linear_fc2") or what not in ("weight", "bias"):
+        raise ValueError(f"{name}: not a SequentialMLP expert parameter (mlp.experts.local_experts.K.linear_fcN.weight)")
+    return f"{head}mlp.experts.{proj}.{what}{k}"
+
+
 #: dist-checkpoint key of a MoE layer's pre-MLP norm under each layer spec: megatron's local spec
 #: maps every layer's norms to TE's fused names (``self_attention.linear_qkv.layer_norm_weight``,
 #: ``mlp.linear_fc1.layer_norm_weight``) so dense checkpoints agree across specs, but the TE spec

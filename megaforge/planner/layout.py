@@ -150,6 +150,9 @@ def check_layout(cfg, shape: ModelShape, hw: Hardware, mode: str) -> tuple[Optio
             err.append(Issue("trainer.tensor_parallel", f"={tp} (expert-TP) does not divide moe_intermediate_size={shape.expert_ffn}"))
         if ep > 1 and tp > 1 and not t.sequence_parallel:
             warn.append("trainer.expert_parallel > 1 with trainer.tensor_parallel > 1: megatron wants trainer.sequence_parallel true")
+        if megatron and t.moe_experts == "grouped" and spec != "te":
+            err.append(Issue("trainer.moe_experts", f"=grouped needs trainer.layer_spec te (Transformer Engine's GroupedLinear); "
+                             f"layer_spec is {spec}: use moe_experts sequential or auto"))
     # ---- the GPUs
     if world % (tp * pp * cp):
         what = "needs more GPUs than" if tp * pp * cp > world else "does not divide"

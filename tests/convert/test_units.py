@@ -96,6 +96,28 @@ def test_checkpoint_key_renames_only_moe_pre_mlp_norm():
     assert families.spec_name("decoder.layers.1.pre_mlp_layernorm.weight", "te") == "decoder.layers.1.mlp.linear_fc1.layer_norm_weight"
 
 
+def test_grouped_expert_names_follow_te_grouped_mlp():
+    """TEGroupedMLP holds local expert k's projections as ``linear_fcN.weight{k}`` of one grouped linear
+    layer; every other name is unchanged; a malformed expert name fails naming it."""
+    g = families.grouped_expert_name
+    assert g("decoder.layers.3.mlp.experts.local_experts.0.linear_fc1.weight") == "decoder.layers.3.mlp.experts.linear_fc1.weight0"
+    assert g("decoder.layers.0.mlp.experts.local_experts.17.linear_fc2.weight") == "decoder.layers.0.mlp.experts.linear_fc2.weight17"
+    for same in ("decoder.layers.3.mlp.router.weight", "decoder.layers.3.mlp.linear_fc1.weight", "output_layer.weight"):
+        assert g(same) == same
+    with pytest.raises(ValueError, match="local_experts.x.linear_fc1.weight: not a SequentialMLP expert"):
+        g("decoder.layers.3.mlp.experts.local_experts.x.linear_fc1.weight")
+
+
+def test_moe_experts_setting_resolves_per_layer_spec():
+    pytest.importorskip("megatron.core")
+    from megaforge.trainer.megatron.model import grouped_experts
+
+    assert grouped_experts("auto", "te") and not grouped_experts("auto", "torch")
+    assert not grouped_experts("sequential", "te") and grouped_experts("grouped", "te")
+    with pytest.raises(ValueError, match="trainer.moe_experts=grouped needs trainer.layer_spec te"):
+        grouped_experts("grouped", "torch")
+
+
 def test_layout_world_sizes():
     assert Layout(2, 2).world() == 4
     assert Layout(2, 2, 2, 1).world() == 4

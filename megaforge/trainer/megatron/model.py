@@ -54,13 +54,28 @@ def resolve_spec(setting: str) -> str:
     return setting
 
 
+def grouped_experts(setting: str, spec: str) -> bool:
+    """``trainer.moe_experts`` resolved: True for one grouped GEMM over the local experts (TE's
+    GroupedLinear), False for megatron's SequentialMLP (a GEMM per expert)."""
+    if setting == "auto":
+        return spec == "te"
+    if setting == "grouped" and spec != "te":
+        raise ValueError("trainer.moe_experts=grouped needs trainer.layer_spec te (Transformer Engine's GroupedLinear); "
+                         "the torch spec runs experts as megatron's SequentialMLP (trainer.moe_experts sequential)")
+    if setting not in ("grouped", "sequential"):
+        raise ValueError(f"trainer.moe_experts={setting!r}; valid: auto, grouped, sequential")
+    return setting == "grouped"
+
+
 def layer_spec(spec: str, desc: ModelDesc, config):
     """Transformer-block submodules for GPTModel: one layer spec per local layer.
 
     ``torch``: megatron-core local layers with megaforge's RMSNorm (sequence parallel capable) and
     SDPA core attention (packed sequences, context parallel). ``te``: megatron's TE spec. MoE layers
-    (``desc.is_moe_layer``) get megatron's MoE layer (TopKRouter + SequentialMLP experts, no grouped
-    GEMM: parameter names ``mlp.router.weight``, ``mlp.experts.local_experts.{e}.linear_fc1/2``).
+    (``desc.is_moe_layer``) get megatron's MoE layer: TopKRouter (``mlp.router.weight``) and either
+    SequentialMLP experts (``mlp.experts.local_experts.{k}.linear_fc1/2.weight``, a GEMM per expert)
+    or, with ``config.moe_grouped_gemm`` (te spec only), TEGroupedMLP (``mlp.experts.linear_fc1/2.weight{k}``:
+    TE's GroupedLinear, one grouped GEMM over the k = 0..E/EP-1 local experts per projection).
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
@@ -69,7 +84,7 @@ def layer_spec(spec: str, desc: ModelDesc, config):
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     def one(moe: bool):
-        kw = dict(num_experts=desc.num_experts, moe_grouped_gemm=False) if moe else {}
+        kw = dict(num_experts=desc.num_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm)) if moe else {}
         if spec == "te":
             return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=desc.qk_norm, **kw)
         ls = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=desc.qk_norm, **kw)
@@ -110,7 +125,7 @@ def _fix_moe_without_te() -> None:
             setattr(moe_utils, n, None)
 
 
-def moe_kwargs(desc: ModelDesc, on_cpu: bool) -> dict:
+def moe_kwargs(desc: ModelDesc, on_cpu: bool, grouped: bool = False) -> dict:
     """TransformerConfig MoE settings equivalent to HF Qwen3-MoE routing.
 
     HF: p = softmax(router logits) over all E experts, top-k of p, divided by their sum when
@@ -121,7 +136,8 @@ def moe_kwargs(desc: ModelDesc, on_cpu: bool) -> dict:
     auxiliary / z loss (RL fine-tuning), no token dropping, router in the model dtype (as HF).
     Token dispatcher: ``alltoall`` (set for every model: megatron rejects its default ``allgather``
     with variable sequence lengths, which the trainer's packed batches need); it runs on CPU / gloo
-    with cpu_compat's stream stand-ins and split-size lists.
+    with cpu_compat's stream stand-ins and split-size lists. ``grouped``: experts as one grouped GEMM
+    (TEGroupedMLP) and, on GPU, TE's fused permute / unpermute of the dispatched tokens.
     """
     if not desc.is_moe:
         return {}
@@ -130,7 +146,8 @@ def moe_kwargs(desc: ModelDesc, on_cpu: bool) -> dict:
         num_moe_experts=desc.num_experts, moe_ffn_hidden_size=desc.moe_ffn, moe_router_topk=desc.topk,
         moe_router_pre_softmax=not desc.norm_topk_prob, moe_router_score_function="softmax",
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
-        moe_layer_freq=[int(m) for m in desc.moe_layers], moe_grouped_gemm=False,
+        moe_layer_freq=[int(m) for m in desc.moe_layers], moe_grouped_gemm=grouped,
+        moe_permute_fusion=grouped and not on_cpu,
     )
 
 
@@ -182,7 +199,7 @@ def transformer_config(desc: ModelDesc, tcfg, dtype: torch.dtype, on_cpu: bool, 
         use_cpu_initialization=on_cpu, perform_initialization=True,  # (also sets the TP attributes)
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
         calculate_per_token_loss=True, deallocate_pipeline_outputs=True,
-        **moe_kwargs(desc, on_cpu), **kw,
+        **moe_kwargs(desc, on_cpu, desc.is_moe and grouped_experts(getattr(tcfg, "moe_experts", "auto"), spec)), **kw,
     )
 
 
@@ -222,6 +239,8 @@ class BuiltModel:
     layer_offset: int
     #: the bucket iterator's row owners (computed once: shapes and placement never change)
     export_plan: Optional[tuple] = None
+    #: MoE experts as TEGroupedMLP (``linear_fc1.weight{k}``) rather than SequentialMLP
+    grouped_experts: bool = False
 
 
 def build_model(desc: ModelDesc, family, config, spec: str, device: torch.device) -> BuiltModel:
@@ -242,7 +261,8 @@ def build_model(desc: ModelDesc, family, config, spec: str, device: torch.device
         **_rope_kwargs(desc),
     )
     model.to(device)
-    return BuiltModel(model, desc, family, desc.dims(padded), spec, get_transformer_layer_offset(config))
+    return BuiltModel(model, desc, family, desc.dims(padded), spec, get_transformer_layer_offset(config),
+                      grouped_experts=bool(desc.is_moe and config.moe_grouped_gemm))
 
 
 def local_name(bm: BuiltModel, pm: ParamMap, ep: int, ep_rank: int):
@@ -261,6 +281,8 @@ def local_name(bm: BuiltModel, pm: ParamMap, ep: int, ep_rank: int):
         if not 0 <= k < n_local:
             return None
         name = name.replace(f"local_experts.{pm.expert}.", f"local_experts.{k}.", 1)
+        if bm.grouped_experts:
+            name = families.grouped_expert_name(name)
     moe_layer = pm.layer is not None and bm.desc.is_moe_layer(pm.layer)
     return families.spec_name(name, bm.spec, moe_layer)
 
