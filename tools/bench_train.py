@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 1 tools/bench_train.py --shape 8l --layer_spec te [--fp8 hybrid]
     torchrun --nproc_per_node 1 tools/bench_train.py --shape 24l --layer_spec torch
+    torchrun --nproc_per_node 1 tools/bench_train.py --shape moe4l --layer_spec te --moe_experts sequential,grouped
     python tools/bench_train.py --tiny            # CPU smoke run of the same code path
 
 Both steps run on the *same* model, optimizer and layout (one MegatronTrainer, random init):
@@ -15,7 +16,14 @@ Both steps run on the *same* model, optimizer and layout (one MegatronTrainer, r
 
 TFLOP/s per GPU = (6 P n + 6 L h sum_d len_d^2) / time / GPUs, forward + backward, with P all
 parameters, n the real tokens of the step and the attention term summed over documents d (a full
-row of ``seq`` tokens gives the usual 6 L s h n; tools/raw_megatron.py). Prints one JSON line (rank 0).
+row of ``seq`` tokens gives the usual 6 L s h n; tools/raw_megatron.py); a mixture of experts counts
+the parameters a token is routed through (k of E experts). Prints one JSON line (rank 0).
+
+Mixture of experts (``moe*`` shapes: Qwen3-30B-A3B's layer, 128 experts top-8, expert FFN 768, hidden
+2048, 32 query / 4 key-value heads of 128, in fewer layers): ``--moe_experts sequential,grouped``
+builds the model once per expert implementation (megatron's SequentialMLP, a GEMM per expert; TE's
+grouped GEMM, TEGroupedMLP) in the same process and reports each beside its raw step, under
+``variants``; the top-level figures are the last variant's.
 """
 from __future__ import annotations
 
@@ -35,13 +43,21 @@ SHAPES = {  # Llama layouts: layers, hidden, ffn, heads, kv heads, seq (tokens a
     "8l": dict(layers=8, hidden=4096, ffn=14336, heads=32, kv=8, seq=4096, vocab=32000, mbs=1),
     "24l": dict(layers=24, hidden=2048, ffn=5632, heads=16, kv=4, seq=4096, vocab=32000, mbs=2),
     "tiny": dict(layers=2, hidden=64, ffn=128, heads=4, kv=2, seq=64, vocab=256, mbs=2),
+    # Qwen3-30B-A3B's per-layer structure in 4 layers (3.0 B parameters, 0.9 B active a token)
+    "moe4l": dict(layers=4, hidden=2048, ffn=6144, heads=32, kv=4, seq=4096, vocab=32000, mbs=1, head_dim=128,
+                  experts=128, topk=8, expert_ffn=768),
+    "tinymoe": dict(layers=2, hidden=64, ffn=128, heads=4, kv=2, seq=64, vocab=256, mbs=2, head_dim=16,
+                    experts=4, topk=2, expert_ffn=32),
 }
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="8l", choices=sorted(SHAPES))
-    p.add_argument("--tiny", action="store_true", help="tiny shape, float32 (CPU smoke run)")
+    p.add_argument("--tiny", action="store_true", help="tiny shape, float32 (CPU smoke run; --shape tinymoe kept)")
+    p.add_argument("--moe_experts", default="auto",
+                   help="MoE shapes: trainer.moe_experts values to run one after another, comma-separated "
+                        "(e.g. sequential,grouped)")
     p.add_argument("--layer_spec", default="auto", choices=["auto", "te", "torch"])
     p.add_argument("--fp8", default=None, choices=["hybrid", "e4m3"])
     p.add_argument("--fp8_recipe", default="delayed")
@@ -63,17 +79,24 @@ def parse_args(argv=None):
                         "time charged to the host work that ran meanwhile (tools/trace_gaps.py)")
     a = p.parse_args(argv)
     if a.tiny:
-        a.shape, a.dtype, a.warmup, a.steps, a.micro_batches = "tiny", "float32", 1, 2, 2
+        a.shape = "tinymoe" if a.shape == "tinymoe" else "tiny"
+        a.dtype, a.warmup, a.steps, a.micro_batches = "float32", 1, 2, 2
     return a
 
 
 def hf_shape(shape: dict):
-    """The transformers LlamaConfig of a SHAPES entry (untied embedding, rope theta 5e5)."""
-    return model_config({
+    """The transformers config of a SHAPES entry (untied embedding, rope theta 5e5): LlamaConfig, or
+    Qwen3MoeConfig (every layer sparse, top-k renormalised) for an entry with ``experts``."""
+    fields = {
         "model_type": "llama", "vocab_size": shape["vocab"], "hidden_size": shape["hidden"],
         "intermediate_size": shape["ffn"], "num_hidden_layers": shape["layers"], "num_attention_heads": shape["heads"],
         "num_key_value_heads": shape["kv"], "max_position_embeddings": shape["seq"], "tie_word_embeddings": False,
-        "rope_theta": 500000.0})
+        "rope_theta": 500000.0}
+    if shape.get("experts"):
+        fields.update(model_type="qwen3_moe", head_dim=shape["head_dim"], num_experts=shape["experts"],
+                      num_experts_per_tok=shape["topk"], moe_intermediate_size=shape["expert_ffn"], norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6)
+    return model_config(fields)
 
 
 def paired_batch(shape: dict, n_micro: int, seed: int = 0):
@@ -173,31 +196,14 @@ def trace_steps(out_dir: str, steps: dict, device) -> None:
             emit({"trace": name, **gaps_report(json.loads(text)["traceEvents"])}, device, file=sys.stderr)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def measure(args, shape: dict, hf, tr) -> dict:
+    """raw megatron-core and megaforge's RL train step on trainer ``tr``: times, TFLOP/s per GPU, their
+    ratio, the allocator's peak; profiles / traces when asked."""
     import torch.distributed as dist
-
-    from megaforge.config import config_from_dict
-    from megaforge.trainer.megatron import MegatronTrainer
-
-    shape = SHAPES[args.shape]
-    hf = hf_shape(shape)
-    tmp = tempfile.mkdtemp(prefix="megaforge-bench-")  # one per rank
-    hf.save_pretrained(tmp)
-    cfg = config_from_dict({
-        "model": {"config": tmp, "dtype": args.dtype},
-        "trainer": {"backend": "megatron", "tensor_parallel": args.tp, "pipeline_parallel": args.pp,
-                    "sequence_parallel": args.sp, "layer_spec": args.layer_spec, "fp8": args.fp8,
-                    "fp8_recipe": args.fp8_recipe, "recompute": args.recompute, "lr": 1e-6,
-                    "micro_batch_size": 2 * shape["mbs"], "grad_clip": 1.0,
-                    "fused_logprobs": {"auto": None, "on": True, "off": False}[args.fused_logprobs]},
-        "max_steps": 0, "seed": 0,
-    })
-    tr = MegatronTrainer(cfg)
-    dev = tr.device
-    n_micro = args.micro_batches
     from megatron.core import parallel_state
 
+    dev = tr.device
+    n_micro = args.micro_batches
     dp = parallel_state.get_data_parallel_world_size()
     batch, _ = paired_batch(shape, n_micro * dp)
     s, b = shape["seq"], shape["mbs"]
@@ -213,15 +219,49 @@ def main(argv=None) -> int:
         profile_steps(args.profile, both, dev)
     if args.trace:
         trace_steps(args.trace, both, dev)
-    if dist.get_rank() == 0:
-        emit({
-            "shape": args.shape, "layer_spec": tr.spec, "fp8": args.fp8, "dtype": args.dtype, "tp": args.tp,
-            "pp": args.pp, "world_size": world, "params": n_params(hf), "tokens_per_step": int(batch.lengths.sum()),
+    return {"layer_spec": tr.spec, "tokens_per_step": int(batch.lengths.sum()),
             "ours_tflops_per_gpu": ours_flops / t_ours / world / 1e12, "raw_tflops_per_gpu": raw_flops / t_raw / world / 1e12,
             "ours_step_s": t_ours, "raw_step_s": t_raw, "ratio": (ours_flops / t_ours) / (raw_flops / t_raw),
-            "peak_mem_gib": peak.gib, "device": device_name(dev),
-        }, dev)
-    tr.close()
+            "peak_mem_gib": peak.gib, "device": device_name(dev)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch.distributed as dist
+
+    from megaforge.config import config_from_dict
+    from megaforge.trainer.megatron import MegatronTrainer
+
+    shape = SHAPES[args.shape]
+    hf = hf_shape(shape)
+    tmp = tempfile.mkdtemp(prefix="megaforge-bench-")  # one per rank
+    hf.save_pretrained(tmp)
+    variants = {}
+    for experts in args.moe_experts.split(","):
+        cfg = config_from_dict({
+            "model": {"config": tmp, "dtype": args.dtype},
+            "trainer": {"backend": "megatron", "tensor_parallel": args.tp, "pipeline_parallel": args.pp,
+                        "sequence_parallel": args.sp, "layer_spec": args.layer_spec, "fp8": args.fp8,
+                        "fp8_recipe": args.fp8_recipe, "recompute": args.recompute, "lr": 1e-6,
+                        "micro_batch_size": 2 * shape["mbs"], "grad_clip": 1.0, "moe_experts": experts,
+                        "fused_logprobs": {"auto": None, "on": True, "off": False}[args.fused_logprobs]},
+            "max_steps": 0, "seed": 0,
+        })
+        tr = MegatronTrainer(cfg)
+        out = measure(args, shape, hf, tr)
+        out["moe_experts"] = ("grouped" if tr.bm.grouped_experts else "sequential") if tr.desc.is_moe else None
+        variants[experts] = out
+        tr.close()
+        del tr
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if dist.get_rank() == 0:
+        line = {"shape": args.shape, "fp8": args.fp8, "dtype": args.dtype, "tp": args.tp, "pp": args.pp,
+                "world_size": dist.get_world_size(), "params": n_params(hf, active=False), "active_params": n_params(hf),
+                **out}
+        if len(variants) > 1:
+            line["variants"] = variants
+        emit(line, torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     dist.destroy_process_group()
     shutil.rmtree(tmp, ignore_errors=True)
     return 0

@@ -1,29 +1,48 @@
 """megatron-core's own pretraining step, the baseline the train benchmarks set megaforge's RL step
 beside (tools/bench_train.py, tools/bench_grpo_step.py), and the FLOP count both are rated by.
 
-FLOPs of a forward + backward = 6 P n + 6 L h sum_d len_d^2, with P all parameters (Llama layout:
-attention, gated MLP, two norms a layer, untied embedding and output layer, final norm), n the real
-tokens and the attention term summed over documents d (a full row of ``seq`` tokens gives the usual
-6 L s h n). Model shapes are transformers configs (``hidden_size``, ``intermediate_size``, ...).
+FLOPs of a forward + backward = 6 P n + 6 L q sum_d len_d^2, with P all parameters (Llama layout:
+attention, gated MLP, two norms a layer, untied embedding and output layer, final norm; a mixture of
+experts counts the k experts a token is routed to, not all E), n the real tokens, q = heads x head_dim
+(the hidden size h for Llama / Qwen2 shapes) and the attention term summed over documents d (a full
+row of ``seq`` tokens gives the usual 6 L s h n). Model shapes are transformers configs (``hidden_size``, ``intermediate_size``, ...).
 """
 from __future__ import annotations
 
 import torch
 
 
-def n_params(hf) -> int:
-    """Parameters of the Llama layout of config ``hf`` (head size hidden / heads)."""
+def _moe_layers(hf) -> list:
+    """Indices of a Qwen-MoE config's sparse layers (none for a dense model)."""
+    if not str(getattr(hf, "model_type", "")).endswith("_moe") or not getattr(hf, "num_experts", 0):
+        return []
+    only, step = set(getattr(hf, "mlp_only_layers", None) or []), int(getattr(hf, "decoder_sparse_step", 1) or 1)
+    return [i for i in range(hf.num_hidden_layers) if i not in only and (i + 1) % step == 0]
+
+
+def n_params(hf, active: bool = True) -> int:
+    """Parameters of the Llama layout of config ``hf`` (head size ``head_dim``, or hidden / heads).
+    Mixture of experts (Qwen-MoE): a sparse layer's MLP is its router (E h) plus k experts of
+    3 h F_e each when ``active`` (what one token's forward multiplies by), all E experts otherwise."""
     h, f, L, V = hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.vocab_size
     heads, kv = hf.num_attention_heads, hf.num_key_value_heads
-    hd = h // heads
+    hd = getattr(hf, "head_dim", None) or h // heads
     attn = h * hd * (heads + 2 * kv) + heads * hd * h
-    return L * (attn + 3 * h * f + 2 * h) + 2 * V * h + h
+    moe = _moe_layers(hf)
+    mlp = (L - len(moe)) * 3 * h * f
+    if moe:
+        k = hf.num_experts_per_tok if active else hf.num_experts
+        mlp += len(moe) * (hf.num_experts * h + k * 3 * h * hf.moe_intermediate_size)
+    return L * (attn + 2 * h) + mlp + 2 * V * h + h
 
 
 def flops(hf, doc_lengths) -> float:
-    """Forward + backward FLOPs of documents of ``doc_lengths`` tokens (formula above)."""
+    """Forward + backward FLOPs of documents of ``doc_lengths`` tokens (formula above, with P the
+    *active* parameters of a mixture of experts and the attention term over the query width
+    heads x head_dim, which is h for Llama / Qwen2 shapes)."""
     n = sum(doc_lengths)
-    return 6.0 * n_params(hf) * n + 6.0 * hf.num_hidden_layers * hf.hidden_size * sum(x * x for x in doc_lengths)
+    qd = hf.num_attention_heads * (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    return 6.0 * n_params(hf) * n + 6.0 * hf.num_hidden_layers * qd * sum(x * x for x in doc_lengths)
 
 
 def raw_microbatches(vocab: int, seq: int, rows: int, n_micro: int, device, seed: int = 1) -> list:

@@ -193,6 +193,27 @@ def spec_name(name: str, spec: str, moe_layer: bool = False) -> str:
     return name
 
 
+def split_fused_experts(state_dict: dict) -> dict:
+    """An in-memory transformers 5 state dict with the per-expert tensors its checkpoints store:
+    ``...mlp.experts.gate_up_proj`` [E, 2 F_e, H] (rows: gate, then up) becomes
+    ``...mlp.experts.{e}.gate_proj.weight`` / ``up_proj.weight`` [F_e, H] and ``...mlp.experts.down_proj``
+    [E, H, F_e] becomes ``...mlp.experts.{e}.down_proj.weight`` [H, F_e], each a view; every other
+    tensor is passed through. (transformers fuses the experts at load time and splits them on save.)"""
+    out = {}
+    for k, v in state_dict.items():
+        if k.endswith("mlp.experts.gate_up_proj") and v.dim() == 3:
+            head, f = k[: -len("gate_up_proj")], v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{head}{e}.gate_proj.weight"], out[f"{head}{e}.up_proj.weight"] = v[e, :f], v[e, f:]
+        elif k.endswith("mlp.experts.down_proj") and v.dim() == 3:
+            head = k[: -len("down_proj")]
+            for e in range(v.shape[0]):
+                out[f"{head}{e}.down_proj.weight"] = v[e]
+        else:
+            out[k] = v
+    return out
+
+
 def grouped_expert_name(name: str) -> str:
     """A SequentialMLP expert parameter's name as megatron's TEGroupedMLP names it: local expert
     ``k``'s ``mlp.experts.local_experts.{k}.linear_fcN.weight`` is the grouped linear layer's

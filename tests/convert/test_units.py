@@ -96,6 +96,26 @@ def test_checkpoint_key_renames_only_moe_pre_mlp_norm():
     assert families.spec_name("decoder.layers.1.pre_mlp_layernorm.weight", "te") == "decoder.layers.1.mlp.linear_fc1.layer_norm_weight"
 
 
+def test_random_init_moe_state_dict_splits_into_the_checkpoint_tensors(tiny_hf):
+    """transformers 5 holds a Qwen3-MoE's experts fused in memory; split_fused_experts gives back the
+    per-expert tensors of its own checkpoint, equal to them (the megatron trainer's random init reads
+    these names)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    path = tiny_hf["qwen3_moe"]
+    fused = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in fused)
+    disk = {}
+    for f in os.listdir(path):
+        if f.endswith(".safetensors"):
+            disk.update(load_file(os.path.join(path, f)))
+    split = families.split_fused_experts(fused)
+    assert sorted(split) == sorted(disk)
+    for k, v in disk.items():
+        assert torch.equal(split[k], v), k
+
+
 def test_grouped_expert_names_follow_te_grouped_mlp():
     """TEGroupedMLP holds local expert k's projections as ``linear_fcN.weight{k}`` of one grouped linear
     layer; every other name is unchanged; a malformed expert name fails naming it."""

@@ -60,6 +60,19 @@ def test_bench_train_tiny_runs_both_steps(tmp_path):
     assert rep["ours_tflops_per_gpu"] > 0 and rep["raw_tflops_per_gpu"] > 0 and rep["tokens_per_step"] == 4 * 64
 
 
+def test_bench_train_tiny_moe_randomly_initialised_runs_each_expert_variant(tmp_path):
+    """A Qwen3-MoE shape from its config alone (random init: transformers holds the experts fused, the
+    converter reads per-expert tensors) trains in both steps; the FLOPs count the k routed experts."""
+    codes, logs = run_ranks([os.path.join(ROOT, "tools", "bench_train.py"), "--tiny", "--shape", "tinymoe",
+                             "--moe_experts", "sequential,auto"], 1, tmp_path, "bench")
+    assert codes == [0], tails(logs)
+    rep = _json_line(logs[0])
+    assert sorted(rep["variants"]) == ["auto", "sequential"] and rep["layer_spec"] == "torch"
+    assert all(v["moe_experts"] == "sequential" and v["ours_tflops_per_gpu"] > 0 for v in rep["variants"].values())
+    # 2 layers of 4 experts top-2, expert FFN 32, hidden 64: 2 of the 4 experts' 3 x 64 x 32 weights are active
+    assert rep["params"] - rep["active_params"] == 2 * 2 * 3 * 64 * 32, rep
+
+
 def test_trace_gaps_charges_idle_gpu_time_to_the_host_work_running_meanwhile():
     import sys
 

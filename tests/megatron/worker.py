@@ -231,6 +231,12 @@ def scenario_te_cuda(spec, res):
     res["torch_lp0"] = ref.compute_logprobs(batch)
     ref.close()
     del ref
+    if spec.get("moe_sequential"):  # MoE: the TE spec's experts as SequentialMLP, beside the grouped GEMM below
+        seq = MegatronTrainer(trainer_cfg(spec["model"], dtype="bfloat16", layer_spec="te", moe_experts="sequential", **kw))
+        res["seq_lp0"] = seq.compute_logprobs(batch)
+        res["seq_names"] = sorted(n for n, _ in seq.bm.model.named_parameters())
+        seq.close()
+        del seq
     cfg = trainer_cfg(spec["model"], dtype="bfloat16", layer_spec=spec.get("layer_spec", "te"), fp8=spec.get("fp8"), **kw)
     tr = MegatronTrainer(cfg)
     res["spec"] = tr.spec

@@ -340,4 +340,4 @@ def hf_source(model_cfg, device: torch.device = torch.device("cpu")) -> tuple[ob
     if model_cfg.path:
         return cfg, HFSource(path=model_cfg.path)
     hf = load_hf_model(model_cfg, device)
-    return cfg, HFSource(state_dict={k: v.detach() for k, v in hf.state_dict().items()})
+    return cfg, HFSource(state_dict=families.split_fused_experts({k: v.detach() for k, v in hf.state_dict().items()}))
