@@ -80,8 +80,8 @@ mfsite() {  # megaforge's wheels (.whl: megatron-core, submitit, ...) into their
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsite .whl/*.whl
   export PYTHONPATH=$PWD:/tmp/mfsite
 }
-recipe_argv() {  # the recipe's command into $argv (SGLang's environment read now, so after install)
-  argv=($TORCHRUN launchers/grpo.py --config configs/grpo_h200_colocated.yaml --output_dir "$RUNS"
+recipe_argv() {  # the recipe's command into $argv (SGLang's environment read now, so after install); RECIPE: its config
+  argv=($TORCHRUN launchers/grpo.py --config "${RECIPE:-configs/grpo_h200_colocated.yaml}" --output_dir "$RUNS"
         --rollout.engine_env "$(engine_env)")
 }
 recipe() {  # $1: seconds allowed (then SIGTERM through torchrun; SIGKILL 30 s later), then launcher flags
@@ -242,6 +242,30 @@ for stage in "$@"; do
       done
       kill -0 "$pid" 2>/dev/null && echo "[h200_session] run still going at $(date +%T)" || echo "[h200_session] run ended"
       gsm_collect ;;
+    moe_bench)  # issue 37 point 2: the MoE train step (Qwen3-30B-A3B's layer, 4 layers) beside raw megatron-core,
+      # SequentialMLP then grouped experts in one process (after install + te_build)
+      timeout -k 20 400 $TORCHRUN tools/bench_train.py --shape moe4l --layer_spec te --moe_experts sequential,grouped \
+        > "$OUT/bench_train_moe.log" 2>&1; echo "exit $?"
+      grep -v -i warn "$OUT/bench_train_moe.log" | grep "^{\|Error\|error" | tail -6
+      grep '^{' "$OUT/bench_train_moe.log" > "$OUT/bench_train_moe.json" ;;
+    moe_tests)  # the MoE GPU tests: SGLang serving the Megatron-trained MoE, and the TE spec's grouped experts
+      MEGAFORGE_GPU_REPORT="$OUT/gpu_moe_tests.json" timeout -k 20 470 python3 -m pytest -q -s -p no:cacheprovider \
+        tests/gpu/test_sglang_moe.py "tests/gpu/test_megatron_te_cuda.py::test_te_spec_weights_logprobs_steps_and_checkpoint[qwen3_moe-None]" \
+        2>&1 | tee "$OUT/gpu_moe_tests.log" | grep -v -i warn | tail -25 ;;
+    moe_recipe)  # issue 37 point 3: the MoE recipe's 5 steps (checkpoint at step 5), asked to stop at MOE_SOFT s
+      df -h /tmp | tail -1; free -g | sed -n 2p
+      RECIPE=configs/grpo_h200_colocated_moe.yaml recipe_until "${MOE_SOFT:-480}" 585 > "$OUT/moe_recipe.log" 2>&1
+      echo "exit $?"; grep -v -i warn "$OUT/moe_recipe.log" | tr "\r" "\n" | grep -v "step/s" | tail -20
+      df -h /tmp | tail -1
+      cp "$RUNS/grpo_h200_colocated_moe/metrics.jsonl" "$OUT/moe_recipe_metrics.jsonl"
+      cp "$RUNS/grpo_h200_colocated_moe/logs/engine_0.log" "$OUT/moe_recipe_engine.log" 2>/dev/null ;;
+    moe_resume)  # one step past the newest checkpoint
+      last=$(ls -d "$RUNS"/grpo_h200_colocated_moe/checkpoints/step_* 2>/dev/null | tail -1 | sed 's/.*step_0*//'); last=${last:-0}
+      echo "[h200_session] newest checkpoint: step $last; resuming to step $((last + 1))"
+      RECIPE=configs/grpo_h200_colocated_moe.yaml recipe 450 --resume --max_steps $((last + 1)) --checkpoint.trust_te_pickle true \
+        > "$OUT/moe_resume.log" 2>&1; echo "exit $?"
+      grep -v -i warn "$OUT/moe_resume.log" | tr "\r" "\n" | grep -v "step/s" | tail -14
+      cp "$RUNS/grpo_h200_colocated_moe/metrics.jsonl" "$OUT/moe_recipe_metrics.jsonl" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
