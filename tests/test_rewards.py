@@ -1,3 +1,4 @@
+import math
 import os
 import signal
 import subprocess
@@ -27,9 +28,25 @@ def test_last_boxed_nested():
     (r"\boxed{\frac{1}{2}}", "0.5", 1.0),  # math-verify equivalence
     (r"\boxed{x+1}", "1+x", 1.0),
     ("no answer", "3", 0.0),
+    (r"\boxed{2^{10}}", "1024", 1.0),
+    (r"\boxed{9^{9^{9}}}", "5", 0.0),  # issue 40: 370 million digits, graded incorrect unevaluated (it froze)
+    (r"\boxed{(10^{6})!}", "5", 0.0),
 ])
 def test_math_reward(response, target, expect):
     assert MathReward()("p", response, target) == expect
+
+
+def test_answers_are_sized_before_they_are_compared():
+    from math_verify import parse
+
+    from megaforge.rewards.verifiers import MAX_ANSWER_DIGITS, answer_digits
+
+    def digits(latex):
+        return answer_digits(parse(f"${latex}$", parsing_timeout=None)[0])
+
+    assert digits("9^{9^{9}}") > 3e8 and digits("1^{9^{9^{9}}}") == float("inf") and digits("(10^{6})!") == 6e6
+    assert abs(digits("2^{1000}") - 1000 * math.log10(2)) < 1e-9  # 2**1000 has 302 digits
+    assert max(digits(a) for a in ("2^{10000}", "e^{-x^{2}}", "\\frac{1}{2}", "\\sqrt{2}", "100!")) < MAX_ANSWER_DIGITS
 
 
 @pytest.mark.parametrize("response,expect", [

@@ -230,11 +230,13 @@ class RewardExecutor:
 
     def __init__(self, build: Callable, specs: Sequence, workers: int, timeout_s: float,
                  plugins: Sequence[str] = (), chunk: int = 32, start_timeout_s: float = 120.0,
-                 levels: Optional[Sequence[str]] = None, spares: bool = True, give_up_after: int = 0):
+                 levels: Optional[Sequence[str]] = None, spares: bool = True, give_up_after: int = 0,
+                 timeout_key: str = "rewards.timeout_s"):
         """``levels``: ``"sample"`` or ``"group"`` per spec (default all sample-level). ``spares``:
         whether stalled calls may start spare workers (off for rewards that hold a model: a
         spare loads another copy). ``give_up_after``: timeouts in a row of one reward after which
-        its queued calls are not run (0: twice the largest pool; see the module docstring)."""
+        its queued calls are not run (0: twice the largest pool; see the module docstring).
+        ``timeout_key``: the setting that ``timeout_s`` came from, named in timeout messages."""
         if timeout_s <= 0 or workers < 1 or chunk < 1:
             raise ValueError(f"RewardExecutor: need timeout_s > 0, workers >= 1, chunk >= 1 "
                              f"(got {timeout_s}, {workers}, {chunk})")
@@ -244,7 +246,7 @@ class RewardExecutor:
         self.levels = list(levels) if levels is not None else ["sample"] * len(specs)
         if len(self.levels) != len(specs) or set(self.levels) - {"sample", "group"}:
             raise ValueError(f"RewardExecutor: levels must be 'sample' or 'group' per spec, got {self.levels}")
-        self.spares = spares
+        self.spares, self.timeout_key = spares, timeout_key
         self.give_up_after = int(give_up_after) or 2 * (2 * self.base if spares else self.base)
         self._late_in_row = [0] * len(specs)  # per reward: calls timed out since its last finished one
         self.batch_sizes: Optional[list[int]] = None  # per spec, reported by the first worker ready
@@ -400,7 +402,7 @@ class RewardExecutor:
     def _expire(self, now: float) -> None:
         """Kill the workers whose running unit passed its deadline; give up on the queued calls of a
         reward that timed out ``give_up_after`` times in a row."""
-        late = RewardOutcome(error=f"no result within rewards.timeout_s={self.timeout_s:g} s of its start",
+        late = RewardOutcome(error=f"no result within {self.timeout_key}={self.timeout_s:g} s of its start",
                              timed_out=True)
         for w in list(self._workers):
             if w.sent and now - w.since >= self.timeout_s:
@@ -410,8 +412,8 @@ class RewardExecutor:
         for fn, n in enumerate(self._late_in_row):
             if n >= self.give_up_after:
                 self._late_in_row[fn] = 0
-                skipped = RewardOutcome(error=f"not run: the last {n} calls of this reward timed out (rewards."
-                                              f"timeout_s={self.timeout_s:g} s) without one finishing", timed_out=True)
+                skipped = RewardOutcome(error=f"not run: the last {n} calls of this reward timed out ({self.timeout_key}="
+                                              f"{self.timeout_s:g} s) without one finishing", timed_out=True)
                 for cid in [cid for cid in self._queue if cid in self._pending and self._pending[cid].fn == fn]:
                     self._decide(cid, skipped)
         self._queue = collections.deque(cid for cid in self._queue if cid in self._pending)

@@ -87,8 +87,15 @@ group_mean_centered.reward_level = "group"
 
 
 def hang_or_length(prompt, response, target):
-    """Hangs for good (as a stuck C call would) on responses with HANG; else the response's length."""
+    """Hangs for good (as a stuck C call would) on responses with HANG, after writing its pid to the
+    file ``target`` when that is a path; else the response's length."""
     if "HANG" in response:
+        if isinstance(target, str) and target.startswith("/"):
+            import os
+
+            with open(target + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.rename(target + ".tmp", target)
         while True:
             time.sleep(3600)
     return float(len(response))
