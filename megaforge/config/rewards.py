@@ -56,9 +56,10 @@ class JudgeConfig:
     verdict: Literal["score", "pass_fail"] = "score"
     """score: the verdict is a number in [score_min, score_max]; pass_fail: PASS or FAIL (1.0 / 0.0)."""
     pattern: str = ""
-    """Regular expression whose first group is the verdict; the last match in the judge's answer
-    counts. Empty: ``Score: N`` (score) or ``Verdict: PASS|FAIL`` (pass_fail), case-insensitive. An
-    answer without a match, or a score out of range, fails that sample (reward/errors, scored 0)."""
+    """Regular expression whose first group is the verdict; the judge's answer must hold exactly one
+    match, on its last non-empty line. Empty: ``Score: N`` (score) or ``Verdict: PASS|FAIL``
+    (pass_fail), case-insensitive. An answer with no match, several, or its match elsewhere, or a
+    score out of range, fails that sample (reward/errors, scored 0)."""
     score_min: float = 0.0
     """Lowest valid score."""
     score_max: float = 10.0
