@@ -59,9 +59,7 @@ seconds): a reward phase that overlaps generation measures its span from these.
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
-import importlib
 import math
 import multiprocessing.connection as mpc
 import os
@@ -75,10 +73,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from megaforge.rewards.proctree import kill_tree
-from megaforge.rewards.values import reward_value
-
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
 
 
 @dataclass(frozen=True)
@@ -101,83 +95,6 @@ class RewardOutcome:
         return self.value is not None
 
 
-def worker_entry() -> None:
-    """A reward worker (``python -c ...`` started by :class:`_Worker`): build the rewards, then
-    answer chunks of calls one result at a time. Its pipes' descriptors are ``argv[1:3]``."""
-    inbox = mpc.Connection(int(sys.argv[1]), writable=False)
-    outbox = mpc.Connection(int(sys.argv[2]), readable=False)
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of its reward stay in its tree (kill_tree)
-    except (OSError, AttributeError):  # not Linux: the trainer's close() still kills its process group
-        pass
-    build, specs, plugins, path, parent = pickle.loads(inbox.recv_bytes())
-    if os.getppid() != parent:  # the trainer died before the line above
-        os._exit(0)
-    sys.path[:] = path
-    try:
-        for name in plugins:
-            importlib.import_module(name)
-        fns = [build(s) for s in specs]
-    except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises it
-        outbox.send(("error", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
-        return
-    outbox.send(("ready", [batch_size(f) for f in fns]))
-    while True:
-        try:
-            chunk = inbox.recv()
-        except (EOFError, OSError):
-            return
-        for mode, fn, calls in chunk:
-            for out in run_unit(fns[fn], mode, calls):
-                outbox.send(out)
-
-
-def batch_size(fn) -> int:
-    """Calls a reward takes at once: its ``batch_size`` when it has ``score_batch``, else 0."""
-    if not callable(getattr(fn, "score_batch", None)):
-        return 0
-    return max(1, int(getattr(fn, "batch_size", 1) or 1))
-
-
-def _failure(e: BaseException) -> tuple[str, bool]:
-    return f"{type(e).__name__}: {e}", isinstance(e, TimeoutError)
-
-
-def run_unit(fn, mode: str, calls: list) -> list[tuple]:
-    """The results ``(cid, value, error, timed_out)`` of one unit of a chunk, in call order.
-    ``mode``: ``one`` (``fn(prompt, response, target)``), ``batch`` (``fn.score_batch`` over the
-    calls) or ``group`` (one call whose response is a list: ``fn`` returns a list as long)."""
-    try:
-        if mode == "batch":
-            values = fn.score_batch([c[1] for c in calls], [c[2] for c in calls], [c[3] for c in calls])
-            if not isinstance(values, (list, tuple)) or len(values) != len(calls):
-                raise ValueError(f"score_batch returned {type(values).__name__} "
-                                 f"{len(values) if hasattr(values, '__len__') else ''} for {len(calls)} calls")
-        elif mode == "group":
-            (cid, prompt, responses, target), = calls
-            got = fn(prompt, responses, target)
-            if not isinstance(got, (list, tuple)) or len(got) != len(responses):
-                raise ValueError(f"a group-level reward must return a list of {len(responses)} numbers (one per "
-                                 f"response), got {type(got).__name__} {len(got) if hasattr(got, '__len__') else ''}")
-            return [(cid, [reward_value(v) for v in got], "", False)]
-        else:
-            values = [fn(c[1], c[2], c[3]) for c in calls]
-    except Exception as e:  # noqa: BLE001 - a user reward may raise anything
-        error, late = _failure(e)
-        return [(c[0], None, error, late) for c in calls]
-    out = []
-    for c, v in zip(calls, values):
-        try:
-            if isinstance(v, BaseException):
-                raise v
-            out.append((c[0], reward_value(v), "", False))
-        except Exception as e:  # noqa: BLE001
-            out.append((c[0], None, *_failure(e)))
-    return out
-
-
 class _Worker:
     """One worker process, started from an argument list (not multiprocessing's spawn, which would
     re-import the trainer's ``__main__``), in a session of its own, with two pipes."""
@@ -187,7 +104,7 @@ class _Worker:
         from_child, to_parent = os.pipe()
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         code = ("import sys; sys.path.insert(0, sys.argv[3]); "
-                "from megaforge.rewards.executor import worker_entry; worker_entry()")
+                "from megaforge.rewards.worker import worker_entry; worker_entry()")
         self.proc = subprocess.Popen([sys.executable, "-c", code, str(from_parent), str(to_parent), root],
                                      pass_fds=(from_parent, to_parent), stdin=subprocess.DEVNULL,
                                      start_new_session=True)
@@ -197,6 +114,7 @@ class _Worker:
         self.conn = mpc.Connection(from_child, writable=False)
         self.out.send_bytes(init)
         self.ready = False
+        self.started = time.monotonic()
         self.sent: collections.deque[int] = collections.deque()  # ids sent, not answered yet
         self.units: collections.deque[int] = collections.deque()  # calls per unit of sent, in order
         self.since = 0.0  # when the unit it is running (units[0] calls at the head of sent) started
@@ -241,6 +159,7 @@ class RewardExecutor:
             raise ValueError(f"RewardExecutor: need timeout_s > 0, workers >= 1, chunk >= 1 "
                              f"(got {timeout_s}, {workers}, {chunk})")
         self._init = pickle.dumps((build, list(specs), list(plugins), list(sys.path), os.getpid()))
+        self.start_timeout_s = float(start_timeout_s)
         self.timeout_s, self.chunk, self.base = float(timeout_s), int(chunk), int(workers)
         self.stall_s = self.timeout_s / 10
         self.levels = list(levels) if levels is not None else ["sample"] * len(specs)
@@ -335,7 +254,8 @@ class RewardExecutor:
                 except Exception as e:  # noqa: BLE001 - e.g. a replacement worker failed to start
                     self._fatal = f"reward executor: {type(e).__name__}: {e}"
                 self._lock.notify_all()
-                deadlines = [w.since + self.timeout_s for w in self._workers if w.sent]
+                deadlines = [w.since + self.timeout_s for w in self._workers if w.sent] + \
+                    [w.started + self.start_timeout_s for w in self._workers if not w.ready]
                 wait_s = max(0.0, min(min(deadlines) - now, self.stall_s / 2)) if deadlines else None
                 conns = {w.conn: w for w in self._workers}
             ready = mpc.wait(list(conns) + [self._wake_r], timeout=wait_s)
@@ -404,6 +324,10 @@ class RewardExecutor:
         reward that timed out ``give_up_after`` times in a row."""
         late = RewardOutcome(error=f"no result within {self.timeout_key}={self.timeout_s:g} s of its start",
                              timed_out=True)
+        for w in self._workers:
+            if not w.ready and now - w.started > self.start_timeout_s:  # queued calls wait on it: no deadline
+                raise RuntimeError(f"a restarted reward worker did not build the rewards within the start-up "
+                                   f"limit ({self.start_timeout_s:g} s)")
         for w in list(self._workers):
             if w.sent and now - w.since >= self.timeout_s:
                 if w.sent[0] in self._pending:
@@ -501,4 +425,8 @@ class RewardExecutor:
                         w.since = time.monotonic()
                     self._decide(cid, RewardOutcome(value=value, error=error, timed_out=timed_out))
         except (EOFError, OSError):
+            if not w.ready:  # queued calls would wait on replacements dying the same way
+                w.kill()
+                raise RuntimeError(f"a restarted reward worker died while building the rewards (exit status "
+                                   f"{w.exitcode})") from None
             self._died(w)

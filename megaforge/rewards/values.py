@@ -23,7 +23,7 @@ def _shown(v: Any) -> str:
 
 def reward_value(v: Any) -> float:
     """``float(v)`` for a valid reward value (see the module docstring); ValueError otherwise."""
-    if isinstance(v, bool) or type(v).__name__ == "bool_" or not isinstance(v, numbers.Real):
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):  # numpy.bool_ is no numbers.Real
         raise ValueError(f"returned {type(v).__name__} {_shown(v)}, not a number (rewards are real numbers: "
                          f"strings and bools are refused)")
     try:

@@ -160,3 +160,17 @@ def test_a_daemon_started_by_a_reward_dies_with_the_pool(tmp_path):
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(pid)
+
+
+def test_a_replacement_worker_that_cannot_start_stops_the_executor_naming_it(tmp_path):
+    """Queued calls have no deadline until they start: a replacement that dies while building the
+    rewards must not leave them waiting on replacements of replacements."""
+    ex = executor(RewardSpec("reward_plugins:CrashOnRebuild", kwargs={"marker": str(tmp_path / "built")}),
+                  timeout_s=0.5, spares=False)
+    try:
+        ids = ex.submit([RewardCall(0, "p", "HANG", "t"), RewardCall(0, "p", "ab", "t")])
+        with pytest.raises(RuntimeError, match=r"a restarted reward worker died while building the rewards "
+                                               r"\(exit status 3\)"):
+            ex.collect(ids)
+    finally:
+        ex.close()
