@@ -226,6 +226,11 @@ class RewardExecutor:
                 pass
         self._wake_r = self._wake_w = -1
 
+    @property
+    def broken(self) -> str:
+        """Why the executor stopped working (a replacement worker could not start), else ``""``."""
+        return self._fatal
+
     # ------------------------------------------------------------------------------- the pump
     def _check(self) -> None:
         if self._fatal:

@@ -15,7 +15,8 @@ Protocol (:mod:`megaforge.rewards.remote`): ``POST /`` with ``{prompt, response,
 ``{"reward": x}`` (HTTP 500 ``{"error": ...}`` when the reward fails on it); with a JSON list of such
 objects it answers a list as long of ``{"reward": x}`` or ``{"error": ...}`` entries (a batched
 reward, e.g. a reward model, scores the list in batches of its ``batch_size``). ``GET /health``
-answers ``{"status": "ok", "reward": <name>}``.
+answers ``{"status": "ok", "reward": <name>}`` (HTTP 503 ``{"status": "broken", "error": ...}`` once
+its workers cannot be replaced, e.g. a reward whose build crashes).
 
 Requests are checked: a body that is not JSON, nested deeper than ``MAX_DEPTH`` (64) levels, not an
 object or a list, over ``--max-batch`` entries, or whose entry lacks a string ``prompt`` /
@@ -150,6 +151,8 @@ def build_app(executor: RewardExecutor, name: str, api_key: str = "", max_body: 
         return web.json_response(answers[0])
 
     async def health(request):
+        if executor.broken:
+            return web.json_response({"status": "broken", "reward": name, "error": executor.broken}, status=503)
         return web.json_response({"status": "ok", "reward": name})
 
     app = web.Application(middlewares=[guard], client_max_size=max_body)

@@ -138,3 +138,29 @@ def test_every_grade_has_a_deadline_health_answers_meanwhile_and_sigterm_stops_i
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=20) == 0
         assert not _alive(second)
+
+
+def test_health_says_broken_once_no_worker_can_be_started(tmp_path):
+    import urllib.error
+    import urllib.request
+
+    marker = str(tmp_path / "built")
+    with serve("--fn", "reward_plugins:CrashOnRebuild", "--kwargs", f"{{marker: {marker}}}", "--plugins",
+               "reward_plugins", "--timeout-s", "1", "--workers", "1") as (url, _):
+        assert post(url, {"prompt": "p", "response": "ab"}) == (200, {"reward": 2.0})
+        status, answer = post(url, {"prompt": "p", "response": "HANG"})  # killed at 1 s; its replacement crashes
+        assert status == 500 and answer["error"] in ("no result within --timeout-s=1 s of its start",
+                                                     "reward executor: RuntimeError: a restarted reward worker died "
+                                                     "while building the rewards (exit status 3)")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(url + "health", timeout=10).close()
+            except urllib.error.HTTPError as e:
+                assert e.code == 503 and json.loads(e.read()) == {
+                    "status": "broken", "reward": "reward_plugins:CrashOnRebuild",
+                    "error": "reward executor: RuntimeError: a restarted reward worker died while building the "
+                             "rewards (exit status 3)"}
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
