@@ -1,3 +1,4 @@
+import math
 import os
 import signal
 import subprocess
@@ -27,9 +28,25 @@ def test_last_boxed_nested():
     (r"\boxed{\frac{1}{2}}", "0.5", 1.0),  # math-verify equivalence
     (r"\boxed{x+1}", "1+x", 1.0),
     ("no answer", "3", 0.0),
+    (r"\boxed{2^{10}}", "1024", 1.0),
+    (r"\boxed{9^{9^{9}}}", "5", 0.0),  # issue 40: 370 million digits, graded incorrect unevaluated (it froze)
+    (r"\boxed{(10^{6})!}", "5", 0.0),
 ])
 def test_math_reward(response, target, expect):
     assert MathReward()("p", response, target) == expect
+
+
+def test_answers_are_sized_before_they_are_compared():
+    from math_verify import parse
+
+    from megaforge.rewards.verifiers import MAX_ANSWER_DIGITS, answer_digits
+
+    def digits(latex):
+        return answer_digits(parse(f"${latex}$", parsing_timeout=None)[0])
+
+    assert digits("9^{9^{9}}") > 3e8 and digits("1^{9^{9^{9}}}") == float("inf") and digits("(10^{6})!") == 6e6
+    assert abs(digits("2^{1000}") - 1000 * math.log10(2)) < 1e-9  # 2**1000 has 302 digits
+    assert max(digits(a) for a in ("2^{10000}", "e^{-x^{2}}", "\\frac{1}{2}", "\\sqrt{2}", "100!")) < MAX_ANSWER_DIGITS
 
 
 @pytest.mark.parametrize("response,expect", [
@@ -121,14 +138,31 @@ def test_hanging_calls_are_killed_and_the_phase_is_bounded():
         m.close()
 
 
-def test_many_hanging_calls_do_not_add_up():
+def test_hanging_calls_do_not_starve_the_healthy_ones_of_their_step():
+    """Issue 40 case 8: with 2 workers (4 with spares) 4 hanging calls held every worker, the other 4
+    calls of the step timed out in the queue and the run stopped. A call's timeout counts from its
+    start: the hung workers are killed and replaced at their deadline and the 4 others are scored."""
     m = RewardManager(RewardsConfig(functions=[RewardSpec("test_rewards:hang_on_marker")], timeout_s=1.0, workers=2))
     try:
+        responses = ["HANG", "HANG", "a", "bb", "HANG", "HANG", "ccc", "dddd"]  # each chunk handed out starts hanging
+        rewards, metrics = m.score(["p"] * 8, responses, ["t"] * 8)
+        assert rewards == [0.0 if r == "HANG" else float(len(r)) for r in responses]
+        assert metrics["reward/timeouts"] == 4
+        m.check_step(1)  # the step goes on
+    finally:
+        m.close()
+
+
+def test_many_hanging_calls_do_not_add_up():
+    """Every call hangs: after 2 x the largest pool (8) timeouts in a row the rest are not run."""
+    m = RewardManager(RewardsConfig(functions=[RewardSpec("test_rewards:hang_on_marker")], timeout_s=0.5, workers=2))
+    try:
         t = time.monotonic()
-        rewards, metrics = m.score(["p"] * 8, ["HANG"] * 8, ["t"] * 8)
-        assert time.monotonic() - t < 3.0 and metrics["reward/timeouts"] == 8 and rewards == [0.0] * 8
-        with pytest.raises(RewardError, match=r"reward 'hang_on_marker' failed on every sample of step 7 \(8 calls: "
-                                              r"8 not done within rewards.timeout_s=1 s"):
+        rewards, metrics = m.score(["p"] * 20, ["HANG"] * 20, ["t"] * 20)
+        assert time.monotonic() - t < 10.0 and metrics["reward/timeouts"] == 20 and rewards == [0.0] * 20
+        assert m.executor.restarts < 20  # not one round per call
+        with pytest.raises(RewardError, match=r"reward 'hang_on_marker' failed on every sample of step 7 \(20 calls: "
+                                              r"20 not done within rewards.timeout_s=0.5 s"):
             m.check_step(7)
         m.start_step()
         m.check_step(8)  # nothing scored since: nothing to report

@@ -56,9 +56,10 @@ class JudgeConfig:
     verdict: Literal["score", "pass_fail"] = "score"
     """score: the verdict is a number in [score_min, score_max]; pass_fail: PASS or FAIL (1.0 / 0.0)."""
     pattern: str = ""
-    """Regular expression whose first group is the verdict; the last match in the judge's answer
-    counts. Empty: ``Score: N`` (score) or ``Verdict: PASS|FAIL`` (pass_fail), case-insensitive. An
-    answer without a match, or a score out of range, fails that sample (reward/errors, scored 0)."""
+    """Regular expression whose first group is the verdict; the judge's answer must hold exactly one
+    match, on its last non-empty line. Empty: ``Score: N`` (score) or ``Verdict: PASS|FAIL``
+    (pass_fail), case-insensitive. An answer with no match, several, or its match elsewhere, or a
+    score out of range, fails that sample (reward/errors, scored 0)."""
     score_min: float = 0.0
     """Lowest valid score."""
     score_max: float = 10.0
@@ -101,8 +102,11 @@ class RewardSpec:
     max_concurrency: int = 8
     """remote: requests in flight at once per reward worker."""
     request_timeout_s: float = 10.0
-    """remote: seconds one request may take; a request still unanswered then fails its samples as
-    timeouts (reward/timeouts). The whole call also stays within rewards.timeout_s."""
+    """remote: seconds one attempt of a request may take, from connecting to the answer's last byte; a
+    request still unanswered then fails its samples as timeouts (reward/timeouts). The whole call
+    also stays within rewards.timeout_s."""
+    max_response_mb: float = 4.0
+    """remote: the largest answer read (MiB); a longer one fails its request unread (reward/errors)."""
     retries: int = 3
     """remote: new attempts after a connection error (refused, reset) or HTTP 502 / 503 / 504."""
     backoff_s: float = 0.5
@@ -118,9 +122,10 @@ class RewardsConfig:
     functions: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("math", 1.0)])
     """Rewards summed (with weights) into each sample's reward."""
     timeout_s: float = 30.0
-    """Seconds a reward call gets from its submission (> 0): a call not done by then scores 0 and counts
-    in ``reward/timeouts``; its worker process is killed and replaced, so a step's reward phase ends
-    within about this long after its last submission however many calls hang."""
+    """Seconds a reward call gets from the moment a worker starts it (> 0; time queued does not count):
+    a call not done by then scores 0 and counts in ``reward/timeouts``; its worker process is killed
+    (with its process tree) and replaced, so calls queued behind hanging ones still run. After 2x the
+    largest pool of one reward's calls timed out in a row, its queued calls of the phase are not run."""
     workers: int = 0
     """Reward worker processes of the shared pool (0: one per CPU core, at most 4)."""
     start_timeout_s: float = 600.0
@@ -140,7 +145,7 @@ def reward_label(spec: RewardSpec) -> str:
 
 
 _REMOTE_KEYS = ("url", "api_key", "api_key_env", "batch_size", "max_concurrency", "request_timeout_s", "retries",
-                "backoff_s")
+                "backoff_s", "max_response_mb")
 
 
 def check_reward_spec(spec: RewardSpec, key: str, need) -> None:
@@ -160,6 +165,7 @@ def check_reward_spec(spec: RewardSpec, key: str, need) -> None:
         need(spec.batch_size >= 0, f"{key}.batch_size", "must be >= 0 (0: one request per sample)")
         need(spec.max_concurrency >= 1, f"{key}.max_concurrency", "must be >= 1")
         need(spec.request_timeout_s > 0, f"{key}.request_timeout_s", "must be > 0")
+        need(spec.max_response_mb > 0, f"{key}.max_response_mb", "must be > 0")
         need(spec.retries >= 0 and spec.backoff_s >= 0, f"{key}.retries", "and backoff_s must be >= 0")
     if spec.name == "reward_model":
         rm = spec.reward_model

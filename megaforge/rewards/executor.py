@@ -12,6 +12,12 @@
   with ``build(spec)`` (a module-level function, e.g. :func:`megaforge.rewards.build_reward`); a
   build error is raised by the constructor as ``ValueError`` with the worker's message. A worker
   runs in a session (process group) of its own and dies with the trainer (``PR_SET_PDEATHSIG``).
+* Process trees: a worker is a child subreaper (``PR_SET_CHILD_SUBREAPER``), so whatever its reward
+  starts stays below it even when it double-forks and calls ``setsid`` (an orphan is re-parented to
+  the worker, not to init). A worker is killed with its whole tree (:func:`kill_tree`: the tree,
+  read from ``/proc``, is stopped with SIGSTOP until no new process appears, then killed with
+  SIGKILL), at a deadline, when it died, and in :meth:`RewardExecutor.close`: nothing a reward
+  started outlives the pool.
 * Dispatch: queued calls go to idle workers in chunks of up to ``chunk`` calls (one message for
   many cheap calls: the math reward takes ~0.1 ms); each result comes back on its own, in order, so
   the call a worker is running is always known. A chunk is a list of *units* run one after the
@@ -23,12 +29,16 @@
 * Group-level rewards (``levels[fn] == "group"``): a call's ``response`` is the list of the
   group's responses, the reward returns one number per response, and the outcome's ``value`` is
   that list (all finite, of the right length, or the call fails).
-* Deadline: a call must finish within ``timeout_s`` of its submission (time in the queue
-  included), so calls submitted together (a step's reward phase) are all decided within about
-  ``timeout_s``, however many hang. At the deadline an unfinished call times out; the worker
-  still running it is killed with its process group and replaced, and the calls of its chunk it
-  had not started go back to the front of the queue (timing out too once their own deadline has
-  passed).
+* Deadline: a call must finish within ``timeout_s`` of the moment a worker starts it (time in the
+  queue does not count: calls queued behind hanging ones are not starved). At the deadline the
+  call times out; the worker running it is killed with its process tree and replaced, and the calls
+  of its chunk it had not started go back to the front of the queue. A phase in which H calls hang
+  lasts about ``ceil(H / pool size) * timeout_s`` (plus the replacements' start-up).
+* Giving up: after ``give_up_after`` calls of one reward in a row timed out (none finished in
+  between; default twice the largest pool, ``2 * 2 * workers`` with spares), the calls of that
+  reward still queued time out at once without running ("not run: ..."), so a reward that hangs on
+  everything costs a phase about two rounds of ``timeout_s``, not one per call. Calls submitted
+  later run again.
 * Stalls: a call running longer than ``timeout_s / 10`` may hang, so the calls of its chunk it has
   not started go to other workers, and while no worker is free a spare one starts (at most twice
   ``workers`` in all): a few hanging calls do not take the rest of the step with them. The first
@@ -40,17 +50,16 @@
   meanwhile; :meth:`collect` only waits.
 * :meth:`close` kills the workers at once: nothing waits on a stuck call at the end of a run.
 
-A reward value must be a finite number (``float(v)``); anything else, or an exception, is an
-error outcome carrying ``"ExcType: message"``; a ``TimeoutError`` (e.g. a service's per-request
+A reward value must be a real finite number within the bound of :mod:`megaforge.rewards.values`
+(strings and bools refused); anything else, or an exception, is an error outcome carrying
+``"ExcType: message"``; a ``TimeoutError`` (e.g. a service's per-request
 timeout) is a timed-out outcome. Every outcome records when it was decided (``at``, monotonic
 seconds): a reward phase that overlaps generation measures its span from these.
 """
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
-import importlib
 import math
 import multiprocessing.connection as mpc
 import os
@@ -63,7 +72,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-PR_SET_PDEATHSIG = 1
+from megaforge.rewards.proctree import kill_tree
 
 
 @dataclass(frozen=True)
@@ -86,88 +95,6 @@ class RewardOutcome:
         return self.value is not None
 
 
-def worker_entry() -> None:
-    """A reward worker (``python -c ...`` started by :class:`_Worker`): build the rewards, then
-    answer chunks of calls one result at a time. Its pipes' descriptors are ``argv[1:3]``."""
-    inbox = mpc.Connection(int(sys.argv[1]), writable=False)
-    outbox = mpc.Connection(int(sys.argv[2]), readable=False)
-    try:
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the trainer's close() still kills it
-        pass
-    build, specs, plugins, path, parent = pickle.loads(inbox.recv_bytes())
-    if os.getppid() != parent:  # the trainer died before the line above
-        os._exit(0)
-    sys.path[:] = path
-    try:
-        for name in plugins:
-            importlib.import_module(name)
-        fns = [build(s) for s in specs]
-    except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises it
-        outbox.send(("error", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
-        return
-    outbox.send(("ready", [batch_size(f) for f in fns]))
-    while True:
-        try:
-            chunk = inbox.recv()
-        except (EOFError, OSError):
-            return
-        for mode, fn, calls in chunk:
-            for out in run_unit(fns[fn], mode, calls):
-                outbox.send(out)
-
-
-def batch_size(fn) -> int:
-    """Calls a reward takes at once: its ``batch_size`` when it has ``score_batch``, else 0."""
-    if not callable(getattr(fn, "score_batch", None)):
-        return 0
-    return max(1, int(getattr(fn, "batch_size", 1) or 1))
-
-
-def _finite(v) -> float:
-    v = float(v)
-    if not math.isfinite(v):
-        raise ValueError(f"returned {v}")
-    return v
-
-
-def _failure(e: BaseException) -> tuple[str, bool]:
-    return f"{type(e).__name__}: {e}", isinstance(e, TimeoutError)
-
-
-def run_unit(fn, mode: str, calls: list) -> list[tuple]:
-    """The results ``(cid, value, error, timed_out)`` of one unit of a chunk, in call order.
-    ``mode``: ``one`` (``fn(prompt, response, target)``), ``batch`` (``fn.score_batch`` over the
-    calls) or ``group`` (one call whose response is a list: ``fn`` returns a list as long)."""
-    try:
-        if mode == "batch":
-            values = fn.score_batch([c[1] for c in calls], [c[2] for c in calls], [c[3] for c in calls])
-            if not isinstance(values, (list, tuple)) or len(values) != len(calls):
-                raise ValueError(f"score_batch returned {type(values).__name__} "
-                                 f"{len(values) if hasattr(values, '__len__') else ''} for {len(calls)} calls")
-        elif mode == "group":
-            (cid, prompt, responses, target), = calls
-            got = fn(prompt, responses, target)
-            if not isinstance(got, (list, tuple)) or len(got) != len(responses):
-                raise ValueError(f"a group-level reward must return a list of {len(responses)} numbers (one per "
-                                 f"response), got {type(got).__name__} {len(got) if hasattr(got, '__len__') else ''}")
-            return [(cid, [_finite(v) for v in got], "", False)]
-        else:
-            values = [fn(c[1], c[2], c[3]) for c in calls]
-    except Exception as e:  # noqa: BLE001 - a user reward may raise anything
-        error, late = _failure(e)
-        return [(c[0], None, error, late) for c in calls]
-    out = []
-    for c, v in zip(calls, values):
-        try:
-            if isinstance(v, BaseException):
-                raise v
-            out.append((c[0], _finite(v), "", False))
-        except Exception as e:  # noqa: BLE001
-            out.append((c[0], None, *_failure(e)))
-    return out
-
-
 class _Worker:
     """One worker process, started from an argument list (not multiprocessing's spawn, which would
     re-import the trainer's ``__main__``), in a session of its own, with two pipes."""
@@ -177,7 +104,7 @@ class _Worker:
         from_child, to_parent = os.pipe()
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         code = ("import sys; sys.path.insert(0, sys.argv[3]); "
-                "from megaforge.rewards.executor import worker_entry; worker_entry()")
+                "from megaforge.rewards.worker import worker_entry; worker_entry()")
         self.proc = subprocess.Popen([sys.executable, "-c", code, str(from_parent), str(to_parent), root],
                                      pass_fds=(from_parent, to_parent), stdin=subprocess.DEVNULL,
                                      start_new_session=True)
@@ -187,7 +114,8 @@ class _Worker:
         self.conn = mpc.Connection(from_child, writable=False)
         self.out.send_bytes(init)
         self.ready = False
-        self.sent: collections.deque[tuple[int, float]] = collections.deque()  # (id, deadline) not answered yet
+        self.started = time.monotonic()
+        self.sent: collections.deque[int] = collections.deque()  # ids sent, not answered yet
         self.units: collections.deque[int] = collections.deque()  # calls per unit of sent, in order
         self.since = 0.0  # when the unit it is running (units[0] calls at the head of sent) started
         self.revoked = False  # the calls of its chunk it has not started were queued again
@@ -195,18 +123,18 @@ class _Worker:
     @property
     def running(self) -> list[int]:
         """The ids of the unit it is running (one call, or a whole batch)."""
-        return [cid for cid, _ in list(self.sent)[:self.units[0] if self.units else 1]]
+        return list(self.sent)[:self.units[0] if self.units else 1]
 
     @property
     def exitcode(self):
         return self.proc.poll()
 
     def kill(self) -> None:
-        for kill in (lambda: os.killpg(self.proc.pid, signal.SIGKILL), self.proc.kill):
-            try:
-                kill()
-            except OSError:  # already gone
-                pass
+        kill_tree(self.proc.pid)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its session too (where /proc cannot be read)
+        except OSError:  # already gone
+            pass
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -220,22 +148,28 @@ class RewardExecutor:
 
     def __init__(self, build: Callable, specs: Sequence, workers: int, timeout_s: float,
                  plugins: Sequence[str] = (), chunk: int = 32, start_timeout_s: float = 120.0,
-                 levels: Optional[Sequence[str]] = None, spares: bool = True):
+                 levels: Optional[Sequence[str]] = None, spares: bool = True, give_up_after: int = 0,
+                 timeout_key: str = "rewards.timeout_s"):
         """``levels``: ``"sample"`` or ``"group"`` per spec (default all sample-level). ``spares``:
         whether stalled calls may start spare workers (off for rewards that hold a model: a
-        spare loads another copy)."""
+        spare loads another copy). ``give_up_after``: timeouts in a row of one reward after which
+        its queued calls are not run (0: twice the largest pool; see the module docstring).
+        ``timeout_key``: the setting that ``timeout_s`` came from, named in timeout messages."""
         if timeout_s <= 0 or workers < 1 or chunk < 1:
             raise ValueError(f"RewardExecutor: need timeout_s > 0, workers >= 1, chunk >= 1 "
                              f"(got {timeout_s}, {workers}, {chunk})")
         self._init = pickle.dumps((build, list(specs), list(plugins), list(sys.path), os.getpid()))
+        self.start_timeout_s = float(start_timeout_s)
         self.timeout_s, self.chunk, self.base = float(timeout_s), int(chunk), int(workers)
         self.stall_s = self.timeout_s / 10
         self.levels = list(levels) if levels is not None else ["sample"] * len(specs)
         if len(self.levels) != len(specs) or set(self.levels) - {"sample", "group"}:
             raise ValueError(f"RewardExecutor: levels must be 'sample' or 'group' per spec, got {self.levels}")
-        self.spares = spares
+        self.spares, self.timeout_key = spares, timeout_key
+        self.give_up_after = int(give_up_after) or 2 * (2 * self.base if spares else self.base)
+        self._late_in_row = [0] * len(specs)  # per reward: calls timed out since its last finished one
         self.batch_sizes: Optional[list[int]] = None  # per spec, reported by the first worker ready
-        self._pending: dict[int, tuple[RewardCall, float]] = {}  # id -> (call, deadline), not decided
+        self._pending: dict[int, RewardCall] = {}  # id -> call, not decided
         self._queue: collections.deque[int] = collections.deque()
         self._done: dict[int, RewardOutcome] = {}
         self._next_id = 0
@@ -255,21 +189,20 @@ class RewardExecutor:
 
     # -------------------------------------------------------------------------------- public
     def submit(self, calls: Sequence[RewardCall]) -> list[int]:
-        """Queue ``calls`` (each must finish within ``timeout_s`` from now); returns their ids. They
+        """Queue ``calls`` (each must finish within ``timeout_s`` of its start); returns their ids. They
         are dispatched, and their results read, by the executor's thread while the caller goes on."""
         with self._lock:
             self._check()
-            deadline = time.monotonic() + self.timeout_s
             ids = list(range(self._next_id, self._next_id + len(calls)))
             self._next_id += len(calls)
             for i, c in zip(ids, calls):
-                self._pending[i] = (c, deadline)
+                self._pending[i] = c
                 self._queue.append(i)
         self._wake()
         return ids
 
     def collect(self, ids: Sequence[int]) -> list[RewardOutcome]:
-        """Wait until every call of ``ids`` is decided (at the latest at its deadline)."""
+        """Wait until every call of ``ids`` is decided (a started call at the latest at its deadline)."""
         with self._lock:
             while True:
                 self._check()
@@ -292,6 +225,11 @@ class RewardExecutor:
             except OSError:
                 pass
         self._wake_r = self._wake_w = -1
+
+    @property
+    def broken(self) -> str:
+        """Why the executor stopped working (a replacement worker could not start), else ``""``."""
+        return self._fatal
 
     # ------------------------------------------------------------------------------- the pump
     def _check(self) -> None:
@@ -321,7 +259,8 @@ class RewardExecutor:
                 except Exception as e:  # noqa: BLE001 - e.g. a replacement worker failed to start
                     self._fatal = f"reward executor: {type(e).__name__}: {e}"
                 self._lock.notify_all()
-                deadlines = [d for _, d in self._pending.values()]
+                deadlines = [w.since + self.timeout_s for w in self._workers if w.sent] + \
+                    [w.started + self.start_timeout_s for w in self._workers if not w.ready]
                 wait_s = max(0.0, min(min(deadlines) - now, self.stall_s / 2)) if deadlines else None
                 conns = {w.conn: w for w in self._workers}
             ready = mpc.wait(list(conns) + [self._wake_r], timeout=wait_s)
@@ -369,7 +308,7 @@ class RewardExecutor:
     def _requeue_unstarted(self, w: _Worker) -> None:
         if not w.revoked:
             started = len(w.running)
-            self._queue.extendleft(reversed([cid for cid, _ in list(w.sent)[started:] if cid in self._pending]))
+            self._queue.extendleft(reversed([cid for cid in list(w.sent)[started:] if cid in self._pending]))
             w.revoked = True
 
     def _retire(self, w: _Worker, running: RewardOutcome) -> None:
@@ -386,19 +325,27 @@ class RewardExecutor:
         self.restarts += 1
 
     def _expire(self, now: float) -> None:
-        late = RewardOutcome(error=f"no result within rewards.timeout_s={self.timeout_s:g} s", timed_out=True)
+        """Kill the workers whose running unit passed its deadline; give up on the queued calls of a
+        reward that timed out ``give_up_after`` times in a row."""
+        late = RewardOutcome(error=f"no result within {self.timeout_key}={self.timeout_s:g} s of its start",
+                             timed_out=True)
+        for w in self._workers:
+            if not w.ready and now - w.started > self.start_timeout_s:  # queued calls wait on it: no deadline
+                raise RuntimeError(f"a restarted reward worker did not build the rewards within the start-up "
+                                   f"limit ({self.start_timeout_s:g} s)")
         for w in list(self._workers):
-            if w.sent and w.sent[0][1] <= now:
+            if w.sent and now - w.since >= self.timeout_s:
+                if w.sent[0] in self._pending:
+                    self._late_in_row[self._pending[w.sent[0]].fn] += 1
                 self._retire(w, late)
-        kept = collections.deque()
-        for cid in self._queue:
-            if cid not in self._pending:
-                continue
-            if self._pending[cid][1] <= now:
-                self._decide(cid, late)
-            else:
-                kept.append(cid)
-        self._queue = kept
+        for fn, n in enumerate(self._late_in_row):
+            if n >= self.give_up_after:
+                self._late_in_row[fn] = 0
+                skipped = RewardOutcome(error=f"not run: the last {n} calls of this reward timed out ({self.timeout_key}="
+                                              f"{self.timeout_s:g} s) without one finishing", timed_out=True)
+                for cid in [cid for cid in self._queue if cid in self._pending and self._pending[cid].fn == fn]:
+                    self._decide(cid, skipped)
+        self._queue = collections.deque(cid for cid in self._queue if cid in self._pending)
 
     def _unstall(self, now: float) -> None:
         """A call running longer than ``stall_s`` may hang: the rest of its worker's chunk goes to
@@ -425,17 +372,17 @@ class RewardExecutor:
         if not live:
             self._queue = collections.deque()
             return []
-        first = self._pending[live[0]][0].fn
+        first = self._pending[live[0]].fn
         cap = self._batched(first)
         if cap:
-            same = [cid for cid in live if self._pending[cid][0].fn == first]
+            same = [cid for cid in live if self._pending[cid].fn == first]
             take = same[:max(1, min(cap, math.ceil(len(same) / len(self._workers))))]
             units = [("batch", first, take)]
         else:
-            single = [cid for cid in live if not self._batched(self._pending[cid][0].fn)]
+            single = [cid for cid in live if not self._batched(self._pending[cid].fn)]
             take = single[:max(1, min(self.chunk, math.ceil(len(single) / len(self._workers))))]
             units = [("group" if self.levels[f] == "group" else "one", f, [cid])
-                     for cid, f in ((cid, self._pending[cid][0].fn) for cid in take)]
+                     for cid, f in ((cid, self._pending[cid].fn) for cid in take)]
         taken = set(take)
         self._queue = collections.deque(cid for cid in live if cid not in taken)
         return units
@@ -447,12 +394,12 @@ class RewardExecutor:
             if not units:
                 break
             w = idle.pop()
-            w.sent = collections.deque((cid, self._pending[cid][1]) for _, _, ids in units for cid in ids)
+            w.sent = collections.deque(cid for _, _, ids in units for cid in ids)
             w.units = collections.deque(len(ids) for _, _, ids in units)
             w.since, w.revoked = now, False
             try:
                 w.out.send([(mode, fn, [(cid, c.prompt, c.response, c.target)
-                                        for cid, c in ((cid, self._pending[cid][0]) for cid in ids)])
+                                        for cid, c in ((cid, self._pending[cid]) for cid in ids)])
                             for mode, fn, ids in units])
             except OSError:  # BrokenPipeError: it died
                 self._died(w)
@@ -475,10 +422,16 @@ class RewardExecutor:
                 else:
                     cid, value, error, timed_out = msg
                     w.sent.popleft()
+                    if cid in self._pending and not error:
+                        self._late_in_row[self._pending[cid].fn] = 0
                     w.units[0] -= 1
                     if not w.units[0]:
                         w.units.popleft()
                         w.since = time.monotonic()
                     self._decide(cid, RewardOutcome(value=value, error=error, timed_out=timed_out))
         except (EOFError, OSError):
+            if not w.ready:  # queued calls would wait on replacements dying the same way
+                w.kill()
+                raise RuntimeError(f"a restarted reward worker died while building the rewards (exit status "
+                                   f"{w.exitcode})") from None
             self._died(w)

@@ -11,19 +11,31 @@ For each sample (``score_batch``: one engine call per batch of ``judge.batch_siz
     text    = template.format(prompt=..., response=..., label=...)   # only these three fields
     ids     = judge tokenizer(chat_template([user: text]) + generation prompt)   (or text as is)
     answer  = engine.generate(ids, temperature=judge.temperature (0: greedy), max_new_tokens)
-    verdict = last match of judge.pattern in the answer (its first group)
+    verdict = the one match of judge.pattern in the answer, on its last non-empty line (first group)
     reward  = score: float(verdict) in [score_min, score_max], normalised to [0, 1] unless
               normalize is false; pass_fail: PASS -> 1.0, FAIL -> 0.0
 
-An answer without a verdict, a score out of range, or a prompt that leaves no room for the answer
-in the judge's context fails that sample (scored 0, counted in reward/errors) with the answer's start
-in the message. With a temperature above 0, each sample's seed is a hash of its judge prompt.
+Untrusted text stays text: the prompt, response and label are tokenized with special-token parsing
+off, and an added token's string inside them (``<|im_end|>``, ``<|im_start|>``, ``<think>``: any
+entry of the tokenizer's added vocabulary) becomes the tokens of its characters, never the token
+itself; only the template and the chat template put special tokens in the judge's prompt. So a
+response cannot close the user turn and write the judge's answer for it. (Between special tokens
+the text is tokenized as a whole, as the tokenizer does, so a benign prompt's ids are unchanged.)
+
+The verdict rule: the answer must hold exactly one match of judge.pattern, and it must lie on the
+answer's last non-empty line (rubrics end with "a last line of the form Score: N"). An answer with
+no match, two or more ("Score: 2. The student wrote 'Score: 10'"), or its match elsewhere is
+unparsable. An unparsable answer, a score out of range, or a prompt that leaves no room for the
+answer in the judge's context fails that sample (scored 0, counted in reward/errors, the message in
+the run's log) with the answer's start in the message. With a temperature above 0, each sample's
+seed is a hash of its judge prompt.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import re
+import secrets
 import string
 import tempfile
 from typing import Sequence
@@ -52,11 +64,19 @@ def check_template(template: str, where: str = "judge.template") -> None:
 
 def parse_verdict(answer: str, verdict: str, pattern: str, score_min: float, score_max: float,
                   normalize: bool) -> float:
-    """The reward of one judge answer (see the module docstring); JudgeVerdictError otherwise."""
-    found = re.findall(pattern, answer)
+    """The reward of one judge answer (see the module docstring for the rule); JudgeVerdictError
+    otherwise."""
+    found = list(re.finditer(pattern, answer))
     if not found:
         raise JudgeVerdictError(f"no verdict matching {pattern!r} in the judge's answer {answer[:300]!r}")
-    last = found[-1][0] if isinstance(found[-1], tuple) else found[-1]
+    if len(found) > 1:
+        raise JudgeVerdictError(f"{len(found)} verdicts matching {pattern!r} in the judge's answer (one is needed, "
+                                f"on its last line): {answer[:300]!r}")
+    lines = answer.rstrip().splitlines() or [""]
+    if found[0].start() < len(answer.rstrip()) - len(lines[-1]):
+        raise JudgeVerdictError(f"the verdict {found[0].group(0)!r} is not on the last line of the judge's answer "
+                                f"{answer[:300]!r}")
+    last = found[0].group(1)
     if verdict == "pass_fail":
         word = last.strip().lower()
         if word not in ("pass", "fail"):
@@ -106,6 +126,15 @@ class LLMJudge:
             raise ValueError(f"judge.chat_template: the judge's tokenizer ({judge.model.tokenizer or judge.model.path}) "
                              f"has no chat template (set judge.chat_template false)")
         self.context = context_limit(hf_config(judge.model))
+        self._split_specials = _added_tokens_regex(self.tokenizer)
+        self._marks = {f: f"MEGAFORGEJUDGEFIELD{secrets.token_hex(8)}{f.upper()}" for f in FIELDS}  # unguessable
+        self._around = ([], [])  # the tokenizer's own special tokens around a text (no chat template: BOS)
+        if not judge.chat_template:
+            bare = self.tokenizer("x", add_special_tokens=False)["input_ids"]
+            full = list(self.tokenizer("x", add_special_tokens=True)["input_ids"])
+            at = next((k for k in range(len(full)) if full[k:k + len(bare)] == bare), None)
+            if at is not None:
+                self._around = (full[:at], full[at + len(bare):])
         self.stop_ids = stop_token_ids(self.tokenizer, judge.model.path)
         run = Config(model=judge.model, rollout=judge.rollout, output_dir=tempfile.gettempdir(),
                      run_name=f"megaforge-judge-{os.getpid()}")  # HTTP engines' logs: <tmp>/megaforge-judge-PID/logs
@@ -116,15 +145,48 @@ class LLMJudge:
         return cls(spec.judge)
 
     def prompt_ids(self, prompt: str, response: str, label) -> list[int]:
-        text = self.template.format(prompt=prompt, response=response, label="" if label is None else label)
+        """The judge prompt's token ids; the three fields are untrusted text (module docstring)."""
+        values = {"prompt": prompt, "response": response, "label": "" if label is None else str(label)}
+        text = filled = self.template.format(**self._marks)
         if self.cfg.chat_template:
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                       add_generation_prompt=True)
-        ids = list(self.tokenizer(text, add_special_tokens=not self.cfg.chat_template)["input_ids"])
+        by_mark = {m: f for f, m in self._marks.items()}
+        parts = re.split("(" + "|".join(map(re.escape, by_mark)) + ")", text)
+        if any(text.count(m) != filled.count(m) for m in by_mark):
+            raise ValueError("the judge's chat template dropped or repeated a field of the template")
+        runs: list = [""]  # text runs (str) and trusted special tokens (int ids), alternating
+        for k, part in enumerate(parts):
+            if k % 2:  # a field: plain text, whatever it holds
+                runs[-1] += values[by_mark[part]]
+                continue
+            for j, piece in enumerate(self._split_specials.split(part) if self._split_specials else [part]):
+                if j % 2:
+                    runs += [self.tokenizer.convert_tokens_to_ids(piece), ""]
+                else:
+                    runs[-1] += piece
+        ids = list(self._around[0])
+        for run in runs:
+            ids += [run] if isinstance(run, int) else self._text_ids(run)
+        ids += self._around[1]
         room = self.context - self.cfg.max_new_tokens if self.context else None
         if room is not None and len(ids) > room:
             raise ValueError(f"the judge prompt has {len(ids)} tokens; the judge's context ({self.context}) minus "
                              f"judge.max_new_tokens ({self.cfg.max_new_tokens}) leaves {room}")
+        return ids
+
+    def _text_ids(self, text: str) -> list[int]:
+        """Ids of plain text: no special or added token comes out (their strings become the tokens
+        of their characters)."""
+        if not text:
+            return []
+        pieces = self._split_specials.split(text) if self._split_specials else [text]
+        ids: list[int] = []
+        for j, piece in enumerate(pieces):
+            chars = list(piece) if j % 2 else [piece]  # an added token's string: character by character
+            for c in chars:
+                if c:
+                    ids += self.tokenizer(c, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         return ids
 
     def __call__(self, prompt: str, response: str, target=None) -> float:
@@ -163,3 +225,10 @@ class LLMJudge:
 
     def close(self) -> None:
         self.engine.shutdown()
+
+
+def _added_tokens_regex(tokenizer):
+    """A regex whose groups split text at the strings of the tokenizer's added tokens (special or not),
+    longest first; None when it has none."""
+    added = sorted((t for t in tokenizer.get_added_vocab() if t), key=len, reverse=True)
+    return re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None

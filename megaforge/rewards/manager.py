@@ -41,12 +41,12 @@ class RewardManager:
     """Scores (prompt, response, target) triples with the configured weighted rewards, in worker
     processes (see the module docstring).
 
-    A reward call that raises, returns a non-finite or non-number value, or is not done within
-    ``rewards.timeout_s`` of its submission scores 0 for its samples and is counted
+    A reward call that raises, returns a value that is not a reward (:mod:`megaforge.rewards.values`),
+    or is not done within ``rewards.timeout_s`` of its start scores 0 for its samples and is counted
     (``reward/errors``, ``reward/timeouts``); the last message is kept in ``last_error``, each
-    reward's last one since :meth:`start_step` in ``step_errors``. A step's
-    reward phase therefore ends within about ``rewards.timeout_s`` however many calls hang (their
-    workers are killed and replaced). :meth:`check_step` raises :class:`RewardError` when one
+    reward's last one since :meth:`start_step` in ``step_errors``. Hanging calls' workers are killed
+    and replaced, so the calls queued behind them run; a reward whose calls keep timing out is given
+    up on for the rest of the phase (:mod:`megaforge.rewards.executor`). :meth:`check_step` raises :class:`RewardError` when one
     reward failed on every sample since :meth:`start_step`: a reward that never works stops the run.
     """
 

@@ -11,14 +11,20 @@ Wire format (slime's, plus a batched form; :mod:`megaforge.rewards.serve` speaks
 Every request carries ``Authorization: Bearer <token>`` when a token is configured (``api_key``,
 or the environment variable named by ``api_key_env``); the token appears in no message. A call of
 the reward scores its samples with up to ``max_concurrency`` requests in flight (one per sample,
-or one per ``batch_size`` samples), each within ``request_timeout_s``. Connection errors (refused,
-reset, dropped) and HTTP 502 / 503 / 504 are retried ``retries`` times after ``backoff_s * 2**k``
-seconds (scoring is a pure function of the request, so a repeated request is harmless).
+or one per ``batch_size`` samples). Each attempt of a request, from connecting to the answer's last
+byte, has ``request_timeout_s``, and an answer is read up to ``max_response_mb`` MiB (a longer one,
+declared or streamed, fails the request without being read further). Redirects are not followed
+(a 3xx fails the request naming its ``Location``: the samples go to the configured URL only).
+Connection errors (refused, reset, dropped) and HTTP 502 / 503 / 504 are retried ``retries`` times
+after ``backoff_s * 2**k`` seconds (scoring is a pure function of the request, so a repeated
+request is harmless).
 
 A sample fails (scored 0 by the manager, counted in ``reward/errors``; a request past its timeout
 in ``reward/timeouts``) with a message naming the URL and the problem when the service is down, too
-slow, answers a status other than 200, non-JSON, a value that is not a finite number or
-``{"reward": number}``, or a list of the wrong length.
+slow, answers a status other than 200, too much, non-JSON, or a list of the wrong length; an entry
+that is not a reward (a number, or ``{"reward": number}``, within the bound of
+:mod:`megaforge.rewards.values`: a string, a bool, NaN, 1e300 or a 401-digit integer is refused)
+fails its own sample only.
 """
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ import json
 import math
 import os
 from typing import Any, Optional, Sequence
+
+from megaforge.rewards.values import reward_value
 
 RETRY_STATUS = (502, 503, 504)
 
@@ -54,9 +62,17 @@ def parse_reward(value: Any, where: str) -> float:
         value = value["reward"]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RewardServiceError(f"{where}: answered {_short(value)}, not a number or {{\"reward\": number}}")
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         raise RewardServiceError(f"{where}: answered a non-finite reward {value}")
-    return float(value)
+    try:
+        return reward_value(value)
+    except ValueError as e:
+        raise RewardServiceError(f"{where}: {str(e).replace('returned', 'answered', 1)}") from None
+
+
+def _json_int(digits: str):
+    """JSON integers as ints, except past Python's conversion limit (4300 digits): inf (refused)."""
+    return int(digits) if len(digits) < 4300 else math.inf
 
 
 def parse_answer(answer: Any, n: int, batched: bool, where: str) -> list:
@@ -85,12 +101,15 @@ class RemoteReward:
     ``score_batch`` takes up to :attr:`batch_size` samples (``max_concurrency`` requests' worth)."""
 
     def __init__(self, url: str, api_key: str = "", batch_size: int = 0, max_concurrency: int = 8,
-                 request_timeout_s: float = 10.0, retries: int = 3, backoff_s: float = 0.5):
+                 request_timeout_s: float = 10.0, retries: int = 3, backoff_s: float = 0.5,
+                 max_response_mb: float = 4.0):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"remote reward: url must be http(s)://..., got {url!r}")
         self.url, self._token = url, api_key
         self.per_request, self.max_concurrency = int(batch_size), max(1, int(max_concurrency))
         self.request_timeout_s, self.retries, self.backoff_s = float(request_timeout_s), int(retries), float(backoff_s)
+        self.max_response_mb = float(max_response_mb)
+        self.max_response_bytes = int(self.max_response_mb * (1 << 20))
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._session = None
 
@@ -103,7 +122,7 @@ class RemoteReward:
                 raise ValueError(f"remote reward {spec.url}: api_key_env names the environment variable "
                                  f"{spec.api_key_env!r}, which is not set (or empty) in the reward workers")
         return cls(spec.url, token, spec.batch_size, spec.max_concurrency, spec.request_timeout_s, spec.retries,
-                   spec.backoff_s)
+                   spec.backoff_s, spec.max_response_mb)
 
     def __repr__(self) -> str:  # no token
         return f"RemoteReward({self.url!r}, batch_size={self.per_request}, auth={'yes' if self._token else 'no'})"
@@ -164,16 +183,38 @@ class RemoteReward:
         await asyncio.gather(*(one(idx) for idx in parts))
         return out
 
+    async def _read(self, resp) -> str:
+        """The answer's body, at most ``max_response_bytes`` (RewardServiceError beyond, unread)."""
+        too_long = RewardServiceError(f"{self.url}: answered more than max_response_mb={self.max_response_mb:g} MiB")
+        if resp.content_length is not None and resp.content_length > self.max_response_bytes:
+            raise too_long
+        data = bytearray()
+        while True:
+            chunk = await resp.content.read(1 << 16)
+            if not chunk:
+                return data.decode("utf-8", errors="replace")
+            data += chunk
+            if len(data) > self.max_response_bytes:
+                raise too_long
+
+    async def _attempt(self, session, body) -> tuple[int, str]:
+        """(status, body) of one attempt; a redirect is an error naming its Location."""
+        async with session.post(self.url, json=body, allow_redirects=False) as resp:
+            if 300 <= resp.status < 400:
+                where = resp.headers.get("Location", "")
+                where = str(resp.url.join(type(resp.url)(where))) if where else "(no Location)"
+                raise RewardServiceError(f"{self.url}: HTTP {resp.status} redirect to {_short(where, 200)}: "
+                                         f"redirects are not followed")
+            return resp.status, await self._read(resp)
+
     async def _post(self, session, body) -> Any:
         import aiohttp
 
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
         for k in range(self.retries + 1):
             last = k == self.retries
             try:
-                async with session.post(self.url, json=body, timeout=timeout) as resp:
-                    text = await resp.text(errors="replace")
-                    status = resp.status
+                # the deadline covers connecting, the headers and the whole body
+                status, text = await asyncio.wait_for(self._attempt(session, body), self.request_timeout_s)
             except TimeoutError:  # asyncio's and aiohttp's (ServerTimeoutError) timeouts
                 raise RewardServiceTimeout(f"{self.url}: no answer within request_timeout_s="
                                            f"{self.request_timeout_s:g} s") from None
@@ -192,7 +233,7 @@ class RemoteReward:
                                              f": {_short(text.strip(), 300)}")
                 else:
                     try:
-                        return json.loads(text)
+                        return json.loads(text, parse_int=_json_int)
                     except ValueError:
                         raise RewardServiceError(f"{self.url}: answered non-JSON (HTTP 200): {_short(text, 200)!r}") \
                             from None

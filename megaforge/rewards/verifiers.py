@@ -1,10 +1,19 @@
 """Verifiable rewards: final-answer correctness and output format.
 
 Reward callables follow the seed's signature ``reward(prompt: str, response: str, target) -> float``.
+
+Bounded grading: math-verify evaluates what it compares, and a 17-character answer such as
+``9^{9^{9}}`` (an integer of 370 million digits) holds the interpreter for minutes in one C call
+that no signal interrupts. So every parsed answer is sized first (:func:`answer_digits`: an upper
+bound of the digits its numbers reach, from literals, powers and factorials, without evaluating
+anything); an answer over ``MAX_ANSWER_DIGITS`` is not compared and grades as incorrect. Whatever
+else is slow is bounded by the caller: the reward workers kill a call at ``rewards.timeout_s``
+(:mod:`megaforge.rewards.executor`, which ``python -m megaforge.rewards.serve`` uses too).
 """
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Optional
 
@@ -53,8 +62,51 @@ def normalize(ans: str) -> str:
     return s
 
 
+MAX_ANSWER_DIGITS = 10_000
+
+
+def answer_digits(expr) -> float:
+    """An upper bound of the decimal digits the numbers of a sympy expression reach when evaluated
+    (``inf`` beyond ~1e300), read from its tree without evaluating it: a literal n has ``log10|n|``
+    (0 below 2); ``b**e`` has ``|e| * digits(b)``, where ``|e|`` is the exponent's value when it is a
+    literal, else ``10**digits(e)`` (a negative exponent makes a denominator as large); ``n!`` has
+    ``|n| * digits(n)`` likewise; anything else the sum over its arguments (a symbol: 1)."""
+    import sympy
+
+    if isinstance(expr, (sympy.Integer, int)):
+        n = abs(int(expr))
+        return math.log10(n) if n >= 2 else 0.0
+    if isinstance(expr, sympy.Rational):
+        return answer_digits(expr.p) + answer_digits(expr.q)
+    if isinstance(expr, (sympy.Float, float)):
+        x = abs(float(expr))
+        return math.log10(x) if x >= 2 else 0.0
+    if isinstance(expr, (sympy.Pow, sympy.factorial)):
+        base, exp = (expr.args[0], expr.args[0]) if isinstance(expr, sympy.factorial) else expr.args
+        if isinstance(exp, (sympy.Rational, sympy.Float)):
+            try:
+                size = abs(float(exp))
+            except OverflowError:
+                return math.inf
+        else:
+            e = answer_digits(exp)
+            size = math.inf if e > 300 else 10 ** e
+        b = answer_digits(base)
+        return math.inf if math.isinf(size) else size * b
+    args = expr if isinstance(expr, (list, tuple, set, frozenset)) else getattr(expr, "args", ())
+    return float(sum(answer_digits(a) for a in args)) if args else 1.0
+
+
+def too_large(parsed) -> bool:
+    """Whether a math-verify parse (a list of sympy expressions and strings) is over MAX_ANSWER_DIGITS."""
+    import sympy
+
+    return any(answer_digits(x) > MAX_ANSWER_DIGITS for x in parsed if isinstance(x, sympy.Basic))
+
+
 def answers_equal(pred: str, gold: str, use_math_verify: bool = True) -> bool:
-    """Exact after normalisation; numbers compared numerically; otherwise math-verify equivalence."""
+    """Exact after normalisation; numbers compared numerically; otherwise math-verify equivalence
+    (False for an answer over MAX_ANSWER_DIGITS: see the module docstring)."""
     p, g = normalize(pred), normalize(gold)
     if p == g:
         return True
@@ -71,7 +123,7 @@ def answers_equal(pred: str, gold: str, use_math_verify: bool = True) -> bool:
     # math-verify's own signal-based timeouts are off so that they do not touch the caller's signals.
     gold_parsed = parse(f"${g}$", parsing_timeout=None)
     pred_parsed = parse(f"${p}$", parsing_timeout=None)
-    if not gold_parsed or not pred_parsed:
+    if not gold_parsed or not pred_parsed or too_large(gold_parsed) or too_large(pred_parsed):
         return False
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
 

@@ -4,9 +4,12 @@ remote client): ``python bad_server.py`` binds a free port on 127.0.0.1 and prin
 Single form (the response text of the sample): ``500`` -> HTTP 500; ``junk`` -> non-JSON; ``shape``
 -> ``{"score": 1}``; ``nan`` -> ``NaN``; ``string`` -> ``"0.5"``; ``slow`` -> answers after 3 s;
 ``flaky-503`` / ``flaky-drop`` -> the first two requests of that text get a 503 / a dropped
-connection, then 0.75; anything else: ``{"reward": len(response)}``. Batched form: the list's first
+connection, then 0.75; ``endless`` -> a 200 whose body never ends (64 KiB chunks of spaces);
+``trickle`` -> a 200 whose body comes one byte per 0.2 s; ``redirect`` -> HTTP 307 to ``/elsewhere``
+(which would answer 1.0); anything else: ``{"reward": len(response)}``. Batched form: the list's first
 response ``short-list`` -> a list one short; ``object`` -> an object instead of a list; ``errors``
--> ``{"error": ...}`` for every other entry. The Authorization header seen last is kept for /seen.
+-> ``{"error": ...}`` for every other entry; ``huge-values`` -> entry 1 a 401-digit integer, entry 2
+``1e300``, entry 3 ``true``, the others ``len(response)``. The Authorization header seen last is kept for /seen.
 
 ``POST /mode/M`` applies one behaviour to every request (whole runs, whose responses are the
 model's): ``M`` one of the single-form texts above (``500``, ``junk``, ``nan``, ...), ``alternate``
@@ -39,6 +42,14 @@ def one(resp: str):
     return web.json_response({"reward": float(len(resp))})
 
 
+async def endless(request, delay: float, chunk: bytes):
+    resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+    await resp.prepare(request)
+    while True:  # until the client goes away
+        await resp.write(chunk)
+        await asyncio.sleep(delay)
+
+
 async def reward(request):
     SEEN["authorization"] = request.headers.get("Authorization")
     body = json.loads(await request.read())
@@ -48,12 +59,20 @@ async def reward(request):
             return web.json_response([1.0] * (len(body) - 1))
         if first == "object":
             return web.json_response({"rewards": [1.0] * len(body)})
+        if first == "huge-values":
+            entries = ["9" * 401, "1e300", "true"] + [str(len(b["response"])) for b in body[4:]]
+            return web.Response(text="[" + ", ".join([str(len(body[0]["response"]))] + entries[:len(body) - 1]) + "]",
+                                content_type="application/json")
         if first == "errors":
             return web.json_response([{"error": "cannot score"} if k % 2 else float(k) for k in range(len(body))])
         return web.json_response([float(len(b["response"])) for b in body])
     resp = body["response"]
     if resp == "slow":
         await asyncio.sleep(3)
+    if resp in ("endless", "trickle"):
+        return await endless(request, 0.0 if resp == "endless" else 0.2, b" " * (1 << 16) if resp == "endless" else b" ")
+    if resp == "redirect":
+        raise web.HTTPTemporaryRedirect("/elsewhere")
     if resp.startswith("flaky-"):
         COUNTS[resp] += 1
         if COUNTS[resp] <= 2:
@@ -81,6 +100,10 @@ async def mode(request):
     return one(m)
 
 
+async def elsewhere(request):
+    return web.json_response({"reward": 1.0})
+
+
 async def seen(request):
     return web.json_response(SEEN)
 
@@ -88,6 +111,7 @@ async def seen(request):
 async def main():
     app = web.Application()
     app.router.add_post("/", reward)
+    app.router.add_post("/elsewhere", elsewhere)
     app.router.add_post("/mode/{mode}", mode)
     app.router.add_get("/seen", seen)
     runner = web.AppRunner(app, access_log=None)

@@ -84,3 +84,68 @@ def group_mean_centered(prompt, responses, target):
 
 
 group_mean_centered.reward_level = "group"
+
+
+def hang_or_length(prompt, response, target):
+    """Hangs for good (as a stuck C call would) on responses with HANG, after writing its pid to the
+    file ``target`` when that is a path; else the response's length."""
+    if "HANG" in response:
+        if isinstance(target, str) and target.startswith("/"):
+            import os
+
+            with open(target + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.rename(target + ".tmp", target)
+        while True:
+            time.sleep(3600)
+    return float(len(response))
+
+
+def leaves_a_daemon(prompt, response, target):
+    """Starts a daemon the classic way (fork, setsid, fork again, the middle one exits): it writes
+    its pid to the file ``target`` and keeps writing there; the call returns once the file is there."""
+    import os
+
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        if os.fork() == 0:
+            with open(target + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.rename(target + ".tmp", target)
+            while True:
+                with open(target + ".beat", "a") as f:
+                    f.write("x")
+                time.sleep(0.2)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    while not os.path.exists(target):
+        time.sleep(0.01)
+    return 1.0
+
+
+VALUES = {"str": "0.75", "bool": True, "none": None, "big": 1e300, "hugeint": 10 ** 400, "inf": math.inf,
+          "int": 3, "negative": -2.5, "bound": 1e6}
+
+
+def value_of(prompt, response, target):
+    """Returns VALUES[response] (numpy.float32(0.5) for 'numpy'): the kinds of value a reward may return."""
+    if response == "numpy":
+        import numpy
+
+        return numpy.float32(0.5)
+    return VALUES[response]
+
+
+class CrashOnRebuild:
+    """hang_or_length, whose second build (a replacement worker's) crashes: exit status 3."""
+
+    def __init__(self, marker: str):
+        import os
+
+        if os.path.exists(marker):
+            os._exit(3)
+        open(marker, "w").close()
+
+    def __call__(self, prompt, response, target):
+        return hang_or_length(prompt, response, target)

@@ -1,5 +1,6 @@
 """RewardExecutor units: batched rewards scored as batches, group-level calls, per-call
 timeouts reported by a reward, and the decision times that measure a reward phase."""
+import os
 import time
 
 import pytest
@@ -43,8 +44,9 @@ def test_a_hanging_batch_times_out_as_a_whole_and_its_worker_is_replaced():
         t = time.monotonic()
         out = ex.collect(ex.submit([RewardCall(0, "p", r, "t") for r in ["a", "HANG", "c", "d"]]))
         took = time.monotonic() - t
-        assert 1.5 <= took < 4.0, took
-        assert [o.timed_out for o in out] == [True, True, True, True]  # the second batch waited past its deadline
+        assert 1.5 <= took < 8.0, took
+        # the second batch starts on the replacement worker: its timeout counts from then
+        assert [o.timed_out for o in out] == [True, True, True, False] and out[3].value == 1.0
         assert ex.restarts == 1 and len(ex._workers) == 1  # no spare worker for a stalled batch with spares off
         assert [o.value for o in ex.collect(ex.submit([RewardCall(0, "p", "z", "t")]))] == [1.0]
     finally:
@@ -85,3 +87,90 @@ def test_outcomes_record_when_they_were_decided():
 def test_levels_are_checked():
     with pytest.raises(ValueError, match="levels must be 'sample' or 'group' per spec"):
         executor(RewardSpec("math"), levels=["batch"])
+
+
+def test_reward_values_are_real_finite_numbers_within_the_bound():
+    """Issue 40: "0.75" and True were accepted as 0.75 and 1.0, 1e300 was taken (and logged as 1e308)."""
+    ex = executor(RewardSpec("reward_plugins:value_of"))
+    try:
+        kinds = ["int", "negative", "numpy", "bound", "str", "bool", "none", "big", "hugeint", "inf"]
+        out = ex.collect(ex.submit([RewardCall(0, "p", k, "t") for k in kinds]))
+        assert [o.value for o in out[:4]] == [3.0, -2.5, 0.5, 1e6]
+        assert [o.error for o in out[4:]] == [
+            "ValueError: returned str '0.75', not a number (rewards are real numbers: strings and bools are refused)",
+            "ValueError: returned bool True, not a number (rewards are real numbers: strings and bools are refused)",
+            "ValueError: returned NoneType None, not a number (rewards are real numbers: strings and bools are refused)",
+            "ValueError: returned 1e+300, beyond the reward bound [-1e+06, 1e+06]",
+            "ValueError: returned an integer of 1329 bits, beyond the reward bound 1e+06",
+            "ValueError: returned inf"]
+    finally:
+        ex.close()
+
+
+def test_calls_queued_behind_hanging_ones_are_all_scored():
+    """Issue 40 case 8: 4 hanging calls of 64 on 2 workers zeroed healthy ones whose timeout ran while
+    they waited in the queue. A call's timeout counts from its start: each hanging call times out,
+    its worker is killed and replaced, and every healthy call is scored."""
+    ex = executor(RewardSpec("reward_plugins:hang_or_length"), workers=2, timeout_s=1.0)
+    try:
+        hang = {0, 1, 32, 48}  # the first call of each chunk handed out: every worker and spare is stuck at once
+        responses = ["HANG" if i in hang else "x" * (i % 7 + 1) for i in range(64)]
+        out = ex.collect(ex.submit([RewardCall(0, "p", r, "t") for r in responses]))
+        assert [i for i, o in enumerate(out) if o.timed_out] == sorted(hang)
+        assert all(o.value == len(r) for o, r in zip(out, responses) if r != "HANG")
+        assert out[0].error == "no result within rewards.timeout_s=1 s of its start"
+    finally:
+        ex.close()
+
+
+def test_a_reward_that_hangs_on_everything_is_given_up_after_some_timeouts_in_a_row():
+    ex = executor(RewardSpec("reward_plugins:hang_or_length"), timeout_s=0.5, spares=False, give_up_after=2)
+    try:
+        out = ex.collect(ex.submit([RewardCall(0, "p", "HANG", "t") for _ in range(10)]))
+        assert all(o.timed_out for o in out) and ex.restarts == 2
+        assert [o.error.split(":")[0] for o in out] == ["no result within rewards.timeout_s=0.5 s of its start"] * 2 + \
+            ["not run"] * 8
+        assert out[2].error == "not run: the last 2 calls of this reward timed out (rewards.timeout_s=0.5 s) without " \
+                               "one finishing"
+        assert [o.value for o in ex.collect(ex.submit([RewardCall(0, "p", "ab", "t")]))] == [2.0]  # later calls run
+    finally:
+        ex.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, waiting for its reaper
+    except OSError:
+        return False
+
+
+def test_a_daemon_started_by_a_reward_dies_with_the_pool(tmp_path):
+    """Issue 40 case 7: a double-forked, setsid'd child of a reward worker outlived the run (workers
+    were killed by process group only). The worker is a child subreaper and is killed with its tree."""
+    pidfile = str(tmp_path / "daemon.pid")
+    ex = executor(RewardSpec("reward_plugins:leaves_a_daemon"))
+    try:
+        assert [o.value for o in ex.collect(ex.submit([RewardCall(0, "p", "r", pidfile)]))] == [1.0]
+        pid = int(open(pidfile).read())
+        assert _alive(pid) and os.getsid(pid) != os.getsid(ex._workers[0].proc.pid)  # a session of its own
+    finally:
+        ex.close()
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def test_a_replacement_worker_that_cannot_start_stops_the_executor_naming_it(tmp_path):
+    """Queued calls have no deadline until they start: a replacement that dies while building the
+    rewards must not leave them waiting on replacements of replacements."""
+    ex = executor(RewardSpec("reward_plugins:CrashOnRebuild", kwargs={"marker": str(tmp_path / "built")}),
+                  timeout_s=0.5, spares=False)
+    try:
+        ids = ex.submit([RewardCall(0, "p", "HANG", "t"), RewardCall(0, "p", "ab", "t")])
+        with pytest.raises(RuntimeError, match=r"a restarted reward worker died while building the rewards "
+                                               r"\(exit status 3\)"):
+            ex.collect(ids)
+    finally:
+        ex.close()

@@ -59,6 +59,23 @@ def test_retries_with_backoff_on_dropped_connections_and_503(bad):
     assert isinstance(out[0], RewardServiceError) and "unreachable after 1 attempt(s)" in str(out[0])
 
 
+def test_answers_are_bounded_redirects_refused_and_bad_entries_fail_alone(bad):
+    """Issue 40 case 4: a 3,000 MiB answer was read whole past request_timeout_s, a redirect to another
+    host was followed (re-posting the sample there), and a 401-digit integer failed the whole batch."""
+    out = scores(bad, ["endless", "trickle", "redirect", "ab"], max_response_mb=1, request_timeout_s=1.5, retries=0)
+    assert str(out[0]) == f"{bad}: answered more than max_response_mb=1 MiB"
+    assert isinstance(out[1], RewardServiceTimeout)  # headers at once, then a byte per 0.2 s: the deadline holds
+    assert str(out[1]) == f"{bad}: no answer within request_timeout_s=1.5 s"
+    assert str(out[2]) == f"{bad}: HTTP 307 redirect to {bad}elsewhere: redirects are not followed"
+    assert out[3] == 2.0
+    batch = scores(bad, ["huge-values", "x", "y", "z", "abcd"], batch_size=8)
+    assert batch[0] == 11.0 and batch[4] == 4.0
+    assert [str(e) for e in batch[1:4]] == [
+        f"{bad} (entry 1): answered an integer of 1333 bits, beyond the reward bound 1e+06",
+        f"{bad} (entry 2): answered 1e+300, beyond the reward bound [-1e+06, 1e+06]",
+        f"{bad} (entry 3): answered true, not a number or {{\"reward\": number}}"]
+
+
 def test_a_service_that_is_down_is_retried_then_named():
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
