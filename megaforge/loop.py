@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from megaforge import checkpoint, collective
+from megaforge import checkpoint, collective, resume
 from megaforge.cluster import init_distributed
 from megaforge.config import Config, save_config
 from megaforge.data.batch import sft_batch
@@ -46,7 +46,7 @@ from megaforge.driver.sync import SyncDriver
 from megaforge.eval.runner import Evaluator, is_due
 from megaforge.eval.sets import load_eval_sets
 from megaforge.hf import load_tokenizer, resolve_device
-from megaforge.metrics import MetricsLogger, Progress
+from megaforge.metrics import MetricsLogger, Progress, set_aside_bad_rows
 from megaforge.placement import build_engines
 from megaforge.rewards import RewardManager
 from megaforge.rollout import preflight
@@ -121,10 +121,25 @@ class Run:
         """Main rank: lock the run directory for the run's life, then set it up (megaforge.rundir)."""
         err, self._lock = None, None
         if collective.is_main():
+            refused = []
+
+            def write_config(path: str) -> None:  # a --resume compares first (megaforge.resume)
+                why = resume.check_config(path, self.cfg, say) if self.cfg.resume else None
+                if why:
+                    refused.append(why)
+                else:
+                    save_config(self.cfg, path)
             try:
-                self._lock = claim(self.run_dir, self.cfg.resume, lambda path: save_config(self.cfg, path))
+                self._lock = claim(self.run_dir, self.cfg.resume, write_config)
             except RunDirError as e:
                 err = str(e)
+            if refused:
+                self.close()
+                err = refused[0]
+            elif self._lock is not None and self.cfg.resume:  # before anything heavy is loaded
+                for name in ("sft_metrics.jsonl", "metrics.jsonl"):
+                    for line in set_aside_bad_rows(os.path.join(self.run_dir, name)):
+                        say(line)
         err = collective.broadcast_object(err)
         if err:
             raise RunError(err)

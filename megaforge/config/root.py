@@ -27,7 +27,13 @@ class Config:
     seed: int = 0
     """Seed of data order, sampling and init."""
     resume: bool = False
-    """Continue from the latest complete checkpoint in the run directory."""
+    """Continue from the latest complete checkpoint in the run directory. The run folder's config.yaml is
+    compared with this configuration first: every changed key is printed; changes that alter the run's
+    steps (seed, data, model, grpo.n_samples, learning rate, ...) are refused unless named in
+    resume_allow_changes (megaforge.resume)."""
+    resume_allow_changes: str = ""
+    """With ``resume``: the changed keys (or sections) to accept although the resumed run then differs
+    from the run continued unchanged, comma-separated, e.g. ``trainer.lr,seed``."""
     export_hf_every: int = 0
     """Write a Hugging Face export to ``<run dir>/hf/step_N/`` every N steps (0: never)."""
     deterministic: bool = False
