@@ -279,6 +279,9 @@ class Run:
             bar = Progress(cfg.max_steps, self.state["rl_step"], "grpo", cfg.metrics.progress and collective.is_main())
             if self.state["rl_step"] == 0:
                 before = self._evaluate(0)  # eval.before_train: the starting policy, logged as step 0
+                if before is None:  # a stop signal during it: the resumed run (at RL step 0) evaluates again
+                    self._save_rl()
+                    self._stop("RL", 0)
                 if before and logger is not None:
                     logger.log(0, before)
             self._evaluate_pending(logger)
@@ -299,7 +302,12 @@ class Run:
                     self.state["eval_pending"] = step
                     say(f"stop requested: the evaluation of step {step} runs first in the resumed run")
                 else:
-                    m.update(self._evaluate(step))  # eval/<set>/... when due: part of the step's row
+                    evaluated = self._evaluate(step)  # eval/<set>/... when due: part of the step's row
+                    if evaluated is None:  # a stop signal during the evaluation: deferred the same way
+                        self.state["eval_pending"], stopping = step, True
+                    elif is_due(cfg, step) and step < cfg.max_steps:
+                        stopping = self._stop_requested()  # one during a finished evaluation: no next step
+                    m.update(evaluated or {})
                 if logger is not None:
                     logger.log(step, m)
                 bar.update(m)
@@ -331,18 +339,23 @@ class Run:
         if self.engine is not None:
             self.engine.shutdown()
 
-    def _evaluate(self, step: int, force: bool = False) -> dict:
+    def _evaluate(self, step: int, force: bool = False) -> Optional[dict]:
         """Every rank: the ``eval/...`` metrics of the engine's weights when evaluation is due after
         ``step`` (0: before training) or ``force`` (with eval sets), else {} (the metrics stay on the
-        main rank)."""
+        main rank). None on every rank when a stop signal reached the main rank during the evaluation:
+        it was abandoned between two engine calls (megaforge.eval.runner), nothing of it written."""
         if not (is_due(self.cfg, step) or (force and self.cfg.eval.sets)):
             return {}
 
         def run():
             self.driver.engine_for_eval()  # e.g. the rollout in flight drained, engine memory resumed
-            return self.evaluator.run(self.engine, step)
+            return self.evaluator.run(self.engine, step, stop=lambda: bool(self._stop_signal))
 
-        m = on_main(run, share=False) or {}
+        m = on_main(run, share=False)
+        if collective.main_flag(m is None):
+            say(f"stop requested during the evaluation of step {step}: abandoned; it runs first in the resumed run")
+            return None
+        m = m or {}
         if m:
             say(f"eval after step {step}: " + ", ".join(
                 f"{k.removeprefix('eval/')} {v:.3f}" for k, v in m.items() if k.endswith(("pass@1", "/reward/mean"))
@@ -369,6 +382,8 @@ class Run:
             raise RunError(f"checkpoint state has eval_pending={step} but rl_step={self.state['rl_step']}: "
                            f"the deferred evaluation belongs to another step")
         m = self._evaluate(step, force=True)
+        if m is None:  # stopped again: the checkpoint resumed from still holds this state, eval_pending included
+            self._stop("RL", step)
         if m and logger is not None:
             logger.amend(step, m)
 
