@@ -1,6 +1,7 @@
 """A stop signal (SIGTERM) during an evaluation: the evaluation is abandoned before its next engine call
 (nothing of it written), the run checkpoints the step it evaluated and stops without another RL step;
-the resumed run evaluates that step first and ends as the run never stopped. A signal during the
+the resumed run evaluates that step first (stopped there again by another signal, it stops again with
+the same checkpoint) and ends as the run never stopped. A signal during the
 evaluation's last engine call lets it finish and stops the run right after it. The signal comes from the
 run's own reward worker while it scores the evaluation's first engine call (eval_helpers), so what ran is
 asserted (rows, files, the checkpoint's state), never how long it took. The runs are in this process."""
@@ -61,6 +62,17 @@ def test_sigterm_during_an_evaluation_stops_at_its_step(tmp_path, monkeypatch, c
         assert evaluated == [] and state.get("eval_pending") == (None if first == 0 else 1)
         if reference is not None:
             assert without_eval(rows) == without_eval(reference[:1])
+
+    if case == "step":  # a second signal during the deferred evaluation: stopped again, nothing changed
+        saved = (run / "checkpoints" / "step_000001" / "state.json").read_text()
+        marker.unlink()
+        rc, out, err = go(tmp_path, "s", *args, "--resume")
+        assert rc == 143 and marker.exists() and "SIGTERM received: stopped after RL step 1" in err, err[-3000:]
+        assert "stop requested during the evaluation of step 1: abandoned" in out
+        assert without_eval(lines(run / "metrics.jsonl")) == without_eval(reference[:1])
+        assert not any(map(eval_part, lines(run / "metrics.jsonl"))) and not (run / "eval" / "held").exists()
+        assert os.listdir(run / "checkpoints") == ["step_000001"]
+        assert (run / "checkpoints" / "step_000001" / "state.json").read_text() == saved
 
     # the resume (evaluating the stopped step first where it was abandoned) ends as the run never stopped
     rc, out, err = go(tmp_path, "s", *args, "--resume")
