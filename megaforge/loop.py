@@ -157,6 +157,22 @@ class Run:
         self.resumed_from = path
         say(f"resumed from {path} (sft step {self.state['sft_step']}, rl step {self.state['rl_step']}; "
             f"verified in {t1 - t0:.1f} s, loaded in {time.perf_counter() - t1:.1f} s)")
+        self._schedule_from_config()
+
+    def _schedule_from_config(self) -> None:
+        """The checkpoint's learning-rate schedule (of the phase it stopped in) takes the peak, minimum,
+        warm-up and shape of the configuration: they differ only where resume_allow_changes let them
+        (megaforge.resume); its length and position stay the checkpoint's."""
+        s, c = self.trainer.sched, self.cfg
+        if not s or not (self.state["rl_step"] > 0 or 0 < self.state["sft_step"] < c.sft.max_steps):
+            return  # a fresh schedule starts with the next phase (reset_optimizer)
+        t = c.trainer
+        new = (dict(peak=t.lr, min_lr=t.min_lr, warmup=t.warmup_steps, schedule=t.lr_schedule) if self.state["rl_step"]
+               else dict(peak=c.sft.lr, min_lr=0.0, warmup=c.sft.warmup_steps, schedule="constant"))
+        changed = [f"{k} {s.get(k)} -> {v}" for k, v in new.items() if s.get(k) != v]
+        if changed:
+            s.update(new)
+            say(f"--resume: the checkpoint's learning-rate schedule takes the config's {', '.join(changed)}")
 
     def _build_engine(self):
         return build_engines(self.cfg, self.tokenizer)  # rank 0's engine; node leaders start their node's servers

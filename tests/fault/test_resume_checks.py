@@ -52,6 +52,9 @@ def test_resume_names_every_change_and_refuses_those_that_change_the_steps(tmp_p
     assert rc == 0, err[-2000:]
     assert "config change trainer.lr: 0.0003 -> 0.001 (allowed by resume_allow_changes)" in out
     assert "resumed from" in out and [r["step"] for r in lines(run2 / "metrics.jsonl")] == [1, 2, 3]
+    # the new lr is the one step 3 trains with (the checkpoint's schedule takes it)
+    assert "the checkpoint's learning-rate schedule takes the config's peak 0.0003 -> 0.001" in out
+    assert [r["lr"] for r in lines(run2 / "metrics.jsonl")] == [3e-4, 3e-4, 1e-3]
     assert (run2 / "logs" / "config.1.yaml").read_text() == saved
     new = yaml.safe_load((run2 / "config.yaml").read_text())
     assert (new["seed"], new["grpo"]["n_samples"], new["trainer"]["lr"]) == (1, 4, 1e-3)
