@@ -8,7 +8,9 @@ grpo.n_samples, the learning rate, ...: what makes the resumed run differ from t
 unchanged) is refused, naming the keys, unless ``resume_allow_changes`` names each of them (or a section
 above it). A key only one side has (a config.yaml of another megaforge version) is printed, not refused.
 When the new configuration is accepted with changes, the old ``config.yaml`` is kept as
-``logs/config.<n>.yaml`` before the new one is written.
+``logs/config.<n>.yaml`` before the new one is written. An allowed change takes effect from the resumed
+step on (learning-rate keys through the checkpoint's schedule: megaforge.loop.Run); what the checkpoint
+holds (weights, optimizer state, data position) is loaded whatever ``model.path`` or ``data`` now say.
 
 The metrics files: see :func:`megaforge.metrics.set_aside_bad_rows`.
 """
