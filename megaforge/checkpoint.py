@@ -7,8 +7,9 @@ written last, ``manifest.json`` (size and sha256 of every file: files over :data
 sha256 of each piece, so that the pieces of all files are hashed in parallel; manifests written before
 that, whole-file sha256 only, still verify). A checkpoint is written under
 ``.tmp-step_000012`` and renamed when complete, so a crash never leaves a half checkpoint under a
-real name. :func:`latest_valid` skips (and names) any checkpoint whose manifest is missing or whose
-files do not match it, falling back to the previous one.
+real name. :func:`latest_valid` skips (and names) any checkpoint whose manifest is missing, not of
+the form written (:func:`manifest_problem`: e.g. ``{}`` or ``[]``) or whose files do not match it,
+falling back to the previous one.
 
 Loading is safe against a crafted checkpoint (a matching manifest proves integrity, not origin):
 before the trainer reads anything, :func:`check_loadable` opens every ``*.pt`` file with
@@ -114,6 +115,45 @@ def write_manifest(root: str) -> None:
     os.replace(tmp, os.path.join(root, "manifest.json"))
 
 
+#: files every checkpoint holds (written before its manifest): a manifest that leaves one out is not a checkpoint's
+REQUIRED_FILES = ("state.json",)
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _digest(v) -> bool:
+    return isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None
+
+
+def manifest_problem(manifest) -> Optional[str]:
+    """None when ``manifest`` (parsed JSON) has the form :func:`write_manifest` writes, else what is wrong:
+    a mapping of relative paths inside the checkpoint (no ``..``, not absolute) to ``{"bytes": n >= 0,
+    "sha256": hex}`` or ``{"bytes": n, "piece_bytes": P > 0, "sha256_pieces": [ceil(n / P) (at least
+    1) hex digests]}``, listing every file of :data:`REQUIRED_FILES`."""
+    if not isinstance(manifest, dict):
+        return f"expected a mapping of file -> size and sha256, got {type(manifest).__name__}"
+    for rel, info in manifest.items():
+        parts = rel.replace("\\", "/").split("/")
+        if not rel or rel.startswith("/") or ".." in parts or "" in parts:
+            return f"entry {rel!r} is not a relative path inside the checkpoint"
+        if not isinstance(info, dict) or not _count(info.get("bytes")):
+            return f"entry {rel!r}: expected {{'bytes': n >= 0, ...}}, got {info!r:.200}"
+        if "sha256_pieces" in info:
+            piece, digests = info.get("piece_bytes"), info["sha256_pieces"]
+            if not (_count(piece) and piece > 0 and isinstance(digests, list) and all(map(_digest, digests))
+                    and len(digests) == max(1, -(-info["bytes"] // piece))):
+                return (f"entry {rel!r}: expected piece_bytes > 0 and one sha256 per piece of its "
+                        f"{info['bytes']} bytes")
+        elif not _digest(info.get("sha256")):
+            return f"entry {rel!r}: no sha256 (64 hex digits)"
+    missing = [r for r in REQUIRED_FILES if r not in manifest]
+    if missing:
+        return f"{missing[0]} is not listed ({len(manifest)} files are): not a complete checkpoint's manifest"
+    return None
+
+
 def verify(root: str) -> Optional[str]:
     """None when ``root`` is a complete checkpoint, else the reason it is not (the first file in the
     manifest's order that is missing, of another size or of other content)."""
@@ -121,10 +161,13 @@ def verify(root: str) -> Optional[str]:
     if not os.path.exists(mf):
         return "no manifest.json (incomplete write)"
     try:
-        with open(mf) as f:
-            manifest = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        with open(mf, "rb") as f:
+            manifest = json.loads(f.read())
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
         return f"unreadable manifest.json: {e}"
+    why = manifest_problem(manifest)
+    if why is not None:
+        return f"invalid manifest.json: {why}"
     want, tasks = {}, {}
     for rel, info in manifest.items():
         p = os.path.join(root, rel)

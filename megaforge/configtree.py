@@ -10,6 +10,9 @@ Rules:
   with the key, the expected type and the value.
 * CLI values are parsed as YAML scalars (``4`` -> int, ``true`` -> bool, ``null`` -> None,
   ``[a, b]`` -> list); ``--flag`` with no value means ``true``.
+* A numeric field may declare its range next to it: ``lr: float = bounded(1e-6, ge=0)``
+  (:func:`bounded`: ``gt`` / ``ge`` / ``lt`` / ``le``); a value outside it (each element of a list;
+  null passes) fails with the key, the range and the value, and ``--help`` shows the range.
 * A dataclass's ``validate()`` may raise :class:`FieldError` about one of its own fields; the error
   names the dotted key, wherever the dataclass sits in the tree.
 * Extension keys: a section may also take keys that other modules declare (the typed parameters of
@@ -29,7 +32,7 @@ import math
 import textwrap
 import types
 import typing
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
 
@@ -45,6 +48,58 @@ class FieldError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
+
+
+# ------------------------------------------------------------------------------------------ bounds
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """The range of a numeric field: above ``lo`` (``lo_open``: strictly) and below ``hi`` (``hi_open``:
+    strictly); None: unbounded on that side."""
+
+    lo: Optional[float] = None
+    lo_open: bool = False
+    hi: Optional[float] = None
+    hi_open: bool = False
+
+    def holds(self, v) -> bool:
+        lo_ok = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
+        return lo_ok and (self.hi is None or (v < self.hi if self.hi_open else v <= self.hi))
+
+    def text(self) -> str:
+        """``> 0``, ``>= 0``, ``<= 1``, ``in [0, 1)``, ..."""
+        if self.lo is not None and self.hi is not None:
+            return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        return f"{'<' if self.hi_open else '<='} {self.hi:g}"
+
+
+def bounded(default: Any, *, gt: Optional[float] = None, ge: Optional[float] = None, lt: Optional[float] = None,
+            le: Optional[float] = None) -> Any:
+    """A dataclass field with ``default`` whose value must be ``> gt`` / ``>= ge`` and ``< lt`` / ``<= le``
+    (checked by :func:`build`; for a list, every element; null always passes)."""
+    if gt is not None and ge is not None or lt is not None and le is not None:
+        raise ValueError("bounded: give at most one lower (gt / ge) and one upper (lt / le) bound")
+    bound = Bound(gt if gt is not None else ge, gt is not None, lt if lt is not None else le, lt is not None)
+    meta = {"bound": bound}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def check_bounds(obj, prefix: str = "") -> None:
+    """ConfigError naming the first field of dataclass ``obj`` (not its sub-sections) outside its :func:`bounded` range."""
+    for f in _own_fields(type(obj)):
+        bound = f.metadata.get("bound")
+        if bound is None:
+            continue
+        value = getattr(obj, f.name)
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for i, v in items:
+            if v is not None and not bound.holds(v):
+                where = f"{prefix}{f.name}" + (f"[{i}]" if i is not None else "")
+                null = " (or null)" if type(None) in get_args(_hints(type(obj))[f.name]) else ""
+                raise ConfigError(f"config key '{where}': must be {bound.text()}{null}, got {v!r}")
 
 
 # ----------------------------------------------------------------------------------- introspection
@@ -222,6 +277,7 @@ def build(cls, data: dict | None, prefix: str = ""):
                 parts[p][name] = data[k]
         kwargs[ext_field.name] = {p: build(c, parts[p], prefix + p) for p, c in ext.items()}
     obj = cls(**kwargs)
+    check_bounds(obj, prefix)
     if hasattr(obj, "validate"):
         try:
             obj.validate()
@@ -405,4 +461,5 @@ def _help_line(key: str, t, f: dataclasses.Field, doc: str) -> str:
         default = f.default_factory()  # type: ignore[misc]
     else:
         default = "required"
-    return f"  {key} ({_type_name(t)}, default {default!r}): {doc}"
+    bound = f", {f.metadata['bound'].text()}" if "bound" in f.metadata else ""
+    return f"  {key} ({_type_name(t)}, default {default!r}{bound}): {doc}"

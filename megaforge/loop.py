@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from megaforge import checkpoint, collective
+from megaforge import checkpoint, collective, resume
 from megaforge.cluster import init_distributed
 from megaforge.config import Config, save_config
 from megaforge.data.batch import sft_batch
@@ -46,7 +46,7 @@ from megaforge.driver.sync import SyncDriver
 from megaforge.eval.runner import Evaluator, is_due
 from megaforge.eval.sets import load_eval_sets
 from megaforge.hf import load_tokenizer, resolve_device
-from megaforge.metrics import MetricsLogger, Progress
+from megaforge.metrics import MetricsLogger, Progress, set_aside_bad_rows
 from megaforge.placement import build_engines
 from megaforge.rewards import RewardManager
 from megaforge.rollout import preflight
@@ -121,10 +121,25 @@ class Run:
         """Main rank: lock the run directory for the run's life, then set it up (megaforge.rundir)."""
         err, self._lock = None, None
         if collective.is_main():
+            refused = []
+
+            def write_config(path: str) -> None:  # a --resume compares first (megaforge.resume)
+                why = resume.check_config(path, self.cfg, say) if self.cfg.resume else None
+                if why:
+                    refused.append(why)
+                else:
+                    save_config(self.cfg, path)
             try:
-                self._lock = claim(self.run_dir, self.cfg.resume, lambda path: save_config(self.cfg, path))
+                self._lock = claim(self.run_dir, self.cfg.resume, write_config)
             except RunDirError as e:
                 err = str(e)
+            if refused:
+                self.close()
+                err = refused[0]
+            elif self._lock is not None and self.cfg.resume:  # before anything heavy is loaded
+                for name in ("sft_metrics.jsonl", "metrics.jsonl"):
+                    for line in set_aside_bad_rows(os.path.join(self.run_dir, name)):
+                        say(line)
         err = collective.broadcast_object(err)
         if err:
             raise RunError(err)
@@ -142,6 +157,22 @@ class Run:
         self.resumed_from = path
         say(f"resumed from {path} (sft step {self.state['sft_step']}, rl step {self.state['rl_step']}; "
             f"verified in {t1 - t0:.1f} s, loaded in {time.perf_counter() - t1:.1f} s)")
+        self._schedule_from_config()
+
+    def _schedule_from_config(self) -> None:
+        """The checkpoint's learning-rate schedule (of the phase it stopped in) takes the peak, minimum,
+        warm-up and shape of the configuration: they differ only where resume_allow_changes let them
+        (megaforge.resume); its length and position stay the checkpoint's."""
+        s, c = self.trainer.sched, self.cfg
+        if not s or not (self.state["rl_step"] > 0 or 0 < self.state["sft_step"] < c.sft.max_steps):
+            return  # a fresh schedule starts with the next phase (reset_optimizer)
+        t = c.trainer
+        new = (dict(peak=t.lr, min_lr=t.min_lr, warmup=t.warmup_steps, schedule=t.lr_schedule) if self.state["rl_step"]
+               else dict(peak=c.sft.lr, min_lr=0.0, warmup=c.sft.warmup_steps, schedule="constant"))
+        changed = [f"{k} {s.get(k)} -> {v}" for k, v in new.items() if s.get(k) != v]
+        if changed:
+            s.update(new)
+            say(f"--resume: the checkpoint's learning-rate schedule takes the config's {', '.join(changed)}")
 
     def _build_engine(self):
         return build_engines(self.cfg, self.tokenizer)  # rank 0's engine; node leaders start their node's servers
@@ -264,6 +295,9 @@ class Run:
             bar = Progress(cfg.max_steps, self.state["rl_step"], "grpo", cfg.metrics.progress and collective.is_main())
             if self.state["rl_step"] == 0:
                 before = self._evaluate(0)  # eval.before_train: the starting policy, logged as step 0
+                if before is None:  # a stop signal during it: the resumed run (at RL step 0) evaluates again
+                    self._save_rl()
+                    self._stop("RL", 0)
                 if before and logger is not None:
                     logger.log(0, before)
             self._evaluate_pending(logger)
@@ -284,7 +318,12 @@ class Run:
                     self.state["eval_pending"] = step
                     say(f"stop requested: the evaluation of step {step} runs first in the resumed run")
                 else:
-                    m.update(self._evaluate(step))  # eval/<set>/... when due: part of the step's row
+                    evaluated = self._evaluate(step)  # eval/<set>/... when due: part of the step's row
+                    if evaluated is None:  # a stop signal during the evaluation: deferred the same way
+                        self.state["eval_pending"], stopping = step, True
+                    elif is_due(cfg, step) and step < cfg.max_steps:
+                        stopping = self._stop_requested()  # one during a finished evaluation: no next step
+                    m.update(evaluated or {})
                 if logger is not None:
                     logger.log(step, m)
                 bar.update(m)
@@ -316,18 +355,23 @@ class Run:
         if self.engine is not None:
             self.engine.shutdown()
 
-    def _evaluate(self, step: int, force: bool = False) -> dict:
+    def _evaluate(self, step: int, force: bool = False) -> Optional[dict]:
         """Every rank: the ``eval/...`` metrics of the engine's weights when evaluation is due after
         ``step`` (0: before training) or ``force`` (with eval sets), else {} (the metrics stay on the
-        main rank)."""
+        main rank). None on every rank when a stop signal reached the main rank during the evaluation:
+        it was abandoned between two engine calls (megaforge.eval.runner), nothing of it written."""
         if not (is_due(self.cfg, step) or (force and self.cfg.eval.sets)):
             return {}
 
         def run():
             self.driver.engine_for_eval()  # e.g. the rollout in flight drained, engine memory resumed
-            return self.evaluator.run(self.engine, step)
+            return self.evaluator.run(self.engine, step, stop=lambda: bool(self._stop_signal))
 
-        m = on_main(run, share=False) or {}
+        m = on_main(run, share=False)
+        if collective.main_flag(m is None):
+            say(f"stop requested during the evaluation of step {step}: abandoned; it runs first in the resumed run")
+            return None
+        m = m or {}
         if m:
             say(f"eval after step {step}: " + ", ".join(
                 f"{k.removeprefix('eval/')} {v:.3f}" for k, v in m.items() if k.endswith(("pass@1", "/reward/mean"))
@@ -354,6 +398,8 @@ class Run:
             raise RunError(f"checkpoint state has eval_pending={step} but rl_step={self.state['rl_step']}: "
                            f"the deferred evaluation belongs to another step")
         m = self._evaluate(step, force=True)
+        if m is None:  # stopped again: the checkpoint resumed from still holds this state, eval_pending included
+            self._stop("RL", step)
         if m and logger is not None:
             logger.amend(step, m)
 

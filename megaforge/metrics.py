@@ -4,7 +4,9 @@
 start). On resume the file is cut back to the checkpoint's step, so no step appears twice; a
 ``--resume`` that finds no checkpoint starts the file again. The rows so removed (steps a killed
 attempt ran after its last checkpoint) are not lost: they are appended to ``metrics.superseded.jsonl``
-(``sft_metrics.superseded.jsonl``) beside it, each with ``"superseded_at"`` (unix time).
+(``sft_metrics.superseded.jsonl``) beside it, each with ``"superseded_at"`` (unix time). Before a
+resume loads anything, :func:`set_aside_bad_rows` moves rows that are not a JSON object with a numeric
+``step`` (not UTF-8, malformed, a line cut by a crash) to ``metrics.jsonl.bad``, byte for byte.
 """
 from __future__ import annotations
 
@@ -49,6 +51,59 @@ def _replace_jsonl(path: str, recs: list[dict]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def bad_rows_path(path: str) -> str:
+    """``metrics.jsonl`` -> ``metrics.jsonl.bad``: where :func:`set_aside_bad_rows` keeps the rows it moves."""
+    return path + ".bad"
+
+
+def _row_problem(line: bytes) -> Optional[str]:
+    """None when ``line`` is a metrics row (a JSON object whose ``step`` is a finite number), else what it is."""
+    try:
+        rec = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 (byte {e.start})"
+    except ValueError as e:
+        return f"not JSON ({e})"
+    if not isinstance(rec, dict):
+        return f"a JSON {type(rec).__name__}, not an object"
+    step = rec.get("step")
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
+        return f"its step is {step!r}, not a number"
+    return None
+
+
+def _ended(line: bytes) -> bytes:
+    return line if line.endswith((b"\n", b"\r")) else line + b"\n"
+
+
+def set_aside_bad_rows(path: str) -> list[str]:
+    """Move the lines of jsonl file ``path`` that are not metrics rows (:func:`_row_problem`; blank lines
+    stay) to :func:`bad_rows_path`, appended as they were (fsynced before ``path`` is rewritten without
+    them, atomically): nothing written is lost. Returns one message per moved line, naming the file, the
+    line number and what is wrong ([] when every line is a row, or there is no file)."""
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    bad = [(i, line, why) for i, line in enumerate(lines, 1) if line.strip()
+           for why in [_row_problem(line)] if why is not None]
+    if not bad:
+        return []
+    side = bad_rows_path(path)
+    with open(side, "ab") as f:
+        f.write(b"".join(_ended(line) for _, line, _ in bad))
+        f.flush()
+        os.fsync(f.fileno())
+    moved = {i for i, _, _ in bad}
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(b"".join(_ended(line) for i, line in enumerate(lines, 1) if i not in moved))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return [f"{path} line {i}: {why}; moved to {side} (kept byte for byte)" for i, _, why in bad]
 
 
 def superseded_path(path: str) -> str:

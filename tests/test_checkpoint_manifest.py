@@ -68,3 +68,47 @@ def test_size_and_missing_files_are_named_before_hashing(ckpt):
     assert checkpoint.verify(str(root)) == "trainer/big.distcp: 2501 bytes, manifest says 2500"
     os.remove(root / "state.json")
     assert checkpoint.verify(str(root)) == "missing file state.json"
+
+
+GOOD = {"bytes": 14, "sha256": "0" * 64}
+
+
+@pytest.mark.parametrize("manifest,why", [
+    ({}, "state.json is not listed (0 files are)"),
+    ([], "expected a mapping of file -> size and sha256, got list"),
+    ("x", "got str"),
+    (None, "got NoneType"),
+    ({"state.json": []}, "entry 'state.json': expected {'bytes': n >= 0, ...}, got []"),
+    ({"state.json": {"bytes": "14", "sha256": "0" * 64}}, "entry 'state.json': expected {'bytes': n >= 0"),
+    ({"state.json": {"bytes": True, "sha256": "0" * 64}}, "entry 'state.json': expected {'bytes': n >= 0"),
+    ({"state.json": {"bytes": 14}}, "entry 'state.json': no sha256 (64 hex digits)"),
+    ({"state.json": {"bytes": 14, "piece_bytes": 0, "sha256_pieces": ["0" * 64]}}, "one sha256 per piece"),
+    ({"state.json": {"bytes": 14, "piece_bytes": 10, "sha256_pieces": ["0" * 64]}}, "one sha256 per piece"),
+    ({"state.json": GOOD, "../outside": GOOD}, "entry '../outside' is not a relative path inside the checkpoint"),
+    ({"state.json": GOOD, "/etc/passwd": GOOD}, "entry '/etc/passwd' is not a relative path"),
+])
+def test_a_manifest_not_of_the_written_form_makes_the_checkpoint_invalid(ckpt, manifest, why):
+    root, _ = ckpt
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    got = checkpoint.verify(str(root))
+    assert got is not None and got.startswith("invalid manifest.json: ") and why in got, got
+
+
+def test_a_non_utf8_manifest_is_unreadable(ckpt):
+    root, _ = ckpt
+    (root / "manifest.json").write_bytes(b'{"state.json": \xff}')
+    assert checkpoint.verify(str(root)).startswith("unreadable manifest.json: ")
+
+
+@pytest.mark.parametrize("manifest", [{}, []])
+def test_resume_falls_back_past_an_invalid_manifest(ckpt, manifest):
+    """``latest_valid`` (what --resume loads) names the checkpoint whose manifest is ``{}`` / ``[]`` and
+    takes the previous complete one."""
+    root, _ = ckpt
+    newer = root.parent / "step_000002"
+    import shutil
+    shutil.copytree(root, newer)
+    (newer / "manifest.json").write_text(json.dumps(manifest))
+    said = []
+    assert checkpoint.latest_valid(str(root.parent), log=said.append) == str(root)
+    assert len(said) == 1 and "step_000002 is not usable (invalid manifest.json: " in said[0]

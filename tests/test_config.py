@@ -1,4 +1,5 @@
 import os
+import re
 
 import pytest
 import yaml
@@ -151,3 +152,65 @@ def test_recursive_yaml_alias_is_refused_and_normal_aliases_work(tmp_path):
     p.write_text("model: {config: x}\ndata: {path: arithmetic}\ntrainer: {lr: &lr 2.0e-5}\nsft: {lr: *lr}\n")
     cfg = load_config(["--config", str(p)])
     assert cfg.trainer.lr == cfg.sft.lr == pytest.approx(2e-5)
+
+
+@pytest.mark.parametrize("key,value,expect", [
+    ("sft.lr", "-3e-3", "must be >= 0, got -0.003"),
+    ("trainer.lr", "-1e-6", "must be >= 0"),
+    ("trainer.min_lr", "-1", "must be >= 0"),
+    ("critic.lr", "0", "must be > 0"),
+    ("trainer.grad_clip", "-1", "must be >= 0"),
+    ("trainer.eps", "0", "must be > 0"),
+    ("trainer.weight_decay", "-0.1", "must be >= 0"),
+    ("trainer.warmup_steps", "-5", "must be >= 0"),
+    ("sft.warmup_steps", "-5", "must be >= 0"),
+    ("grpo.clip_low", "1.5", "must be in [0, 1)"),
+    ("grpo.clip_high", "-0.2", "must be >= 0"),
+    ("grpo.temperature", "-1", "must be > 0"),
+    ("eval.temperature", "-1", "must be > 0 (or null)"),
+    ("algo.clip_c", "1", "must be > 1 (or null)"),
+    ("algo.gamma", "0", "must be in (0, 1]"),
+    ("rollout.top_p", "0", "must be in (0, 1]"),
+])
+def test_impossible_values_are_refused_at_load(key, value, expect):
+    """`--sft.lr -3e-3` used to run (gradient ascent, exit 0): every lr / clip / temperature-like key
+    declares its range next to its field (configtree.bounded) and a value outside it is refused."""
+    with pytest.raises(ConfigError, match="^" + re.escape(f"config key '{key}': {expect}")):
+        load_config(["--config", DEMO, f"--{key}", value])
+
+
+def test_list_elements_and_null_against_bounds():
+    with pytest.raises(ConfigError, match=r"^config key 'trainer.betas\[1\]': must be in \[0, 1\), got 1.0$"):
+        load_config(["--config", DEMO, "--trainer.betas", "[0.9, 1.0]"])
+    cfg = load_config(["--config", DEMO, "--sft.lr", "0", "--algo.clip_c", "null", "--critic.value_clip", "null"])
+    assert (cfg.sft.lr, cfg.algo.clip_c, cfg.critic.value_clip) == (0.0, None, None)
+
+
+def test_a_bound_declared_on_any_dataclass_names_its_dotted_key():
+    from dataclasses import dataclass, field
+
+    from megaforge.configtree import bounded, build, help_text
+
+    @dataclass
+    class Inner:
+        rate: float = bounded(0.5, gt=0, le=1)
+        """A rate."""
+
+    @dataclass
+    class Outer:
+        inner: Inner = field(default_factory=Inner)
+        """Inner."""
+
+    assert build(Outer, {"inner": {"rate": 1}}).inner.rate == 1.0
+    with pytest.raises(ConfigError, match=r"^config key 'inner.rate': must be in \(0, 1\], got 0.0$"):
+        build(Outer, {"inner": {"rate": 0}})
+    assert "inner.rate (float, default 0.5, in (0, 1]): A rate." in help_text(Outer)
+
+
+def test_the_launcher_refuses_a_negative_lr_in_one_line():
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from run_helpers import run_in_process
+
+    rc, out, err = run_in_process("sft", ["--config", DEMO, "--sft.lr", "-3e-3", "--output_dir", "/nonexistent/x"])
+    assert rc == 2 and err == "megaforge: config error: config key 'sft.lr': must be >= 0, got -0.003\n", err

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from megaforge import configtree
-from megaforge.configtree import ConfigError
+from megaforge.configtree import ConfigError, bounded
 
 
 @dataclass
@@ -16,13 +16,13 @@ class GRPOConfig:
 
     n_samples: int = 8
     """Responses sampled per prompt (the group size)."""
-    clip_low: float = 0.2
+    clip_low: float = bounded(0.2, ge=0, lt=1)
     """Ratio lower clip: ratio >= 1 - clip_low."""
-    clip_high: float = 0.28
+    clip_high: float = bounded(0.28, ge=0)
     """Ratio upper clip: ratio <= 1 + clip_high (clip-higher when > clip_low)."""
-    beta: float = 0.0
+    beta: float = bounded(0.0, ge=0)
     """KL coefficient against the frozen reference policy (0 disables the reference model)."""
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, gt=0)
     """Sampling temperature; the trainer's logprobs use the same temperature."""
 
 
@@ -40,7 +40,7 @@ class AlgoConfig:
     null: the loss's own, as its paper (gspo, sapo: seq_mean_token_mean, the mean over sequences of each
     sequence's token mean; the other losses: token_mean). A value contradicting gspo's or sapo's is an
     error (under it the loss is not its paper's objective)."""
-    loss_agg_norm: float = 0.0
+    loss_agg_norm: float = bounded(0.0, ge=0)
     """Constant normaliser of seq_mean_token_sum_norm (0: rollout.max_new_tokens)."""
     kl_estimator: str = "low_var_kl"
     """KL estimator: k1 | k2 | k3 | low_var_kl."""
@@ -50,17 +50,17 @@ class AlgoConfig:
     reference, as verl does; not from the engine's rollout log-probs, which a different kernel computes."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (loss -= entropy_coef * entropy)."""
-    clip_c: Optional[float] = None
+    clip_c: Optional[float] = bounded(None, gt=1)
     """Dual-clip constant (> 1) bounding the loss of negative-advantage tokens; null disables."""
-    std_eps: float = 1e-6
+    std_eps: float = bounded(1e-6, ge=0)
     """Epsilon added to the std by ``grpo`` (group std) and the batch-normalised estimators."""
-    tis_cap: Optional[float] = None
+    tis_cap: Optional[float] = bounded(None, gt=0)
     """Truncated importance sampling cap on pi_old/pi_rollout (null disables)."""
     tis_level: Literal["token", "sequence"] = "token"
     """TIS ratio: per token, or the sequence's product of token ratios applied to all its tokens."""
-    mis_threshold: Optional[float] = None
+    mis_threshold: Optional[float] = bounded(None, gt=0)
     """Masked importance sampling: weight 0 where pi_old/pi_rollout exceeds this (null disables)."""
-    mis_threshold_low: Optional[float] = None
+    mis_threshold_low: Optional[float] = bounded(None, gt=0)
     """Masked importance sampling lower bound: weight 0 where the ratio is below this (null: none)."""
     mis_level: Literal["token", "sequence", "geometric"] = "token"
     """MIS ratio: per token, the sequence's product of ratios, or its geometric mean (rejection only)."""
@@ -73,11 +73,11 @@ class AlgoConfig:
     overlong_buffer: int = 0
     """DAPO soft overlong punishment: responses longer than rollout.max_new_tokens - overlong_buffer
     get a linearly growing penalty (0 disables)."""
-    overlong_penalty: float = 1.0
+    overlong_penalty: float = bounded(1.0, ge=0)
     """Penalty at rollout.max_new_tokens tokens (DAPO: 1.0)."""
-    gamma: float = 1.0
+    gamma: float = bounded(1.0, gt=0, le=1)
     """Discount for reinforce_pp / gae."""
-    lam: float = 1.0
+    lam: float = bounded(1.0, ge=0, le=1)
     """GAE lambda."""
     plugins: list[str] = field(default_factory=list)
     """Modules imported at start-up so that the losses / advantages / rewards they register by name
@@ -123,7 +123,7 @@ class CriticConfig:
     """Hugging Face model directory of the critic's backbone; empty: a copy of the policy at RL start
     (after the SFT warm start; the only choice of trainer.backend megatron, where the critic is a
     second GPTModel at the policy's layout). The value head starts at zero."""
-    lr: float = 1e-5
+    lr: float = bounded(1e-5, gt=0)
     """Critic learning rate (constant, AdamW with the trainer's betas / eps / weight decay)."""
-    value_clip: Optional[float] = 0.2
+    value_clip: Optional[float] = bounded(0.2, gt=0)
     """PPO value clipping: V_clip = V_old + clip(V - V_old, -value_clip, value_clip); null disables."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from megaforge.config.rewards import reward_label
+from megaforge.configtree import bounded
 
 
 @dataclass
@@ -53,7 +54,7 @@ class EvalConfig:
     """Sampled responses per prompt for pass@k (0: none)."""
     pass_k: list[int] = field(default_factory=list)
     """k of the sampled pass@k (each 1 <= k <= eval.n_samples); empty: 1 and eval.n_samples."""
-    temperature: Optional[float] = None
+    temperature: Optional[float] = bounded(None, gt=0)
     """Temperature of the sampled responses (null: grpo.temperature); top_p / top_k are rollout's."""
     max_new_tokens: int = 0
     """Response length limit (0: rollout.max_new_tokens)."""
@@ -90,7 +91,6 @@ class EvalConfig:
              "evaluation needs greedy responses or eval.n_samples > 0")
         for k in self.pass_k:
             need(1 <= k <= self.n_samples, "eval.pass_k", f"{k} is not in [1, eval.n_samples={self.n_samples}]")
-        need(self.temperature is None or self.temperature > 0, "eval.temperature", "must be > 0 (or null)")
         need(self.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0")
         need(not self.sets or self.interval > 0 or self.before_train, "eval.sets",
              "are never evaluated: set eval.interval and/or eval.before_train")

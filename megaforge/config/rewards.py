@@ -8,6 +8,7 @@ from typing import Literal, Optional
 
 from megaforge.config.model import DType, ModelConfig
 from megaforge.config.rollout import RolloutConfig
+from megaforge.configtree import bounded
 
 
 @dataclass
@@ -68,7 +69,7 @@ class JudgeConfig:
     """Reward = (score - score_min) / (score_max - score_min), in [0, 1]; false: the score itself."""
     max_new_tokens: int = 256
     """Tokens the judge may write."""
-    temperature: float = 0.0
+    temperature: float = bounded(0.0, ge=0)
     """Judge sampling temperature; 0: greedy (the same answer for the same sample)."""
     batch_size: int = 32
     """Samples judged per engine call."""

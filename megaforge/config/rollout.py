@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megaforge.configtree import bounded
+
 
 @dataclass
 class RolloutConfig:
@@ -14,7 +16,7 @@ class RolloutConfig:
     """Prompts per RL step (each sampled grpo.n_samples times)."""
     max_new_tokens: int = 128
     """Maximum response length."""
-    top_p: float = 1.0
+    top_p: float = bounded(1.0, gt=0, le=1)
     """Nucleus sampling."""
     top_k: int = -1
     """Top-k sampling (-1: off)."""
@@ -47,7 +49,7 @@ class RolloutConfig:
     """Number of engines (sglang)."""
     num_gpus: int = 0
     """GPUs reserved for rollout when disaggregated (0: colocated with the trainer)."""
-    mem_fraction: float = 0.5
+    mem_fraction: float = bounded(0.5, gt=0, le=1)
     """Fraction of GPU memory the engine may use (sglang --mem-fraction-static)."""
     router: bool = False
     """Put the SGLang router in front of several engines."""
@@ -71,9 +73,9 @@ class RolloutConfig:
     /update_weights_from_disk (its --weight-root); nothing else is readable. megaforge adds the folders
     it writes weights to itself: rollout.snapshot_dir, else the temporary folder (default snapshots,
     sync.transport disk). Loopback servers read any directory."""
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: float = bounded(600.0, gt=0)
     """Seconds an engine may take to become healthy."""
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = bounded(600.0, gt=0)
     """Seconds one generation request may take (HTTP engines: one request carries an engine's whole
     share of the step when there is no router). An engine that does not answer within it is hung: it is
     restarted (see ``rollout.max_restarts``)."""
@@ -84,7 +86,7 @@ class RolloutConfig:
     snapshot written by each weight update, its memory state restored and its unfinished requests
     re-issued (each prompt gets its samples once). One more failure stops the run with an error naming
     the engine and its log. 0: no restarts and no snapshot."""
-    health_timeout_s: float = 30.0
+    health_timeout_s: float = bounded(30.0, gt=0)
     """Seconds an engine's /health_generate may take in the health check at the start of every step."""
     snapshot_dir: str = ""
     """Folder of the weight snapshot that re-syncs a restarted engine (empty: a temporary folder; a

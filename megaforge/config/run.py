@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megaforge.configtree import bounded
+
 
 @dataclass
 class LoopConfig:
@@ -34,7 +36,7 @@ class LoopConfig:
     trained; the context still holds them) or correct (trained, importance-corrected with their
     recorded rollout logprobs: needs algo.tis_cap or algo.mis_threshold). Tokens older than K are
     masked either way."""
-    oversample: float = 1.0
+    oversample: float = bounded(1.0, ge=1)
     """Prompts drawn per step = batch_size * oversample when filters may drop groups."""
 
 

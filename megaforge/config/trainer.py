@@ -1,10 +1,11 @@
 """Config sections of the trainer backend (``trainer:``) and the supervised warm start (``sft:``)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 from megaforge.config.model import DataConfig
+from megaforge.configtree import bounded
 
 
 @dataclass
@@ -13,21 +14,21 @@ class TrainerConfig:
     """Trainer backend: torch (HF modules, DDP) or megatron (megatron-core, TP/PP/CP)."""
     device: str = "auto"
     """auto | cpu | cuda."""
-    lr: float = 1e-6
-    """Peak learning rate."""
-    min_lr: float = 0.0
+    lr: float = bounded(1e-6, ge=0)
+    """Peak learning rate (a negative one would ascend the loss)."""
+    min_lr: float = bounded(0.0, ge=0)
     """Final learning rate of the cosine / linear schedule."""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     """Learning-rate schedule after warm-up."""
-    warmup_steps: int = 0
+    warmup_steps: int = bounded(0, ge=0)
     """Linear warm-up optimizer steps."""
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, ge=0)
     """AdamW weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = bounded([0.9, 0.999], ge=0, lt=1)
     """AdamW betas."""
-    eps: float = 1e-8
+    eps: float = bounded(1e-8, gt=0)
     """AdamW epsilon."""
-    grad_clip: float = 1.0
+    grad_clip: float = bounded(1.0, ge=0)
     """Global gradient-norm clip (0 disables)."""
     micro_batch_size: int = 8
     """Sequences per forward/backward."""
@@ -94,9 +95,9 @@ class SFTConfig:
     """SFT optimizer steps before RL (0 skips the warm start). The SFT launcher runs only these."""
     batch_size: int = 32
     """Sequences per SFT step."""
-    lr: float = 1e-3
-    """SFT learning rate."""
-    warmup_steps: int = 0
+    lr: float = bounded(1e-3, ge=0)
+    """SFT learning rate (a negative one would ascend the loss)."""
+    warmup_steps: int = bounded(0, ge=0)
     """Linear warm-up of the SFT learning rate."""
     data: Optional[DataConfig] = None
     """SFT data; null: ``data`` (the RL prompts with their ``response`` targets). Rows are

@@ -44,6 +44,18 @@ def even_length_stopping(prompt: str, response: str, target) -> float:
     return even_length(prompt, response, target)
 
 
+def even_length_stop_in_eval(prompt: str, response: str, target) -> float:
+    """``even_length``, and once: SIGTERM to the run (this reward worker's parent process) when it scores
+    a response to a row labelled ``STOP`` (rows only the evaluation set has) and
+    ``MF_TEST_STOP_IN_EVAL=<marker file>`` does not exist yet (it is created then). The signal lands
+    inside the evaluation's first engine call's scoring, whatever the timing."""
+    marker = os.environ.get("MF_TEST_STOP_IN_EVAL")
+    if marker and target == "STOP" and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getppid(), signal.SIGTERM)
+    return even_length(prompt, response, target)
+
+
 def env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                 PYTHONPATH=os.pathsep.join([ROOT, HERE]))

@@ -67,12 +67,17 @@ def test_crafted_checkpoint_is_refused_and_run_dir_config_is_not_imported(tmp_pa
     p = run(out, "s", "--max_steps", "1", "--checkpoint.keep_last_n", "3")
     assert p.returncode == 0, p.stderr[-2000:]
     run_dir = tmp_path / "s"
-    # a run directory's config names a plug-in: --resume uses the config given, never this one
+    # a run directory's config names a plug-in: --resume uses the config given, never this one (it only
+    # compares the two: the change is named, refused, then allowed; the plug-in is never imported)
     cfg = (run_dir / "config.yaml").read_text().replace("plugins: []", "plugins: [evil_plugin]")
     assert "evil_plugin" in cfg
     (run_dir / "config.yaml").write_text(cfg)
     p = run(out, "s", "--max_steps", "2", "--checkpoint.keep_last_n", "3", "--resume", marker=marker)
+    assert p.returncode == 1 and "--resume: algo.plugins changed" in p.stderr, p.stderr[-2000:]
+    p = run(out, "s", "--max_steps", "2", "--checkpoint.keep_last_n", "3", "--resume", "--resume_allow_changes",
+            "algo.plugins", marker=marker)
     assert p.returncode == 0, p.stderr[-2000:]
+    assert "config change algo.plugins: ['evil_plugin'] -> [] (allowed by resume_allow_changes)" in p.stdout
     assert not os.path.exists(marker)
     # the newest checkpoint's weights replaced by a pickle that runs code; the manifest rewritten to match
     ckpt = run_dir / "checkpoints" / "step_000002"
