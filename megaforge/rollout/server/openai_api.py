@@ -316,6 +316,18 @@ class OpenAIRoutes:
             await resp.write(b"data: " + (payload if isinstance(payload, bytes) else json.dumps(payload).encode())
                              + b"\n\n")
 
+        try:
+            await self.stream_choices(send, chunk, obj, choices)
+            if (b["stream_options"] or {}).get("include_usage"):
+                await send({**chunk, "choices": [], "usage": usage})
+            await send(b"[DONE]")
+            await resp.write_eof()
+        except ConnectionError:  # the client left during the stream: nothing to answer
+            pass
+        return resp
+
+    @staticmethod
+    async def stream_choices(send, chunk: dict, obj: str, choices: list) -> None:
         for c in choices:
             if obj == "chat.completion":
                 await send({**chunk, "choices": [{"index": c["index"], "delta": {"role": "assistant", "content": ""},
@@ -330,11 +342,6 @@ class OpenAIRoutes:
                 await send({**chunk, "choices": [{"index": c["index"], "text": "", "logprobs": None,
                                                   "finish_reason": c["finish_reason"],
                                                   "matched_stop": c["matched_stop"]}]})
-        if (b["stream_options"] or {}).get("include_usage"):
-            await send({**chunk, "choices": [], "usage": usage})
-        await send(b"[DONE]")
-        await resp.write_eof()
-        return resp
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)

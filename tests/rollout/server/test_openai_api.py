@@ -196,7 +196,7 @@ def test_sglang_bench_serving_openai_modes(srv, backend, tmp_path):
     out = tmp_path / "bench.jsonl"
     env = {**os.environ, "OPENAI_API_KEY": KEY}
     r = subprocess.run([sys.executable, "-m", "sglang.bench_serving", "--backend", backend, "--base-url", srv.url,
-                        "--dataset-name", "random", "--tokenizer", TOKENIZER, "--model", "tiny", "--num-prompts", "8",
+                        "--dataset-name", "random-ids", "--tokenizer", TOKENIZER, "--model", "tiny", "--num-prompts", "8",
                         "--random-input-len", "16", "--random-output-len", "8", "--random-range-ratio", "1",
                         "--output-file", str(out)], capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
