@@ -14,6 +14,11 @@ Rules (what :class:`RestrictedUnpickler` enforces; Python's pure-Python unpickle
   payload, once. ``OBJ``, ``INST``, persistent ids, extension codes, out-of-band buffers and
   ``BYTEARRAY8`` (which allocates its declared length first) are refused; container opcodes apply to
   real lists, dicts and sets only.
+* Work and memory before any building are bounded: one parser executes at most ``max_ops`` opcodes
+  (:data:`MAX_OPS` by default). Each opcode adds at most one object to the stack, the memo or a
+  container, so a payload of 50 M one-byte ``EMPTY_LIST`` opcodes (~3 GB of lists) is refused after
+  ``max_ops`` (~1 M objects, ~60 MB) instead of being built. A bucket of separate tensors needs ~46
+  opcodes per tensor (1 M: ~22,000 tensors in one bucket); a flattened bucket needs a few per tensor.
 
 Malformed payloads, refused opcodes and sizes raise :class:`PayloadError` (a ValueError) naming the reason.
 """
@@ -75,6 +80,7 @@ class Allowlist:
 
 # ------------------------------------------------------------------------------------ argument checks
 MAX_DIM = 1 << 62
+MAX_OPS = 1 << 20  # opcodes one parser may execute (see the module docstring)
 
 
 def bad(what: str, v: Any, expected: str):
@@ -119,9 +125,18 @@ class OpcodeRestricted(pickle._Unpickler):
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
-    def __init__(self, file, budget: list):
+    def __init__(self, file, budget: list, max_ops: int = MAX_OPS):
         super().__init__(file)
         self.budget = budget  # [bytes still allowed], shared with nested parsers
+        self.ops_left = max_ops
+        self.max_ops = max_ops
+
+    def count_op(self) -> None:
+        """Called before every opcode: refuse the payload once it has executed ``max_ops`` of them."""
+        self.ops_left -= 1
+        if self.ops_left < 0:
+            raise PayloadError(f"more than {self.max_ops} pickle opcodes: a tensor bucket needs far fewer (each opcode "
+                               f"may add an object; refused before building them)")
 
     def reserve(self, nbytes: int, what: str) -> None:
         if nbytes > self.budget[0]:
@@ -217,6 +232,17 @@ for _op, _fn in ((pickle.REDUCE, "load_reduce"), (pickle.BUILD, "load_build"), (
     OpcodeRestricted.dispatch[_op[0]] = _dispatch_to(_fn)
 
 
+def _counted(fn):
+    def op(self):
+        self.count_op()
+        return fn(self)
+    return op
+
+
+for _op, _fn in list(OpcodeRestricted.dispatch.items()):  # every opcode counted (MAX_OPS)
+    OpcodeRestricted.dispatch[_op] = _counted(_fn)
+
+
 def global_name(module: str, name: str) -> str:
     """``module.name``, with Python 2 names (protocol < 3 pickles) mapped as pickle.Unpickler does."""
     if (module, name) in _compat_pickle.NAME_MAPPING:
@@ -229,8 +255,8 @@ def global_name(module: str, name: str) -> str:
 class RestrictedUnpickler(OpcodeRestricted):
     """An unpickler that builds only what ``allow`` permits (see the module docstring)."""
 
-    def __init__(self, file, allow: Allowlist, max_bytes: int):
-        super().__init__(file, [int(max_bytes)])
+    def __init__(self, file, allow: Allowlist, max_bytes: int, max_ops: int = MAX_OPS):
+        super().__init__(file, [int(max_bytes)], max_ops)
         self.allow = allow
         self._records: dict[int, Any] = {}  # id -> record made in this payload, not yet BUILT
         self._keep: list = []  # keeps the records alive, so their ids stay unique

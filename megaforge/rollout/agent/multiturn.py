@@ -16,6 +16,9 @@ The interface. ``rollout.generate_fn: package.module:callable`` names a function
   Optional: ``metadata["env_reward"]`` (added to the reward, logged as ``reward/env``) and
   ``metadata["episode"]`` ({name: number}, averaged into ``episode/<name>`` metrics).
 * The caller sets ``group_id`` and ``label`` and checks the rest (:func:`call_generate_fn`).
+* With an HTTP engine (``embedded_server`` or ``sglang``), ``engine.openai_base_urls[0]`` and
+  ``engine.api_key`` let it use an OpenAI client (``/v1/completions``, ``/v1/chat/completions``):
+  ``examples/openai_client/generate_fn.py``.
 
 The tool driver. :func:`tool_rollout` (``rollout.generate_fn: megaforge.rollout.agent.multiturn:tool_rollout``,
 ``rollout.generate_kwargs: {tools: [calculator]}``) runs one :class:`ToolEnv` per sample through

@@ -89,6 +89,19 @@ class HTTPEngine(Recovery, Engine):
         log.info("engine %s: %s", client.url, caps.label)
         return caps
 
+    @property
+    def openai_base_urls(self) -> list[str]:
+        """The OpenAI-compatible base URL (``<server>/v1``) of the router, when there is one, else of each
+        server: real SGLang and megaforge's embedded server both serve ``/v1/models``,
+        ``/v1/completions`` and ``/v1/chat/completions`` there. For a ``rollout.generate_fn``:
+        ``openai.OpenAI(base_url=engine.openai_base_urls[0], api_key=engine.api_key or "none")``."""
+        return [f"{c.url}/v1" for c in ([self.router] if self.router is not None else self.clients)]
+
+    @property
+    def api_key(self) -> str:
+        """The bearer key of the servers ("" when they have none)."""
+        return self.clients[0].api_key
+
     def needs_session(self, k: int) -> bool:
         """Whether engine ``k``'s weight updates need /begin_weight_update .. /end_weight_update."""
         return self.caps[k].weight_update_session

@@ -33,6 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--api-key", default=None, help=f"bearer token (default: ${API_KEY_ENV})")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id of the OpenAI-compatible routes (/v1/models; default: --model)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -65,6 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-connections", type=int, default=0,
                    help="open connections at most (default 0: the open-file limit less a reserve); at the limit the "
                         "oldest idle one is closed")
+    p.add_argument("--max-body-readers", type=int, default=0,
+                   help="requests that may be sending their bodies at once (default 0: a quarter of the connection "
+                        "limit, at least 4); beyond it a request is answered 503 before its body is read, so slow "
+                        "bodies cannot take every connection slot")
     p.add_argument("--health-timeout", type=float, default=20.0,
                    help="seconds /health_generate waits for a decoding step (SGLang's HEALTH_CHECK_TIMEOUT, default 20)")
     p.add_argument("--generate-delay", type=float, default=0.0,
@@ -129,10 +135,12 @@ async def serve(args, sock: socket.socket) -> None:
                            keepalive_timeout=args.idle_timeout)
     await runner.setup()
     srv.guard = ConnectionGuard(runner.server, default_max_connections(args.max_connections))
+    if args.max_body_readers <= 0:
+        args.max_body_readers = max(4, srv.guard.max_connections // 4)
     listener = await asyncio.get_running_loop().create_server(srv.guard, sock=sock, backlog=ACCEPT_BACKLOG)
-    log.info("serving %s on http://%s:%d (weight version %s, auth %s, context %d tokens, at most %d connections)",
-             args.model, host, port, srv.version, "on" if args.api_key else "off", srv.context,
-             srv.guard.max_connections)
+    log.info("serving %s on http://%s:%d (weight version %s, auth %s, context %d tokens, at most %d connections, "
+             "%d reading bodies)", args.model, host, port, srv.version, "on" if args.api_key else "off", srv.context,
+             srv.guard.max_connections, args.max_body_readers)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for s in (signal.SIGTERM, signal.SIGINT):
@@ -144,6 +152,7 @@ async def serve(args, sock: socket.socket) -> None:
     await runner.cleanup()
     srv.pool.shutdown(wait=False, cancel_futures=True)
     srv.dist_pool.shutdown(wait=False, cancel_futures=True)
+    srv.decode_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def main(argv=None) -> None:

@@ -12,7 +12,10 @@
   connection has one the new connection gets a 503.
   A connection that sends no complete request head within ``--idle-timeout`` seconds of connecting or
   of its last answer is closed (aiohttp's keep-alive timer, armed at connect), and a request body
-  must arrive within ``--body-timeout`` seconds.
+  must arrive within ``--body-timeout`` seconds. At most ``--max-body-readers`` requests (default a
+  quarter of ``max_connections``) read their bodies at once; another gets a 503 before its body is
+  read, so connections trickling bodies hold at most that many slots and the rest (``/health``, the
+  requests whose bodies have arrived) keep theirs.
 """
 from __future__ import annotations
 

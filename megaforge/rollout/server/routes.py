@@ -19,11 +19,18 @@ from megaforge.net import is_loopback
 from megaforge.rollout.http import protocol as P
 from megaforge.rollout.http.auth import bearer_ok
 from megaforge.rollout.server import weights as W
+from megaforge.rollout.server.openai_api import OpenAIRoutes, openai_error
 from megaforge.sync import weight_group, wire
 from megaforge.sync.check import dtype_name, tensor_digest
 
 log = logging.getLogger("megaforge.engine_server")
 NO_SESSION = "{} must run between begin_weight_update() and end_weight_update()"
+
+
+def client_gone(request: web.Request) -> bool:
+    """Whether the client of ``request`` has closed its connection."""
+    t = request.transport
+    return t is None or t.is_closing()
 
 
 def _bad_request(field: str, message: str) -> web.Response:
@@ -48,45 +55,75 @@ class Routes:
 
     @web.middleware
     async def guard(self, request: web.Request, handler):
+        oai = request.path.startswith("/v1/")  # OpenAI-compatible routes answer errors in OpenAI's shape
         if self.api_key and not request.path.startswith("/health"):
             if not bearer_ok(request.headers.get("Authorization", ""), self.api_key):
                 log.warning("401 %s %s from %s", request.method, request.path, request.remote)
+                if oai:
+                    return openai_error(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                                        code="invalid_api_key")
                 return web.json_response({"error": "Unauthorized"}, status=401)
         if self.srv.guard is not None:
             self.srv.guard.begin(request.protocol)  # a request in progress: its connection is not idle
         try:
             return await handler(request)
         except P.FieldError as e:
+            if oai:
+                return openai_error(400, f"{request.path}: {e}", param=e.field)
             return _bad_request(e.field, f"{request.path}: {e}")
         except (P.StateError, P.LengthError) as e:
+            if oai:
+                return openai_error(400, f"{request.path}: {e}")
             return web.json_response({"error": {"message": f"{request.path}: {e}"}}, status=400)
         except web.HTTPException:
             raise
         except Exception as e:  # noqa: BLE001  (a bug: answered with its cause instead of aiohttp's bare page)
             log.exception("500 %s %s", request.method, request.path)
-            return web.json_response({"error": {"message": f"{request.path}: internal error: {type(e).__name__}: {e}"}},
-                                     status=500)
+            message = f"{request.path}: internal error: {type(e).__name__}: {e}"
+            if oai:
+                return openai_error(500, message)
+            return web.json_response({"error": {"message": message}}, status=500)
         finally:
             if self.srv.guard is not None:
                 self.srv.guard.end(request.protocol)
 
-    async def body(self, request: web.Request) -> dict:
+    async def read_json(self, request: web.Request):
+        """The request's JSON body (``{}`` when empty). A body that has not fully arrived with its head
+        waits for the rest only while fewer than ``--max-body-readers`` requests do (beyond: 503, so that
+        connections trickling bodies cannot fill every connection slot), and at most ``--body-timeout``
+        seconds (408)."""
+        if request.content.is_eof():  # the whole body arrived (or there is none): nothing to wait for
+            return self.parse_json(await request.read())
+        if self.srv.body_readers >= self.srv.args.max_body_readers:
+            self.srv.refused_body_readers += 1
+            raise web.HTTPServiceUnavailable(text=json.dumps({"error": {"message": f"{request.path}: "
+                                             f"{self.srv.body_readers} requests are sending their bodies, the most this "
+                                             f"server reads at once (--max-body-readers); retry later"}}),
+                                             content_type="application/json", headers={"Connection": "close"})
+        self.srv.body_readers += 1
         try:
             raw = await asyncio.wait_for(request.read(), self.srv.args.body_timeout)
         except asyncio.TimeoutError:
             raise web.HTTPRequestTimeout(text=json.dumps({"error": {"message": f"{request.path}: the request body did "
                                          f"not arrive within {self.srv.args.body_timeout:g} s"}}),
                                          content_type="application/json") from None
+        finally:
+            self.srv.body_readers -= 1
+        return self.parse_json(raw)
+
+    @staticmethod
+    def parse_json(raw: bytes):
         if not raw.strip():
-            data = {}
-        else:
-            try:
-                data = json.loads(raw)
-            except ValueError as e:
-                raise P.FieldError("<body>", f"not valid JSON ({e})") from None
-            except RecursionError:
-                raise P.FieldError("<body>", "JSON nested too deeply") from None
-        return P.validate(P.SCHEMAS[request.path], data)
+            return {}
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise P.FieldError("<body>", f"not valid JSON ({e})") from None
+        except RecursionError:
+            raise P.FieldError("<body>", "JSON nested too deeply") from None
+
+    async def body(self, request: web.Request) -> dict:
+        return P.validate(P.SCHEMAS[request.path], await self.read_json(request))
 
     def version_after(self, b: dict) -> None:
         if b.get("weight_version") is not None:
@@ -106,7 +143,7 @@ class Routes:
     async def generate(self, request):
         b = await self.body(request)
         try:
-            return web.json_response(await self.srv.generate(b))
+            return web.json_response(await self.srv.generate(b, gone=lambda: client_gone(request)))
         except (ValueError, RuntimeError) as e:
             if isinstance(e, (P.FieldError, P.LengthError, P.StateError)):
                 raise
@@ -147,15 +184,16 @@ class Routes:
             raise P.FieldError("load_format", f"expected null or {wire.FLATTENED_BUCKET!r}, got {b['load_format']!r}")
         self.check_weights_resident("update_weights_from_tensor")
 
-        def job():
+        def decode():  # on the decoding thread: the engine keeps generating meanwhile
             try:
                 obj = wire.deserialize(b["serialized_named_tensors"][0], self.srv.args.max_bucket_mb << 20)
-                named = wire.named_tensors_from_payload(obj, b["load_format"])
+                return wire.named_tensors_from_payload(obj, b["load_format"])
             except ValueError as e:  # UnpicklingRefused, PayloadError, a malformed layout
                 return P.FieldError("serialized_named_tensors", f"{type(e).__name__}: {e}")
-            return self.load_checked(named, b)
 
-        return self.finish("update_weights_from_tensor", b, await self.srv.run(job), f"Success: {{}} tensors loaded")
+        named = await self.srv.run_decode(decode)
+        result = named if isinstance(named, P.FieldError) else await self.srv.run(self.load_checked, named, b)
+        return self.finish("update_weights_from_tensor", b, result, f"Success: {{}} tensors loaded")
 
     def load_checked(self, named, b) -> object:
         """Engine thread: load ``named`` (checked first: a refused bucket changes nothing); the count,
@@ -385,6 +423,7 @@ class Routes:
             get += [("/get_weight_version", self.weight_version)]
         for path, h in get:
             app.router.add_get(path, h)
+        OpenAIRoutes(self, client_gone).add_to(app)
         return app
 
 

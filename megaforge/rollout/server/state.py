@@ -1,10 +1,18 @@
 """The embedded server's state around one EmbeddedEngine (:class:`Server`): requests checked and turned
 into the engine's, queued / running / aborted requests, memory tags, weight-update session and groups,
-health. Engine work runs on one worker thread, weight-group set-up on another."""
+health. Engine work runs on one worker thread, weight-group set-up on another, the decoding of
+``/update_weights_from_tensor`` payloads on a third (a large or hostile payload does not hold generation).
+
+Abandoned requests: while a request waits for the engine its client's connection is watched
+(:meth:`Server.generate`'s ``gone``); once the client has left, its queued requests are dropped before they
+start and, when its batch is the one the engine is running, the engine aborts it (the engine thread runs
+one HTTP request's batch at a time, so this aborts no other client's requests).
+"""
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +23,8 @@ from megaforge.rollout.http import protocol as P
 from megaforge.rollout.http.protocol import MEMORY_TAGS, StateError, finish_reason_json
 from megaforge.rollout.server.limits import max_text_bytes
 from megaforge.types import Completion, GenerateRequest, SamplingParams
+
+WATCH_S = 0.1  # how often a waiting request checks whether its client has left
 
 
 class Server:
@@ -28,6 +38,12 @@ class Server:
         self.max_text_bytes = max_text_bytes(self.context, token_bytes)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.dist_pool = ThreadPoolExecutor(1, thread_name_prefix="dist-setup")  # group set-up: off the engine thread
+        self.decode_pool = ThreadPoolExecutor(1, thread_name_prefix="decode")  # weight payloads: off the engine thread
+        self._job_lock = threading.Lock()  # guards _current_job and aborted_rids between the loop and the engine thread
+        self._current_job: object = None  # the rid tuple of the batch on the engine thread
+        self.abandoned = 0  # requests dropped or aborted because their client left
+        self.body_readers = 0  # requests reading their body now (megaforge.rollout.server.routes)
+        self.refused_body_readers = 0
         self._health_job = None  # the 1-token generation of /health_generate, while it is pending
         self.guard = None  # the ConnectionGuard, once serving
         self.released: set[str] = set()
@@ -45,6 +61,10 @@ class Server:
 
     async def run(self, fn, *a):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *a)
+
+    async def run_decode(self, fn, *a):
+        """``fn`` on the payload-decoding thread (one at a time: a decode's memory is bounded once)."""
+        return await asyncio.get_running_loop().run_in_executor(self.decode_pool, fn, *a)
 
     async def run_dist_setup(self, fn, *a):
         """``fn`` on the weight-group set-up thread: a rendezvous that waits does not hold the engine."""
@@ -94,7 +114,7 @@ class Server:
                 raise P.LengthError(("" if single else f"{where}: ") + P.input_too_long(len(ids), self.context))
         return prompts, single, field
 
-    async def _requests(self, body: dict) -> tuple[list, bool]:
+    async def requests_of(self, body: dict) -> tuple[list, bool]:
         prompts, single, field = await self._prompts(body)
         n = len(prompts)
         vocab = self.engine.model.config.vocab_size
@@ -142,22 +162,41 @@ class Server:
         """Worker thread: (completions, the weight version they were generated with)."""
 
         version = self.version  # weight updates run on this same thread: stable for the job
-        for req, _, _ in items:
-            self.queued.pop(req.rid, None)
-        if epoch != self.epoch:  # abort_all / pause(abort) came while queued
-            return [Completion(r.rid, [], [], "abort", 0, "") for r, _, _ in items], version
-        todo = [r for r, _, _ in items if r.rid not in self.aborted_rids]
-        self.running.update(r.rid for r in todo)
+        job = tuple(r.rid for r, _, _ in items)
+        with self._job_lock:
+            for rid in job:
+                self.queued.pop(rid, None)
+            self._current_job = job
         try:
-            if self.args.generate_delay > 0:
-                time.sleep(self.args.generate_delay)
-            go = todo if epoch == self.epoch else []  # an abort_all during the delay aborts them
-            done = {c.rid: c for c in self.engine.generate(go)} if go else {}
+            if epoch != self.epoch:  # abort_all / pause(abort) came while queued
+                return [Completion(r.rid, [], [], "abort", 0, "") for r, _, _ in items], version
+            todo = [r for r, _, _ in items if r.rid not in self.aborted_rids]
+            self.running.update(r.rid for r in todo)
+            try:
+                if self.args.generate_delay > 0 and todo:
+                    time.sleep(self.args.generate_delay)
+                with self._job_lock:  # an abort_all or a client that left during the delay
+                    go = [r for r in todo if r.rid not in self.aborted_rids] if epoch == self.epoch else []
+                done = {c.rid: c for c in self.engine.generate(go)} if go else {}
+            finally:
+                self.running.difference_update(r.rid for r in todo)
         finally:
-            self.running.difference_update(r.rid for r in todo)
+            with self._job_lock:
+                self._current_job = None
+                self.aborted_rids.difference_update(job)
         self.served += sum(c.finish_reason != "abort" for c in done.values())
-        self.aborted_rids.difference_update(r.rid for r, _, _ in items)
         return [done.get(r.rid) or Completion(r.rid, [], [], "abort", 0, "") for r, _, _ in items], version
+
+    def abandon(self, rids: tuple) -> None:
+        """The client of the batch ``rids`` has left: drop it if queued, abort the engine if it is running
+        (idempotent; called again until the batch is done, as the engine clears an abort as it starts)."""
+        with self._job_lock:
+            new = [r for r in rids if r not in self.aborted_rids]
+            self.aborted_rids.update(rids)
+            if self._current_job == rids:
+                self.engine.abort()
+        if new:
+            self.abandoned += len(new)
 
     def _answer(self, req, sp: dict, want_lp: bool, c, version: str) -> dict:
         text = ""
@@ -176,16 +215,29 @@ class Server:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.output_logprobs, c.output_ids)]
         return {"text": text, "output_ids": list(c.output_ids), "meta_info": meta}
 
-    async def generate(self, body: dict):
-        items, single = await self._requests(body)
+    async def generate(self, body: dict, gone=None):
+        """The answers of a native ``/generate`` body; ``gone()`` (optional) says whether the client has
+        left, polled every :data:`WATCH_S` while the batch waits or runs (then :meth:`abandon`)."""
+        items, single = await self.requests_of(body)
+        return await self.generate_items(items, single, gone)
+
+    async def generate_items(self, items: list, single: bool, gone=None):
         await self.unpaused.wait()
         if self.released & {"weights", "kv_cache"}:
             raise StateError(f"cannot generate: memory is released ({sorted(self.released)}); "
                              f"call /resume_memory_occupation first")
+        rids = tuple(r.rid for r, _, _ in items)
         for r, _, _ in items:
             self.queued[r.rid] = self.epoch
         try:
-            comps, version = await self.run(self._generate_job, items, self.epoch)
+            job = asyncio.ensure_future(self.run(self._generate_job, items, self.epoch))
+            while True:
+                done, _ = await asyncio.wait({job}, timeout=WATCH_S if gone is not None else None)
+                if done:
+                    break
+                if gone():
+                    self.abandon(rids)
+            comps, version = job.result()
         finally:
             for r, _, _ in items:
                 self.queued.pop(r.rid, None)
@@ -204,7 +256,8 @@ class Server:
             raise StateError(f"request {rid!r} is running: the embedded engine aborts running requests only all "
                              f"at once (abort_all: true)")
         elif rid in self.queued:
-            self.aborted_rids.add(rid)
+            with self._job_lock:
+                self.aborted_rids.add(rid)
 
     def release(self, tags) -> None:
         tags = list(tags or MEMORY_TAGS)
@@ -273,5 +326,6 @@ class Server:
                 "pid": os.getpid(), "served_requests": self.served, "context_length": self.context,
                 "connections": self.guard.open_connections() if self.guard else 0,
                 "max_connections": self.guard.max_connections if self.guard else 0,
-                "evicted_connections": self.guard.evicted if self.guard else 0,
+                "evicted_connections": self.guard.evicted if self.guard else 0, "abandoned_requests": self.abandoned,
+                "body_readers": self.body_readers, "refused_body_readers": self.refused_body_readers,
                 "refused_connections": self.guard.refused if self.guard else 0}
