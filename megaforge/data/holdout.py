@@ -1,29 +1,64 @@
-"""Prompt identity for held-out evaluation sets: a normalised key per prompt, held-out prompt choice.
+"""Prompt identity for held-out evaluation sets: one normal form per prompt, held-out prompt choice.
 
-Two rows have the same prompt when their keys are equal: the prompt text with runs of whitespace
-collapsed to one space (a list of chat messages: ``role: content`` per message, trailing assistant
-turns — SFT targets — left out). A held-out fraction is drawn over *distinct* prompts, so a prompt
-that appears in several rows is either held out in all of them or in none.
+Two rows have the same prompt when the model sees the same prompt: their keys are equal. The key of
+a prompt field (a string, or a list of ``{role, content}`` messages whose trailing assistant turns,
+SFT targets, are left out) is
+
+    normal_form(render(messages))      # a string is the one message [{role: user, content: it}]
+                                       # each content in normal_form first (spaces at its ends dropped)
+
+where ``render`` is what the model is given (the chat template's text when data applies one, see
+:func:`megaforge.data.prompts.prompt_renderer`; else the messages' contents joined by newlines), and
+:func:`normal_form` is NFKC, casefold, Unicode format characters (category Cf: zero-width space,
+joiners, soft hyphen, BOM) removed, runs of whitespace collapsed to one space. So a one-message
+chat list and its bare text, case, NFD/NFC, full-width digits and zero-width characters do not make
+a training prompt look held out. A held-out fraction is drawn over *distinct* keys, so a prompt that
+appears in several rows is either held out in all of them or in none.
 """
 from __future__ import annotations
 
 import random
-from typing import Any, Iterable, Optional
+import unicodedata
+from typing import Any, Callable, Iterable, Optional
 
 
-def prompt_key(content: Any) -> Optional[str]:
-    """The normalised key of a prompt field (a string or a list of ``{role, content}`` messages);
-    None when the field is neither (such a row fails its own validation later)."""
+def normal_form(text: str) -> str:
+    """``text`` compared as a prompt: NFKC, casefolded, without Cf characters, whitespace collapsed."""
+    folded = unicodedata.normalize("NFKC", unicodedata.normalize("NFKC", text).casefold())
+    return " ".join("".join(c for c in folded if unicodedata.category(c) != "Cf").split())
+
+
+def prompt_messages(content: Any) -> Optional[list[dict]]:
+    """The prompt's messages (a string is one user message; trailing assistant turns dropped); None
+    when the field is neither a string nor a list of ``{role: str, content: str}`` (such a row fails
+    its own validation later)."""
     if isinstance(content, str):
-        key = " ".join(content.split())
-        return key or None
-    if isinstance(content, list) and all(isinstance(m, dict) for m in content):
+        return [{"role": "user", "content": content}]
+    if isinstance(content, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                         and isinstance(m.get("content"), str) for m in content):
         msgs = list(content)
-        while msgs and msgs[-1].get("role") == "assistant":
+        while msgs and msgs[-1]["role"] == "assistant":
             msgs.pop()
-        parts = [f"{m.get('role')}: {' '.join(str(m.get('content', '')).split())}" for m in msgs]
-        return "\n".join(parts) or None
+        return msgs or None
     return None
+
+
+def plain_text(messages: list[dict]) -> str:
+    """What the model sees without a chat template: the contents joined by newlines."""
+    return "\n".join(m["content"] for m in messages)
+
+
+def prompt_key(content: Any, render: Callable[[list[dict]], Optional[str]] = plain_text) -> Optional[str]:
+    """The normal form of what the model sees for a prompt field; None for a field that is not a
+    prompt, an empty one, or one ``render`` cannot render (returns None)."""
+    msgs = prompt_messages(content)
+    if msgs is None:
+        return None
+    msgs = [{**m, "content": normal_form(m["content"])} for m in msgs]  # also the space at either end
+    if not any(m["content"] for m in msgs):
+        return None
+    text = render(msgs)
+    return normal_form(text) or None if text is not None else None
 
 
 def choose_held_out(keys: Iterable[str], fraction: float, seed: int) -> frozenset[str]:

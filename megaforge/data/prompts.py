@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from megaforge.data.holdout import prompt_key
 from megaforge.data.sft import chat_sft_example
@@ -28,8 +28,9 @@ class PromptRow:
     sft_mask: Optional[list[int]] = None
 
 
-def chat_prompt(tokenizer, content, cfg) -> tuple[str, list[int]]:
-    """The prompt text and ids: a user turn (or given messages) through the chat template."""
+def chat_text(tokenizer, content, cfg) -> str:
+    """The prompt text the model is given: a user turn (or given messages) through the chat template
+    (data.apply_chat_template), else the messages' contents joined by newlines; data.system_prompt first."""
     if isinstance(content, list):
         messages = list(content)
     else:
@@ -42,8 +43,24 @@ def chat_prompt(tokenizer, content, cfg) -> tuple[str, list[int]]:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     else:
         text = "\n".join(m["content"] for m in messages)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return text, list(ids)
+    return text
+
+
+def chat_prompt(tokenizer, content, cfg) -> tuple[str, list[int]]:
+    """The prompt text (:func:`chat_text`) and its ids."""
+    text = chat_text(tokenizer, content, cfg)
+    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def prompt_renderer(tokenizer, cfg) -> Callable[[list[dict]], Optional[str]]:
+    """``render`` for :func:`megaforge.data.holdout.prompt_key`: the text the model sees for messages
+    under data config ``cfg``; None when they cannot be rendered (the row fails in :func:`parse_row`)."""
+    def render(messages: list[dict]) -> Optional[str]:
+        try:
+            return chat_text(tokenizer, messages, cfg)
+        except Exception:  # noqa: BLE001 - a template error on a bad row: reported by parse_row, naming it
+            return None
+    return render
 
 
 def _check_messages(msgs, where: str, key: str):
@@ -123,7 +140,9 @@ class PromptSource:
             self._rows: list[RawRow] = []
         else:
             rows = list(read_rows(cfg, seed))
-            self._rows = [r for r in rows if r.data is None or prompt_key(r.data.get(cfg.input_key)) not in exclude]
+            render = prompt_renderer(tokenizer, cfg)
+            self._rows = [r for r in rows if not exclude or r.data is None
+                          or prompt_key(r.data.get(cfg.input_key), render) not in exclude]
             self.held_out = len(rows) - len(self._rows)
             if not self._rows:
                 raise DataError(f"data.path {cfg.path!r}: no rows" + (f" ({self.held_out} held out)" if self.held_out else ""))
