@@ -90,8 +90,20 @@ def test_resume_position_reproduces_order(tokenizer):
 
 
 def test_unknown_synthetic_task_lists_registered(tokenizer):
-    with pytest.raises(ValueError, match="unknown synthetic task 'algebra'; registered: arithmetic"):
+    with pytest.raises(DataError, match="data.format 'synthetic', data.path 'algebra': unknown synthetic task "
+                                        "'algebra'; registered: arithmetic.*set --data.format jsonl"):
         PromptSource(_cfg("algebra", format="synthetic"), tokenizer, 0)
+
+
+@pytest.mark.parametrize("name,fmt", [("my.jsonl", "jsonl"), ("my.parquet", "parquet"), ("prompts", "jsonl")])
+def test_synthetic_format_with_a_file_path_says_what_to_set(tmp_path, tokenizer, name, fmt):
+    """Issue 40: ``--data.format synthetic`` with a file path was a traceback (a ValueError of the
+    task registry): a DataError (one ``megaforge: error:`` line) naming both keys and the format."""
+    p = tmp_path / name
+    p.write_text(json.dumps({"prompt": "a", "answer": "1"}) + "\n")
+    with pytest.raises(DataError, match=f"data.format 'synthetic' .* data.path '{p}' is a file: set --data.format "
+                                        f"{fmt} \\(or auto\\)"):
+        PromptSource(_cfg(str(p), format="synthetic"), tokenizer, 0)
 
 
 def test_sft_rows_need_response(tmp_path, tokenizer):

@@ -157,8 +157,11 @@ def build_config(args, overrides: list[str], model_dir: str, run_dir: str | None
     base = args.config or (os.path.join(run_dir, "config.yaml") if run_dir else "")
     tree: dict = {}
     if base:
-        with open(base) as f:
-            tree = yaml.safe_load(f) or {}
+        with open(base, "rb") as f:
+            try:
+                tree = yaml.safe_load(f.read().decode("utf-8")) or {}
+            except UnicodeDecodeError as e:
+                raise EvaluateError(f"{base}: not valid UTF-8 ({e.reason} at byte offset {e.start})") from None
     tree.setdefault("model", {}).update(path=model_dir, config="", tokenizer="")
     tree["max_steps"] = 0
     ev = tree.setdefault("eval", {})

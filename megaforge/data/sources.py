@@ -140,7 +140,22 @@ def read_hf(path: str, split: str, streaming: bool, name: str = "") -> Iterator[
 
 
 def read_synthetic(name: str, n: int, seed: int, kwargs: dict) -> Iterator[RawRow]:
-    for i, item in enumerate(synthetic_rows(name, n, seed, **kwargs)):
+    """Rows of the generated task ``name`` (data.format synthetic); a file or folder there, or an
+    unknown task, is a DataError naming data.format and data.path and what to set."""
+    if os.path.exists(name):
+        try:
+            fmt = detect_format(name, "auto")
+        except DataError:
+            fmt = "jsonl"  # a file whose name tells nothing: the usual prompt file
+        raise DataError(f"data.format 'synthetic' generates a task named by data.path, but data.path {name!r} is "
+                        f"a {'folder' if os.path.isdir(name) else 'file'}: set --data.format {fmt} (or auto) "
+                        f"to read it")
+    try:
+        rows = synthetic_rows(name, n, seed, **kwargs)
+    except ValueError as e:
+        raise DataError(f"data.format 'synthetic', data.path {name!r}: {e}; for a file of prompts set "
+                        f"--data.format jsonl / parquet / hf") from None
+    for i, item in enumerate(rows):
         yield RawRow(item, f"{name}:row {i}")
 
 
