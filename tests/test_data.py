@@ -160,3 +160,47 @@ def test_deeply_nested_row_is_a_bad_row_not_a_recursion_error(tmp_path, tokenize
     j.write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(DataError, match=rf"{j}: nested deeper than the JSON reader allows"):
         PromptSource(_cfg(str(j)), tokenizer, 0)
+
+
+def test_jsonl_is_indexed_not_loaded_and_read_once_with_a_holdout(tmp_path, tokenizer, monkeypatch):
+    """Issue 40: a 1M-row jsonl was read whole into dicts (~7x its size) and data.path twice with a
+    holdout. Map-style jsonl is indexed (offsets, rows parsed on demand): the held-out split and
+    the training source together stay well under the file's size in Python allocations
+    (tracemalloc: about 40 bytes a row of index, prompt digests and order, against ~220 bytes a
+    row of file; the old lists of dicts peaked at 6.5x the file), and the file is read through once."""
+    import builtins
+    import tracemalloc
+
+    from megaforge.config import load_config
+    from megaforge.eval.sets import load_eval_sets
+
+    def cfg_for(path):
+        return load_config(["--model.config", "configs/models/tiny-qwen2", "--model.tokenizer", "assets/tiny-tokenizer",
+                            "--data.path", str(path), "--max_steps", "1", "--eval.interval", "1",
+                            "--eval.sets", "[{name: held, holdout: 0.1, max_rows: 4}]"])
+
+    def rows(n):
+        return [{"prompt": f"Question {i}: what is {i} + {i * 7 % 13}?" + " pad" * 20, "answer": str(i),
+                 "meta": {"source": "x" * 40, "tags": [1, 2, 3]}} for i in range(n)]
+
+    warm = tmp_path / "warm.jsonl"  # imports and the chat template's compilation, outside the measurement
+    _write_jsonl(warm, rows(20))
+    PromptSource(cfg_for(warm).data, tokenizer, 0, exclude=load_eval_sets(cfg_for(warm), tokenizer)[1]).next_batch(2)
+    big = tmp_path / "big.jsonl"
+    _write_jsonl(big, rows(4000))
+    cfg = cfg_for(big)
+    opened = []
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: (opened.append(str(f)), real_open(f, *a, **k))[1])
+    tracemalloc.start()
+    try:
+        sets, held = load_eval_sets(cfg, tokenizer)
+        src = PromptSource(cfg.data, tokenizer, cfg.seed, exclude=held)
+        batch = src.next_batch(8)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    size = big.stat().st_size
+    assert len(held) == 400 and len(src) == 3600 and src.held_out == 400 and len(batch) == 8
+    assert peak < size / 2, f"peak {peak} bytes for a {size}-byte file"
+    assert opened.count(str(big)) == 1, opened  # one pass: the index; rows are then read by offset

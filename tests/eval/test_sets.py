@@ -6,7 +6,7 @@ import unicodedata
 import pytest
 
 from megaforge.config import load_config
-from megaforge.data.holdout import choose_held_out, prompt_key
+from megaforge.data.holdout import choose_held_out, key_digest, prompt_key
 from megaforge.data.prompts import PromptSource, prompt_renderer
 from megaforge.data.sources import DataError
 from megaforge.eval.sets import load_eval_sets
@@ -84,11 +84,12 @@ def test_holdout_rows_leave_the_training_data(tmp_path, tokenizer):
     assert len(sets[0].rows) == 10  # one row per held-out prompt, the first row that has it
     lines = [int(r.where.rsplit(":", 1)[1]) for r in sets[0].rows]
     render = prompt_renderer(tokenizer, cfg.data)
-    assert {prompt_key(rows[i - 1]["prompt"], render) for i in lines} == held and max(lines) <= 40
+    assert {key_digest(prompt_key(rows[i - 1]["prompt"], render)) for i in lines} == held and max(lines) <= 40
     assert all(r.label == rows[i - 1]["answer"] for r, i in zip(sets[0].rows, lines))
     src = PromptSource(cfg.data, tokenizer, cfg.seed, exclude=held)
     assert len(src) == 90 and src.held_out == 30
-    trained = {prompt_key(r.prompt_text.split("user\n")[1].split("<|im_end|>")[0], render) for r in src.next_batch(90)}
+    trained = {key_digest(prompt_key(r.prompt_text.split("user\n")[1].split("<|im_end|>")[0], render))
+               for r in src.next_batch(90)}
     assert len(trained) == 30 and not trained & held
 
 
