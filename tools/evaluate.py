@@ -242,9 +242,9 @@ def main(argv=None) -> int:
             model_dir = os.path.join(tmp, "hf")
             checkpoint_to_hf(ckpt, run_cfg, model_dir)
         cfg = build_config(args, overrides, model_dir, run_dir)
-        refuse_remote_code(cfg, args.model, "the evaluation's config (" + (
-            args.config or (os.path.join(run_dir, "config.yaml") if run_dir else "defaults") + " and the command line)"),
-            args.trust_remote_code)
+        base = args.config or (os.path.join(run_dir, "config.yaml") if run_dir else "the defaults")
+        refuse_remote_code(cfg, args.model, f"the evaluation's config ({base} and the command line)",
+                           args.trust_remote_code)
         result = {"model": os.path.abspath(args.model), "weights": os.path.basename(ckpt) if ckpt else "hf",
                   "engine": cfg.rollout.engine, **evaluate(cfg, args.out)}
     except (EvaluateError, ConfigError, DataError) as e:

@@ -146,7 +146,11 @@ def test_a_run_folder_cannot_make_evaluate_run_its_models_code(tmp_path, tiny_mo
     for extra in (["--config", str(run / "config.yaml")], ["--model.trust_remote_code", "true"]):
         _, err = evaluate("--model", str(model), "--data", data, "--data.max_prompt_len", "64",
                           "--rollout.max_new_tokens", "2", *extra, expect_rc=1)
-        assert not marker.exists() and "refused" in err and "--trust_remote_code" in err, err
+        err = err.splitlines()[-1]
+        base = extra[1] if extra[0] == "--config" else "the defaults"
+        assert not marker.exists() and err.startswith(f"evaluate: error: --model {model}: the evaluation's config "
+                                                      f"({base} and the command line) sets model.trust_remote_code "
+                                                      f"true") and err.endswith("given --trust_remote_code"), err
     # asked for on evaluate's own command line: the model's code runs (what the flag allows)
     got, _ = evaluate("--model", str(model), "--data", data, "--data.max_prompt_len", "64",
                       "--rollout.max_new_tokens", "2", "--trust_remote_code", "--out", str(tmp_path / "o.jsonl"))
