@@ -105,7 +105,6 @@ def _remote_code_run(tmp_path, tiny_model_dir):
     import torch
 
     from megaforge.checkpoint import write_manifest
-    from megaforge.hf import load_hf_model  # noqa: F401 - imported here so the tool's lazy import is warm
 
     model = tmp_path / "evil-model"
     shutil.copytree(tiny_model_dir, model)
@@ -155,3 +154,18 @@ def test_a_run_folder_cannot_make_evaluate_run_its_models_code(tmp_path, tiny_mo
     got, _ = evaluate("--model", str(model), "--data", data, "--data.max_prompt_len", "64",
                       "--rollout.max_new_tokens", "2", "--trust_remote_code", "--out", str(tmp_path / "o.jsonl"))
     assert marker.exists() and got["eval/d/prompts"] == 1
+
+
+def test_remote_code_keys_cover_every_model_of_the_config():
+    from megaforge.config import load_config
+
+    base = ["--model.config", "configs/models/tiny-qwen2", "--data.path", "arithmetic"]
+    assert TOOL.remote_code_keys(load_config(base)) == []
+    cfg = load_config(base + ["--model.trust_remote_code", "true", "--rewards.functions",
+                              "[{name: math}, {name: reward_model, reward_model: {path: x, trust_remote_code: true}}]"])
+    assert TOOL.remote_code_keys(cfg) == ["model.trust_remote_code",
+                                          "rewards.functions[1].reward_model.trust_remote_code"]
+    with pytest.raises(TOOL.EvaluateError, match=r"^--model m: c.yaml sets model.trust_remote_code, "
+                                                 r"rewards.functions\[1\].reward_model.trust_remote_code true"):
+        TOOL.refuse_remote_code(cfg, "m", "c.yaml", allowed=False)
+    TOOL.refuse_remote_code(cfg, "m", "c.yaml", allowed=True)
