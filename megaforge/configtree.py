@@ -421,10 +421,13 @@ def load(cls, argv: list[str]):
     tree: dict = {}
     if path:
         try:
-            with open(path) as f:
-                tree = yaml.safe_load(f) or {}
+            with open(path, "rb") as f:
+                tree = yaml.safe_load(f.read().decode("utf-8")) or {}  # YAML is UTF-8: decoded whole
         except FileNotFoundError:
             raise ConfigError(f"--config {path}: no such file") from None
+        except UnicodeDecodeError as e:  # the offset is the file's byte offset (decoded whole, above)
+            raise ConfigError(f"--config {path}: not valid UTF-8 ({e.reason} at byte offset {e.start}); "
+                              f"save the file as UTF-8") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
         if not isinstance(tree, dict):

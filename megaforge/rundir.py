@@ -8,6 +8,9 @@ One writer: an exclusive ``flock`` on ``<run dir>/.lock``, held for the run's li
 rank; a second run or ``--resume`` of the directory fails naming the holder's ``pid@host``.
 
 The lock file holds the holder's ``pid@host``; it is left in place (an unlocked file means nothing).
+It is opened with ``O_NOFOLLOW`` and without truncation, and must be a regular file: a ``.lock``
+that is a symlink (or a fifo, a device, a directory) is refused, naming it, before anything is
+written (a planted link would otherwise truncate its target).
 ``flock`` is advisory and per open file: it holds against every megaforge process, on this host,
 and on network filesystems that implement it (NFSv4, Lustre and GPFS do; check yours).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import stat
 from typing import Callable
 
 from megaforge.checkpoint import list_checkpoints
@@ -35,7 +39,7 @@ class RunDirLock:
     def __init__(self, run_dir: str):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, ".lock")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open(self.path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -47,6 +51,22 @@ class RunDirLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode(), 0)
         self.fd = fd
+
+    @staticmethod
+    def _open(path: str) -> int:
+        """``path`` opened read-write, created when missing; never through a symlink, never a
+        non-regular file (O_NONBLOCK: a planted fifo does not block the open)."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            kind = "a symlink" if os.path.islink(path) else "not a regular file" if os.path.lexists(path) else None
+            why = kind or e.strerror
+            raise RunDirError(f"run directory lock {path} is {why}: remove it (nothing was changed)"
+                              if kind else f"run directory lock {path}: {why} (nothing was changed)") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise RunDirError(f"run directory lock {path} is not a regular file: remove it (nothing was changed)")
+        return fd
 
     def release(self) -> None:
         if self.fd is not None:

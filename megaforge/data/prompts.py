@@ -7,12 +7,13 @@ exactly the prompts an uninterrupted run would have seen.
 from __future__ import annotations
 
 import random
+from array import array
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
-from megaforge.data.holdout import prompt_key
+from megaforge.data.holdout import key_digest, prompt_key
 from megaforge.data.sft import chat_sft_example
-from megaforge.data.sources import DataError, RawRow, read_rows
+from megaforge.data.sources import DataError, RawRow, read_rows, row_table
 
 
 @dataclass
@@ -28,8 +29,9 @@ class PromptRow:
     sft_mask: Optional[list[int]] = None
 
 
-def chat_prompt(tokenizer, content, cfg) -> tuple[str, list[int]]:
-    """The prompt text and ids: a user turn (or given messages) through the chat template."""
+def chat_text(tokenizer, content, cfg) -> str:
+    """The prompt text the model is given: a user turn (or given messages) through the chat template
+    (data.apply_chat_template), else the messages' contents joined by newlines; data.system_prompt first."""
     if isinstance(content, list):
         messages = list(content)
     else:
@@ -42,8 +44,57 @@ def chat_prompt(tokenizer, content, cfg) -> tuple[str, list[int]]:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     else:
         text = "\n".join(m["content"] for m in messages)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return text, list(ids)
+    return text
+
+
+def chat_prompt(tokenizer, content, cfg) -> tuple[str, list[int]]:
+    """The prompt text (:func:`chat_text`) and its ids."""
+    text = chat_text(tokenizer, content, cfg)
+    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def prompt_renderer(tokenizer, cfg) -> Callable[[list[dict]], Optional[str]]:
+    """``render`` for :func:`megaforge.data.holdout.prompt_key`: the text the model sees for messages
+    under data config ``cfg``; None when they cannot be rendered (the row fails in :func:`parse_row`)."""
+    def render(messages: list[dict]) -> Optional[str]:
+        try:
+            return chat_text(tokenizer, messages, cfg)
+        except Exception:  # noqa: BLE001 - a template error on a bad row: reported by parse_row, naming it
+            return None
+    return render
+
+
+def row_keys(rows: Sequence[RawRow], cfg, tokenizer) -> array:
+    """``key_digest(prompt_key(...))`` of every row's prompt as the model sees it under data config
+    ``cfg`` (0: the row has no prompt), one pass over ``rows``; kept in the memo of a
+    :class:`megaforge.data.sources.JsonlIndex`, so the held-out split and the training data that
+    leaves it out parse the file once."""
+    sig = ("prompt_keys", id(tokenizer), getattr(tokenizer, "name_or_path", ""),
+           str(getattr(tokenizer, "chat_template", None)), cfg.input_key, cfg.apply_chat_template, cfg.system_prompt)
+    memo = getattr(rows, "memo", None)
+    if memo is not None and sig in memo:
+        return memo[sig]
+    render = prompt_renderer(tokenizer, cfg)
+    out = array("Q")
+    for r in rows:
+        k = prompt_key(r.data.get(cfg.input_key), render) if r.data is not None else None
+        out.append(0 if k is None else key_digest(k))
+    if memo is not None:
+        memo[sig] = out
+    return out
+
+
+class _Picked(Sequence):
+    """Rows ``ids`` of ``rows``, in order (the rows left for training)."""
+
+    def __init__(self, rows: Sequence, ids: array):
+        self.rows, self.ids = rows, ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> RawRow:
+        return self.rows[self.ids[i]]
 
 
 def _check_messages(msgs, where: str, key: str):
@@ -110,8 +161,9 @@ class PromptSource:
 
     def __init__(self, cfg, tokenizer, seed: int, want_response: bool = False,
                  exclude: frozenset = frozenset()):
-        """``exclude``: prompt keys (:func:`megaforge.data.holdout.prompt_key`) of held-out prompts;
-        their rows are left out (map-style data only; counted in ``held_out``)."""
+        """``exclude``: digests of held-out prompts (:func:`row_keys`); their rows are left out
+        (map-style data only; counted in ``held_out``). Map-style ``.jsonl`` data is indexed, not
+        loaded (:func:`megaforge.data.sources.row_table`)."""
         self.cfg, self.tok, self.seed, self.want_response = cfg, tokenizer, seed, want_response
         self.streaming = cfg.streaming
         self.epoch, self.pos, self.skipped = 0, 0, 0
@@ -122,8 +174,11 @@ class PromptSource:
         if self.streaming:
             self._rows: list[RawRow] = []
         else:
-            rows = list(read_rows(cfg, seed))
-            self._rows = [r for r in rows if r.data is None or prompt_key(r.data.get(cfg.input_key)) not in exclude]
+            rows = row_table(cfg, seed)
+            self._rows = rows
+            if exclude:
+                keys = row_keys(rows, cfg, tokenizer)
+                self._rows = _Picked(rows, array("I", (i for i, k in enumerate(keys) if k not in exclude)))
             self.held_out = len(rows) - len(self._rows)
             if not self._rows:
                 raise DataError(f"data.path {cfg.path!r}: no rows" + (f" ({self.held_out} held out)" if self.held_out else ""))
@@ -132,8 +187,8 @@ class PromptSource:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def _permutation(self, epoch: int) -> list[int]:
-        order = list(range(len(self._rows)))
+    def _permutation(self, epoch: int) -> array:
+        order = array("I", range(len(self._rows)))  # 4 bytes a row; shuffled as a list would be
         if self.cfg.shuffle:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order

@@ -2,6 +2,13 @@
 
 Every row comes with a *location* string (``file.jsonl:17``, ``data.parquet:row 3``,
 ``dataset[train]:row 5``) so that a malformed row can be named in the error.
+
+Map-style data of ``.jsonl`` files is a :class:`JsonlIndex` (:func:`row_table`): one pass records
+each row's file, byte offset, length and line number (about 20 bytes a row, whatever the row's
+size), and a row is read (``pread``) and parsed when it is asked for, so memory does not grow with
+the rows' contents. An index is kept per file identity (path, size, mtime) for the process
+(:data:`INDEX_CACHE_SIZE` of them), so the held-out split and the training data scan ``data.path``
+once. ``.json`` lists, parquet, `datasets` and synthetic sources are read into a list.
 """
 from __future__ import annotations
 
@@ -9,8 +16,10 @@ import glob
 import json
 import os
 import sys
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence, Union
 
 from megaforge.data.synthetic import SYNTHETIC_TASKS, synthetic_rows
 
@@ -89,15 +98,97 @@ def read_jsonl(path: str) -> Iterator[RawRow]:
                     yield _as_row(item, f"{f}:item {i}")
                 continue
             for lineno, raw in enumerate(fh, 1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    yield RawRow(None, f"{f}:{lineno}", f"not valid UTF-8 ({e.reason} at byte {e.start} of the line)")
-                    continue
-                if not line.strip():
-                    continue
-                item, why = _loads(line)
-                yield RawRow(None, f"{f}:{lineno}", why) if why else _as_row(item, f"{f}:{lineno}")
+                if raw.strip():
+                    yield parse_line(raw, f"{f}:{lineno}")
+
+
+def parse_line(raw: bytes, where: str) -> RawRow:
+    """One jsonl line as a row (a bad row, naming ``where``, when it is not UTF-8 or not a JSON object)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return RawRow(None, where, f"not valid UTF-8 ({e.reason} at byte {e.start} of the line)")
+    item, why = _loads(line)
+    return RawRow(None, where, why) if why else _as_row(item, where)
+
+
+@dataclass(eq=False)
+class JsonlIndex(Sequence):
+    """The rows of ``.jsonl`` files by position: (file, byte offset, length, line) of each non-blank
+    line, recorded in one pass; ``index[i]`` reads and parses row ``i`` (:func:`parse_line`).
+    ``memo`` holds what callers derive from every row once (e.g. prompt keys, megaforge.data.prompts)."""
+
+    files: list[str]
+    file_of: array = field(default_factory=lambda: array("I"))
+    offset: array = field(default_factory=lambda: array("q"))
+    length: array = field(default_factory=lambda: array("I"))
+    line: array = field(default_factory=lambda: array("I"))
+    memo: dict = field(default_factory=dict)
+    _fd: tuple = (-1, -1)  # (file number, open descriptor) of the last file read
+
+    @classmethod
+    def scan(cls, files: list[str]) -> "JsonlIndex":
+        index = cls(list(files))
+        for fi, f in enumerate(index.files):
+            with open(f, "rb") as fh:
+                pos = 0
+                for lineno, raw in enumerate(fh, 1):
+                    if raw.strip():
+                        index.file_of.append(fi)
+                        index.offset.append(pos)
+                        index.length.append(len(raw))
+                        index.line.append(lineno)
+                    pos += len(raw)
+        return index
+
+    def __len__(self) -> int:
+        return len(self.offset)
+
+    def where(self, i: int) -> str:
+        return f"{self.files[self.file_of[i]]}:{self.line[i]}"
+
+    def __getitem__(self, i: int) -> RawRow:
+        fi = self.file_of[i]
+        if self._fd[0] != fi:
+            self.close()
+            self._fd = (fi, os.open(self.files[fi], os.O_RDONLY | os.O_CLOEXEC))
+        raw = os.pread(self._fd[1], self.length[i], self.offset[i])
+        if len(raw) != self.length[i]:
+            raise DataError(f"{self.where(i)}: the file changed while it was read (the row is cut short)")
+        return parse_line(raw, self.where(i))
+
+    def close(self) -> None:
+        if self._fd[1] >= 0:
+            os.close(self._fd[1])
+        self._fd = (-1, -1)
+
+    def __del__(self):
+        self.close()
+
+
+INDEX_CACHE_SIZE = 4
+_INDEXES: "OrderedDict[tuple, JsonlIndex]" = OrderedDict()
+
+
+def jsonl_index(files: list[str]) -> JsonlIndex:
+    """The :class:`JsonlIndex` of ``files``, scanned once per (path, size, mtime) of every file."""
+    ident = tuple((os.path.abspath(f), st.st_size, st.st_mtime_ns) for f in files for st in [os.stat(f)])
+    if ident in _INDEXES:
+        _INDEXES.move_to_end(ident)
+        return _INDEXES[ident]
+    index = _INDEXES[ident] = JsonlIndex.scan(files)
+    while len(_INDEXES) > INDEX_CACHE_SIZE:
+        _INDEXES.popitem(last=False)
+    return index
+
+
+def row_table(cfg, seed: int) -> Union[JsonlIndex, list]:
+    """Map-style rows of a DataConfig: a :class:`JsonlIndex` for ``.jsonl`` data, else every row in a list."""
+    if detect_format(cfg.path, cfg.format) == "jsonl":
+        files = _files(cfg.path, ".jsonl") if os.path.isdir(cfg.path) else _files(cfg.path, "")
+        if not any(f.endswith(".json") for f in files):
+            return jsonl_index(files)
+    return list(read_rows(cfg, seed))
 
 
 def _as_row(item: Any, where: str) -> RawRow:
@@ -140,7 +231,22 @@ def read_hf(path: str, split: str, streaming: bool, name: str = "") -> Iterator[
 
 
 def read_synthetic(name: str, n: int, seed: int, kwargs: dict) -> Iterator[RawRow]:
-    for i, item in enumerate(synthetic_rows(name, n, seed, **kwargs)):
+    """Rows of the generated task ``name`` (data.format synthetic); a file or folder there, or an
+    unknown task, is a DataError naming data.format and data.path and what to set."""
+    if os.path.exists(name):
+        try:
+            fmt = detect_format(name, "auto")
+        except DataError:
+            fmt = "jsonl"  # a file whose name tells nothing: the usual prompt file
+        raise DataError(f"data.format 'synthetic' generates a task named by data.path, but data.path {name!r} is "
+                        f"a {'folder' if os.path.isdir(name) else 'file'}: set --data.format {fmt} (or auto) "
+                        f"to read it")
+    try:
+        rows = synthetic_rows(name, n, seed, **kwargs)
+    except ValueError as e:
+        raise DataError(f"data.format 'synthetic', data.path {name!r}: {e}; for a file of prompts set "
+                        f"--data.format jsonl / parquet / hf") from None
+    for i, item in enumerate(rows):
         yield RawRow(item, f"{name}:row {i}")
 
 

@@ -6,18 +6,20 @@ A set is a file / folder / `datasets` split (``path``), or a fraction of data.pa
 validated and formatted exactly like training prompts (:func:`megaforge.data.prompts.parse_row`, with
 data's chat template, system prompt and length limit), so a bad row is an error naming its file and
 row. With ``eval.check_disjoint`` every set is compared with the training prompts (data.path less the
-held-out part, and sft.data when the warm start runs): a shared prompt is an error naming the set,
+held-out part, and sft.data when the warm start runs), in one normal form of what the model sees
+(:mod:`megaforge.data.holdout`): a shared prompt is an error naming the set,
 its row and the training row.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Sequence
 
-from megaforge.data.holdout import choose_held_out, prompt_key
-from megaforge.data.prompts import PromptRow, parse_row
-from megaforge.data.sources import DataError, RawRow, read_rows
+from megaforge.data.holdout import choose_held_out
+from megaforge.data.prompts import PromptRow, parse_row, row_keys
+from megaforge.data.sources import DataError, JsonlIndex, RawRow, read_rows, row_table
 
 
 @dataclass
@@ -36,56 +38,55 @@ def set_data_config(data_cfg, s):
         streaming=False, shuffle=False, skip_bad_rows=False)
 
 
-def _keys(rows: list[RawRow], input_key: str) -> dict[str, str]:
-    """{prompt key: where of its first row} of the rows that have a prompt."""
-    out: dict[str, str] = {}
-    for r in rows:
-        k = prompt_key(r.data.get(input_key)) if r.data is not None else None
-        if k is not None:
-            out.setdefault(k, r.where)
-    return out
+def _where(table: Sequence[RawRow], i: int) -> str:
+    return table.where(i) if isinstance(table, JsonlIndex) else table[i].where
 
 
-def _training_keys(cfg, data_rows: Optional[list[RawRow]], held: frozenset) -> dict[str, str]:
-    """Prompt keys of everything the run trains on: data.path less the held-out prompts, and sft.data."""
-    rows = data_rows if data_rows is not None else list(read_rows(cfg.data, cfg.seed))
-    keys = {k: w for k, w in _keys(rows, cfg.data.input_key).items() if k not in held}
-    if cfg.sft.max_steps > 0 and cfg.sft.data is not None:
-        for k, w in _keys(list(read_rows(cfg.sft.data, cfg.seed)), cfg.sft.data.input_key).items():
-            keys.setdefault(k, w)
-    return keys
+@dataclass
+class _Training:
+    """A source the run trains on: its rows, their prompt digests, and digests it leaves out."""
+    rows: Sequence[RawRow]
+    keys: Sequence[int]
+    left_out: frozenset = frozenset()
 
 
 def load_eval_sets(cfg, tokenizer) -> tuple[list[EvalSet], frozenset]:
-    """The configured sets and the prompt keys held out of data.path (empty without a holdout set).
-    Raises DataError naming the set and row for a bad row or a prompt shared with training."""
+    """The configured sets and the digests of the prompts held out of data.path (empty without a
+    holdout set; megaforge.data.prompts.row_keys). Raises DataError naming the set and row for a bad
+    row or a prompt shared with training. data.path is indexed and its prompts keyed once
+    (megaforge.data.sources.row_table), for the split and the training data alike."""
     if not cfg.eval.sets:
         return [], frozenset()
-    data_rows, held = None, frozenset()
+    held = frozenset()
     hold = next((s for s in cfg.eval.sets if not s.path), None)
+    data_rows, data_keys = None, None
+    if hold is not None or cfg.eval.check_disjoint:
+        data_rows = row_table(cfg.data, cfg.seed)
+        data_keys = row_keys(data_rows, cfg.data, tokenizer)
     if hold is not None:
-        data_rows = list(read_rows(cfg.data, cfg.seed))
         try:
-            held = choose_held_out(_keys(data_rows, cfg.data.input_key), hold.holdout, cfg.seed)
+            held = choose_held_out(data_keys, hold.holdout, cfg.seed)
         except ValueError as e:
             raise DataError(f"eval set {hold.name!r} (holdout {hold.holdout} of data.path {cfg.data.path!r}): "
                             f"{e}") from None
-    train = _training_keys(cfg, data_rows, held) if cfg.eval.check_disjoint else {}
+    training = []
+    if cfg.eval.check_disjoint:
+        training.append(_Training(data_rows, data_keys, held))
+        if cfg.sft.max_steps > 0 and cfg.sft.data is not None:
+            sft_rows = row_table(cfg.sft.data, cfg.seed)
+            training.append(_Training(sft_rows, row_keys(sft_rows, cfg.sft.data, tokenizer)))
     sets = []
     for s in cfg.eval.sets:
         dcfg = set_data_config(cfg.data, s)
         if s.path:
-            raw = list(read_rows(dcfg, cfg.seed))
-        else:  # one row per held-out prompt, in data order
-            seen: set[str] = set()
+            raw = list(itertools.islice(read_rows(dcfg, cfg.seed), s.max_rows or None))
+        else:  # one row per held-out prompt, in data order (the first max_rows of them)
+            seen: set[int] = set()
             raw = []
-            for r in data_rows:
-                k = prompt_key(r.data.get(dcfg.input_key)) if r.data is not None else None
-                if k in held and k not in seen:
+            for i, k in enumerate(data_keys):
+                if k in held and k not in seen and len(raw) < (s.max_rows or len(held)):
                     seen.add(k)
-                    raw.append(r)
-        if s.max_rows:
-            raw = raw[: s.max_rows]
+                    raw.append(data_rows[i])
         if not raw:
             raise DataError(f"eval set {s.name!r} ({dcfg.path!r}): no rows")
         rows = []
@@ -95,13 +96,21 @@ def load_eval_sets(cfg, tokenizer) -> tuple[list[EvalSet], frozenset]:
             except DataError as e:
                 raise DataError(f"eval set {s.name!r}: {e}") from None
         if cfg.eval.check_disjoint:
-            _check_disjoint(s.name, raw, dcfg.input_key, train)
+            _check_disjoint(s.name, raw, row_keys(raw, dcfg, tokenizer), training)
         sets.append(EvalSet(s.name, rows, dcfg.path if s.path else f"{hold.holdout} of {cfg.data.path}"))
     return sets, held
 
 
-def _check_disjoint(name: str, raw: list[RawRow], input_key: str, train: dict[str, str]) -> None:
-    shared = [(r.where, train[k]) for r in raw if (k := prompt_key(r.data.get(input_key))) in train]
+def _check_disjoint(name: str, raw: list[RawRow], keys: Sequence[int], training: list[_Training]) -> None:
+    """DataError when a row of the set has a training prompt: the set's keys are a small set, the
+    training sources' digests are scanned once each (no set of every training prompt is built)."""
+    mine = {k for k in keys if k}
+    first: dict[int, str] = {}  # set prompt -> the first training row that has it
+    for t in training:
+        for i, k in enumerate(t.keys):
+            if k in mine and k not in first and k not in t.left_out:
+                first[k] = _where(t.rows, i)
+    shared = [(r.where, first[k]) for r, k in zip(raw, keys) if k in first]
     if shared:
         where, trained = shared[0]
         raise DataError(f"eval set {name!r}: row {where} has the same prompt as training row {trained} "

@@ -81,3 +81,91 @@ def test_megatron_checkpoint_evaluation_equals_the_runs_own(tmp_path, evaluate):
     logged = {k: v for k, v in eval_part(recs[2]).items() if k != "eval/weight_version"}
     assert {k: v for k, v in got.items() if k.startswith("eval/")} == logged
     assert 0.0 < logged["eval/held/sampled/pass@1"] < 1.0  # the comparison is not between two zeros
+
+
+EVIL = '''import os
+open(os.environ["MEGAFORGE_EVIL_MARKER"], "a").write("ran\\n")
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+
+class EvilConfig(Qwen2Config):
+    pass
+
+
+class EvilModel(Qwen2ForCausalLM):
+    config_class = EvilConfig
+'''
+
+
+def _remote_code_run(tmp_path, tiny_model_dir):
+    """A model folder whose config.json names its own module (``auto_map``: evil.py, which writes a
+    marker when imported), a run folder whose config.yaml trusts it, and a complete checkpoint."""
+    import shutil
+
+    import torch
+
+    from megaforge.checkpoint import write_manifest
+
+    model = tmp_path / "evil-model"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}
+    (model / "config.json").write_text(json.dumps(cfg))
+    (model / "evil.py").write_text(EVIL)
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_000001"
+    (ckpt / "trainer").mkdir(parents=True)
+    from transformers import AutoModelForCausalLM
+
+    torch.save({"model": AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()},
+               ckpt / "trainer" / "trainer.pt")
+    write_manifest(str(ckpt))
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}) + "\n")
+    (run / "config.yaml").write_text(
+        f"model: {{path: {model}, trust_remote_code: true}}\n"
+        f"data: {{path: {data}, max_prompt_len: 64}}\n"
+        f"eval: {{sets: [{{name: d, path: {data}}}], check_disjoint: false, interval: 1}}\n")
+    return model, run
+
+
+def test_a_run_folder_cannot_make_evaluate_run_its_models_code(tmp_path, tiny_model_dir, evaluate, monkeypatch):
+    """Issue 40 case 6: a run folder whose config.yaml trusts a model with an ``auto_map`` module got
+    that module executed. Without evaluate's own --trust_remote_code, nothing of it is imported."""
+    marker = tmp_path / "ran"
+    monkeypatch.setenv("MEGAFORGE_EVIL_MARKER", str(marker))
+    model, run = _remote_code_run(tmp_path, tiny_model_dir)
+    _, err = evaluate("--model", str(run), "--rollout.max_new_tokens", "2", expect_rc=1)
+    assert not marker.exists()
+    err = err.splitlines()[-1]
+    assert err.startswith(f"evaluate: error: --model {run}: {run}/config.yaml sets ") and "model.trust_remote_code true" in err \
+        and "--trust_remote_code" in err.split("refused")[1], err
+    # an HF folder evaluated under that config (--config), or the key given on the command line
+    data = str(tmp_path / "d.jsonl")
+    for extra in (["--config", str(run / "config.yaml")], ["--model.trust_remote_code", "true"]):
+        _, err = evaluate("--model", str(model), "--data", data, "--data.max_prompt_len", "64",
+                          "--rollout.max_new_tokens", "2", *extra, expect_rc=1)
+        err = err.splitlines()[-1]
+        base = extra[1] if extra[0] == "--config" else "the defaults"
+        assert not marker.exists() and err.startswith(f"evaluate: error: --model {model}: the evaluation's config "
+                                                      f"({base} and the command line) sets model.trust_remote_code "
+                                                      f"true") and err.endswith("given --trust_remote_code"), err
+    # asked for on evaluate's own command line: the model's code runs (what the flag allows)
+    got, _ = evaluate("--model", str(model), "--data", data, "--data.max_prompt_len", "64",
+                      "--rollout.max_new_tokens", "2", "--trust_remote_code", "--out", str(tmp_path / "o.jsonl"))
+    assert marker.exists() and got["eval/d/prompts"] == 1
+
+
+def test_remote_code_keys_cover_every_model_of_the_config():
+    from megaforge.config import load_config
+
+    base = ["--model.config", "configs/models/tiny-qwen2", "--data.path", "arithmetic"]
+    assert TOOL.remote_code_keys(load_config(base)) == []
+    cfg = load_config(base + ["--model.trust_remote_code", "true", "--rewards.functions",
+                              "[{name: math}, {name: reward_model, reward_model: {path: x, trust_remote_code: true}}]"])
+    assert TOOL.remote_code_keys(cfg) == ["model.trust_remote_code",
+                                          "rewards.functions[1].reward_model.trust_remote_code"]
+    with pytest.raises(TOOL.EvaluateError, match=r"^--model m: c.yaml sets model.trust_remote_code, "
+                                                 r"rewards.functions\[1\].reward_model.trust_remote_code true"):
+        TOOL.refuse_remote_code(cfg, "m", "c.yaml", allowed=False)
+    TOOL.refuse_remote_code(cfg, "m", "c.yaml", allowed=True)

@@ -1,12 +1,13 @@
 """Held-out sets: prompt keys, the held-out part of data.path (left out of training), and the refusal
 of a set that shares a prompt with the training data, naming the set and the row."""
 import json
+import unicodedata
 
 import pytest
 
 from megaforge.config import load_config
-from megaforge.data.holdout import choose_held_out, prompt_key
-from megaforge.data.prompts import PromptSource
+from megaforge.data.holdout import choose_held_out, key_digest, prompt_key
+from megaforge.data.prompts import PromptSource, prompt_renderer
 from megaforge.data.sources import DataError
 from megaforge.eval.sets import load_eval_sets
 
@@ -23,24 +24,55 @@ def cfg_for(train, *extra):
                         "--data.path", train, "--max_steps", "1", *extra])
 
 
-def test_prompt_key_normalises_whitespace_and_drops_sft_targets():
+def test_prompt_key_normalises_whitespace_and_drops_sft_targets(tokenizer):
     assert prompt_key("What is  2 +\n2?") == prompt_key(" What is 2 + 2? ")
     assert prompt_key("What is 2 + 2?") != prompt_key("What is 2 + 3?")
     chat = [{"role": "user", "content": "hi  there"}]
     assert prompt_key(chat + [{"role": "assistant", "content": "hello"}]) == prompt_key(chat)
-    assert prompt_key(chat) != prompt_key("hi there")  # a chat turn is not the bare text
-    assert prompt_key("   ") is None and prompt_key(3) is None
+    assert prompt_key("   ") is None and prompt_key(3) is None and prompt_key([{"role": "user"}]) is None
+    render = prompt_renderer(tokenizer, cfg_for("x.jsonl").data)  # the chat template: what the model sees
+    assert prompt_key(chat, render) == prompt_key("hi there", render) != prompt_key("hi there")
+    system = [{"role": "system", "content": "hi there"}]  # another role is another model input
+    assert prompt_key(system, render) != prompt_key(chat, render)
 
 
-def test_choose_held_out_is_seeded_over_distinct_prompts_in_any_order():
-    keys = [f"q{i}" for i in range(50)] * 3  # every prompt three times
-    a = choose_held_out(keys, 0.2, seed=1)
-    assert len(a) == 10
-    assert a == choose_held_out(list(reversed(keys)), 0.2, seed=1)
-    assert a != choose_held_out(keys, 0.2, seed=2)
-    assert len(choose_held_out(["a", "b"], 0.9, 0)) == 1  # always leaves something to train on
-    with pytest.raises(ValueError):
-        choose_held_out(["a"], 0.5, 0)
+# Issue 40 case 5: the same model input written another way was accepted as held out.
+TRAIN_PROMPT = "Café: what is 12 + 7?"
+SAME_PROMPT = {
+    "one-message chat list": [{"role": "user", "content": TRAIN_PROMPT}],
+    "chat list with the SFT target": [{"role": "user", "content": TRAIN_PROMPT}, {"role": "assistant", "content": "19"}],
+    "case": TRAIN_PROMPT.upper(),
+    "zero-width space": "Caf\u200bé: what is 1\u200b2 + 7?\ufeff",
+    "NFD": unicodedata.normalize("NFD", TRAIN_PROMPT),
+    "full-width digits": "Café: what is \uff11\uff12 + \uff17?",
+    "whitespace": " Café:\twhat  is 12 +\n7? ",
+}
+
+
+@pytest.mark.parametrize("variant", sorted(SAME_PROMPT))
+def test_the_same_prompt_written_another_way_is_not_held_out(tmp_path, tokenizer, variant):
+    assert SAME_PROMPT[variant] != TRAIN_PROMPT
+    train = write(tmp_path / "train.jsonl", [{"prompt": p, "answer": "1"} for p in (TRAIN_PROMPT, "Q1", "Q2")])
+    test = write(tmp_path / "test.jsonl", [{"prompt": "fresh", "answer": "1"}, {"prompt": SAME_PROMPT[variant], "answer": "19"}])
+    args = ["--eval.sets", f"[{{name: t, path: {test}}}]", "--eval.interval", "1"]
+    with pytest.raises(DataError, match=r"eval set 't': row .*test.jsonl:2 has the same prompt as training row "
+                                        r".*train.jsonl:1 \(1 of its 2 rows"):
+        load_eval_sets(cfg_for(train, *args), tokenizer)
+
+
+def test_held_out_variants_leave_the_training_data_together(tmp_path, tokenizer):
+    """Rows of data.path that are one prompt written in several ways are held out together."""
+    rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(20)]
+    rows += [{"prompt": [{"role": "user", "content": f"WHAT IS \uff11{i} + 1?"}], "answer": "x"} for i in range(10)]
+    cfg = cfg_for(write(tmp_path / "t.jsonl", rows), "--eval.sets", "[{name: held, holdout: 0.5}]",
+                  "--eval.interval", "1")
+    _, held = load_eval_sets(cfg, tokenizer)
+    assert len(held) == 10  # 20 distinct prompts: the 10 variants are prompts 10..19
+    src = PromptSource(cfg.data, tokenizer, cfg.seed, exclude=held)
+    kept = {r.where.rsplit(":", 1)[1] for r in src._rows}  # data lines (1-based) left for training
+    for i in range(10):  # prompt 10 + i (line 11 + i) and its variant (line 21 + i): out together or in together
+        assert (str(11 + i) in kept) == (str(21 + i) in kept)
+    assert src.held_out == 30 - len(kept) == 15  # the 10 held-out prompts: 5 with a variant, 5 without
 
 
 def test_holdout_rows_leave_the_training_data(tmp_path, tokenizer):
@@ -51,11 +83,13 @@ def test_holdout_rows_leave_the_training_data(tmp_path, tokenizer):
     assert [s.name for s in sets] == ["held"] and len(held) == 10
     assert len(sets[0].rows) == 10  # one row per held-out prompt, the first row that has it
     lines = [int(r.where.rsplit(":", 1)[1]) for r in sets[0].rows]
-    assert {prompt_key(rows[i - 1]["prompt"]) for i in lines} == held and max(lines) <= 40
+    render = prompt_renderer(tokenizer, cfg.data)
+    assert {key_digest(prompt_key(rows[i - 1]["prompt"], render)) for i in lines} == held and max(lines) <= 40
     assert all(r.label == rows[i - 1]["answer"] for r, i in zip(sets[0].rows, lines))
     src = PromptSource(cfg.data, tokenizer, cfg.seed, exclude=held)
     assert len(src) == 90 and src.held_out == 30
-    trained = {prompt_key(r.prompt_text.split("user\n")[1].split("<|im_end|>")[0]) for r in src.next_batch(90)}
+    trained = {key_digest(prompt_key(r.prompt_text.split("user\n")[1].split("<|im_end|>")[0], render))
+               for r in src.next_batch(90)}
     assert len(trained) == 30 and not trained & held
 
 

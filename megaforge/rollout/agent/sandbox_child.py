@@ -16,15 +16,25 @@ Three processes (the kernel is the boundary; nothing here relies on the code's g
   ``waitpid`` returns only once they are all gone, so nothing the code started outlives the call.
 * **P1**: mounts its own ``/proc`` (only the namespace's processes), drops every capability
   (bounding set, ambient, effective/permitted/inheritable) and sets ``no_new_privs`` (no setuid
-  binary can lift it), checks both (``CapEff`` 0, every visible mount read-only except ``/tmp``;
+  binary can lift it), installs a seccomp filter that refuses (EPERM) the memory ``RLIMIT_AS`` does
+  not count: SysV shared memory, message queues and semaphores (a detached ``shmget`` segment is
+  held by the kernel, not the process) and ``memfd_create``/``memfd_secret`` (a memfd's pages stay
+  while its descriptor is open, unmapped); syscalls of another ABI (i386, x32) are refused too.
+  It checks all three (``CapEff`` 0, ``Seccomp`` 2, every visible mount read-only except ``/tmp``;
   interpreter folders under ``/tmp``, as a virtualenv in a CI clone, are bound back read-only),
   applies the resource limits (``RLIMIT_NPROC`` binds: the uid is not root) and ``execve``'s a fresh
   ``python -I main.py`` in ``/tmp``.
 
+So what the code can hold is ``memory_mb`` (RLIMIT_AS) plus ``scratch_mb`` (the /tmp tmpfs);
+``/dev/shm`` is an empty read-only tmpfs. The seccomp filter needs this machine's syscall numbers:
+x86_64 and aarch64 (any other architecture is a set-up error, nothing runs).
+
 Status lines go to the trainer on ``status_fd``: ``unshared``, ``ready <description>``,
-``error <message>`` (set-up failed: nothing ran), ``exit <wait status> <timed out 0|1>``.
+``error <message>`` (set-up failed, or the interpreter could not be started: the code did not run),
+``exit <wait status> <timed out 0|1>``.
 """
 import ctypes
+import errno
 import json
 import os
 import resource
@@ -37,6 +47,16 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVA
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 1, 24, 38, 47, 4
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 HIDDEN_EMPTY = ("/dev/shm", "/var/tmp", "/run/lock")  # world-writable on most systems: hidden, read-only
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+# Syscalls refused (EPERM) in the sandbox: memory the kernel holds outside RLIMIT_AS. Per architecture:
+# (AUDIT_ARCH, first number of another ABI sharing it (x32) or None, {name: number}).
+_IPC = ("shmget", "shmat", "shmctl", "shmdt", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop",
+        "semctl", "semtimedop", "memfd_create", "memfd_secret")
+SECCOMP_DENY = {
+    "x86_64": (0xC000003E, 0x40000000, dict(zip(_IPC, (29, 30, 31, 67, 68, 69, 70, 71, 64, 65, 66, 220, 319, 447)))),
+    "aarch64": (0xC00000B7, None, dict(zip(_IPC, (194, 196, 195, 197, 186, 189, 188, 187, 190, 193, 191, 192, 279,
+                                                  447)))),
+}
 SETUP_FAILED = 70
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -156,12 +176,52 @@ def _drop_privileges() -> None:
     _check(_libc.capset(header, data), "capset")
 
 
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def seccomp_program(machine: str) -> list[tuple[int, int, int, int]]:
+    """The classic-BPF filter (code, jt, jf, k) refusing :data:`SECCOMP_DENY` on ``machine``: another
+    ABI's call (audit arch, x32 numbers) and a listed number return EPERM, anything else is allowed."""
+    if machine not in SECCOMP_DENY:
+        raise SetupError(f"no seccomp syscall table for the {machine} architecture (x86_64 and aarch64 are "
+                         f"supported); the sandbox cannot bound shared memory here, so nothing runs")
+    audit_arch, other_abi, numbers = SECCOMP_DENY[machine]
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    nrs = sorted(set(numbers.values()))
+    n = len(nrs)
+    prog = [(ld, 0, 0, 4)]  # A = seccomp_data.arch
+    prog.append((jeq, 0, 1 + (other_abi is not None) + n + 1, audit_arch))  # another arch: to the refusal
+    prog.append((ld, 0, 0, 0))  # A = seccomp_data.nr
+    if other_abi is not None:
+        prog.append((jge, n + 1, 0, other_abi))
+    prog += [(jeq, n - i, 0, nr) for i, nr in enumerate(nrs)]  # a listed call: over the rest, to the refusal
+    prog += [(ret, 0, 0, 0x7FFF0000), (ret, 0, 0, 0x00050000 | errno.EPERM)]  # ALLOW, ERRNO(EPERM)
+    return prog
+
+
+def _deny_unbounded_memory() -> None:
+    """Install :func:`seccomp_program` (needs no_new_privs, set by :func:`_drop_privileges`)."""
+    prog = seccomp_program(os.uname().machine)
+    insns = (_SockFilter * len(prog))(*[_SockFilter(*i) for i in prog])
+    fprog = _SockFprog(len(prog), insns)
+    _check(_prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0), "prctl(PR_SET_SECCOMP)")
+
+
 def _verify() -> None:
-    """Fail closed: no capability left, every visible mount read-only except the scratch /tmp."""
+    """Fail closed: no capability left, the seccomp filter on, every visible mount read-only except
+    the scratch /tmp."""
     with open("/proc/self/status") as f:
-        caps = {k: v.strip() for k, v in (line.split(":", 1) for line in f) if k.startswith("Cap")}
+        status = {k: v.strip() for k, v in (line.split(":", 1) for line in f)}
+    caps = {k: v for k, v in status.items() if k.startswith("Cap")}
     if any(int(v, 16) for v in caps.values()):
         raise SetupError(f"capabilities left after dropping them: {caps}")
+    if status.get("Seccomp") != "2":
+        raise SetupError(f"the seccomp filter is not in force (Seccomp: {status.get('Seccomp')})")
     for point, _ in _mounts():
         if point == "/tmp":  # the scratch folder; the interpreter's folders bound below it are checked
             continue
@@ -177,7 +237,8 @@ def _limits(a: dict) -> None:
     # RLIMIT_NPROC counts this user's tasks in the namespace: S and P1, plus what the code may start.
     for what, v in ((resource.RLIMIT_AS, a["memory_bytes"]), (resource.RLIMIT_CPU, a["cpu_s"]),
                     (resource.RLIMIT_FSIZE, a["file_bytes"]), (resource.RLIMIT_NOFILE, 64),
-                    (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, 2 + a["max_processes"])):
+                    (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, 2 + a["max_processes"]),
+                    (resource.RLIMIT_MSGQUEUE, 0)):  # POSIX message queues: no kernel memory either
         resource.setrlimit(what, (v, v))
 
 
@@ -191,14 +252,23 @@ def _run_pid1(a: dict, say, script: bytes) -> None:
             _mount("tmpfs", "/proc", "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0555")
             proc = "no /proc (the kernel refused a new proc mount)"
         _drop_privileges()
+        _deny_unbounded_memory()
         _verify()
+        exe = a["interpreter"]
+        if not os.access(exe, os.X_OK):
+            raise SetupError(f"the interpreter {exe} cannot be executed inside the sandbox "
+                             f"({'not executable' if os.path.exists(exe) else 'not found'} there)")
         with open("/tmp/main.py", "wb") as f:
             f.write(script)
         _limits(a)
         os.chdir("/tmp")
-        say(f"ready user+mount+pid+net+ipc namespaces, uid {a['uid']}, read-only filesystem, {proc}")
+        say(f"ready user+mount+pid+net+ipc namespaces, uid {a['uid']}, read-only filesystem, {proc}, "
+            f"seccomp (no SysV IPC, no memfd)")
         os.set_inheritable(a["status_fd"], False)  # closed by the exec; still open to report its failure
-        os.execve(sys.executable, [sys.executable, "-I", "main.py"], a["env"])
+        try:
+            os.execve(exe, [exe, "-I", "main.py"], a["env"])
+        except OSError as e:
+            raise SetupError(f"the interpreter {exe} could not be started inside the sandbox: {e}") from None
     except BaseException as e:  # noqa: BLE001 - report whatever stopped the set-up, run nothing
         say(f"error {type(e).__name__}: {e}")
     os._exit(SETUP_FAILED)
