@@ -119,6 +119,7 @@ def _remote_code_run(tmp_path, tiny_model_dir):
 
     torch.save({"model": AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()},
                ckpt / "trainer" / "trainer.pt")
+    (ckpt / "state.json").write_text(json.dumps({"phase": "rl", "step": 1}))  # REQUIRED_FILES of a checkpoint
     write_manifest(str(ckpt))
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}) + "\n")

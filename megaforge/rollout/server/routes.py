@@ -24,6 +24,7 @@ from megaforge.sync import weight_group, wire
 from megaforge.sync.check import dtype_name, tensor_digest
 
 log = logging.getLogger("megaforge.engine_server")
+BODY_GRACE_S = 2.0  # how long a body may lag its head before, past --max-body-readers, it counts as trickling
 NO_SESSION = "{} must run between begin_weight_update() and end_weight_update()"
 
 
@@ -89,12 +90,18 @@ class Routes:
 
     async def read_json(self, request: web.Request):
         """The request's JSON body (``{}`` when empty). A body that has not fully arrived with its head
-        waits for the rest only while fewer than ``--max-body-readers`` requests do (beyond: 503, so that
-        connections trickling bodies cannot fill every connection slot), and at most ``--body-timeout``
-        seconds (408)."""
+        waits for the rest only while fewer than ``--max-body-readers`` requests do (beyond: a grace of
+        ``BODY_GRACE_S``, then 503, so that connections trickling bodies cannot fill every connection
+        slot), and at most ``--body-timeout`` seconds (408)."""
         if request.content.is_eof():  # the whole body arrived (or there is none): nothing to wait for
             return self.parse_json(await request.read())
         if self.srv.body_readers >= self.srv.args.max_body_readers:
+            # A body sent right behind its head may not have been read when the head was (a busy machine, a
+            # client sending head and body in two writes): it gets BODY_GRACE_S before it counts as trickling.
+            try:
+                return self.parse_json(await asyncio.wait_for(request.read(), BODY_GRACE_S))
+            except asyncio.TimeoutError:
+                pass
             self.srv.refused_body_readers += 1
             raise web.HTTPServiceUnavailable(text=json.dumps({"error": {"message": f"{request.path}: "
                                              f"{self.srv.body_readers} requests are sending their bodies, the most this "
