@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from megaforge import collective, memory
-from megaforge.algorithms import (ADVANTAGES, AdvantageInputs, Share, first_groups, kl_reward_penalty,
+from megaforge.algorithms import (ADVANTAGES, AdvantageInputs, ObjectiveParams, Share, first_groups, kl_reward_penalty,
                                   nonzero_variance_groups, overlong_penalty, value_targets)
 from megaforge.config import Config
 from megaforge.data.batch import per_token_bytes, samples_to_batch, set_denominators
@@ -214,9 +214,10 @@ def batch_advantages(batch: TrainBatch, cfg: Config,
     rewards, group_ids, share = whole if whole is not None else (batch.rewards, batch.group_ids, None)
     inp = AdvantageInputs(rewards=rewards, group_ids=group_ids, loss_mask=batch.loss_mask,
                           token_rewards=token_rewards, values=batch.values, share=share)
+    p = ObjectiveParams.from_config(cfg)  # what estimators are typed to read (cfg.algo lacks .of() and grpo.*)
     if batch.values is not None:  # the critic's targets: lambda-returns
-        batch.returns = value_targets(inp, cfg.algo)
-    adv = ADVANTAGES.get(cfg.algo.advantage)(inp, cfg.algo)
+        batch.returns = value_targets(inp, p)
+    adv = ADVANTAGES.get(p.advantage)(inp, p)
     if adv.shape != batch.loss_mask.shape:
         raise ValueError(f"algo.advantage {cfg.algo.advantage!r} returned advantages of shape {tuple(adv.shape)} "
                          f"for rows of shape {tuple(batch.loss_mask.shape)} (the rows held: AdvantageInputs.loss_mask)")

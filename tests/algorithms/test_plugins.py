@@ -84,6 +84,38 @@ def test_custom_advantage_and_reward_in_a_run(tmp_path, in_root, monkeypatch):
     assert recs[0]["reward/mean"] == pytest.approx(recs[0]["reward/length_reward"] + 0.25)
 
 
+def test_a_plugin_advantage_with_typed_params_runs_a_step(tmp_path, in_root, monkeypatch):
+    """An advantage registered with params= reads its typed key (algo.scaled_sign_scale) through
+    ``p.of(...)`` at the run's step (before: the estimator got cfg.algo, an AlgoConfig without .of(),
+    and the run died at step 1 with AttributeError) and sees the grpo.* values ObjectiveParams carries."""
+    (tmp_path / "typed_adv.py").write_text(textwrap.dedent('''
+        from dataclasses import dataclass
+
+        import torch
+        from megaforge.algorithms import ADVANTAGES
+
+        SEEN = []
+
+        @dataclass(frozen=True)
+        class ScaledSignParams:
+            scale: float = 1.0
+            """Advantage magnitude."""
+
+        @ADVANTAGES.register("scaled_sign", params=ScaledSignParams)
+        def scaled_sign(inp, p):
+            SEEN.append((p.of(ScaledSignParams).scale, p.clip_low))
+            return torch.sign(inp.rewards - inp.rewards.mean())[:, None] * inp.loss_mask * p.of(ScaledSignParams).scale
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = run_launcher("grpo", ["--config", "configs/demo_cpu.yaml", *SMOKE, "--algo.plugins", "[typed_adv]",
+                                "--algo.advantage", "scaled_sign", "--algo.scaled_sign_scale", "3.0",
+                                "--grpo.clip_low", "0.15"], str(tmp_path), "typed")
+    import typed_adv
+
+    assert typed_adv.SEEN == [(3.0, 0.15)] * 2  # one call per RL step, the typed key and grpo.clip_low read
+    assert len(read_metrics(run)) == 2
+
+
 @pytest.mark.parametrize("argv,key", [
     (["--algo.kl_in_reward", "true"], "algo.kl_in_reward"),  # demo: grpo with beta 0.01
     (["--algo.advantage", "gae", "--critic.enabled", "false"], "critic.enabled"),
