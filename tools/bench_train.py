@@ -42,6 +42,9 @@ from raw_megatron import flops, n_params, raw_microbatches, raw_step
 SHAPES = {  # Llama layouts: layers, hidden, ffn, heads, kv heads, seq (tokens a row), vocab, mbs (full rows a micro-batch)
     "8l": dict(layers=8, hidden=4096, ffn=14336, heads=32, kv=8, seq=4096, vocab=32000, mbs=1),
     "24l": dict(layers=24, hidden=2048, ffn=5632, heads=16, kv=4, seq=4096, vocab=32000, mbs=2),
+    # the recipes' models (configs/models/: qkv bias, QK norm, tied embeddings as the real ones), rows packed to 4,096
+    "q05b": dict(model="qwen2.5-coder-0.5b", seq=4096, mbs=1),  # configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's
+    "q17b": dict(model="qwen3-1.7b", seq=4096, mbs=1),  # tools/bench_grpo_step.py's
     "tiny": dict(layers=2, hidden=64, ffn=128, heads=4, kv=2, seq=64, vocab=256, mbs=2),
     # Qwen3-30B-A3B's per-layer structure in 4 layers (3.0 B parameters, 0.9 B active a token)
     "moe4l": dict(layers=4, hidden=2048, ffn=6144, heads=32, kv=4, seq=4096, vocab=32000, mbs=1, head_dim=128,
@@ -86,7 +89,12 @@ def parse_args(argv=None):
 
 def hf_shape(shape: dict):
     """The transformers config of a SHAPES entry (untied embedding, rope theta 5e5): LlamaConfig, or
-    Qwen3MoeConfig (every layer sparse, top-k renormalised) for an entry with ``experts``."""
+    Qwen3MoeConfig (every layer sparse, top-k renormalised) for an entry with ``experts``; an entry with
+    ``model`` is that configs/models/ config as it is (its vocab and layers fill the entry's blanks)."""
+    if shape.get("model"):
+        hf = model_config(shape["model"])
+        shape.setdefault("vocab", hf.vocab_size)
+        return hf
     fields = {
         "model_type": "llama", "vocab_size": shape["vocab"], "hidden_size": shape["hidden"],
         "intermediate_size": shape["ffn"], "num_hidden_layers": shape["layers"], "num_attention_heads": shape["heads"],

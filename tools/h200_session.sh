@@ -248,6 +248,15 @@ for stage in "$@"; do
         > "$OUT/bench_train_moe.log" 2>&1; echo "exit $?"
       grep -v -i warn "$OUT/bench_train_moe.log" | grep "^{\|Error\|error" | tail -6
       grep '^{' "$OUT/bench_train_moe.log" > "$OUT/bench_train_moe.json" ;;
+    train_bench)  # issue 38 point 1: the RL train step beside raw megatron-core at the recipes' shapes (0.5B, 1.7B), one
+      # step of each profiled and traced (kernel tables, host waits, idle gaps under $OUT/prof_<shape>); after mfsite
+      for shape in ${BENCH_SHAPES:-q05b q17b}; do
+        timeout -k 20 ${BENCH_TIMEOUT:-240} $TORCHRUN tools/bench_train.py --shape $shape --layer_spec ${BENCH_SPEC:-torch} \
+          --profile "$OUT/prof_$shape" --trace "$OUT/prof_$shape" ${BENCH_FLAGS:-} > "$OUT/bench_train_$shape.log" 2>&1
+        echo "exit $?"; grep '^{' "$OUT/bench_train_$shape.log" | cut -c1-1500
+        grep -v -i warn "$OUT/bench_train_$shape.log" | grep -i "error" | tail -3
+        rm -f "$OUT"/prof_$shape/*_trace.json.gz
+      done ;;
     moe_tests)  # the MoE GPU tests: SGLang serving the Megatron-trained MoE, and the TE spec's grouped experts
       MEGAFORGE_GPU_REPORT="$OUT/gpu_moe_tests.json" timeout -k 20 470 python3 -m pytest -q -s -p no:cacheprovider \
         tests/gpu/test_sglang_moe.py "tests/gpu/test_megatron_te_cuda.py::test_te_spec_weights_logprobs_steps_and_checkpoint[qwen3_moe-None]" \
