@@ -29,7 +29,6 @@ before it (named in ``includes``).
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import re
@@ -98,7 +97,8 @@ def megaforge_records(path: str, run: str, n_gpus: int = 1, stamps=None, launch_
     return with_wall(recs)
 
 
-_CONSOLE = re.compile(r"^step:(\d+) - (.*)$")
+_CONSOLE = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
+_VALUE = re.compile(r"(?:np\.\w+\()?([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))\)?")  # 1.5, np.float64(1.5)
 
 
 def verl_rows(path: str):
@@ -119,10 +119,9 @@ def verl_rows(path: str):
                 data = {}
                 for item in m.group(2).split(" - "):
                     k, _, v = item.partition(":")
-                    try:
-                        data[k.strip()] = ast.literal_eval(v.strip())
-                    except (ValueError, SyntaxError):
-                        pass
+                    mv = _VALUE.fullmatch(v.strip())
+                    if mv:
+                        data[k.strip()] = float(mv.group(1))
                 yield i, int(m.group(1)), data
 
 
