@@ -264,3 +264,30 @@ def test_trl_grpo_two_steps_on_the_tiny_cpu_model(tmp_path):
         assert s["tokens"] > 4 * 4 * 8 and s["train_s"] == pytest.approx(s["pi_old_s"] + s["update_s"])
         assert s["rollout_s"] + s["reward_s"] + s["pi_old_s"] + s["update_s"] <= s["step_s"] * 1.0001
     assert (out / "checkpoint-2" / "config.json").exists() and (out / "checkpoint-4" / "config.json").exists()
+
+
+def test_readme_shows_the_generated_table_and_overrides():
+    readme = open(os.path.join(ROOT, "tools", "peers", "README.md")).read()
+    assert mapping.table_markdown() in readme
+    cfg = recipe_cfg("--model.path", "/tmp/qwen2.5-coder-0.5b-instruct")
+    o = mapping.verl_overrides(cfg, "/tmp/peers/data", 20, "/tmp/peers/verl_mapped")
+    assert "```\n" + "\n".join(o).replace(ROOT, "<repo>") + "\n```" in readme
+
+
+def test_verl_validates_the_three_variants(tmp_path, capsys):
+    pytest.importorskip("hydra")
+    pytest.importorskip("ray")
+    import importlib.util
+    if importlib.util.find_spec("verl") is None:
+        pytest.skip("verl is not importable")
+    import verl_compose
+    cfg = recipe_cfg("--model.path", "/m")
+    for v in mapping.VARIANTS:
+        f = tmp_path / f"{v}.txt"
+        f.write_text("\n".join(mapping.verl_overrides(cfg, "/d", 20, "/o", v)))
+        assert verl_compose.main([str(f), "--out", str(tmp_path / f"{v}.yaml")]) == 0
+        assert "validated" in capsys.readouterr().out
+    bad = tmp_path / "bad.txt"
+    bad.write_text("\n".join([x for x in mapping.verl_overrides(cfg, "/d", 20, "/o") if "log_prob_micro" not in x]))
+    assert verl_compose.main([str(bad)]) == 1
+    assert "log_prob_micro_batch_size" in capsys.readouterr().err
