@@ -101,8 +101,8 @@ for stage in "$@"; do
     verl_start)  # verl 0.9.1 in the SGLang kit's environment, verl's site first; its metrics as JSON lines
       mkdir -p $P/verl_$V
       launch verl_$V $P/verl_$V/metrics.jsonl env VERL_FILE_LOGGER_PATH=$P/verl_$V/metrics.jsonl bash -c \
-        ". /tmp/sgl/env.sh && export PYTHONPATH=/tmp/verlsite:$PWD:\$PYTHONPATH:/tmp/mfsite && \
-         exec python3 -m verl.trainer.main_ppo \$(cat $OUT/verl_$V.overrides)" ;;
+        "set -f; . /tmp/sgl/env.sh && export PYTHONPATH=/tmp/verlsite:$PWD:\$PYTHONPATH:/tmp/mfsite && \
+         exec python3 -m verl.trainer.main_ppo \$(cat $OUT/verl_$V.overrides)" ;;  # set -f: [console,file] is no glob
     verl_watch)
       watch_run verl_$V $P/verl_$V/metrics.jsonl
       cp $P/verl_$V/metrics.jsonl "$OUT/verl_${V}_metrics.jsonl" 2>/dev/null
