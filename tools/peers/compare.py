@@ -1,0 +1,196 @@
+#!/usr/bin/env python
+"""megaforge beside its peers: ratios per phase and pass@1 against wall-clock (issue 39 points 2 and 4).
+
+    python tools/peers/compare.py mf.jsonl verl.jsonl trl.jsonl [eval.jsonl ...] [--png curves.png] [--json summary.jsonl]
+
+Reads schema lines (tools/peers/schema.py) of any systems. A run's label starts with its machine hold
+(``hold1-mapped``: hold ``hold1``); each peer run is compared with the megaforge run of the same hold, so
+every ratio is measured on one machine in one hold (a peer without megaforge in its hold gets no ratio).
+Per run: median over the steps after the first (``first`` steps pay compilation and graph capture:
+reported apart), of each phase; ratio = megaforge's median / the peer's median (below 1: megaforge is
+faster; for tokens/s/GPU above 1 is better: the ratio printed is peer / megaforge then, so below 1
+always means megaforge wins). Time to the peer's accuracy: the peer's greedy pass@1 at its last evaluated
+step, and the training seconds (``train_wall_s``) each system needed to first reach it.
+
+The PNG plots greedy pass@1 (eval records) against training seconds (running sum of step times; step 0
+at 0 s; ``--with_startup`` adds each run's start-up), one line per system and run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from schema import PHASES, SchemaError, median, read  # noqa: E402
+
+HIGHER_IS_BETTER = {"tokens_per_s_per_gpu"}
+
+
+def hold_of(run: str) -> str:
+    return run.split("-")[0]
+
+
+def load(paths: list[str]) -> dict:
+    """{(system, run): {"steps": [...], "startup": rec or None, "evals": [...]}} of the files' records."""
+    runs: dict = {}
+    for p in paths:
+        for r in read(p):
+            d = runs.setdefault((r["system"], r["run"]), {"steps": [], "startup": None, "evals": []})
+            if r["kind"] == "step":
+                d["steps"].append(r)
+            elif r["kind"] == "startup":
+                d["startup"] = r
+            else:
+                d["evals"].append(r)
+    for d in runs.values():
+        d["steps"].sort(key=lambda r: r["step"])
+        d["evals"].sort(key=lambda r: r["step"])
+    return runs
+
+
+def summary(d: dict) -> dict:
+    """Medians of each phase over the steps after the first; the first step and start-up apart."""
+    steps = d["steps"]
+    rest = [r for r in steps if not r.get("first")] or steps
+    out = {"steps": len(steps), "startup_s": d["startup"]["startup_s"] if d["startup"] else None,
+           "first_step_s": steps[0]["step_s"] if steps else None}
+    for k in PHASES:
+        out[k] = median([r.get(k) for r in rest])
+    return out
+
+
+def wall_at(d: dict, step: int, with_startup: bool = False):
+    """Training seconds at the end of ``step`` (0 at step 0); None when the run has no such step."""
+    base = d["startup"]["startup_s"] if with_startup and d["startup"] else 0.0
+    if step == 0:
+        return base
+    for r in d["steps"]:
+        if r["step"] == step:
+            return base + r["train_wall_s"] if r.get("train_wall_s") is not None else None
+    return None
+
+
+def curve(d: dict, with_startup: bool = False) -> list[tuple[float, float, int]]:
+    """(seconds, pass@1, step) of the run's evaluations (tools/evaluate.py's when it has any)."""
+    evals = [e for e in d["evals"] if e.get("source") == "tools/evaluate.py"] or d["evals"]
+    pts = []
+    for e in evals:
+        t = wall_at(d, e["step"], with_startup)
+        if t is not None:
+            pts.append((t, e["pass1"], e["step"]))
+    return sorted(pts)
+
+
+def time_to(d: dict, target: float):
+    """Training seconds at which the run's evaluations first reach pass@1 >= ``target`` (None: never)."""
+    for t, p, _ in curve(d):
+        if p >= target:
+            return t
+    return None
+
+
+def compare(runs: dict) -> list[dict]:
+    """One row per peer run: its summary, its hold's megaforge summary and the ratios."""
+    rows = []
+    mf = {hold_of(run): (run, d) for (system, run), d in runs.items() if system == "megaforge"}
+    for (system, run), d in sorted(runs.items()):
+        row = {"system": system, "run": run, "hold": hold_of(run), **summary(d)}
+        if system != "megaforge" and row["hold"] in mf:
+            mrun, md = mf[row["hold"]]
+            ms = summary(md)
+            row["megaforge_run"] = mrun
+            for k in PHASES:
+                a, b = ms.get(k), row.get(k)
+                if k in HIGHER_IS_BETTER:
+                    a, b = b, a
+                row[f"ratio/{k}"] = a / b if a is not None and b else None
+            pc = curve(d)
+            if pc:
+                target = pc[-1][1]
+                tm, tp = time_to(md, target), time_to(d, target)
+                row.update({"target_pass1": target, "target_step": pc[-1][2], "megaforge_s_to_target": tm,
+                            "peer_s_to_target": tp, "ratio/time_to_target": tm / tp if tm is not None and tp else None})
+        rows.append(row)
+    return rows
+
+
+def fmt(x, nd=3) -> str:
+    return "-" if x is None else f"{x:.{nd}g}" if isinstance(x, float) else str(x)
+
+
+def table(rows: list[dict]) -> str:
+    cols = ["step_s", "rollout_s", "reward_s", "pi_old_s", "update_s", "train_s", "sync_s", "tokens_per_s_per_gpu"]
+    out = ["| system | run | steps | start-up s | first step s | " + " | ".join(f"median {c}" for c in cols) + " |",
+           "|" + "---|" * (5 + len(cols))]
+    for r in rows:
+        out.append(f"| {r['system']} | {r['run']} | {r['steps']} | {fmt(r['startup_s'])} | {fmt(r['first_step_s'])} | "
+                   + " | ".join(fmt(r.get(c)) for c in cols) + " |")
+    peers = [r for r in rows if r["system"] != "megaforge"]
+    if peers:
+        out += ["", "| megaforge / peer | hold | " + " | ".join(cols) + " | time to peer's pass@1 |", "|" + "---|" * (3 + len(cols))]
+        for r in peers:
+            if "megaforge_run" not in r:
+                out.append(f"| {r['system']} {r['run']} | {r['hold']} | no megaforge run in this hold |")
+                continue
+            tt = r.get("ratio/time_to_target")
+            out.append(f"| {r['system']} {r['run']} | {r['hold']} | " + " | ".join(fmt(r.get(f"ratio/{c}")) for c in cols)
+                       + f" | {fmt(tt)}" + (f" (pass@1 {r['target_pass1']:.4f} at step {r['target_step']})" if "target_pass1" in r else "")
+                       + " |")
+    return "\n".join(out)
+
+
+def plot(runs: dict, path: str, with_startup: bool = False) -> int:
+    """PNG of greedy pass@1 against training seconds; the number of lines drawn."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    n = 0
+    for (system, run), d in sorted(runs.items()):
+        pts = curve(d, with_startup)
+        if not pts:
+            continue
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{system} ({run})")
+        for t, p, s in pts:
+            ax.annotate(str(s), (t, p), textcoords="offset points", xytext=(3, 3), fontsize=7)
+        n += 1
+    ax.set_xlabel("training seconds" + (" (with start-up)" if with_startup else " (sum of step times)"))
+    ax.set_ylabel("GSM8K test greedy pass@1")
+    ax.set_title("pass@1 against wall-clock, one H200 (labels: step)")
+    ax.grid(alpha=0.3)
+    if n:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return n
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("files", nargs="+")
+    p.add_argument("--png")
+    p.add_argument("--json", help="write one summary line per run here")
+    p.add_argument("--with_startup", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        runs = load(a.files)
+    except (SchemaError, OSError) as e:
+        print(f"megaforge: error: {e}", file=sys.stderr)
+        return 2
+    rows = compare(runs)
+    print(table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    if a.png:
+        n = plot(runs, a.png, a.with_startup)
+        print(f"[compare] {a.png}: {n} curves")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# The side-by-side runs of issue 39 on the offline H200, in the device calls a session makes (each < 10 min, chained
+# within the 30 s the machine stays warm so /tmp survives; the runs start detached, in their own process session,
+# and keep going across calls while the machine is held: tools/h200_session.sh's gsm_start way). Results go to $OUT.
+# NOTHING HERE HAS RUN ON A GPU YET (2026-12-05): every stage ran only as far as a CPU allows (tools/peers/README.md).
+#
+# Here, once: bash tools/peers/prepare_peers.sh        (.carry/peers: 50.8 MB of wheels; ignored by git)
+#             plus the SGLang kit (.sgl) and the GSM8K model / data / wheels (.carry/q, .carry/data, .carry/whl) as
+#             configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's header says.
+# One hold (~30 min), the calls one right after the other (sizes: python3 tools/carry_size.py PATHS):
+#   1  carry .sgl/sgl-part1 .sgl/sgl-part2:   bash tools/h200_session.sh parts            (alone: a refused start costs)
+#   2  carry .sgl/sgl-small .whl:             bash tools/h200_session.sh install
+#   3  carry .carry/peers/verl-ray .carry/peers/verl-rest .carry/peers/trl .carry/peers/SHA256SUMS (56.3 MiB):
+#                                             bash tools/peers/h200_peers.sh kit
+#   4..11 carry .carry/q/SHA256SUMS + one .carry/q/*.part_0K:  bash tools/h200_session.sh gsm_part
+#   12 carry .carry/q/*.part_08 .carry/data .carry/whl:
+#        bash tools/h200_session.sh gsm_prep && PEER_STEPS=20 bash tools/peers/h200_peers.sh data mf_start \
+#          && sleep 200 && bash tools/peers/h200_peers.sh mf_watch
+#   13 bash tools/peers/h200_peers.sh mf_watch verl_start && sleep 240 && WATCH_SECONDS=200 bash tools/peers/h200_peers.sh verl_watch
+#   14.. WATCH_SECONDS=540 bash tools/peers/h200_peers.sh verl_watch     (until "run ended"), then
+#   last: bash tools/peers/h200_peers.sh eval_verl compare
+# TRL in its own hold (same calls 1-12 without SGLang's two if megaforge's steps are not rerun... they are: every hold
+# that runs a peer also runs megaforge for a few steps), then trl_start / trl_watch / eval_trl / compare.
+# Variables: PEER_STEPS (20), MF_STEPS (5), VERL_VARIANT (mapped | best | defaults), HOLD (hold1), TRL_VLLM (0),
+#            MEGAFORGE_COMMIT (provenance of the JSON lines).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
+P=/tmp/peers; mkdir -p $P
+RECIPE=configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml
+MODEL=/tmp/qwen2.5-coder-0.5b-instruct
+HOLD=${HOLD:-hold1}
+STEPS=${PEER_STEPS:-20}
+V=${VERL_VARIANT:-mapped}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+MF_PATH=$PWD:/tmp/mfsite
+engine_env() {
+  PYTHONPATH=$MF_PATH python3 -c "import json; from megaforge.rollout.http.processes import env_from_script; print(json.dumps(env_from_script('/tmp/sgl/env.sh')))"
+}
+launch() {  # $1: name, $2: log file that grows one line per step, then the command: detached, stamped, launch time kept
+  local name=$1 log=$2; shift 2
+  date +%s.%N > $P/$name.launch_t
+  setsid "$@" >> $P/$name.out 2>&1 < /dev/null &
+  echo $! > $P/$name.pid
+  setsid python3 tools/peers/stamp.py "$log" $P/$name.stamps --pid "$(cat $P/$name.pid)" < /dev/null > /dev/null 2>&1 &
+  sleep 5; echo "[h200_peers] $name started: pid $(cat $P/$name.pid)"; tail -3 $P/$name.out
+}
+watch_run() {  # $1: name, $2: its metrics file: follow for WATCH_SECONDS or until it exits
+  local pid; pid=$(cat $P/$1.pid); local t0=$SECONDS seen=0 n
+  while kill -0 "$pid" 2>/dev/null && [ $((SECONDS - t0)) -lt "${WATCH_SECONDS:-540}" ]; do
+    sleep 10; n=$(wc -l < "$2" 2>/dev/null || echo 0)
+    [ "$n" -gt "$seen" ] && { tail -n $((n - seen)) "$2" | cut -c1-300; seen=$n; }
+  done
+  kill -0 "$pid" 2>/dev/null && echo "[h200_peers] $1 still going at $(date +%T)" || echo "[h200_peers] $1 ended"
+  tail -c 8000000 $P/$1.out > "$OUT/$1.log"
+  grep -v -i warn $P/$1.out | grep -i "error\|Traceback" | tail -5
+}
+evaluate() {  # $1: name, $2: step, $3: HF folder, then "system:run" pairs the result is recorded for
+  # -> $OUT/eval_<name>_<step>.jsonl (tools/evaluate.py through SGLang, the recipe's prompts, reward and lengths)
+  local name=$1 step=$2 hf=$3; shift 3
+  [ -f "$hf/config.json" ] || { echo "[h200_peers] no HF folder at $hf"; return 1; }
+  PYTHONPATH=$MF_PATH timeout -k 20 400 python3 tools/evaluate.py --model "$hf" --config $RECIPE --data /tmp/mf/data/gsm8k/test.jsonl \
+    --rollout.engine_env "$(engine_env)" --out $P/eval_${name}_${step}_samples.jsonl > $P/eval_${name}_${step}.log 2>&1; echo "exit $?"
+  : > "$OUT/eval_${name}_${step}.jsonl"
+  for sr in "$@"; do
+    python3 tools/peers/parse_logs.py evaluate $P/eval_${name}_${step}.log --for "${sr%%:*}" --step "$step" --run "${sr#*:}" --out - \
+      >> "$OUT/eval_${name}_${step}.jsonl"
+  done
+  cat "$OUT/eval_${name}_${step}.jsonl"
+}
+
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    kit)  # the peers' wheels: verl's into /tmp/verlsite, TRL's into /tmp/trlsite (checked against SHA256SUMS first)
+      (cd .carry/peers && sha256sum --quiet -c SHA256SUMS) || exit 1
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/verlsite \
+        .carry/peers/verl-ray/*.whl .carry/peers/verl-rest/*.whl .carry/peers/verl-rest/*.tar.gz > $P/kit.log 2>&1 \
+        || { tail -20 $P/kit.log; exit 1; }
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/trlsite .carry/peers/trl/*.whl \
+        >> $P/kit.log 2>&1 || { tail -20 $P/kit.log; exit 1; }
+      (. /tmp/sgl/env.sh && PYTHONPATH=/tmp/verlsite:$PWD:$PYTHONPATH python3 -c "import verl, ray, transfer_queue, hydra; print('verl', verl.__version__, 'ray', ray.__version__)")
+      PYTHONPATH=$PWD:/tmp/trlsite python3 -c "import trl, transformers; print('trl', trl.__version__, 'transformers', transformers.__version__)" ;;
+    data)  # megaforge's prompt order for the peers, and each verl variant's overrides checked by verl's validate_config
+      PYTHONPATH=$MF_PATH python3 tools/peers/peer_data.py --config $RECIPE --steps "$STEPS" --out_dir $P/data || exit 1
+      for v in mapped best defaults; do
+        PYTHONPATH=$MF_PATH python3 tools/peers/mapping.py verl --config $RECIPE --variant $v --steps "$STEPS" --data_dir $P/data \
+          --out_dir $P/verl_$v --model.path $MODEL > "$OUT/verl_$v.overrides"
+        (. /tmp/sgl/env.sh && PYTHONPATH=/tmp/verlsite:$PYTHONPATH python3 tools/peers/verl_compose.py "$OUT/verl_$v.overrides" \
+          --out "$OUT/verl_$v.composed.yaml" | tail -1)
+      done ;;
+    mf_start)  # megaforge's recipe for MF_STEPS steps in this hold (no evaluation, no checkpoint: timing only)
+      rm -rf /tmp/runs/peers_mf
+      launch mf /tmp/runs/peers_mf/metrics.jsonl env PYTHONPATH=$MF_PATH python3 -m torch.distributed.run --nproc_per_node 1 \
+        launchers/grpo.py --config $RECIPE --run_name peers_mf --max_steps "${MF_STEPS:-5}" --eval.before_train false \
+        --checkpoint.interval 0 --metrics.progress false --rollout.engine_env "$(engine_env)" ;;
+    mf_watch)
+      watch_run mf /tmp/runs/peers_mf/metrics.jsonl
+      python3 tools/peers/parse_logs.py megaforge /tmp/runs/peers_mf/metrics.jsonl --run "$HOLD" --stamps $P/mf.stamps \
+        --launch_t "$(cat $P/mf.launch_t)" --out "$OUT/megaforge_${HOLD}_steps.jsonl" ;;
+    verl_start)  # verl 0.9.1 in the SGLang kit's environment, verl's site first; its metrics as JSON lines
+      mkdir -p $P/verl_$V
+      launch verl_$V $P/verl_$V/metrics.jsonl env VERL_FILE_LOGGER_PATH=$P/verl_$V/metrics.jsonl bash -c \
+        "set -f; . /tmp/sgl/env.sh && export PYTHONPATH=/tmp/verlsite:$PWD:\$PYTHONPATH:/tmp/mfsite && \
+         exec python3 -m verl.trainer.main_ppo \$(cat $OUT/verl_$V.overrides)" ;;  # set -f: [console,file] is no glob
+    verl_watch)
+      watch_run verl_$V $P/verl_$V/metrics.jsonl
+      cp $P/verl_$V/metrics.jsonl "$OUT/verl_${V}_metrics.jsonl" 2>/dev/null
+      python3 tools/peers/parse_logs.py verl $P/verl_$V/metrics.jsonl --run "$HOLD-verl-$V" --stamps $P/verl_$V.stamps \
+        --launch_t "$(cat $P/verl_$V.launch_t)" --out "$OUT/verl_${HOLD}_${V}_steps.jsonl" ;;
+    eval_verl)  # the base model (step 0) and verl's HF exports at steps 10, 20 through the same evaluator
+      evaluate base 0 $MODEL "verl:$HOLD-verl-$V" "megaforge:$HOLD"
+      for s in 10 20; do evaluate verl_$V $s $P/verl_$V/ckpt/global_step_$s/actor/huggingface "verl:$HOLD-verl-$V"; done ;;
+    trl_start)  # TRL on the machine's own transformers (the kit's /tmp/site off its path)
+      vllm=""; [ "${TRL_VLLM:-0}" = 1 ] && vllm=--use_vllm
+      launch trl $P/trl/trl_steps.jsonl env PYTHONPATH=$PWD:/tmp/trlsite:/tmp/mfsite python3 tools/peers/trl_grpo.py --config $RECIPE \
+        --data $P/data/train.jsonl --steps "$STEPS" --out_dir $P/trl --run "$HOLD-trl" --save_every 10 --model.path $MODEL $vllm ;;
+    trl_watch)
+      watch_run trl $P/trl/trl_steps.jsonl
+      cp $P/trl/trl_steps.jsonl "$OUT/trl_${HOLD}_steps.jsonl" 2>/dev/null ;;
+    eval_trl)
+      evaluate base 0 $MODEL "trl:$HOLD-trl" "megaforge:$HOLD"
+      for s in 10 20; do evaluate trl $s $P/trl/checkpoint-$((s * 4)) "trl:$HOLD-trl"; done ;;
+    compare)
+      python3 tools/peers/compare.py $(ls "$OUT"/*_steps.jsonl "$OUT"/eval_*.jsonl 2>/dev/null) --png "$OUT/peers_pass1.png" --json "$OUT/peers_summary.jsonl" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,295 @@
+#!/usr/bin/env python
+"""The recipe's hyper-parameters mapped to verl 0.9.1's Hydra overrides and TRL 1.16.0's GRPOConfig (issue 39).
+
+    python tools/peers/mapping.py verl --config configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml --data_dir D --steps 20 \
+        --out_dir O [--variant mapped|best|defaults] [--model.path M ...]   # one override a line
+    python tools/peers/mapping.py trl --config ... --steps 20 --out_dir O         # GRPOConfig's keyword arguments (JSON)
+    python tools/peers/mapping.py table                                           # the README's table (markdown)
+
+:data:`TABLE` holds, for every key of configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml, verl's key, TRL's key and
+what still differs; the functions below read the values from the megaforge config (so an override of the
+recipe moves all three systems together). A recipe key missing from the table fails tests/tools/test_peers.py.
+
+Batch geometry. megaforge step = ``rollout.batch_size`` (64) prompts x ``grpo.n_samples`` (8) = 512
+samples, then ``trainer.mini_batches`` (4) optimizer updates of 128 samples in micro-batches of
+``trainer.micro_batch_size`` (16) samples.
+* verl: ``data.train_batch_size`` = 64 prompts, ``rollout.n`` = 8, ``actor.ppo_mini_batch_size`` counts
+  prompts: 64 / 4 = 16 (x n = 128 samples an update), ``ppo_micro_batch_size_per_gpu`` counts samples: 16.
+* TRL: ``per_device_train_batch_size`` = 16 samples (a micro-batch), ``gradient_accumulation_steps`` =
+  128 / 16 = 8, ``steps_per_generation`` = 512 / 16 = 32 (one generation of 64 x 8 serves 32
+  micro-batches = 4 optimizer steps): TRL's ``max_steps`` = 4 x megaforge's steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+VARIANTS = ("mapped", "best", "defaults")
+
+# (recipe key, verl key(s), TRL key(s), what still differs and what it costs). "-": no counterpart.
+TABLE = [
+    ("output_dir, run_name", "trainer.default_local_dir, trainer.experiment_name", "output_dir, run_name", "where files go"),
+    ("max_steps", "trainer.total_training_steps (+ total_epochs=1, a file of exactly steps x 64 rows)",
+     "max_steps = 4 x steps (4 optimizer steps a megaforge step)", "the comparison runs 20-50 steps, not the recipe's 200"),
+    ("seed", "data.shuffle=False (the order is in the file); rollout.seed / fsdp seed stay 42",
+     "seed, shuffle_dataset=False", "sampling seeds differ: samples differ, distributions do not"),
+    ("model.path", "actor_rollout_ref.model.path", "model (from_pretrained)", "same HF folder (the GGUF-converted Qwen2.5-Coder-0.5B-Instruct)"),
+    ("model.dtype: bfloat16", "fsdp_config.model_dtype=fp32 + dtype=bfloat16 (mixed precision, verl's default); rollout.dtype=bfloat16",
+     "bf16=True over fp32 weights (model_init_kwargs dtype float32)",
+     "megaforge: bf16 weights + fp32 main params and Adam (Megatron distributed optimizer); verl and TRL keep fp32 "
+     "weights and autocast: same optimizer precision, more weight memory"),
+    ("data.path", "data.train_files (tools/peers/peer_data.py: train.parquet)", "train.jsonl of peer_data.py",
+     "same rows in megaforge's order (its PromptSource, seed 0)"),
+    ("data.input_key / label_key", "prompt / reward_model.ground_truth", "prompt / answer column", "-"),
+    ("data.system_prompt", "system message in each row's prompt", "system message in each row's prompt",
+     "peer_data.py checks the chat template renders the exact prompt text megaforge sends"),
+    ("data.max_prompt_len: 320", "data.max_prompt_length=320 (truncation=error)", "- (no max_prompt_length in TRL 1.16)",
+     "verl pads every prompt to 320 (left) when remove-padding is off"),
+    ("grpo.n_samples: 8", "actor_rollout_ref.rollout.n=8", "num_generations=8", "-"),
+    ("grpo.clip_low: 0.2", "actor.clip_ratio_low=0.2", "epsilon=0.2", "-"),
+    ("grpo.clip_high: 0.28", "actor.clip_ratio_high=0.28", "epsilon_high=0.28",
+     "verl also applies dual-clip (clip_ratio_c=3.0) to negative advantages; megaforge and TRL do not"),
+    ("grpo.beta: 0.0", "actor.use_kl_loss=False, algorithm.use_kl_in_reward=False", "beta=0.0", "no reference model in any"),
+    ("grpo.temperature: 0.7", "rollout.temperature=0.7 (top_p 1, top_k -1)", "temperature=0.7, top_p=1.0, top_k=0", "-"),
+    ("algo.advantage: grpo", "algorithm.adv_estimator=grpo, norm_adv_by_std_in_grpo=True", "scale_rewards='group'",
+     "std epsilon: megaforge 1e-6, verl 1e-6, TRL 1e-4 (only matters for near-equal rewards, i.e. all-0/all-1 groups, which are 0 in all)"),
+    ("algo.loss: ppo_clip", "actor.policy_loss.loss_mode=vanilla", "loss_type='dapo' (clipped surrogate)", "-"),
+    ("algo.loss_agg: token_mean", "actor.loss_agg_mode=token-mean", "loss_type='dapo' (tokens of the global accumulated batch)",
+     "all three: mean over the tokens of one update's 128 samples"),
+    ("rewards.functions: math", "reward.custom_reward_function.path=tools/peers/peer_reward.py, name=compute_score",
+     "reward_funcs=[peer_reward.trl_math_reward]", "the same megaforge MathReward; megaforge bounds each call's time, the peers do not"),
+    ("rewards.workers: 8", "reward.num_workers=8 (Ray reward-loop workers)", "- (in the training process)", "-"),
+    ("rollout.engine: sglang", "actor_rollout_ref.rollout.name=sglang (mode async, in a Ray actor)",
+     "HF generate (use_vllm=False); best: use_vllm=True, vllm_mode=colocate",
+     "TRL has no SGLang path: HF generate with a dynamic cache is ~10k tok/s on this shape vs SGLang's ~98k (gpu-machine notes)"),
+    ("rollout.batch_size: 64", "data.train_batch_size=64", "generation_batch_size=512 (= 16 x 32)", "-"),
+    ("rollout.max_new_tokens: 512", "data.max_response_length=512", "max_completion_length=512",
+     "verl pads every response to 512 when remove-padding is off: 320 + 512 = 832 tokens a row"),
+    ("rollout.mem_fraction: 0.5", "rollout.gpu_memory_utilization=0.5", "vllm_gpu_memory_utilization=0.5 (vLLM only)", "-"),
+    ("rollout.extra_args (triton attention, pytorch sampling, no prefill graphs, decode graphs 1..512)",
+     "+rollout.engine_kwargs.sglang.{attention_backend=triton, sampling_backend=pytorch, cuda_graph_backend_prefill=disabled, "
+     "cuda_graph_bs_decode=[...]}, rollout.max_num_seqs=512", "- (HF generate)", "verl would pick flashinfer attention otherwise"),
+    ("rollout.max_restarts / snapshot_dir", "-", "-", "megaforge's engine fault tolerance; no cost when nothing fails"),
+    ("rollout.device / fast / dtype / engine_batch_size", "-", "-", "megaforge's embedded engine only (not used by the recipe's main path)"),
+    ("trainer.backend: megatron, layer_spec: torch", "FSDP (actor.strategy=fsdp), HF Qwen2 modules, attn sdpa",
+     "accelerate, HF Qwen2 modules, attn sdpa", "megaforge's torch spec = Megatron layers with torch attention; verl best: flash-attn 2 + remove-padding"),
+    ("trainer.device: cuda", "trainer.device=cuda, n_gpus_per_node=1", "(accelerate: the one GPU)", "-"),
+    ("trainer.lr: 3.0e-6", "actor.optim.lr=3e-6 (lr_scheduler_type=constant, warmup 0)", "learning_rate=3e-6, lr_scheduler_type='constant', warmup_steps=0", "-"),
+    ("trainer.weight_decay (0.0), betas, eps (defaults)", "actor.optim.weight_decay=0.0 (verl default 0.01), betas [0.9, 0.999]",
+     "weight_decay=0.0, adam_beta1/2 0.9/0.999, adam_epsilon 1e-8", "-"),
+    ("trainer.micro_batch_size: 16", "actor.ppo_micro_batch_size_per_gpu=16, rollout.log_prob_micro_batch_size_per_gpu=16",
+     "per_device_train_batch_size=16", "megaforge cuts micro-batches from length-ordered rows (less padding); verl pads to 832, TRL to the longest in the micro-batch"),
+    ("trainer.mini_batches: 4", "actor.ppo_mini_batch_size=16 prompts (64 / 4), ppo_epochs=1",
+     "gradient_accumulation_steps=8, steps_per_generation=32, num_iterations=1", "-"),
+    ("trainer.grad_clip: 1.0", "actor.optim.clip_grad=1.0 (and actor.grad_clip=1.0)", "max_grad_norm=1.0", "-"),
+    ("trainer.gradient_checkpointing / recompute (off)", "actor_rollout_ref.model.enable_gradient_checkpointing=False (verl default True)",
+     "gradient_checkpointing=False (TRL default True)", "both peers' defaults recompute activations (~30% more train time); the defaults variant measures that"),
+    ("pi_old (recomputed by the trainer)", "timing_s/old_log_prob (always recomputed)",
+     "old_per_token_logps: recomputed because gradient_accumulation_steps (8) % steps_per_generation (32) != 0", "-"),
+    ("trainer.distributed_optimizer: true", "- (FSDP shards; one GPU: nothing to shard)", "-", "-"),
+    ("memory.offload: pinned", "fsdp param_offload=False, optimizer_offload=False (verl's default: state stays on the GPU)",
+     "- (HF generate: one copy of the model)", "megaforge moves ~6 GB of trainer state to pinned host memory and back each step; verl keeps it resident (faster, more memory)"),
+    ("sync.transport: ipc, bucket_mb: 512", "checkpoint_engine.backend=naive, update_weights_bucket_megabytes=2048",
+     "- (HF generate) / vLLM colocate: load_weights in process", "-"),
+    ("eval.sets (GSM8K test), interval 10, before_train", "data.val_files=test.parquet, trainer.test_freq=10, val_before_train (cross-check only)",
+     "- (checkpoints every 10 steps, evaluated after)", "accuracy is graded by tools/evaluate.py on each system's HF export at steps 0/10/20"),
+    ("eval.n_samples: 2", "rollout.val_kwargs.n=1, do_sample=False (greedy)", "-", "only greedy pass@1 is compared"),
+    ("metrics.tensorboard, log_samples", "trainer.logger=[console,file] (VERL_FILE_LOGGER_PATH)", "report_to=none + tools/peers/trl_grpo.py's per-step lines", "-"),
+    ("checkpoint.interval: 10, keep_last_n: 1", "trainer.save_freq=10, actor.checkpoint.save_contents=[hf_model], max_actor_ckpt_to_keep=3",
+     "save_steps=40 (10 megaforge steps), save_only_model=True", "verl times its checkpoint inside timing_s/step: the parser subtracts timing_s/save_checkpoint"),
+]
+
+RECIPE_KEYS = [  # every leaf key of configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml, and the TABLE row that maps it
+    "output_dir", "run_name", "max_steps", "seed", "model.path", "model.dtype", "data.path", "data.input_key",
+    "data.label_key", "data.system_prompt", "data.max_prompt_len", "grpo.n_samples", "grpo.clip_low", "grpo.clip_high",
+    "grpo.beta", "grpo.temperature", "algo.advantage", "algo.loss", "algo.loss_agg", "rewards.functions",
+    "rewards.workers", "rollout.engine", "rollout.batch_size", "rollout.max_new_tokens", "rollout.mem_fraction",
+    "rollout.extra_args", "rollout.max_restarts", "rollout.snapshot_dir", "rollout.device", "rollout.fast",
+    "rollout.dtype", "rollout.engine_batch_size", "trainer.backend", "trainer.layer_spec", "trainer.device",
+    "trainer.lr", "trainer.micro_batch_size", "trainer.mini_batches", "trainer.grad_clip",
+    "trainer.distributed_optimizer", "memory.offload", "sync.transport", "sync.bucket_mb", "eval.sets",
+    "eval.interval", "eval.before_train", "eval.n_samples", "metrics.tensorboard", "metrics.log_samples",
+    "checkpoint.interval", "checkpoint.keep_last_n",
+]
+
+
+def row_for(key: str):
+    """The TABLE row that maps recipe key ``key`` (its section and name both named in the row's first cell)."""
+    section, _, name = key.rpartition(".")
+    for row in TABLE:
+        cell = row[0]
+        if (not section and name in [c.strip().split(":")[0] for c in cell.split(",")]) or \
+                (section and cell.startswith(section + ".") and name in cell):
+            return row
+    return None
+
+
+class MappingError(ValueError):
+    """The recipe's geometry cannot be expressed in a peer's keys."""
+
+
+def geometry(cfg) -> dict:
+    """Batch sizes of the three systems from megaforge's config (see the module docstring)."""
+    n, prompts, mb, minis = cfg.grpo.n_samples, cfg.rollout.batch_size, cfg.trainer.micro_batch_size, cfg.trainer.mini_batches
+    samples = prompts * n
+    if prompts % minis:
+        raise MappingError(f"rollout.batch_size {prompts} is not a multiple of trainer.mini_batches {minis} "
+                           f"(verl's ppo_mini_batch_size counts prompts)")
+    per_update = samples // minis
+    if per_update % mb:
+        raise MappingError(f"an update's {per_update} samples are not a multiple of trainer.micro_batch_size {mb}")
+    return {"samples": samples, "per_update": per_update, "verl_mini_prompts": prompts // minis,
+            "trl_grad_accum": per_update // mb, "trl_steps_per_generation": samples // mb, "updates": minis}
+
+
+def _extra_args(cfg) -> dict:
+    """rollout.extra_args (``--flag [value ...]``) as SGLang ServerArgs fields (verl's engine_kwargs.sglang): a
+    flag alone is True, one value a scalar, several a list (numbers as ints)."""
+    vals: dict[str, list] = {}
+    key = None
+    for a in cfg.rollout.extra_args:
+        if a.startswith("--"):
+            key = a[2:].replace("-", "_")
+            vals[key] = []
+        elif key is None:
+            raise MappingError(f"rollout.extra_args: value {a!r} comes before any --flag")
+        else:
+            vals[key].append(int(a) if a.isdigit() else a)
+    return {k: True if not v else v[0] if len(v) == 1 else v for k, v in vals.items()}
+
+
+def _hydra(v) -> str:
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, list):
+        return "[" + ",".join(_hydra(x) for x in v) + "]"
+    return str(v)
+
+
+def verl_overrides(cfg, data_dir: str, steps: int, out_dir: str, variant: str = "mapped", model_path: str = "",
+                   test_freq: int = 10, val_before_train: bool = False, save_freq: int = 10) -> list[str]:
+    """verl 0.9.1 Hydra overrides for ``python -m verl.trainer.main_ppo`` (see TABLE).
+
+    ``mapped``: the recipe as close as verl goes without flash-attn (sdpa, no remove-padding, no
+    gradient checkpointing). ``best``: verl's throughput settings (flash-attn 2 + remove-padding +
+    dynamic batch size; needs flash_attn on the machine). ``defaults``: the mapped run with verl's own
+    defaults where they differ (gradient checkpointing, weight decay 0.01)."""
+    if variant not in VARIANTS:
+        raise MappingError(f"variant {variant!r} is not one of {', '.join(VARIANTS)}")
+    g = geometry(cfg)
+    a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+    mb = cfg.trainer.micro_batch_size
+    o = [
+        "algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=True", "algorithm.use_kl_in_reward=False",
+        f"data.train_files={data_dir}/train.parquet", f"data.val_files={data_dir}/test.parquet",
+        f"data.train_batch_size={cfg.rollout.batch_size}", f"data.max_prompt_length={cfg.data.max_prompt_len}",
+        f"data.max_response_length={cfg.rollout.max_new_tokens}", "data.shuffle=False", "data.filter_overlong_prompts=False",
+        "data.truncation=error",
+        f"actor_rollout_ref.model.path={model_path or cfg.model.path}",
+        f"{a}.optim.lr={cfg.trainer.lr}", "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
+        f"{a}.optim.lr_scheduler_type={cfg.trainer.lr_schedule}",
+        f"{a}.optim.weight_decay={0.01 if variant == 'defaults' else cfg.trainer.weight_decay}",
+        f"{a}.optim.betas={_hydra(list(cfg.trainer.betas))}",
+        f"{a}.optim.clip_grad={cfg.trainer.grad_clip}", f"{a}.grad_clip={cfg.trainer.grad_clip}",
+        f"{a}.ppo_mini_batch_size={g['verl_mini_prompts']}", f"{a}.ppo_epochs={cfg.trainer.epochs}",
+        f"{a}.clip_ratio_low={cfg.grpo.clip_low}", f"{a}.clip_ratio_high={cfg.grpo.clip_high}",
+        f"{a}.loss_agg_mode={cfg.algo.loss_agg.replace('_', '-') if cfg.algo.loss_agg else 'token-mean'}",
+        f"{a}.use_kl_loss={cfg.grpo.beta > 0}", f"{a}.entropy_coeff=0",
+        f"{a}.checkpoint.save_contents=[hf_model]",
+        f"{r}.name=sglang", f"{r}.n={cfg.grpo.n_samples}", f"{r}.temperature={cfg.grpo.temperature}",
+        f"{r}.top_p={cfg.rollout.top_p}", f"{r}.top_k={cfg.rollout.top_k}",
+        f"{r}.tensor_model_parallel_size=1", f"{r}.gpu_memory_utilization={cfg.rollout.mem_fraction}",
+        f"{r}.max_num_seqs={g['samples']}",
+        f"{r}.val_kwargs.do_sample=False", f"{r}.val_kwargs.temperature=0", f"{r}.val_kwargs.n=1",
+        f"reward.custom_reward_function.path={os.path.join(ROOT, 'tools', 'peers', 'peer_reward.py')}",
+        "reward.custom_reward_function.name=compute_score", f"reward.num_workers={cfg.rewards.workers or 8}",
+        "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.device=cuda", "trainer.total_epochs=1",
+        f"trainer.total_training_steps={steps}", f"trainer.val_before_train={val_before_train}",
+        f"trainer.test_freq={test_freq}", f"trainer.save_freq={save_freq}", "trainer.max_actor_ckpt_to_keep=3",
+        "trainer.resume_mode=disable", "trainer.logger=[console,file]", "trainer.project_name=megaforge_peers",
+        f"trainer.experiment_name=verl_{variant}", f"trainer.default_local_dir={out_dir}/ckpt",
+    ]
+    for k, v in _extra_args(cfg).items():
+        o.append(f"+{r}.engine_kwargs.sglang.{k}={_hydra(v)}")
+    if variant == "best":
+        o += ["actor_rollout_ref.model.use_remove_padding=True", f"{a}.use_dynamic_bsz=True",
+              "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+              f"{a}.ppo_max_token_len_per_gpu={mb * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)}"]
+    else:
+        o += ["actor_rollout_ref.model.use_remove_padding=False", "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+              f"{a}.use_dynamic_bsz=False", f"{a}.ppo_micro_batch_size_per_gpu={mb}",
+              f"{r}.log_prob_micro_batch_size_per_gpu={mb}",
+              f"actor_rollout_ref.model.enable_gradient_checkpointing={variant == 'defaults'}"]
+    return o
+
+
+def trl_kwargs(cfg, steps: int, out_dir: str, use_vllm: bool = False, save_every: int = 10, bf16: bool = True) -> dict:
+    """TRL 1.16.0 GRPOConfig keyword arguments (see TABLE). ``steps`` counts megaforge steps."""
+    g = geometry(cfg)
+    kw = dict(
+        output_dir=out_dir, run_name=cfg.run_name, seed=cfg.seed, max_steps=steps * g["updates"],
+        per_device_train_batch_size=cfg.trainer.micro_batch_size, gradient_accumulation_steps=g["trl_grad_accum"],
+        steps_per_generation=g["trl_steps_per_generation"], num_generations=cfg.grpo.n_samples, num_iterations=cfg.trainer.epochs,
+        max_completion_length=cfg.rollout.max_new_tokens, temperature=cfg.grpo.temperature, top_p=cfg.rollout.top_p,
+        top_k=max(cfg.rollout.top_k, 0), learning_rate=cfg.trainer.lr, lr_scheduler_type=cfg.trainer.lr_schedule,
+        warmup_steps=cfg.trainer.warmup_steps, weight_decay=cfg.trainer.weight_decay, adam_beta1=cfg.trainer.betas[0],
+        adam_beta2=cfg.trainer.betas[1], adam_epsilon=cfg.trainer.eps, max_grad_norm=cfg.trainer.grad_clip,
+        epsilon=cfg.grpo.clip_low, epsilon_high=cfg.grpo.clip_high, beta=cfg.grpo.beta, loss_type="dapo",
+        scale_rewards="group", mask_truncated_completions=False, bf16=bf16, gradient_checkpointing=False,
+        shuffle_dataset=False, logging_steps=1, report_to="none", save_strategy="steps" if save_every else "no",
+        save_steps=max(save_every, 1) * g["updates"], save_only_model=True, dataloader_num_workers=0,
+        disable_dropout=True, log_completions=False,
+    )
+    if use_vllm:
+        kw.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=cfg.rollout.mem_fraction,
+                  vllm_importance_sampling_correction=False, vllm_enable_sleep_mode=True)
+    return kw
+
+
+def table_markdown() -> str:
+    lines = ["| recipe key (configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml) | verl 0.9.1 | TRL 1.16.0 GRPOConfig | what still differs, and its cost |",
+             "|---|---|---|---|"]
+    for row in TABLE:
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in row) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("peer", choices=["verl", "trl", "table"])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--data_dir", default="/tmp/peers/data")
+    p.add_argument("--out_dir", default="/tmp/peers/out")
+    p.add_argument("--variant", default="mapped", choices=VARIANTS)
+    p.add_argument("--test_freq", type=int, default=10)
+    p.add_argument("--save_freq", type=int, default=10)
+    p.add_argument("--val_before_train", action="store_true")
+    p.add_argument("--use_vllm", action="store_true")
+    a, rest = p.parse_known_args(argv)
+    if a.peer == "table":
+        print(table_markdown())
+        return 0
+    from megaforge.config import ConfigError, load_config
+    try:
+        cfg = load_config(rest)
+        if a.peer == "verl":
+            print("\n".join(verl_overrides(cfg, a.data_dir, a.steps, a.out_dir, a.variant, test_freq=a.test_freq,
+                                           val_before_train=a.val_before_train, save_freq=a.save_freq)))
+        else:
+            print(json.dumps(trl_kwargs(cfg, a.steps, a.out_dir, a.use_vllm, a.save_freq)))
+    except ConfigError as e:
+        print(f"megaforge: config error: {e}", file=sys.stderr)
+        return 2
+    except MappingError as e:
+        print(f"megaforge: config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
