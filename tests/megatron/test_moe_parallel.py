@@ -107,7 +107,7 @@ def test_ep2_logprobs_grads_and_resume_at_ep1_tp2(moe):
     ("ep2_etp2", {"ep": 2, "etp": 2}),
 ])
 def test_ep2_with_tensor_and_expert_tensor_parallel(moe, name, layout):
-    """4 ranks: EP 2 x TP 2 + SP (experts whole, expert-DP 1... DP 2), and EP 2 x expert-TP 2 with
+    """4 ranks: EP 2 x TP 2 + SP (experts whole: expert-TP 1, expert-DP 2; dense DP 2), and EP 2 x expert-TP 2 with
     TP 1 (experts split over 2 ranks, dense DP 4)."""
     check_against_ep1(moe, run(moe["root"], moe["path"], name, layout, 4))
 
@@ -127,3 +127,17 @@ def test_layout_errors_name_the_keys():
     with pytest.raises(ValueError, match=r"trainer.tensor_parallel x trainer.pipeline_parallel x trainer.context_parallel"):
         check_layout(4, 3, 1, 1)
     check_layout(4, 2, 1, 1, ep=2, etp=2)
+
+
+def test_check_parity_ep2(moe, tmp_path):
+    """tools/check_parity.py --ep 2 on 2 ranks: passes at 1e-4 and reports the layout."""
+    import json
+
+    tool = os.path.join(mt_helpers.ROOT, "tools", "check_parity.py")
+    codes, logs = mt_helpers.run_ranks([tool, "--hf", moe["path"], "--ep", "2", "--seq", "32", "--batch", "5"], 2,
+                                       tmp_path, "parity_ep2")
+    assert codes == [0, 0], mt_helpers.tails(logs)
+    rep = json.loads(next(line for line in logs[0].splitlines() if line.startswith("{")))
+    assert rep["ok"] and (rep["ep"], rep["etp"], rep["family"]) == (2, 1, "qwen3_moe"), rep
+    assert rep["max_abs_logprob_diff"] <= HF_TOL
+    print(f"\n{json.dumps({k: rep[k] for k in ('max_abs_logprob_diff', 'argmax_agreement', 'tokens', 'ep', 'etp', 'world_size', 'ok')})}")
