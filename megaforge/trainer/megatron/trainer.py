@@ -3,7 +3,11 @@
 Every rank of the world constructs a :class:`MegatronTrainer` and calls every method collectively
 with the *whole* batch. Layout: TP x CP x DP x PP from ``cfg.trainer``; each DP rank takes a
 contiguous share of every mini-batch (sizes differ by at most one row), CP ranks of a DP replica see
-the same rows and split every sequence, PP stages all receive the same micro-batches.
+the same rows and split every sequence, PP stages all receive the same micro-batches. Experts (MoE):
+expert-TP x EP x expert-DP x PP (``trainer.expert_tensor_parallel``, ``trainer.expert_parallel``);
+every DP rank runs the same number of micro-batches (filler micro-batches with loss mask 0 pad the
+shorter shares: the experts' all-to-all joins DP ranks), and expert gradients are reduced over
+expert-DP (:func:`megaforge.trainer.megatron.model.mark_expert_params`).
 
 Losses and gradients. A micro-batch is ``micro_batch_size`` rows packed into one ``thd`` sequence.
 Its loss is :func:`megaforge.algorithms.policy_objective` on token-aligned [b, T] logprobs (CP
