@@ -164,10 +164,8 @@ def transformer_config(desc: ModelDesc, tcfg, dtype: torch.dtype, on_cpu: bool, 
         raise ValueError(f"trainer.expert_parallel={tcfg.expert_parallel} needs a mixture-of-experts model ({desc.family} has no experts)")
     if desc.is_moe and desc.num_experts % tcfg.expert_parallel:
         raise ValueError(f"num_experts={desc.num_experts} is not divisible by trainer.expert_parallel={tcfg.expert_parallel}")
-    given = getattr(tcfg, "expert_tensor_parallel", None)
-    etp = tcfg.tensor_parallel if given is None else given  # converter layouts: None = TP
-    if given is not None and given > 1 and not desc.is_moe:
-        raise ValueError(f"trainer.expert_tensor_parallel={etp} needs a mixture-of-experts model ({desc.family} has no experts)")
+    etp = getattr(tcfg, "expert_tensor_parallel", None)  # dense models: unused (saved layouts record TP there)
+    etp = tcfg.tensor_parallel if etp is None else etp  # converter layouts: None = TP
     if desc.is_moe and desc.moe_ffn % etp:
         raise ValueError(f"moe_intermediate_size={desc.moe_ffn} is not divisible by trainer.expert_tensor_parallel={etp}")
     if desc.num_layers % tcfg.pipeline_parallel:
