@@ -1,6 +1,7 @@
 """Compare megaforge's Megatron backend with Hugging Face transformers on one random token batch.
 
     torchrun --nproc_per_node N tools/check_parity.py --hf DIR --tp 2 --pp 1 --cp 1 [--tol 1e-4]
+    torchrun --nproc_per_node 4 tools/check_parity.py --hf MOE_DIR --ep 2 --etp 2   # mixture of experts
 
 Every rank builds the Megatron model at the given layout from the HF directory; global rank 0 also
 runs the HF model (transformers, same dtype, each row unpadded). Prints one JSON line (rank 0):
@@ -25,6 +26,9 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE; trainer.expert_parallel)")
+    p.add_argument("--etp", type=int, default=1,
+                   help="expert tensor parallelism (MoE; trainer.expert_tensor_parallel)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     p.add_argument("--tol", type=float, default=1e-4, help="max allowed |logprob difference|")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -72,6 +76,7 @@ def main(argv=None) -> int:
         "model": {"path": args.hf, "dtype": args.dtype},
         "trainer": {"backend": "megatron", "device": args.device, "tensor_parallel": args.tp,
                     "pipeline_parallel": args.pp, "context_parallel": args.cp, "sequence_parallel": args.sp,
+                    "expert_parallel": args.ep, "expert_tensor_parallel": args.etp,
                     "layer_spec": args.layer_spec, "micro_batch_size": args.batch},
         "grpo": {"temperature": 1.0}, "max_steps": 0, "seed": args.seed,
     })
@@ -87,7 +92,8 @@ def main(argv=None) -> int:
         report = {
             "max_abs_logprob_diff": float(diff.max()), "mean_abs_logprob_diff": float(diff.mean()),
             "argmax_agreement": float((mg["argmax"] == am)[valid].float().mean()), "tokens": int(valid.sum()),
-            "tp": args.tp, "pp": args.pp, "cp": args.cp, "sp": args.sp, "dtype": args.dtype,
+            "tp": args.tp, "pp": args.pp, "cp": args.cp, "sp": args.sp, "ep": args.ep, "etp": args.etp,
+            "dtype": args.dtype,
             "layer_spec": tr.spec, "family": tr.family.name, "world_size": dist.get_world_size(), "tol": args.tol,
         }
         ok = report["max_abs_logprob_diff"] <= args.tol

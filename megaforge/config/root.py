@@ -170,7 +170,7 @@ class Config:
         need(self.trainer.epochs >= 1, "trainer.epochs", "must be >= 1")
         need(self.trainer.autocast == "off" or self.trainer.backend == "torch", "trainer.autocast",
              "is the torch backend's (megatron computes in model.dtype, with trainer.fp8 for FP8)")
-        for k in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel"):
+        for k in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel", "expert_tensor_parallel"):
             need(getattr(self.trainer, k) >= 1, f"trainer.{k}", "must be >= 1")
         need(
             not self.trainer.sequence_parallel or self.trainer.tensor_parallel > 1,

@@ -63,7 +63,17 @@ class TrainerConfig:
     context_parallel: int = 1
     """Context-parallel size (megatron)."""
     expert_parallel: int = 1
-    """Expert-parallel size (megatron, MoE)."""
+    """Expert-parallel size (megatron, MoE): each EP rank holds num_experts / expert_parallel experts
+    and tokens reach them through megatron's all-to-all token dispatcher. EP ranks are carved out of
+    the data-parallel ranks: world % (expert_tensor_parallel x expert_parallel x pipeline_parallel)
+    must be 0."""
+    expert_tensor_parallel: int = 1
+    """Expert tensor-parallel size (megatron's expert_tensor_parallel_size, MoE): each expert's
+    projections are split over this many ranks, independently of trainer.tensor_parallel (which
+    splits attention and dense MLPs). Experts are laid out expert-TP x EP x expert-DP x PP, expert-DP
+    = world / (expert_tensor_parallel x expert_parallel x pipeline_parallel). 1 (Megatron-LM's
+    default): whole experts per rank; set it to trainer.tensor_parallel for megatron-core's own
+    default (experts split like the dense MLPs)."""
     sequence_parallel: bool = False
     """Sequence parallelism (megatron, needs tensor_parallel > 1)."""
     layer_spec: Literal["auto", "te", "torch"] = "auto"

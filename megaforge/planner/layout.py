@@ -5,8 +5,8 @@ Trainer ranks follow megatron's default order ``tp-cp-ep-dp-pp`` (TP ranks adjac
 
     rank = tp + TP*(cp + CP*(dp + DP*pp)),   DP = W / (TP*PP*CP)
 
-and experts the order ``tp-ep-dp-pp`` with expert-TP = TP (megatron's default) and expert-DP
-``EDP = W / (TP*EP*PP)``. Global rank r sits on node ``r // G``, GPU ``r % G`` (G GPUs per node).
+and experts the order ``tp-ep-dp-pp`` with expert-TP ETP = ``trainer.expert_tensor_parallel`` and
+expert-DP ``EDP = W / (ETP*EP*PP)``. Global rank r sits on node ``r // G``, GPU ``r % G`` (G GPUs per node).
 
 Rollout engines (megaforge.rollout.http.start.gpu_assignment): colocated, engine k takes GPUs
 ``[k*etp, (k+1)*etp)`` counted node-major over all GPUs; disaggregated (``rollout.num_gpus`` > 0),
@@ -111,11 +111,13 @@ def check_layout(cfg, shape: ModelShape, hw: Hardware, mode: str) -> tuple[Optio
     warn: list[str] = []
     megatron = t.backend == "megatron"
     tp, pp, cp, ep = t.tensor_parallel, t.pipeline_parallel, t.context_parallel, t.expert_parallel
+    etp = t.expert_tensor_parallel
     if not megatron:
-        for k, v in (("tensor_parallel", tp), ("pipeline_parallel", pp), ("context_parallel", cp), ("expert_parallel", ep)):
+        for k, v in (("tensor_parallel", tp), ("pipeline_parallel", pp), ("context_parallel", cp), ("expert_parallel", ep),
+                     ("expert_tensor_parallel", etp)):
             if v != 1:
                 err.append(Issue(f"trainer.{k}", f"={v} needs trainer.backend megatron (the torch backend is data-parallel only)"))
-        tp = pp = cp = ep = 1
+        tp = pp = cp = ep = etp = 1
     spec, note = resolve_spec(t.layer_spec, t.backend)
     if note:
         warn.append(note)
@@ -146,8 +148,8 @@ def check_layout(cfg, shape: ModelShape, hw: Hardware, mode: str) -> tuple[Optio
     if shape.is_moe:
         if shape.experts % ep:
             err.append(Issue("trainer.expert_parallel", f"={ep} does not divide num_experts={shape.experts}"))
-        if shape.expert_ffn % tp:
-            err.append(Issue("trainer.tensor_parallel", f"={tp} (expert-TP) does not divide moe_intermediate_size={shape.expert_ffn}"))
+        if shape.expert_ffn % etp:
+            err.append(Issue("trainer.expert_tensor_parallel", f"={etp} does not divide moe_intermediate_size={shape.expert_ffn}"))
         if ep > 1 and tp > 1 and not t.sequence_parallel:
             warn.append("trainer.expert_parallel > 1 with trainer.tensor_parallel > 1: megatron wants trainer.sequence_parallel true")
         if megatron and t.moe_experts == "grouped" and spec != "te":
@@ -160,10 +162,10 @@ def check_layout(cfg, shape: ModelShape, hw: Hardware, mode: str) -> tuple[Optio
                          f"{what} the {world} trainer GPUs ({hw.nodes} node(s) x {hw.gpus_per_node} GPUs"
                          + (f" - rollout.num_gpus {rollout_gpus})" if rollout_gpus else ")")))
     dp = max(1, world // (tp * pp * cp))
-    if shape.is_moe and world % (tp * ep * pp):
-        err.append(Issue("trainer.expert_parallel", f"={ep}: expert-TP x EP x PP = {tp} x {ep} x {pp} does not divide the "
+    if shape.is_moe and world % (etp * ep * pp):
+        err.append(Issue("trainer.expert_parallel", f"={ep}: expert-TP x EP x PP = {etp} x {ep} x {pp} does not divide the "
                          f"{world} trainer GPUs (megatron: (CP x DP) % EP == 0, here CP x DP = {cp * dp})"))
-    edp = max(1, world // (tp * ep * pp))
+    edp = max(1, world // (etp * ep * pp))
     if tp > hw.gpus_per_node:
         warn.append(f"trainer.tensor_parallel={tp} spans nodes (gpus_per_node={hw.gpus_per_node}): TP traffic crosses the network")
     seq = cfg.sft.max_len if mode == "sft" else cfg.data.max_prompt_len + r.max_new_tokens
@@ -211,7 +213,7 @@ def check_layout(cfg, shape: ModelShape, hw: Hardware, mode: str) -> tuple[Optio
             if etp_r <= hw.gpus_per_node and per_node % etp_r and need > etp_r:
                 err.append(Issue("rollout.tensor_parallel", f"={etp_r} does not divide the {per_node} engine GPUs of a node "
                                  "(an engine would span two nodes)"))
-    lay = Layout(t.backend, world, tp, pp, cp, dp, ep, tp, edp, bool(t.sequence_parallel and megatron), spec,
+    lay = Layout(t.backend, world, tp, pp, cp, dp, ep, etp if shape.is_moe else tp, edp, bool(t.sequence_parallel and megatron), spec,
                  engine if rl else "", etp_r, n_eng if rl else 0, colocated, rollout_gpus)
     return (None if err else lay), err, warn
 

@@ -79,13 +79,23 @@ def row_owners(bm) -> tuple[list, dict]:
     return rows, owners
 
 
-def iter_hf_buckets(bm, max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Buckets of at most ``max_bytes`` (a bigger tensor is a bucket of its own); see module doc."""
+def iter_hf_buckets(bm, max_bytes: int, values: Optional[dict] = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Buckets of at most ``max_bytes`` (a bigger tensor is a bucket of its own); see module doc.
+    ``values``: {this rank's parameter name: tensor of that parameter's shape and dtype} streamed
+    instead of the weights, through the same gathers and conversion (e.g. the reduced gradients,
+    whose layout is the parameters')."""
     from megatron.core import parallel_state as ps
 
     rows, owners = row_owners(bm)
     tp, etp = ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
     params = dict(bm.model.named_parameters())
+    if values is not None:
+        for name, p in params.items():
+            v = values[name]
+            if v.shape != p.shape or v.dtype != p.dtype:
+                raise ValueError(f"iter_hf_buckets: {name} given as {tuple(v.shape)} {v.dtype}, the parameter is "
+                                 f"{tuple(p.shape)} {p.dtype}")
+        params = values
     local = {pm.megatron: name for name, pm in local_param_maps(bm).items()}
     me = dist.get_rank()
     feeder = me == 0

@@ -164,6 +164,10 @@ def transformer_config(desc: ModelDesc, tcfg, dtype: torch.dtype, on_cpu: bool, 
         raise ValueError(f"trainer.expert_parallel={tcfg.expert_parallel} needs a mixture-of-experts model ({desc.family} has no experts)")
     if desc.is_moe and desc.num_experts % tcfg.expert_parallel:
         raise ValueError(f"num_experts={desc.num_experts} is not divisible by trainer.expert_parallel={tcfg.expert_parallel}")
+    etp = getattr(tcfg, "expert_tensor_parallel", None)  # dense models: unused (saved layouts record TP there)
+    etp = tcfg.tensor_parallel if etp is None else etp  # converter layouts: None = TP
+    if desc.is_moe and desc.moe_ffn % etp:
+        raise ValueError(f"moe_intermediate_size={desc.moe_ffn} is not divisible by trainer.expert_tensor_parallel={etp}")
     if desc.num_layers % tcfg.pipeline_parallel:
         raise ValueError(f"num_hidden_layers={desc.num_layers} is not divisible by trainer.pipeline_parallel={tcfg.pipeline_parallel}")
     for what, n in (("num_attention_heads", desc.num_heads), ("num_key_value_heads", desc.num_kv_heads)):
@@ -194,7 +198,7 @@ def transformer_config(desc: ModelDesc, tcfg, dtype: torch.dtype, on_cpu: bool, 
         tensor_model_parallel_size=tcfg.tensor_parallel, pipeline_model_parallel_size=tcfg.pipeline_parallel,
         context_parallel_size=tcfg.context_parallel, sequence_parallel=tcfg.sequence_parallel,
         expert_model_parallel_size=tcfg.expert_parallel,
-        expert_tensor_parallel_size=getattr(tcfg, "expert_tensor_parallel", None),
+        expert_tensor_parallel_size=etp if desc.is_moe else None,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=on_cpu, perform_initialization=True,  # (also sets the TP attributes)
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
@@ -261,8 +265,26 @@ def build_model(desc: ModelDesc, family, config, spec: str, device: torch.device
         **_rope_kwargs(desc),
     )
     model.to(device)
+    mark_expert_params(model)
     return BuiltModel(model, desc, family, desc.dims(padded), spec, get_transformer_layer_offset(config),
                       grouped_experts=bool(desc.is_moe and config.moe_grouped_gemm))
+
+
+def mark_expert_params(model: torch.nn.Module) -> int:
+    """Mark every expert weight (``.mlp.experts.``) ``allreduce = False``, at every EP including 1;
+    returns how many. megatron's DDP and optimizer put such parameters in their expert buffers, whose
+    gradients are reduced over the expert-data-parallel group (world / (expert-TP x EP x PP) ranks
+    holding the same expert shard) instead of the dense DP x CP group. megatron's layers set the flag
+    only when expert_parallel > 1; at EP 1 with expert-TP != TP the two groups differ (e.g. TP 2,
+    expert-TP 1: both TP ranks hold whole experts and each saw only its sequence-parallel half of the
+    tokens), and a dense all-reduce would leave each rank with half the gradient. Where the groups
+    coincide the flag changes only which buffer holds the gradient."""
+    n = 0
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            p.allreduce = False
+            n += 1
+    return n
 
 
 def local_name(bm: BuiltModel, pm: ParamMap, ep: int, ep_rank: int):

@@ -1,7 +1,8 @@
 """Device and process groups of the Megatron backend.
 
 Layout: world = TP x CP x DP x PP (megatron's default order ``tp-cp-ep-dp-pp``: TP ranks are
-adjacent). Every rank runs the same program.
+adjacent); experts: world = expert-TP x EP x expert-DP x PP (EP ranks are carved out of CP x DP).
+Every rank runs the same program.
 """
 from __future__ import annotations
 
@@ -38,23 +39,29 @@ def init_distributed(device: torch.device) -> None:
                             init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
-def init_model_parallel(tp: int, pp: int, cp: int, ep: int = 1, etp: int | None = None) -> None:
-    """(Re)initialise megatron's parallel_state for this layout. Experts: EP ranks x expert-TP
-    ``etp`` (None: = TP, megatron's default) x expert-DP (the rest) x PP."""
-    from megatron.core import parallel_state as ps
-
-    world = dist.get_world_size()
+def check_layout(world: int, tp: int, pp: int, cp: int, ep: int = 1, etp: int = 1) -> None:
+    """megatron-core's divisibility rules of a layout over ``world`` ranks, as a ValueError naming the
+    config keys: dense ranks TP x CP x DP x PP (world % (TP x CP x PP) == 0), expert ranks
+    expert-TP x EP x expert-DP x PP (world % (ETP x EP x PP) == 0)."""
     if world % (tp * pp * cp):
         raise ValueError(
-            f"world size {world} is not divisible by tensor_parallel x pipeline_parallel x "
-            f"context_parallel = {tp} x {pp} x {cp}"
+            f"the world of {world} ranks is not divisible by trainer.tensor_parallel x trainer.pipeline_parallel x "
+            f"trainer.context_parallel = {tp} x {pp} x {cp}"
         )
-    etp = tp if etp is None else etp
     if world % (etp * ep * pp):
         raise ValueError(
-            f"world size {world} is not divisible by expert_tensor_parallel x expert_parallel x "
-            f"pipeline_parallel = {etp} x {ep} x {pp}"
+            f"the world of {world} ranks is not divisible by trainer.expert_tensor_parallel x trainer.expert_parallel x "
+            f"trainer.pipeline_parallel = {etp} x {ep} x {pp} (megatron lays experts out expert-TP x EP x expert-DP x PP)"
         )
+
+
+def init_model_parallel(tp: int, pp: int, cp: int, ep: int = 1, etp: int | None = None) -> None:
+    """(Re)initialise megatron's parallel_state for this layout. Experts: EP ranks x expert-TP
+    ``etp`` (None: = TP, megatron-core's default) x expert-DP (the rest) x PP; see :func:`check_layout`."""
+    from megatron.core import parallel_state as ps
+
+    etp = tp if etp is None else etp
+    check_layout(dist.get_world_size(), tp, pp, cp, ep, etp)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(

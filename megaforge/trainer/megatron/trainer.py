@@ -3,7 +3,11 @@
 Every rank of the world constructs a :class:`MegatronTrainer` and calls every method collectively
 with the *whole* batch. Layout: TP x CP x DP x PP from ``cfg.trainer``; each DP rank takes a
 contiguous share of every mini-batch (sizes differ by at most one row), CP ranks of a DP replica see
-the same rows and split every sequence, PP stages all receive the same micro-batches.
+the same rows and split every sequence, PP stages all receive the same micro-batches. Experts (MoE):
+expert-TP x EP x expert-DP x PP (``trainer.expert_tensor_parallel``, ``trainer.expert_parallel``);
+every DP rank runs the same number of micro-batches (filler micro-batches with loss mask 0 pad the
+shorter shares: the experts' all-to-all joins DP ranks), and expert gradients are reduced over
+expert-DP (:func:`megaforge.trainer.megatron.model.mark_expert_params`).
 
 Losses and gradients. A micro-batch is ``micro_batch_size`` rows packed into one ``thd`` sequence.
 Its loss is :func:`megaforge.algorithms.policy_objective` on token-aligned [b, T] logprobs (CP
@@ -64,9 +68,10 @@ class _MicroBatch:
     the host packs micro-batch k+1 while the device still runs micro-batch k (packing everything
     up front would leave the device idle at the start of every step)."""
 
-    def __init__(self, rows: TrainBatch, pack_fn, device, local_len: int):
+    def __init__(self, rows: TrainBatch, pack_fn, device, local_len: int, filler: bool = False):
         self.rows, self._pack_fn, self._device = rows, pack_fn, device
         self.local_len = local_len  # tokens of this rank's share of the packed sequence
+        self.filler = filler  # padding of the micro-batch count (MoE): loss mask 0, results dropped
         self._packed: Optional[Packed] = None
         self._batch: Optional[TrainBatch] = None
 
@@ -92,7 +97,8 @@ class MegatronTrainer(Trainer):
         if self.device.type == "cpu":
             cpu_compat.apply()
         parallel.init_distributed(self.device)
-        parallel.init_model_parallel(t.tensor_parallel, t.pipeline_parallel, t.context_parallel, t.expert_parallel)
+        parallel.init_model_parallel(t.tensor_parallel, t.pipeline_parallel, t.context_parallel, t.expert_parallel,
+                                     t.expert_tensor_parallel)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
         self.dtype = DTYPES[cfg.model.dtype]
         self.hf_config, source = mmodel.hf_source(cfg.model, self.device)
@@ -180,14 +186,39 @@ class MegatronTrainer(Trainer):
         ps = self._ps()
         sp = ps.get_tensor_model_parallel_world_size() if self.tconfig.sequence_parallel else 1
         cp_group = ps.get_context_parallel_group() if self._cp_size() > 1 else None
-        lo, hi = int(local.tokens.min()), int(local.tokens.max())
-        if lo < 0 or hi >= self.desc.vocab:
-            raise ValueError(f"TrainBatch.tokens outside the vocabulary [0, {self.desc.vocab}): min {lo}, max {hi}")
+        if local.batch_size:
+            lo, hi = int(local.tokens.min()), int(local.tokens.max())
+            if lo < 0 or hi >= self.desc.vocab:
+                raise ValueError(f"TrainBatch.tokens outside the vocabulary [0, {self.desc.vocab}): min {lo}, max {hi}")
         cp, multiple = self._cp_size(), 16 if self.cfg.trainer.fp8 else 1
         pack_fn = partial(_pack_rows, cp_size=cp, cp_rank=ps.get_context_parallel_rank(), tp_sp=sp, device=self.device,
                           cp_group=cp_group, multiple=multiple, host_cu_seqlens=self.spec == "torch")
-        return [_MicroBatch(mb, pack_fn, self.device, sum(padded_lengths(mb.lengths.tolist(), cp, sp, multiple)) // cp)
-                for mb in local.micro_batches(self.cfg.trainer.micro_batch_size)]
+
+        def local_len(rows: TrainBatch) -> int:
+            return sum(padded_lengths(rows.lengths.tolist(), cp, sp, multiple)) // cp
+
+        mbs = [_MicroBatch(mb, pack_fn, self.device, local_len(mb))
+               for mb in local.micro_batches(self.cfg.trainer.micro_batch_size)]
+        n = self._even_micro_batch_count(len(mbs))
+        if n > len(mbs):
+            fill = _filler_rows(local)
+            mbs += [_MicroBatch(fill, pack_fn, self.device, local_len(fill), filler=True) for _ in range(n - len(mbs))]
+        return mbs
+
+    def _even_micro_batch_count(self, n: int) -> int:
+        """The number of micro-batches every data-parallel rank runs: ``n`` (this rank's), or, for a
+        mixture-of-experts model with DP > 1, the largest ``n`` over the DP group. The experts'
+        collectives (the EP all-to-all, the expert-TP all-gather) join ranks of different DP ranks
+        once per MoE layer and micro-batch: a rank with fewer micro-batches would leave its peers
+        waiting in the all-to-all forever. The missing ones are filler micro-batches
+        (:func:`_filler_rows`: loss mask 0, so they add exactly 0 to losses, gradients and metrics,
+        and their per-token results are dropped). One all-reduce of an int per schedule call."""
+        ps = self._ps()
+        if not self.desc.is_moe or ps.get_data_parallel_world_size() == 1:
+            return n
+        box = torch.tensor([n], dtype=torch.long, device=self.device)  # NCCL reduces device tensors only
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        return int(box.item())
 
     def _token_values(self, logits: torch.Tensor, mb: _MicroBatch, temperature: float, entropy: bool):
         """Token-aligned logprobs (and entropy) [b, T] from this rank's logits [1, t_local, V/tp]."""
@@ -215,11 +246,12 @@ class MegatronTrainer(Trainer):
                 out = model(p.tokens, p.position_ids, None, packed_seq_params=p.packed_seq_params)
             return out, partial(_loss_wrapper, loss_fn, mb)
 
-        return get_forward_backward_func()(
+        out = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(mbs), model=[module],
             num_microbatches=len(mbs), seq_length=max(m.local_len for m in mbs),
             micro_batch_size=1, forward_only=forward_only,
         )
+        return [d for d, mb in zip(out, mbs) if not mb.filler]  # one dict per micro-batch on the last stage
 
     def _from_last_stage(self, t: Optional[torch.Tensor], shape, dtype=torch.float32) -> torch.Tensor:
         """Broadcast a tensor computed on the last pipeline stage to every stage."""
@@ -396,6 +428,20 @@ def _to_host_later(t: torch.Tensor):
         return [float(v) for v in host.tolist()]
 
     return values
+
+
+def _filler_rows(local: TrainBatch) -> TrainBatch:
+    """One row of two 0 tokens with every per-token field 0 (loss mask included) and the counts of
+    ``local`` (the mini-batch's): a micro-batch that runs the model, and the experts' collectives,
+    but contributes 0 to every loss term (each is masked by loss_mask) and so exactly 0 to the
+    gradients."""
+    kw = {}
+    for name in TrainBatch.TENSOR_FIELDS:
+        v = getattr(local, name)
+        if v is not None:
+            kw[name] = torch.zeros((1,) if name in TrainBatch.ROW_FIELDS else (1, 2), dtype=v.dtype)
+    kw["lengths"] = torch.full((1,), 2, dtype=local.lengths.dtype)
+    return TrainBatch(**kw, num_tokens=local.num_tokens, num_seqs=local.num_seqs)
 
 
 def _pack_rows(rows: TrainBatch, **kw) -> Packed:
