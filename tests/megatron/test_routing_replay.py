@@ -26,13 +26,13 @@ WORKER = os.path.join(ROOT, "tests", "megatron", "routing_worker.py")
 VOCAB = 509
 
 
-def make_moe(path: str) -> str:
+def make_moe(path: str, vocab: int = VOCAB) -> str:
     import transformers
 
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=24, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
         eos_token_id=2, pad_token_id=0, bos_token_id=None, moe_intermediate_size=32, num_experts=4,
         num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0], decoder_sparse_step=1)

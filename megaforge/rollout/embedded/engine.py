@@ -41,6 +41,26 @@ def fast_options(compile: str, attention: str, device: torch.device) -> dict:
     return {"compile": backend, "attention": attention}
 
 
+def expert_views(model) -> dict:
+    """Checkpoint names of per-expert tensors -> views into transformers 5's fused expert parameters
+    (Qwen3-MoE and kin: ``experts.gate_up_proj`` [E, 2 I, H], ``experts.down_proj`` [E, H, I]), so a weight
+    update by the HF checkpoint's names (``...mlp.experts.{e}.{gate,up,down}_proj.weight``, as the trainer
+    and SGLang's loader name them) is copied into the fused storage. Empty for other models."""
+    out = {}
+    for li, ly in enumerate(getattr(getattr(model, "model", None), "layers", None) or []):
+        ex = getattr(getattr(ly, "mlp", None), "experts", None)
+        gu, dn = getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None)
+        if not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor) or gu.dim() != 3:
+            continue
+        i = gu.shape[1] // 2
+        for e in range(gu.shape[0]):
+            pre = f"model.layers.{li}.mlp.experts.{e}."
+            out[pre + "gate_proj.weight"] = gu[e, :i]
+            out[pre + "up_proj.weight"] = gu[e, i:]
+            out[pre + "down_proj.weight"] = dn[e]
+    return out
+
+
 class RoutingRecorder:
     """The experts an HF MoE model routes each token to during the simple decode loop, per row, in
     SGLang's format (:mod:`megaforge.rollout.routing`): [n, num_layers, K] int32, dense layers 0.
@@ -106,6 +126,7 @@ class EmbeddedEngine(Engine):
         self._abort = threading.Event()
         self._lock = threading.Lock()
         self._params = dict(model.state_dict(keep_vars=True))
+        self._params.update(expert_views(model))  # MoE: the checkpoint's per-expert names (what the trainer sends)
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(0)
         self._fast = self._select_fast(fast, fast_options or {})
@@ -274,6 +295,7 @@ class EmbeddedEngine(Engine):
         if "weights" in self._released:
             raise EngineStateError("update_weights called while the weights are released; resume 'weights' first")
         with self._lock, torch.no_grad():
+            self._params.update(expert_views(self.model))  # fresh views (a weight release may move the storage)
             for bucket in buckets:
                 self.load_tensors(bucket)
             self._version = int(version)
