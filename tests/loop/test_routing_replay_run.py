@@ -58,3 +58,36 @@ def test_torch_backend_is_refused():
 
     with pytest.raises(ConfigError, match="rollout.return_routed_experts.*trainer.backend megatron"):
         config_from_dict({"model": {"path": "x"}, "data": {"path": "y"}, "rollout": {"return_routed_experts": True}})
+
+
+HANDOFF = r'''
+import sys, torch
+from megaforge import collective
+from megaforge.data.batch import samples_to_batch, share_of
+from megaforge.driver.handoff import BatchHandOff
+from megaforge.types import Sample
+collective.init_from_env("cpu", timeout_s=120)
+g = torch.Generator().manual_seed(0)
+samples = []
+for i in range(4):
+    n_p, n_r = 3 + i, 2 + 2 * i
+    samples.append(Sample(prompt_ids=list(range(5, 5 + n_p)), response_ids=list(range(9, 9 + n_r)),
+                          rollout_logprobs=[-1.0] * n_r, group_id=i // 2,
+                          routed_experts=torch.randint(0, 4, (n_p + n_r - 1, 3, 2), generator=g, dtype=torch.int16)))
+batch = samples_to_batch(samples, pad_id=0)
+h = BatchHandOff(collective.rank(), collective.world(), 2)
+got = h.share(batch if collective.is_main() else None)
+want = share_of(batch, 2, collective.rank(), collective.world())
+assert got.routed_experts.dtype == torch.int16 and torch.equal(got.routed_experts, want.routed_experts), collective.rank()
+assert torch.equal(got.tokens, want.tokens)
+print("handoff ok", collective.rank(), tuple(got.routed_experts.shape), flush=True)
+'''
+
+
+def test_handoff_carries_routed_experts_to_each_rank(tmp_path):
+    """Two gloo ranks: rank 1 receives its share's [n, T, layers, topk] int16 routing from the main rank."""
+    from mt_helpers import run_ranks
+
+    codes, logs = run_ranks(["-c", HANDOFF], 2, tmp_path, "handoff", timeout=120)
+    assert codes == [0, 0], logs
+    assert all("handoff ok" in log for log in logs)
