@@ -57,6 +57,7 @@ class GenerateRequest:
     input_ids: list[int]
     sampling: SamplingParams
     rid: str = ""
+    return_routed_experts: bool = False  # also report the experts each token was routed to (MoE)
 
 
 @dataclass
@@ -69,6 +70,9 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: int = 0
     text: str = ""
+    # with GenerateRequest.return_routed_experts: [prompt + output - 1, layers, topk] (or [n, layers * topk])
+    # integer expert ids of every token the engine ran through the model (megaforge.rollout.routing)
+    routed_experts: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -88,6 +92,9 @@ class Sample:
     response_text: str = ""
     label: Any = None
     metadata: dict = field(default_factory=dict)
+    # rollout.return_routed_experts: [len(prompt) + len(response) - 1, layers, topk] int16 expert ids
+    # (megaforge.rollout.routing), checked at the engine boundary
+    routed_experts: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         if self.response_mask is None:
@@ -134,6 +141,9 @@ class TrainBatch:
     rewards: Optional[torch.Tensor] = None  # [B] sequence rewards
     group_ids: Optional[torch.Tensor] = None  # [B] long
     weight_versions: Optional[torch.Tensor] = None  # [B] long
+    # [B, T, layers, topk] int16: the rollout engine's experts for token (b, t) as the model's input,
+    # -1 where it has none (t >= L_b - 1, padding); rollout.return_routed_experts (megaforge.rollout.routing)
+    routed_experts: Optional[torch.Tensor] = None
     # Set by the loop before training so that micro-batch losses add up to the global objective:
     num_tokens: int = 0  # sum of loss_mask over the *global* batch (all DP ranks)
     num_seqs: int = 0  # sequences with at least one trained token, global
@@ -144,8 +154,9 @@ class TrainBatch:
     TENSOR_FIELDS = (
         "tokens", "lengths", "loss_mask", "advantages", "rollout_logprobs", "old_logprobs",
         "ref_logprobs", "values", "returns", "rewards", "group_ids", "weight_versions",
+        "routed_experts",
     )
-    #: the tensor fields with one value per row ([B]); every other one is per token ([B, T])
+    #: the tensor fields with one value per row ([B]); every other one is per token ([B, T, ...])
     ROW_FIELDS = ("lengths", "rewards", "group_ids", "weight_versions")
 
     @property
@@ -171,7 +182,7 @@ class TrainBatch:
         t = int(self.lengths.max())
         if t == self.tokens.shape[1]:
             return self
-        return self.apply(lambda v: v[:, :t] if v.dim() == 2 else v)
+        return self.apply(lambda v: v[:, :t] if v.dim() >= 2 else v)
 
     def micro_batches(self, size: int) -> Iterator["TrainBatch"]:
         """Consecutive micro-batches of at most ``size`` rows."""

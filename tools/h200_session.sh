@@ -275,6 +275,18 @@ for stage in "$@"; do
         > "$OUT/moe_resume.log" 2>&1; echo "exit $?"
       grep -v -i warn "$OUT/moe_resume.log" | tr "\r" "\n" | grep -v "step/s" | tail -14
       cp "$RUNS/grpo_h200_colocated_moe/metrics.jsonl" "$OUT/moe_recipe_metrics.jsonl" ;;
+    moe_replay)  # issue 37 point 4: the MoE recipe 3 steps without, 3 with routing replay (fresh run dirs), in one call
+      rdir=/tmp/mf-replay-$(date +%s); recipe_argv
+      for variant in plain replay; do
+        extra=(); [ $variant = replay ] && extra=(--rollout.return_routed_experts true)
+        timeout -k 20 "${REPLAY_SECONDS:-250}" "${argv[@]}" --output_dir "$rdir" --run_name "moe_$variant" --max_steps 3 \
+          --checkpoint.interval 0 --metrics.progress false "${extra[@]}" > "$OUT/moe_replay_$variant.log" 2>&1
+        echo "[h200_session] moe_replay $variant: exit $?"
+        rm -rf "$rdir/moe_$variant/checkpoints"  # the end-of-run save (after step 3's metrics line): /tmp holds one
+        grep -v -i warn "$OUT/moe_replay_$variant.log" | tr "\r" "\n" | grep -v "step/s" | tail -6
+      done
+      python3 tools/replay_metrics.py "$rdir/moe_plain/metrics.jsonl" "$rdir/moe_replay/metrics.jsonl" | tee "$OUT/moe_replay.jsonl"
+      cp "$rdir"/moe_replay/logs/engine_0.log "$OUT/moe_replay_engine.log" 2>/dev/null ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

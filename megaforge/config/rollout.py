@@ -99,6 +99,15 @@ class RolloutConfig:
     """Keyword arguments of rollout.generate_fn, e.g. ``{tools: [calculator, python]}`` for tool_rollout."""
     max_turns: int = 4
     """Turn limit of multi-turn rollouts (model turns per episode)."""
+    return_routed_experts: bool = False
+    """Routing replay (mixture-of-experts models, trainer.backend megatron): every generation also
+    returns the experts its engine routed each token to (SGLang's ``return_routed_experts``; the
+    servers start with ``--enable-return-routed-experts``; the embedded engine records its own), one
+    [prompt + response - 1, num_hidden_layers, num_experts_per_tok] int table per sample (dense layers:
+    0). The batch carries it per token and layer and the trainer's routers replay it in the pi_old,
+    reference and policy passes (trainer.routing_replay), logging ``routing/replay_diff_frac``. Refused
+    for dense models, the torch backend, trainer.recompute full, rollout.generate_fn and
+    loop.partial_rollouts."""
     max_tool_tokens: int = 64
     """Tokens of one tool result appended to the context (longer results are cut); the whole
     response, model and tool tokens, stays within rollout.max_new_tokens."""

@@ -130,6 +130,15 @@ class Config:
              "correct needs an importance-sampling correction: set algo.tis_cap or algo.mis_threshold")
         need(not (lp.partial_rollouts and r.generate_fn), "loop.partial_rollouts",
              "partial rollouts continue single-turn generations; they do not combine with rollout.generate_fn")
+        if r.return_routed_experts:
+            need(self.trainer.backend == "megatron", "rollout.return_routed_experts",
+                 "routing replay runs in megatron-core's router: set trainer.backend megatron (the torch backend's "
+                 "HF modules cannot replay a routing)")
+            need(self.trainer.recompute != "full", "rollout.return_routed_experts",
+                 "does not combine with trainer.recompute full (the recomputed routers in backward would need the "
+                 "routing of another micro-batch): set trainer.recompute none or selective")
+            need(not r.generate_fn and not lp.partial_rollouts, "rollout.return_routed_experts",
+                 "covers single-turn generations only: unset rollout.generate_fn and loop.partial_rollouts")
         need(r.max_turns >= 1, "rollout.max_turns", "must be >= 1")
         need(r.max_tool_tokens >= 1, "rollout.max_tool_tokens", "must be >= 1")
 

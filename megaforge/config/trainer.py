@@ -92,6 +92,12 @@ class TrainerConfig:
     """Shard optimizer state over data-parallel ranks (megatron)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation (megatron)."""
+    routing_replay: bool = True
+    """With rollout.return_routed_experts (megatron, MoE): the routers take each token's top-k experts
+    from the rollout engine's routing instead of choosing them (their weights over those experts still
+    come from the current router logits: megatron's replay, see
+    megaforge.trainer.megatron.routing_replay); false: they choose themselves and the routing is only
+    compared (``routing/replay_diff_frac``)."""
     fused_logprobs: Optional[bool] = None
     """Per-token logprob/entropy over the vocabulary (megatron) through torch.compile'd kernels that
     read the bf16 logits once per pass instead of ~16 GB of float32 temporaries per 4k x 32k

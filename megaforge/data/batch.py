@@ -35,8 +35,30 @@ def samples_to_batch(samples: Sequence[Sample], pad_id: int) -> TrainBatch:
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
         group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long),
         weight_versions=torch.tensor([s.weight_version for s in samples], dtype=torch.long),
+        routed_experts=routing_table(samples, lengths, T),
     )
     return set_denominators(batch)
+
+
+def routing_table(samples: Sequence[Sample], lengths: list[int], T: int):
+    """[B, T, layers, topk] of the samples' routed experts (row b: its [L_b - 1, layers, topk] table at
+    t < L_b - 1, -1 elsewhere), in their dtype; None when no sample has one. All or none must have one,
+    of one [layers, topk]: the engine boundary (megaforge.rollout.routing.check) made them so."""
+    have = [s.routed_experts is not None for s in samples]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError(f"samples_to_batch: {have.count(False)} of {len(samples)} samples have no routed experts")
+    dims = {tuple(s.routed_experts.shape[1:]) for s in samples}
+    if len(dims) != 1:
+        raise ValueError(f"samples_to_batch: routed experts of different [layers, topk]: {sorted(dims)}")
+    out = torch.full((len(samples), T, *dims.pop()), -1, dtype=samples[0].routed_experts.dtype)
+    for b, (s, n) in enumerate(zip(samples, lengths)):
+        if s.routed_experts.shape[0] != n - 1:
+            raise ValueError(f"samples_to_batch: sample {b} (group {s.group_id}) has routed experts for "
+                             f"{s.routed_experts.shape[0]} tokens, {n - 1} expected (prompt + response - 1)")
+        out[b, :n - 1] = s.routed_experts
+    return out
 
 
 def set_denominators(batch: TrainBatch) -> TrainBatch:

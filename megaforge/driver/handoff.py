@@ -4,17 +4,18 @@ data-parallel *share* (:func:`megaforge.data.batch.share_of`) as tensors, point 
     main rank                                         rank r (r != 0), of DP rank d
       error or None, B       -- broadcast (tiny) -->    every rank stops together on a bad batch
       for every DP rank d: share_of(batch, m, d, DP)
-      header [4 + F + 4 m] int64  -- send -->           counts, share shape, dtypes, mini-batch layout
+      header [4 + F + 2 + 4 m] int64  -- send -->           counts, share shape, dtypes, mini-batch layout
       each tensor field that is set -- send -->         the share's tensors
     only when the advantages need the trainer's results (BatchHandOff.sequences, below):
       rewards [B], group ids [B]  -- broadcast -->      the whole batch's, on every rank
       the estimators' batch sums / maxima  <-- all-reduce -->  a few float64 scalars
 
 Header: the whole batch's ``num_tokens`` and ``num_seqs``, the share's rows ``n`` and columns ``T``, one
-dtype code per tensor field (F of them; -1: not set), then per mini-batch (m = ``trainer.mini_batches``)
+dtype code per tensor field (F of them; -1: not set), the trailing dimensions of the fields that have
+them (``routed_experts`` [n, T, layers, topk]: layers, topk; 0s when not set), then per mini-batch (m = ``trainer.mini_batches``)
 the share's rows of it, the mini-batch's rows, ``num_tokens`` and ``num_seqs``. Model-parallel peers of
 one DP rank (megatron's TP / CP / PP ranks) receive the same share. A rank thus receives
-``8 (4 + F + 4 m) + n (T * s_tok + s_row)`` bytes, with ``s_tok`` / ``s_row`` the element bytes of the
+``8 (4 + F + 2 + 4 m) + n (T * s_tok + s_row)`` bytes, with ``s_tok`` / ``s_row`` the element bytes of the
 per-token / per-row fields set: about 1/DP of the batch.
 
 Per-token results (reference / old log-probs, values) stay on their rank, and so does everything
@@ -44,7 +45,9 @@ from megaforge.types import MiniBatchPart, TrainBatch
 FIELDS = TrainBatch.TENSOR_FIELDS
 #: the dtypes a handed-off tensor may have (its header code is the index)
 DTYPES = (torch.int64, torch.float32, torch.float64, torch.int32, torch.bfloat16, torch.float16, torch.bool,
-          torch.uint8)
+          torch.uint8, torch.int16)
+#: per-token fields with trailing dimensions ([n, T, *dims]): their dims travel in the header (0s: not set)
+TRAILING = {"routed_experts": 2}
 
 
 def dtype_code(name: str, t: Optional[torch.Tensor]) -> int:
@@ -124,21 +127,29 @@ class BatchHandOff:
     @staticmethod
     def _header(share: TrainBatch, codes: list[int]) -> torch.Tensor:
         h = [share.num_tokens, share.num_seqs, share.batch_size, int(share.tokens.shape[1]), *codes]
+        for name, k in TRAILING.items():
+            t = getattr(share, name)
+            h += list(t.shape[2:]) if t is not None else [0] * k
         for p in share.minis:
             h += [p.hi - p.lo, p.size, p.num_tokens, p.num_seqs]
         return torch.tensor(h, dtype=torch.long)
 
     def _receive(self) -> TrainBatch:
-        h = self._recv((4 + len(FIELDS) + 4 * self.mini_batches,), torch.long).tolist()
+        extra = sum(TRAILING.values())
+        h = self._recv((4 + len(FIELDS) + extra + 4 * self.mini_batches,), torch.long).tolist()
         num_tokens, num_seqs, n, T = h[:4]
-        codes, rest = h[4:4 + len(FIELDS)], h[4 + len(FIELDS):]
+        codes, rest = h[4:4 + len(FIELDS)], h[4 + len(FIELDS) + extra:]
+        dims, i = {}, 4 + len(FIELDS)
+        for name, k in TRAILING.items():
+            dims[name], i = tuple(h[i:i + k]), i + k
         self._codes = codes
         minis, lo = [], 0
         for k in range(self.mini_batches):
             count, size, ntok, nseq = rest[4 * k:4 * k + 4]
             minis.append(MiniBatchPart(lo, lo + count, size, ntok, nseq))
             lo += count
-        fields = {name: (None if c < 0 else self._recv((n,) if name in TrainBatch.ROW_FIELDS else (n, T), DTYPES[c]))
+        fields = {name: (None if c < 0 else self._recv((n,) if name in TrainBatch.ROW_FIELDS else (n, T, *dims.get(name, ())),
+                                                       DTYPES[c]))
                   for name, c in zip(FIELDS, codes)}
         return TrainBatch(**fields, num_tokens=num_tokens, num_seqs=num_seqs, minis=tuple(minis))
 

@@ -21,6 +21,7 @@ from megaforge.data.batch import per_token_bytes, samples_to_batch, set_denomina
 from megaforge.driver.common import timed
 from megaforge.driver.handoff import BatchHandOff
 from megaforge.rollout.manager import generate_samples, sampling_params, score
+from megaforge.rollout.routing import run_routing_shape
 from megaforge.rollout.partial import PartialPool
 from megaforge.sync import push_weights
 from megaforge.types import TrainBatch
@@ -37,6 +38,7 @@ class StepParts:
         self.cfg, self.trainer, self.engine = cfg, trainer, engine
         self.data, self.rewards, self.tokenizer, self.stop_ids = data, rewards, tokenizer, stop_ids
         self.handoff = BatchHandOff(*trainer.data_parallel(), cfg.trainer.mini_batches)
+        self.routing_shape = run_routing_shape(cfg)  # rollout.return_routed_experts (None: off)
         self.partial = None
         if cfg.loop.partial_rollouts and collective.is_main():
             self.partial = PartialPool(engine, data, tokenizer, cfg, self.score, sampling_params(cfg, stop_ids))
@@ -55,7 +57,8 @@ class StepParts:
             samples = []
             for a in range(0, len(rows), per_call):  # the same seeded requests whatever the split
                 part = generate_samples(self.engine, rows[a:a + per_call], cfg.grpo.n_samples,
-                                        sampling_params(cfg, self.stop_ids), cfg.seed, step, offset + a, self.tokenizer, cfg)
+                                        sampling_params(cfg, self.stop_ids), cfg.seed, step, offset + a, self.tokenizer, cfg,
+                                        self.routing_shape)
                 if stream is not None:
                     stream.add_samples(part)  # scored in the reward workers while the next part generates
                 samples += part

@@ -28,6 +28,10 @@ def preflight(cfg) -> None:
         require_sglang(cfg, router=cfg.rollout.router and cfg.rollout.num_engines > 1)
     check_context(cfg)
     check_engine_gpus(cfg)
+    if cfg.rollout.return_routed_experts:
+        from megaforge.rollout.routing import run_routing_shape  # lazy: torch, see above
+
+        run_routing_shape(cfg)  # a dense model: ConfigError
 
 
 def context_limit(hf_cfg) -> int:

@@ -6,8 +6,9 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from typing import Optional, Sequence
 
+from megaforge.rollout import routing
 from megaforge.rollout.agent.multiturn import call_generate_fn
 from megaforge.types import GenerateRequest, Sample, SamplingParams
 
@@ -42,37 +43,49 @@ def sampling_params(cfg, stop_ids: Sequence[int]) -> SamplingParams:
                           max_new_tokens=r.max_new_tokens, stop_token_ids=list(stop_ids), stop=list(r.stop))
 
 
-def make_requests(rows, n: int, base: SamplingParams, seed: int, step: int, group_offset: int = 0) -> list[GenerateRequest]:
+def make_requests(rows, n: int, base: SamplingParams, seed: int, step: int, group_offset: int = 0,
+                  routed_experts: bool = False) -> list[GenerateRequest]:
     reqs = []
     for i, row in enumerate(rows):
         for j in range(n):
             sp = SamplingParams(**{**base.__dict__, "seed": request_seed(seed, step, group_offset + i, j)})
-            reqs.append(GenerateRequest(list(row.prompt_ids), sp, rid=f"s{step}-g{group_offset + i}-n{j}"))
+            reqs.append(GenerateRequest(list(row.prompt_ids), sp, rid=f"s{step}-g{group_offset + i}-n{j}",
+                                        return_routed_experts=routed_experts))
     return reqs
 
 
-def completions_to_samples(rows, n: int, completions, tokenizer, group_offset: int = 0) -> list[Sample]:
+def completions_to_samples(rows, n: int, completions, tokenizer, group_offset: int = 0,
+                           routing_shape: Optional[routing.RoutingShape] = None) -> list[Sample]:
+    """Samples of ``completions`` (row-major over ``rows`` x ``n``). ``routing_shape``: each completion's
+    routed experts are checked against the model (:func:`megaforge.rollout.routing.check`: RoutingError
+    naming the sample) and kept on the sample."""
     samples = []
     for k, c in enumerate(completions):
         row = rows[k // n]
         text = tokenizer.decode(c.output_ids, skip_special_tokens=True)
+        table = None
+        if routing_shape is not None:
+            where = f"sample {k} (request {c.rid or '?'}, group {group_offset + k // n})"
+            table = routing.check(c.routed_experts, len(row.prompt_ids) + len(c.output_ids) - 1, routing_shape, where)
         samples.append(Sample(
             prompt_ids=list(row.prompt_ids), response_ids=list(c.output_ids),
             rollout_logprobs=list(c.output_logprobs), group_id=group_offset + k // n,
             finish_reason=c.finish_reason, weight_version=c.weight_version,
-            prompt_text=row.prompt_text, response_text=text, label=row.label,
+            prompt_text=row.prompt_text, response_text=text, label=row.label, routed_experts=table,
         ))
     return samples
 
 
 def generate_samples(engine, rows, n: int, base: SamplingParams, seed: int, step: int, group_offset: int,
-                     tokenizer, cfg) -> list[Sample]:
+                     tokenizer, cfg, routing_shape: Optional[routing.RoutingShape] = None) -> list[Sample]:
     """``len(rows) * n`` unscored samples, row-major (sample k is the ``k % n``-th of row ``k // n``,
     group ``group_offset + k // n``). With ``cfg.rollout.generate_fn`` set, that function builds them
-    from the same seeded first-turn requests (see :func:`megaforge.rollout.agent.multiturn.load_generate_fn`)."""
-    reqs = make_requests(rows, n, base, seed, step, group_offset)
+    from the same seeded first-turn requests (see :func:`megaforge.rollout.agent.multiturn.load_generate_fn`).
+    ``routing_shape`` (rollout.return_routed_experts): the engine also reports each token's routed experts,
+    kept on the samples (single-turn only: the config refuses them with rollout.generate_fn)."""
+    reqs = make_requests(rows, n, base, seed, step, group_offset, routed_experts=routing_shape is not None)
     if not cfg.rollout.generate_fn:
-        return completions_to_samples(rows, n, engine.generate(reqs), tokenizer, group_offset)
+        return completions_to_samples(rows, n, engine.generate(reqs), tokenizer, group_offset, routing_shape)
     return call_generate_fn(cfg, engine, reqs, rows, n, tokenizer, group_offset)
 
 

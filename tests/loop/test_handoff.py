@@ -20,8 +20,9 @@ sys.path.insert(0, os.path.dirname(WORKER))
 from handoff_worker import B, CONFIGS, MINI_BATCHES, PROMPT, RESPONSE, config, whole_batch  # noqa: E402
 
 T = PROMPT + RESPONSE
-N_FIELDS = 12  # TrainBatch.TENSOR_FIELDS
-HEADER = 8 * (4 + N_FIELDS + 4 * MINI_BATCHES)  # int64: counts, shape, dtype codes, mini-batch layout
+N_FIELDS = 13  # TrainBatch.TENSOR_FIELDS
+TRAILING = 2  # routed_experts' [layers, topk] (0s when not set)
+HEADER = 8 * (4 + N_FIELDS + TRAILING + 4 * MINI_BATCHES)  # int64: counts, shape, dtype codes, dims, mini-batch layout
 # bytes per row of what the main rank sends: per token tokens (int64) + loss_mask, advantages,
 # rollout_logprobs (float32); per row lengths, group_ids, weight_versions (int64) + rewards (float32)
 SENT_PER_TOKEN, SENT_PER_ROW = 8 + 4 + 4 + 4, 8 + 8 + 8 + 4

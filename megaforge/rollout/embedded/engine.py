@@ -15,6 +15,7 @@ cache, continuous refill, CUDA graphs) on CUDA devices for supported models (Lla
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -40,6 +41,75 @@ def fast_options(compile: str, attention: str, device: torch.device) -> dict:
     return {"compile": backend, "attention": attention}
 
 
+def expert_views(model) -> dict:
+    """Checkpoint names of per-expert tensors -> views into transformers 5's fused expert parameters
+    (Qwen3-MoE and kin: ``experts.gate_up_proj`` [E, 2 I, H], ``experts.down_proj`` [E, H, I]), so a weight
+    update by the HF checkpoint's names (``...mlp.experts.{e}.{gate,up,down}_proj.weight``, as the trainer
+    and SGLang's loader name them) is copied into the fused storage. Empty for other models."""
+    out = {}
+    for li, ly in enumerate(getattr(getattr(model, "model", None), "layers", None) or []):
+        ex = getattr(getattr(ly, "mlp", None), "experts", None)
+        gu, dn = getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None)
+        if not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor) or gu.dim() != 3:
+            continue
+        i = gu.shape[1] // 2
+        for e in range(gu.shape[0]):
+            pre = f"model.layers.{li}.mlp.experts.{e}."
+            out[pre + "gate_proj.weight"] = gu[e, :i]
+            out[pre + "up_proj.weight"] = gu[e, i:]
+            out[pre + "down_proj.weight"] = dn[e]
+    return out
+
+
+class RoutingRecorder:
+    """The experts an HF MoE model routes each token to during the simple decode loop, per row, in
+    SGLang's format (:mod:`megaforge.rollout.routing`): [n, num_layers, K] int32, dense layers 0.
+
+    Inside ``with recorder:`` forward hooks on the routers (:meth:`EmbeddedEngine.routing_layers`) keep
+    each call's top-k ids [B * T, K]; :meth:`take` files the forward's [B, T, layers, K] under each row
+    from its column ``first[b]`` on (None: the row was fed padding, nothing filed)."""
+
+    def __init__(self, gates: list):
+        self.gates = gates
+        self.k = next(int(g.top_k) for g in gates if g is not None)
+        self._calls: dict[int, torch.Tensor] = {}
+        self._hooks: list = []
+        self.rows: dict[int, list[torch.Tensor]] = {}
+
+    def __enter__(self):
+        def hook(li):
+            def fn(_module, _inp, out):
+                ids = out[-1] if isinstance(out, tuple) else None
+                if ids is None or ids.dtype.is_floating_point or ids.dim() != 2 or ids.shape[1] != self.k:
+                    raise RuntimeError(f"return_routed_experts: layer {li}'s router returned no top-k expert ids "
+                                       f"[tokens, {self.k}] (an unsupported MoE implementation)")
+                self._calls[li] = ids.detach().to("cpu", torch.int32)
+            return fn
+
+        self._calls = {}
+        self._hooks = [g.register_forward_hook(hook(li)) for li, g in enumerate(self.gates) if g is not None]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        return False
+
+    def take(self, step: int, shape, first: list) -> None:
+        B, T = shape
+        table = torch.zeros((B, T, len(self.gates), self.k), dtype=torch.int32)
+        for li, ids in self._calls.items():
+            table[:, :, li] = ids.view(B, T, self.k)
+        for b, f in enumerate(first):
+            if f is not None:
+                self.rows.setdefault(b, []).append(table[b, f:])
+
+    def table(self, b: int, n: int) -> torch.Tensor:
+        """Row ``b``'s routing of its first ``n`` tokens (prompt + output - 1) [n, layers, K]."""
+        return torch.cat(self.rows.get(b, []) or [torch.zeros((0, len(self.gates), self.k), dtype=torch.int32)])[:max(n, 0)]
+
+
 class EmbeddedEngine(Engine):
     def __init__(self, model, tokenizer=None, max_batch: int = 256, pad_token_id: Optional[int] = None,
                  fast: str = "auto", fast_options: Optional[dict] = None):
@@ -56,6 +126,7 @@ class EmbeddedEngine(Engine):
         self._abort = threading.Event()
         self._lock = threading.Lock()
         self._params = dict(model.state_dict(keep_vars=True))
+        self._params.update(expert_views(model))  # MoE: the checkpoint's per-expert names (what the trainer sends)
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(0)
         self._fast = self._select_fast(fast, fast_options or {})
@@ -114,6 +185,11 @@ class EmbeddedEngine(Engine):
             if not r.input_ids:
                 raise ValueError(f"request {i} ({r.rid!r}): empty input_ids")
         self._abort.clear()
+        if any(r.return_routed_experts for r in requests):
+            if self.routing_layers() is None:
+                raise ValueError("return_routed_experts: the engine's model has no mixture-of-experts layers")
+            if self._fast is not None:
+                raise ValueError("return_routed_experts: the fast decode path has no MoE forward (rollout.fast off)")
         if self._fast is not None:
             with self._lock:
                 return self._fast.generate(requests)
@@ -156,9 +232,15 @@ class EmbeddedEngine(Engine):
         position = (attn.cumsum(-1) - 1).clamp_min(0)
         past = None
         cur_ids, cur_pos = ids, position
+        rec = RoutingRecorder(self.routing_layers()) if any(r.return_routed_experts for r in reqs) else None
+        fed = [True] * B  # whether the token each row is fed this step is its own (not padding after its end)
         for step in range(max(max_new)):
-            out = self.model(input_ids=cur_ids, attention_mask=attn, position_ids=cur_pos,
-                             past_key_values=past, use_cache=True)
+            with rec or contextlib.nullcontext():
+                out = self.model(input_ids=cur_ids, attention_mask=attn, position_ids=cur_pos,
+                                 past_key_values=past, use_cache=True)
+            if rec is not None:
+                rec.take(step, cur_ids.shape, [(L - len(r.input_ids)) if step == 0 else (0 if fed[b] else None)
+                                                for b, r in enumerate(reqs)])
             self.mark_progress()
             past = out.past_key_values
             tok, lp = sample_tokens(out.logits[:, -1, :], temp, top_k, top_p, gen, seeds,
@@ -182,6 +264,7 @@ class EmbeddedEngine(Engine):
             if all(r is not None for r in reason):
                 break
             # finished rows keep decoding padding; their outputs are no longer extended
+            fed = [reason[b] is None for b in range(B)]
             nxt = torch.tensor([tok_l[b] if reason[b] is None else self.pad_id for b in range(B)], device=dev)
             cur_ids = nxt[:, None]
             cur_pos = cur_pos[:, -1:] + 1
@@ -189,8 +272,18 @@ class EmbeddedEngine(Engine):
         comps = []
         for b, r in enumerate(reqs):
             text = self.tokenizer.decode(outputs[b], skip_special_tokens=False) if self.tokenizer is not None else ""
-            comps.append(Completion(r.rid, outputs[b], logps[b], reason[b] or "length", self._version, text))
+            routed = rec.table(b, len(r.input_ids) + len(outputs[b]) - 1) if rec is not None and r.return_routed_experts else None
+            comps.append(Completion(r.rid, outputs[b], logps[b], reason[b] or "length", self._version, text,
+                                    routed_experts=routed))
         return comps
+
+    def routing_layers(self) -> Optional[list]:
+        """Per decoder layer its MoE router module (None for a dense layer); None for a dense model.
+        A router is the HF MoE block's ``gate`` (transformers 5: Qwen3MoeTopKRouter and kin), whose
+        forward returns (router logits, top-k weights, top-k expert ids [N, K])."""
+        layers = getattr(getattr(self.model, "model", None), "layers", None) or []
+        gates = [getattr(ly.mlp, "gate", None) if hasattr(getattr(ly, "mlp", None), "experts") else None for ly in layers]
+        return gates if any(g is not None for g in gates) else None
 
     def hit_stop_string(self, out_ids: list[int], stops: list[str]) -> bool:
         """Whether one of ``stops`` occurs in the text of the last 16 tokens of ``out_ids``."""
@@ -202,6 +295,7 @@ class EmbeddedEngine(Engine):
         if "weights" in self._released:
             raise EngineStateError("update_weights called while the weights are released; resume 'weights' first")
         with self._lock, torch.no_grad():
+            self._params.update(expert_views(self.model))  # fresh views (a weight release may move the storage)
             for bucket in buckets:
                 self.load_tensors(bucket)
             self._version = int(version)

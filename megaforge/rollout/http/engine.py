@@ -5,7 +5,8 @@ megaforge's embedded server (``rollout.engine: embedded_server``), through one c
 
 * ``generate``: one batch ``/generate`` per server (contiguous chunks of the request list, so a
   single server sees the whole step as one batch), or one request per sample through the router when
-  there is one. Every request asks ``return_logprob``; answers map to :class:`Completion`.
+  there is one. Every request asks ``return_logprob``; answers map to :class:`Completion`. Requests
+  with ``return_routed_experts`` also ask for the routing (decoded by :mod:`megaforge.rollout.routing`).
 * ``update_weights(buckets, version)`` by ``sync.transport`` (``auto`` / ``shm`` / ``ipc`` / ``nccl`` /
   ``disk``): one transport of :mod:`megaforge.sync.transports`, over this engine as its
   :class:`~megaforge.sync.transports.Fanout` (per-engine async clients, the event loop, the fault
@@ -137,11 +138,16 @@ class HTTPEngine(Recovery, Engine):
             payload = {"input_ids": [requests[i].input_ids for i in idx],
                        "sampling_params": [requests[i].sampling.to_sglang() for i in idx],
                        "return_logprob": True, "rid": [rids[i] for i in idx]}
+            routed = any(requests[i].return_routed_experts for i in idx)
+            if routed:  # one flag per batch request (sglang's GenerateReqInput.return_routed_experts: bool)
+                payload["return_routed_experts"] = True
             outs = await client.generate(payload)
             if not isinstance(outs, list) or len(outs) != len(idx):
                 raise ValueError(f"{client.url}/generate: expected {len(idx)} answers, got {type(outs).__name__} "
                                  f"{len(outs) if isinstance(outs, list) else ''}")
-            return [completion_from_output(o, f"{client.url}/generate") for o in outs]
+            return [completion_from_output(o, f"{client.url}/generate",
+                                           routed_prompt_len=len(requests[i].input_ids) if routed else None)
+                    for i, o in zip(idx, outs)]
 
         out: list[Optional[Completion]] = [None] * len(requests)
         while pending:

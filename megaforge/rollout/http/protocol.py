@@ -19,7 +19,8 @@ One ``/generate`` answer item (a list of them for a batch request)::
                                               | {"type": "abort", "message": str, ...},
                    "prompt_tokens": int, "completion_tokens": int, "cached_tokens": int,
                    "weight_version": str,
-                   "output_token_logprobs": [[logprob, token_id, text|null], ...]}}   # return_logprob
+                   "output_token_logprobs": [[logprob, token_id, text|null], ...],   # return_logprob
+                   "routed_experts": base64 text}}      # return_routed_experts (megaforge.rollout.routing)
 """
 from __future__ import annotations
 
@@ -165,6 +166,8 @@ SCHEMAS: dict[str, dict[str, tuple[Check, Any]]] = {
         "top_logprobs_num": (opt(one_or_list(t_int, "an integer or an array of integers")), None),
         "return_text_in_logprobs": (t_bool, False),
         "stream": (t_bool, False),
+        "return_routed_experts": (t_bool, False),
+        "routed_experts_start_len": (t_int, 0),
     },
     "/update_weights_from_tensor": {
         **_RID, "serialized_named_tensors": (list_of(t_str, "an array of base64 strings"), REQUIRED),
@@ -267,8 +270,10 @@ def parse_version(v: Any, where: str = "weight_version") -> int:
     raise ValueError(f"{where}: {v!r} is not an integer weight version (megaforge sets versions with str(int))")
 
 
-def completion_from_output(out: dict, endpoint: str = "/generate"):
-    """A :class:`megaforge.types.Completion` from one /generate answer item requested with ``return_logprob``."""
+def completion_from_output(out: dict, endpoint: str = "/generate", routed_prompt_len: Optional[int] = None):
+    """A :class:`megaforge.types.Completion` from one /generate answer item requested with ``return_logprob``
+    (and ``return_routed_experts`` when ``routed_prompt_len``, the request's prompt length, is given: its
+    ``routed_experts`` decoded to [prompt + output - 1, layers * topk] int32)."""
     from megaforge.types import Completion  # lazy: torch; the aiohttp client imports this module
 
     try:
@@ -285,6 +290,15 @@ def completion_from_output(out: dict, endpoint: str = "/generate"):
     kind = reason.get("type") if isinstance(reason, dict) else reason
     if kind not in ("stop", "length", "abort"):
         raise ValueError(f"{endpoint} ({meta.get('id')}): unknown meta_info.finish_reason {reason!r}")
+    routed = None
+    if routed_prompt_len is not None and kind != "abort":
+        from megaforge.rollout.routing import decode  # lazy: torch, as above
+
+        where = f"{endpoint} ({meta.get('id')})"
+        if "routed_experts" not in meta:
+            raise ValueError(f"{where}: no meta_info.routed_experts although return_routed_experts was asked (start the "
+                             f"server with --enable-return-routed-experts)")
+        routed = decode(meta["routed_experts"], routed_prompt_len + len(ids) - 1, where)
     return Completion(rid=str(meta.get("id", "")), output_ids=ids, output_logprobs=[float(lp[0]) for lp in lps],
                       finish_reason=kind, weight_version=parse_version(version, f"{endpoint} meta_info.weight_version"),
-                      text=out.get("text", ""))
+                      text=out.get("text", ""), routed_experts=routed)

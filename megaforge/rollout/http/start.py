@@ -178,6 +178,7 @@ def build_http_engine(cfg, tokenizer, kind: str, node=None) -> Optional[HTTPEngi
                 c += ["--tokenizer-path", tok_dir] if tok_dir else []
                 c += ["--enable-memory-saver"] if r.num_gpus == 0 else []
                 c += ["--api-key", api_key] if api_key else []
+                c += ["--enable-return-routed-experts"] if r.return_routed_experts else []  # routing replay
                 return c + list(r.extra_args)
             env = engine_env(cfg, gpus[k])
         servers.append(ServerProcess(f"engine_{k}", cmd, os.path.join(logs, f"engine_{k}.log"), host=r.host, env=env,

@@ -21,6 +21,7 @@ from megaforge import __version__
 from megaforge.rollout import context_limit
 from megaforge.rollout.http import protocol as P
 from megaforge.rollout.http.protocol import MEMORY_TAGS, StateError, finish_reason_json
+from megaforge.rollout.routing import encode as encode_routing
 from megaforge.rollout.server.limits import max_text_bytes
 from megaforge.types import Completion, GenerateRequest, SamplingParams
 
@@ -140,6 +141,12 @@ class Server:
                     raise P.FieldError(name if single else f"{name}[{i}]", f"only {ok[0]} is supported by megaforge's embedded server")
         if len(set(rids)) != len(rids):
             raise P.FieldError("rid", "request ids must be unique within a batch")
+        if body["routed_experts_start_len"] != 0:
+            raise P.FieldError("routed_experts_start_len", "only 0 (the whole sequence) is supported by megaforge's "
+                                                           "embedded server")
+        routed = body["return_routed_experts"]
+        if routed and self.engine.routing_layers() is None:
+            raise P.FieldError("return_routed_experts", "the served model has no mixture-of-experts layers")
         sps = per_item("sampling_params", {})
         reqs, shown = [], []
         for i, sp in enumerate(sps):
@@ -154,7 +161,7 @@ class Server:
             top_k = s["top_k"] if 0 < s["top_k"] < vocab else -1
             reqs.append(GenerateRequest(list(prompts[i]), SamplingParams(
                 temperature=s["temperature"], top_p=s["top_p"], top_k=top_k, max_new_tokens=s["max_new_tokens"],
-                stop_token_ids=stop_ids, stop=stop, seed=s["sampling_seed"]), rid=rids[i]))
+                stop_token_ids=stop_ids, stop=stop, seed=s["sampling_seed"]), rid=rids[i], return_routed_experts=routed))
             shown.append(s)
         return list(zip(reqs, shown, per_item("return_logprob", False))), single
 
@@ -213,6 +220,8 @@ class Server:
                 "weight_version": version}
         if want_lp:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.output_logprobs, c.output_ids)]
+        if req.return_routed_experts and c.routed_experts is not None:  # as sglang: base64 of int32 [n, L, K]
+            meta["routed_experts"] = encode_routing(c.routed_experts)
         return {"text": text, "output_ids": list(c.output_ids), "meta_info": meta}
 
     async def generate(self, body: dict, gone=None):

@@ -14,6 +14,7 @@ out[b, t] = v[start_b + t - 1] for 1 <= t < L_b, 0 elsewhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -31,6 +32,9 @@ class Packed:
     src: torch.Tensor  # [B, T] packed position predicting token (b, t) (0 where invalid)
     valid: torch.Tensor  # [B, T] bool: 1 <= t < L_b
     total: int  # padded global packed length
+    # [t_local, layers, K] this rank's tokens' recorded routed experts (-1: none; padding, a row's last
+    # token), from TrainBatch.routed_experts; None without (megaforge.trainer.megatron.routing_replay)
+    routes: Optional[torch.Tensor] = None
 
     def to_rows(self, gathered: torch.Tensor) -> torch.Tensor:
         """[c * t_local] values in rank-major CP-gather order -> token-aligned [B, T] (differentiable)."""
@@ -74,7 +78,8 @@ def max_seqlen_bucket(n: int, align: int = 1) -> int:
 
 
 def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank: int = 0, tp_sp: int = 1,
-         device=None, cp_group=None, multiple: int = 1, host_cu_seqlens: bool = False) -> Packed:
+         device=None, cp_group=None, multiple: int = 1, host_cu_seqlens: bool = False,
+         routes: Optional[torch.Tensor] = None) -> Packed:
     """Pack ``tokens`` [B, T] (right-padded, ``lengths`` [B]) for one CP rank.
 
     ``tp_sp`` is the TP size when sequence parallelism is on, else 1; each rank's share of the
@@ -108,6 +113,13 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank:
         pos[s:s + p] = torch.arange(p)
         src[b, 1:n] = torch.arange(s, s + n - 1)
         valid[b, 1:n] = True
+    flat_routes = None
+    if routes is not None:
+        if tuple(routes.shape[:2]) != (B, T) or routes.dim() != 4:
+            raise ValueError(f"routed_experts has shape {tuple(routes.shape)}, expected [{B}, {T}, layers, topk]")
+        flat_routes = torch.full((total, *routes.shape[2:]), -1, dtype=routes.dtype)
+        for b, (s, n) in enumerate(zip(starts, lens)):
+            flat_routes[s:s + n] = routes[b, :n]
 
     def positions(rank):
         return torch.cat([s + cp_chunk_positions(p, cp_size, rank) for s, p in zip(starts, padded)])
@@ -136,4 +148,5 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank:
     return Packed(
         tokens=d(mine(flat)), labels=d(mine(labels)), position_ids=d(mine(pos)),
         packed_seq_params=params, local_pos=d(local_pos), all_pos=d(all_pos), src=d(src), valid=d(valid), total=total,
+        routes=None if flat_routes is None else d(mine(flat_routes)[0]),
     )

@@ -50,7 +50,7 @@ from megaforge.hf import DTYPES
 from megaforge.memory import build_offloader, onloaded
 from megaforge.memory.state import ddp_entries, megatron_parts, on_device, param_entries
 from megaforge.trainer.base import HFBucket, Objective, Trainer, modules_weights
-from megaforge.trainer.megatron import cpu_compat, parallel
+from megaforge.trainer.megatron import cpu_compat, parallel, routing_replay
 from megaforge.trainer.megatron import model as mmodel
 from megaforge.trainer.megatron.checkpoint import load, save
 from megaforge.trainer.megatron.critic import MegatronCritic
@@ -107,6 +107,7 @@ class MegatronTrainer(Trainer):
         if self.desc.is_moe and t.tensor_parallel > 1 and not t.sequence_parallel:
             raise ValueError("a mixture-of-experts model with trainer.tensor_parallel > 1 needs trainer.sequence_parallel: "
                              "true (megatron-core refuses to train MoE layers under TP without it)")
+        self._routes_set = False  # a recorded routing was ever set on routers (later passes without one clear it)
         self.spec = mmodel.resolve_spec(t.layer_spec)
         self.tconfig = mmodel.transformer_config(self.desc, t, self.dtype, self.device.type == "cpu", self.spec)
         self.bm = mmodel.build_model(self.desc, self.family, self.tconfig, self.spec, self.device)
@@ -242,6 +243,8 @@ class MegatronTrainer(Trainer):
         def forward_step(data_iter, model):
             mb = next(data_iter)
             p = mb.packed
+            if p.routes is not None or self._routes_set:
+                self._set_routes(model, p.routes)
             with record_function("megaforge.forward"):
                 out = model(p.tokens, p.position_ids, None, packed_seq_params=p.packed_seq_params)
             return out, partial(_loss_wrapper, loss_fn, mb)
@@ -252,6 +255,27 @@ class MegatronTrainer(Trainer):
             micro_batch_size=1, forward_only=forward_only,
         )
         return [d for d, mb in zip(out, mbs) if not mb.filler]  # one dict per micro-batch on the last stage
+
+    def _set_routes(self, model, routes: Optional[torch.Tensor]) -> None:
+        """The next forward's recorded routing on ``model``'s routers (megaforge.trainer.megatron.routing_replay)."""
+        ps = self._ps()
+        sp = self.tconfig.sequence_parallel
+        routing_replay.set_routes(model, routes, ps.get_tensor_model_parallel_rank() if sp else 0,
+                                  ps.get_tensor_model_parallel_world_size() if sp else 1,
+                                  replay=self.cfg.trainer.routing_replay)
+        self._routes_set |= routes is not None
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """The base class's step; with a recorded routing (``batch.routed_experts``) also
+        ``routing/replay_diff_frac`` of the policy's passes (megaforge.trainer.megatron.routing_replay)."""
+        if batch.routed_experts is None:
+            return super().train_step(batch)
+        routing_replay.reset_stats(self.ddp)
+        out = super().train_step(batch)
+        counts = routing_replay.diff_counts(self.ddp, self.device)
+        dist.all_reduce(counts)
+        out["routing/replay_diff_frac"] = float(counts[0] / counts[1]) if float(counts[1]) > 0 else 0.0
+        return out
 
     def _from_last_stage(self, t: Optional[torch.Tensor], shape, dtype=torch.float32) -> torch.Tensor:
         """Broadcast a tensor computed on the last pipeline stage to every stage."""
@@ -445,7 +469,7 @@ def _filler_rows(local: TrainBatch) -> TrainBatch:
 
 
 def _pack_rows(rows: TrainBatch, **kw) -> Packed:
-    return pack(rows.tokens, rows.lengths, **kw)
+    return pack(rows.tokens, rows.lengths, routes=rows.routed_experts, **kw)
 
 
 def _loss_wrapper(loss_fn, mb: _MicroBatch, logits):
