@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from megaforge import planner
+from megaforge import planner, startup
 from megaforge.config import load_config
 from megaforge.configtree import ConfigError
 from megaforge.data.sources import DataError
@@ -45,6 +45,7 @@ def main(mode: str, argv=None) -> None:
     try:
         plan_opts, argv = split_argv(argv)  # --dry_run and its flags (megaforge.planner)
         cfg = load_config(argv)
+        startup.resolve(cfg, mode)  # every named component, before any work and in --dry_run
     except (ConfigError, FlagError) as e:
         print(f"megaforge: config error: {e}", file=sys.stderr)
         raise SystemExit(2)
