@@ -13,6 +13,7 @@ from typing import Optional
 import yaml
 
 from megaforge import configtree
+from megaforge.config import aliases
 from megaforge.config.algo import AlgoConfig, CriticConfig, GRPOConfig, algo_components
 from megaforge.config.evaluation import EvalConfig, EvalSetConfig
 from megaforge.config.model import DataConfig, DType, ModelConfig
@@ -24,6 +25,8 @@ from megaforge.config.run import (CheckpointConfig, LaunchConfig, LoopConfig, Me
                                   SlurmConfig, SyncConfig)
 from megaforge.config.trainer import SFTConfig, TrainerConfig
 from megaforge.configtree import ConfigError
+
+configtree.KEY_HINTS.append((aliases.hint, aliases.scalar_hint))  # torchforge / TRL / verl keys
 
 __all__ = [
     "AlgoConfig", "CheckpointConfig", "Config", "ConfigError", "CriticConfig", "DataConfig", "DType", "EvalConfig",
