@@ -431,8 +431,9 @@ def check_keys(cls, overrides: dict[str, Any], tree: dict | None = None) -> None
             raise ConfigError(f"unknown config key '{k}'{_suggest(k, valid, overrides[k])}")
 
 
-def load(cls, argv: list[str]):
-    """Build ``cls`` from ``--config FILE`` (YAML) plus dotted CLI overrides."""
+def load(cls, argv: list[str], prepare=None):
+    """Build ``cls`` from ``--config FILE`` (YAML) plus dotted CLI overrides; ``prepare(tree, path)``
+    may adjust the file's tree before the overrides apply (megaforge.config.paths)."""
     path, overrides = parse_cli(argv)
     tree: dict = {}
     if path:
@@ -449,6 +450,8 @@ def load(cls, argv: list[str]):
         if not isinstance(tree, dict):
             raise ConfigError(f"--config {path}: the top level must be a mapping")
         check_expansion(tree, f"--config {path}")
+        if prepare is not None:
+            prepare(tree, path)
     for k, v in overrides.items():
         set_dotted(tree, k, v)
     check_keys(cls, overrides, tree)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import os
 
+from megaforge import model_source
 from megaforge.configtree import ConfigError
 
 #: config key -> (registry attribute in megaforge.algorithms.core, expected signature, positional args)
@@ -133,8 +134,12 @@ def check_synthetic(data_cfg, key: str) -> None:
                           f"--{key}.format jsonl / parquet / hf)") from None
 
 
-def resolve(cfg, mode: str = "grpo") -> None:
-    """Everything above for a run of ``mode`` (grpo: all of it; sft: the data and the plug-ins)."""
+def resolve(cfg, mode: str = "grpo", dry_run: bool = False) -> None:
+    """Everything above for a run of ``mode`` (grpo: all of it; sft: the data and the plug-ins), and the
+    model sources (megaforge.model_source; a dry run, which reads no weights, leaves hub ids unchecked)."""
+    why = model_source.check_config(cfg, cache=not dry_run)
+    if why:
+        raise ConfigError(why)
     check_synthetic(cfg.sft.data if cfg.sft.data is not None else cfg.data, "sft.data" if cfg.sft.data else "data")
     if cfg.sft.data is not None and mode == "grpo":
         check_synthetic(cfg.data, "data")
