@@ -136,8 +136,9 @@ def check_synthetic(data_cfg, key: str) -> None:
 
 def resolve(cfg, mode: str = "grpo", dry_run: bool = False) -> None:
     """Everything above for a run of ``mode`` (grpo: all of it; sft: the data and the plug-ins), and the
-    model sources (megaforge.model_source; a dry run, which reads no weights, leaves hub ids unchecked)."""
-    why = model_source.check_config(cfg, cache=not dry_run)
+    model sources (megaforge.model_source). A dry run leaves those to the planner: it plans for another
+    machine (where /data/model exists, or with --model_config) and reads no weights."""
+    why = None if dry_run else model_source.check_config(cfg)
     if why:
         raise ConfigError(why)
     check_synthetic(cfg.sft.data if cfg.sft.data is not None else cfg.data, "sft.data" if cfg.sft.data else "data")
