@@ -162,6 +162,20 @@ def all_keys(cls, prefix: str = "", data: dict | None = None) -> list[str]:
     return keys
 
 
+#: ``(hint(key, value), scalar_hint(key, value))`` pairs of the config trees built here (megaforge.config
+#: adds megaforge.config.aliases'): consulted before the nearest-key guess; each returns advice or None
+KEY_HINTS: list = []
+
+
+def _suggest(key: str, candidates: list[str], value: Any = None) -> str:
+    """``: <advice>`` from :data:`KEY_HINTS` for unknown ``key``, else the nearest valid key."""
+    for hint, _ in KEY_HINTS:
+        advice = hint(key, value)
+        if advice:
+            return f": {advice}"
+    return _nearest(key, candidates)
+
+
 def _nearest(key: str, candidates: list[str]) -> str:
     # Compare both the full dotted key and its last part, so a typo in a leaf finds its sibling.
     best = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
@@ -215,7 +229,9 @@ def coerce(value: Any, t, key: str) -> Any:
         if isinstance(value, t):
             return value
         if not isinstance(value, dict):
-            raise ConfigError(f"config key '{key}': expected a mapping ({t.__name__}), got {value!r}")
+            advice = next((a for _, scalar in KEY_HINTS if (a := scalar(key, value))), "")
+            raise ConfigError(f"config key '{key}': expected a mapping ({t.__name__}), got {value!r}"
+                              + (f"; {advice}" if advice else ""))
         return build(t, value, prefix=key + ".")
     if origin is list:
         if isinstance(value, tuple):
@@ -267,7 +283,7 @@ def build(cls, data: dict | None, prefix: str = ""):
     for k in data:
         if k not in names and k not in ext_keys:
             valid = [prefix + n for n in sorted(names | set(ext_keys))]
-            raise ConfigError(f"unknown config key '{prefix}{k}'{_nearest(prefix + k, valid)}")
+            raise ConfigError(f"unknown config key '{prefix}{k}'{_suggest(prefix + k, valid, data[k])}")
     kwargs = {k: coerce(v, hints[k], prefix + k) for k, v in data.items() if k in names}
     ext_field = _extension_field(cls)
     if ext_field is not None:
@@ -412,11 +428,12 @@ def check_keys(cls, overrides: dict[str, Any], tree: dict | None = None) -> None
     valid = all_keys(cls, data=tree)
     for k in overrides:
         if k not in valid:
-            raise ConfigError(f"unknown config key '{k}'{_nearest(k, valid)}")
+            raise ConfigError(f"unknown config key '{k}'{_suggest(k, valid, overrides[k])}")
 
 
-def load(cls, argv: list[str]):
-    """Build ``cls`` from ``--config FILE`` (YAML) plus dotted CLI overrides."""
+def load(cls, argv: list[str], prepare=None):
+    """Build ``cls`` from ``--config FILE`` (YAML) plus dotted CLI overrides; ``prepare(tree, path)``
+    may adjust the file's tree before the overrides apply (megaforge.config.paths)."""
     path, overrides = parse_cli(argv)
     tree: dict = {}
     if path:
@@ -433,6 +450,8 @@ def load(cls, argv: list[str]):
         if not isinstance(tree, dict):
             raise ConfigError(f"--config {path}: the top level must be a mapping")
         check_expansion(tree, f"--config {path}")
+        if prepare is not None:
+            prepare(tree, path)
     for k, v in overrides.items():
         set_dotted(tree, k, v)
     check_keys(cls, overrides, tree)

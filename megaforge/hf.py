@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from megaforge import model_source
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -39,7 +41,11 @@ class ModelSourceError(OSError):
 def from_pretrained(field: str, source: str, load, **kw):
     """``load(source, **kw)`` (a transformers ``from_pretrained``), its OSError re-raised naming the
     config ``field`` and, for a relative path, the directory it was read from (relative paths are
-    read from the current directory, not from the config file's)."""
+    read from the current directory, not from the config file's). A path that looks local and is not
+    there, or a hub id not cached under HF_HUB_OFFLINE, fails at once (megaforge.model_source)."""
+    why = model_source.problem(field, source)
+    if why:
+        raise ModelSourceError(why)
     try:
         return load(source, **kw)
     except OSError as e:

@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from megaforge import planner
+from megaforge import planner, startup
 from megaforge.config import load_config
 from megaforge.configtree import ConfigError
 from megaforge.data.sources import DataError
@@ -45,6 +45,7 @@ def main(mode: str, argv=None) -> None:
     try:
         plan_opts, argv = split_argv(argv)  # --dry_run and its flags (megaforge.planner)
         cfg = load_config(argv)
+        startup.resolve(cfg, mode, bool(plan_opts.get("dry_run")))  # names resolved (also in --dry_run)
     except (ConfigError, FlagError) as e:
         print(f"megaforge: config error: {e}", file=sys.stderr)
         raise SystemExit(2)
@@ -55,7 +56,7 @@ def main(mode: str, argv=None) -> None:
     import torch.distributed  # lazy: as above
     from megaforge import cluster, collective, placement  # lazy: as above
     from megaforge.driver.common import RunError, RunStopped  # lazy: as above
-    from megaforge.hf import DeviceError  # lazy: as above
+    from megaforge.hf import DeviceError, ModelSourceError  # lazy: as above
     from megaforge.loop import run_grpo, run_sft  # lazy: as above
 
     together = False  # the run ended the same way on every rank (done, or a shared stop)
@@ -71,7 +72,7 @@ def main(mode: str, argv=None) -> None:
         together = True
         print(f"megaforge: {e}", file=sys.stderr)
         raise SystemExit(143)
-    except (ConfigError, DataError, RunError, DeviceError) as e:
+    except (ConfigError, DataError, RunError, DeviceError, ModelSourceError) as e:
         cluster.report_failure(e)  # the other ranks exit within launch.abort_grace_s (megaforge.cluster)
         print(f"megaforge: error: {e}", file=sys.stderr)
         raise SystemExit(1)

@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from megaforge import checkpoint, collective, resume
+from megaforge import checkpoint, collective, resume, startup
 from megaforge.cluster import init_distributed
 from megaforge.config import Config, save_config
 from megaforge.data.batch import sft_batch
@@ -64,6 +64,7 @@ class Run:
     def __init__(self, cfg: Config, mode: str = "grpo"):
         self.cfg, self.mode = cfg, mode
         self.run_dir = cfg.run_dir
+        startup.resolve(cfg, mode)  # bad names fail here, before the run directory and any SFT
         init_distributed(cfg, resolve_device(cfg.trainer.device).type)  # launch.dist_timeout_s, rank watchdog
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)

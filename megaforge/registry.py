@@ -16,6 +16,7 @@ with ``LOSSES.params_classes()``; megaforge.config reads them from the config).
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 from typing import Callable, Iterable
@@ -30,6 +31,8 @@ def import_callable(path: str, what: str = "plug-in") -> Callable:
         obj = importlib.import_module(mod_name)
     except ImportError as e:
         raise ValueError(f"{what} {path!r}: cannot import module {mod_name!r}: {e}{_moved_hint(mod_name)}") from e
+    except Exception as e:  # the module itself failed (SyntaxError, an error at its import): one line naming it
+        raise ValueError(f"{what} {path!r}: importing module {mod_name!r} failed: {type(e).__name__}: {e}") from e
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"{what} {path!r}: module {mod_name!r} has no attribute {attr!r}")
@@ -91,9 +94,10 @@ class Registry:
             return self._items[name]
         if ":" in name:
             return import_callable(name, self.kind)
+        near = difflib.get_close_matches(name, list(self._items), n=1, cutoff=0.6)
         raise ValueError(
             f"unknown {self.kind} {name!r}; registered: {', '.join(sorted(self._items))} "
-            f"(or give 'package.module:callable')"
+            f"(or give 'package.module:callable')" + (f"; did you mean {near[0]!r}?" if near else "")
         )
 
     def declared(self, name: str) -> dict:

@@ -146,6 +146,9 @@ def load_plugins(modules) -> None:
             importlib.import_module(name)
         except ImportError as e:
             raise ConfigError(f"config key 'algo.plugins': cannot import module {name!r}: {e}") from e
+        except Exception as e:  # the module itself failed at import: one line naming it and the error
+            raise ConfigError(f"config key 'algo.plugins': importing module {name!r} failed: "
+                              f"{type(e).__name__}: {e}") from e
 
 
 def resolve_components(cfg) -> None:

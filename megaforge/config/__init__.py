@@ -13,6 +13,7 @@ from typing import Optional
 import yaml
 
 from megaforge import configtree
+from megaforge.config import aliases, paths
 from megaforge.config.algo import AlgoConfig, CriticConfig, GRPOConfig, algo_components
 from megaforge.config.evaluation import EvalConfig, EvalSetConfig
 from megaforge.config.model import DataConfig, DType, ModelConfig
@@ -24,6 +25,8 @@ from megaforge.config.run import (CheckpointConfig, LaunchConfig, LoopConfig, Me
                                   SlurmConfig, SyncConfig)
 from megaforge.config.trainer import SFTConfig, TrainerConfig
 from megaforge.configtree import ConfigError
+
+configtree.KEY_HINTS.append((aliases.hint, aliases.scalar_hint))  # torchforge / TRL / verl keys
 
 __all__ = [
     "AlgoConfig", "CheckpointConfig", "Config", "ConfigError", "CriticConfig", "DataConfig", "DType", "EvalConfig",
@@ -40,7 +43,7 @@ def load_config(argv: Optional[list[str]] = None, cls=Config) -> Config:
     if "--help" in argv or "-h" in argv:
         print(__doc__.strip() + "\n\n" + configtree.help_text(cls))
         raise SystemExit(0)
-    return configtree.load(cls, argv)
+    return configtree.load(cls, argv, prepare=paths.config_relative)
 
 
 def save_config(cfg: Config, path: str) -> None:

@@ -12,7 +12,7 @@ from megaforge.configtree import ConfigError, bounded
 
 @dataclass
 class GRPOConfig:
-    """The seed's ``grpo:`` block: group sampling and the clipped objective's numbers."""
+    """torchforge's ``grpo:`` block: group sampling and the clipped objective's numbers."""
 
     n_samples: int = 8
     """Responses sampled per prompt (the group size)."""

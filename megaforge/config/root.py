@@ -43,7 +43,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     """RL prompts."""
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    """Group sampling and clipped objective (the seed's block)."""
+    """Group sampling and clipped objective (torchforge's ``grpo:`` block)."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """Advantage estimator, policy loss, aggregation, KL, corrections."""
     critic: CriticConfig = field(default_factory=CriticConfig)
