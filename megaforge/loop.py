@@ -41,7 +41,7 @@ from megaforge.data.prompts import PromptSource
 from megaforge.driver.common import TENSOR_FILES, Driver, InputError, RunError, RunStopped, on_main, say
 from megaforge.driver.handoff import BatchHandOff
 from megaforge.driver.offpolicy import AsyncDriver, is_async
-from megaforge.driver.steps import StepParts, needs_ref
+from megaforge.driver.steps import StepParts, needs_ref, no_signal_warning
 from megaforge.driver.sync import SyncDriver
 from megaforge.eval.runner import Evaluator, is_due
 from megaforge.eval.sets import load_eval_sets
@@ -286,7 +286,7 @@ class Run:
     def rl(self) -> None:
         cfg = self.cfg
         logger = bar = None
-        bad = 0
+        bad = quiet = 0  # consecutive steps: without an applied update; with every advantage 0
         try:
             self.start_rl()
             # a run resumed before its first RL step redoes the step-0 evaluation: its old row goes
@@ -310,6 +310,9 @@ class Run:
                     raise InputError(f"{e}\nRL step {step - 1} is checkpointed: fix the input and continue "
                                      f"with --resume") from None
                 bad = bad + 1 if self._count_skips(m) else 0
+                quiet = quiet + 1 if m.get("advantages/nonzero_frac") == 0 else 0
+                if quiet and quiet == cfg.metrics.warn_no_signal_steps and collective.is_main():
+                    bar.write_err(no_signal_warning(cfg, quiet, step, m))
                 self.state["rl_step"] = step
                 # a stop signal (preemption: its grace period is short) defers the step's evaluation to
                 # the resumed run, which evaluates the same weights first (_evaluate_pending)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from typing import Optional
 
@@ -236,6 +237,13 @@ class Progress:
             self.bar.write(text)
         else:
             print(text, flush=True)
+
+    def write_err(self, text: str) -> None:
+        """``text`` on stderr (above the bar)."""
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
