@@ -33,9 +33,10 @@ from typing import Optional
 
 import torch
 
-from megaforge import checkpoint, collective, resume
+from megaforge import checkpoint, collective, handoff_source, resume
 from megaforge.cluster import init_distributed
 from megaforge.config import Config, save_config
+from megaforge.configtree import ConfigError
 from megaforge.data.batch import sft_batch
 from megaforge.data.prompts import PromptSource
 from megaforge.driver.common import TENSOR_FILES, Driver, InputError, RunError, RunStopped, on_main, say
@@ -45,11 +46,12 @@ from megaforge.driver.steps import StepParts, needs_ref, no_signal_warning
 from megaforge.driver.sync import SyncDriver
 from megaforge.eval.runner import Evaluator, is_due
 from megaforge.eval.sets import load_eval_sets
+from megaforge.handoff_source import is_run_source
 from megaforge.hf import load_tokenizer, resolve_device
 from megaforge.metrics import MetricsLogger, Progress, set_aside_bad_rows
 from megaforge.placement import build_engines
 from megaforge.rewards import RewardManager
-from megaforge.rollout import preflight
+from megaforge.rollout import check_context, preflight
 from megaforge.rollout.manager import stop_token_ids
 from megaforge.rundir import RunDirError, claim
 from megaforge.trainer import build_trainer
@@ -71,6 +73,7 @@ class Run:
         if mode == "grpo" and cfg.max_steps > 0:
             preflight(cfg)  # e.g. rollout.engine sglang without sglang installed: fail before SFT
         self._prepare_run_dir()
+        self._model_from_run()
         self.tokenizer = load_tokenizer(cfg.model)
         self.eval_sets, self.held_out = [], frozenset()  # eval.sets (main rank) and the prompts they hold out
         if mode == "grpo" and cfg.eval.sets:
@@ -143,6 +146,26 @@ class Run:
         err = collective.broadcast_object(err)
         if err:
             raise RunError(err)
+
+    def _model_from_run(self) -> None:
+        """``model.path`` naming a megaforge run folder or checkpoint (e.g. SFT -> GRPO): the main rank
+        writes its policy as an HF folder ``<run dir>/source_model`` (megaforge.handoff_source), which
+        every rank then loads as ``model.path`` (config.yaml keeps the path as given)."""
+        src = self.cfg.model.path
+        if not is_run_source(src):
+            return
+        out, err = os.path.abspath(os.path.join(self.run_dir, "source_model")), None
+        if collective.is_main():
+            try:
+                ckpt = handoff_source.export(src, out, "model.path", log=say)
+                say(f"model.path {src}: the policy of {ckpt} written as {out}")
+            except ConfigError as e:
+                err = str(e)
+        err = collective.broadcast_object(err)
+        if err:
+            raise RunError(err)
+        self.cfg.model.path = out
+        check_context(self.cfg)  # the source's context, now that it is readable
 
     def _resume(self) -> None:
         path, t0 = None, time.perf_counter()
