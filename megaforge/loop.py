@@ -42,7 +42,7 @@ from megaforge.data.prompts import PromptSource
 from megaforge.driver.common import TENSOR_FILES, Driver, InputError, RunError, RunStopped, on_main, say
 from megaforge.driver.handoff import BatchHandOff
 from megaforge.driver.offpolicy import AsyncDriver, is_async
-from megaforge.driver.steps import StepParts, needs_ref, no_signal_warning
+from megaforge.driver.steps import StepParts, no_signal_warning, start_rl_trainer
 from megaforge.driver.sync import SyncDriver
 from megaforge.eval.runner import Evaluator, is_due
 from megaforge.eval.sets import load_eval_sets
@@ -281,11 +281,7 @@ class Run:
             self.data.load_state_dict(self.state["data"])
         self.rewards = RewardManager(cfg.rewards, cfg.algo.plugins) if collective.is_main() else None
         if self.state["rl_step"] == 0:
-            total_updates = cfg.max_steps * cfg.trainer.mini_batches * cfg.trainer.epochs
-            self.trainer.reset_optimizer(cfg.trainer.lr, total_updates, cfg.trainer.warmup_steps,
-                                         cfg.trainer.lr_schedule, cfg.trainer.min_lr)
-            if needs_ref(cfg):
-                self.trainer.snapshot_reference()
+            start_rl_trainer(self.trainer, cfg)
         if self.cfg.critic_enabled and self.trainer.critic is None:
             self.trainer.init_critic()  # a copy of the policy as it starts RL (after SFT)
         self.stop_ids = stop_token_ids(self.tokenizer, cfg.model.path) if collective.is_main() else []

@@ -183,6 +183,16 @@ class StepParts:
         return m
 
 
+def start_rl_trainer(trainer, cfg: Config) -> None:
+    """The trainer as RL starts (after SFT): a fresh optimizer whose schedule spans ``max_steps`` x
+    ``trainer.mini_batches`` x ``trainer.epochs`` updates, and the frozen reference (:func:`needs_ref`)."""
+    total_updates = cfg.max_steps * cfg.trainer.mini_batches * cfg.trainer.epochs
+    trainer.reset_optimizer(cfg.trainer.lr, total_updates, cfg.trainer.warmup_steps, cfg.trainer.lr_schedule,
+                            cfg.trainer.min_lr)
+    if needs_ref(cfg):
+        trainer.snapshot_reference()
+
+
 def needs_ref(cfg: Config) -> bool:
     """The step computes the reference policy's log-probs (the KL term: ``grpo.beta`` > 0)."""
     return cfg.grpo.beta > 0
