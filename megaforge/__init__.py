@@ -11,10 +11,10 @@ __all__ = ["__version__", *_API]
 
 
 def __getattr__(name: str):
-    if name in _API:
-        from megaforge import api
+    if name in _API:  # by name: the package's own __init__ must not depend on a module under it
+        import importlib
 
-        return getattr(api, name)
+        return getattr(importlib.import_module("megaforge.api"), name)
     raise AttributeError(f"module 'megaforge' has no attribute {name!r}")
 
 

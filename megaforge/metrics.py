@@ -248,3 +248,18 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def run_summary(run_dir: str) -> str:
+    """The end-of-run line: the run folder, the SFT loss and the RL reward/mean from their first to their
+    last logged step (``sft_metrics.jsonl``, ``metrics.jsonl``), and the command that plots the curves."""
+    parts = [f"megaforge: done: {run_dir}"]
+    for name, key, label in (("sft_metrics.jsonl", "loss", "SFT loss"), ("metrics.jsonl", "reward/mean", "reward/mean")):
+        path = os.path.join(run_dir, name)
+        rows = [r for r in (_read_jsonl(path) if os.path.exists(path) else []) if isinstance(r.get(key), (int, float))]
+        if rows:
+            first, last = rows[0], rows[-1]
+            phase = "SFT" if name.startswith("sft") else "RL"
+            parts.append(f"{label} {first[key]:.3g} -> {last[key]:.3g} ({phase} steps {first.get('step')}-{last.get('step')})")
+    parts.append(f"curves: python tools/plot_run.py {run_dir}")
+    return "; ".join(parts)
