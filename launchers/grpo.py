@@ -1,6 +1,7 @@
 """GRPO (and every other RL algorithm) entry point.
 
-    torchrun --nproc_per_node 1 launchers/grpo.py --config configs/demo_cpu.yaml [--key value ...]
+    python launchers/grpo.py --config configs/demo_cpu.yaml [--key value ...]           # one process
+    torchrun --nproc_per_node N launchers/grpo.py --config X.yaml [--key value ...]     # N ranks
 
 ``--help`` lists every config key. Run under torchrun (or plain python for one process).
 """

@@ -58,16 +58,19 @@ def main(mode: str, argv=None) -> None:
     from megaforge.driver.common import RunError, RunStopped  # lazy: as above
     from megaforge.hf import DeviceError, ModelSourceError  # lazy: as above
     from megaforge.loop import run_grpo, run_sft  # lazy: as above
+    from megaforge.metrics import run_summary  # lazy: as above
 
     together = False  # the run ended the same way on every rank (done, or a shared stop)
     try:
         if mode == "grpo":
-            run_grpo(cfg)
+            run = run_grpo(cfg)
         elif mode == "sft":
-            run_sft(cfg)
+            run = run_sft(cfg)
         else:
             raise ValueError(f"unknown launcher mode {mode!r}")
         together = True
+        if collective.is_main():
+            print(run_summary(run.run_dir), flush=True)  # folder, first -> last, the plot command
     except RunStopped as e:
         together = True
         print(f"megaforge: {e}", file=sys.stderr)

@@ -33,23 +33,25 @@ from typing import Optional
 
 import torch
 
-from megaforge import checkpoint, collective, resume, startup
+from megaforge import checkpoint, collective, handoff_source, resume, startup
 from megaforge.cluster import init_distributed
 from megaforge.config import Config, save_config
+from megaforge.configtree import ConfigError
 from megaforge.data.batch import sft_batch
 from megaforge.data.prompts import PromptSource
 from megaforge.driver.common import TENSOR_FILES, Driver, InputError, RunError, RunStopped, on_main, say
 from megaforge.driver.handoff import BatchHandOff
 from megaforge.driver.offpolicy import AsyncDriver, is_async
-from megaforge.driver.steps import StepParts, needs_ref
+from megaforge.driver.steps import StepParts, no_signal_warning, start_rl_trainer
 from megaforge.driver.sync import SyncDriver
 from megaforge.eval.runner import Evaluator, is_due
 from megaforge.eval.sets import load_eval_sets
+from megaforge.handoff_source import is_run_source
 from megaforge.hf import load_tokenizer, resolve_device
 from megaforge.metrics import MetricsLogger, Progress, set_aside_bad_rows
 from megaforge.placement import build_engines
 from megaforge.rewards import RewardManager
-from megaforge.rollout import preflight
+from megaforge.rollout import check_context, preflight
 from megaforge.rollout.manager import stop_token_ids
 from megaforge.rundir import RunDirError, claim
 from megaforge.trainer import build_trainer
@@ -72,6 +74,7 @@ class Run:
         if mode == "grpo" and cfg.max_steps > 0:
             preflight(cfg)  # e.g. rollout.engine sglang without sglang installed: fail before SFT
         self._prepare_run_dir()
+        self._model_from_run()
         self.tokenizer = load_tokenizer(cfg.model)
         self.eval_sets, self.held_out = [], frozenset()  # eval.sets (main rank) and the prompts they hold out
         if mode == "grpo" and cfg.eval.sets:
@@ -144,6 +147,26 @@ class Run:
         err = collective.broadcast_object(err)
         if err:
             raise RunError(err)
+
+    def _model_from_run(self) -> None:
+        """``model.path`` naming a megaforge run folder or checkpoint (e.g. SFT -> GRPO): the main rank
+        writes its policy as an HF folder ``<run dir>/source_model`` (megaforge.handoff_source), which
+        every rank then loads as ``model.path`` (config.yaml keeps the path as given)."""
+        src = self.cfg.model.path
+        if not is_run_source(src):
+            return
+        out, err = os.path.abspath(os.path.join(self.run_dir, "source_model")), None
+        if collective.is_main():
+            try:
+                ckpt = handoff_source.export(src, out, "model.path", log=say)
+                say(f"model.path {src}: the policy of {ckpt} written as {out}")
+            except ConfigError as e:
+                err = str(e)
+        err = collective.broadcast_object(err)
+        if err:
+            raise RunError(err)
+        self.cfg.model.path = out
+        check_context(self.cfg)  # the source's context, now that it is readable
 
     def _resume(self) -> None:
         path, t0 = None, time.perf_counter()
@@ -259,11 +282,7 @@ class Run:
             self.data.load_state_dict(self.state["data"])
         self.rewards = RewardManager(cfg.rewards, cfg.algo.plugins) if collective.is_main() else None
         if self.state["rl_step"] == 0:
-            total_updates = cfg.max_steps * cfg.trainer.mini_batches * cfg.trainer.epochs
-            self.trainer.reset_optimizer(cfg.trainer.lr, total_updates, cfg.trainer.warmup_steps,
-                                         cfg.trainer.lr_schedule, cfg.trainer.min_lr)
-            if needs_ref(cfg):
-                self.trainer.snapshot_reference()
+            start_rl_trainer(self.trainer, cfg)
         if self.cfg.critic_enabled and self.trainer.critic is None:
             self.trainer.init_critic()  # a copy of the policy as it starts RL (after SFT)
         self.stop_ids = stop_token_ids(self.tokenizer, cfg.model.path) if collective.is_main() else []
@@ -287,7 +306,7 @@ class Run:
     def rl(self) -> None:
         cfg = self.cfg
         logger = bar = None
-        bad = 0
+        bad = quiet = 0  # consecutive steps: without an applied update; with every advantage 0
         try:
             self.start_rl()
             # a run resumed before its first RL step redoes the step-0 evaluation: its old row goes
@@ -311,6 +330,9 @@ class Run:
                     raise InputError(f"{e}\nRL step {step - 1} is checkpointed: fix the input and continue "
                                      f"with --resume") from None
                 bad = bad + 1 if self._count_skips(m) else 0
+                quiet = quiet + 1 if m.get("advantages/nonzero_frac") == 0 else 0
+                if quiet and quiet == cfg.metrics.warn_no_signal_steps and collective.is_main():
+                    bar.write_err(no_signal_warning(cfg, quiet, step, m))
                 self.state["rl_step"] = step
                 # a stop signal (preemption: its grace period is short) defers the step's evaluation to
                 # the resumed run, which evaluates the same weights first (_evaluate_pending)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from typing import Optional
 
@@ -237,6 +238,28 @@ class Progress:
         else:
             print(text, flush=True)
 
+    def write_err(self, text: str) -> None:
+        """``text`` on stderr (above the bar)."""
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def run_summary(run_dir: str) -> str:
+    """The end-of-run line: the run folder, the SFT loss and the RL reward/mean from their first to their
+    last logged step (``sft_metrics.jsonl``, ``metrics.jsonl``), and the command that plots the curves."""
+    parts = [f"megaforge: done: {run_dir}"]
+    for name, key, label in (("sft_metrics.jsonl", "loss", "SFT loss"), ("metrics.jsonl", "reward/mean", "reward/mean")):
+        path = os.path.join(run_dir, name)
+        rows = [r for r in (_read_jsonl(path) if os.path.exists(path) else []) if isinstance(r.get(key), (int, float))]
+        if rows:
+            first, last = rows[0], rows[-1]
+            phase = "SFT" if name.startswith("sft") else "RL"
+            parts.append(f"{label} {first[key]:.3g} -> {last[key]:.3g} ({phase} steps {first.get('step')}-{last.get('step')})")
+    parts.append(f"curves: python tools/plot_run.py {run_dir}")
+    return "; ".join(parts)

@@ -59,6 +59,23 @@ class GenerateRequest:
     rid: str = ""
     return_routed_experts: bool = False  # also report the experts each token was routed to (MoE)
 
+    def __post_init__(self):
+        ids = self.input_ids
+        if isinstance(ids, tuple):
+            ids = self.input_ids = list(ids)
+        if not isinstance(ids, list):
+            what = type(ids).__name__
+            hint = (": a tokenizer's output holds them under ['input_ids'] (tokenizer(text)['input_ids'], one "
+                    "prompt)" if hasattr(ids, "keys") else "")
+            raise TypeError(f"GenerateRequest.input_ids must be a list of token ids (int), not a {what}{hint}")
+        bad = next((i for i, t in enumerate(ids) if type(t) is not int), None)
+        if bad is not None:
+            t = ids[bad]
+            hint = (" (a batch: one GenerateRequest per prompt)" if isinstance(t, (list, tuple))
+                    else " (convert with int(...) or .tolist())" if hasattr(t, "__index__") else "")
+            raise TypeError(f"GenerateRequest.input_ids[{bad}] is a {type(t).__name__} ({t!r:.40}), not an int: pass "
+                            f"a list of token ids{hint}")
+
 
 @dataclass
 class Completion:

@@ -23,7 +23,7 @@ def loaded_heavy(module: str) -> list[str]:
     return out.stdout.split()
 
 
-@pytest.mark.parametrize("module", ["megaforge.config", "megaforge.rewards", "megaforge.rewards.executor",
+@pytest.mark.parametrize("module", ["megaforge", "megaforge.api", "megaforge.config", "megaforge.rewards", "megaforge.rewards.executor",
                                     "megaforge.launch", "megaforge.planner", "megaforge.slurm",
                                     "megaforge.rollout.http.processes"])
 def test_a_light_module_imports_no_torch(module):

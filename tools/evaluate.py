@@ -22,9 +22,11 @@ hold and ``model.trust_remote_code`` is set true.
 
 It runs through the same engine and code as the evaluation inside a run (megaforge.eval), prints one
 JSON line with the same keys as a run's metrics row (``eval/<set>/greedy/pass@1``,
-``eval/<set>/sampled/pass@8``, ...), and writes every response to ``--out`` (default
-``evaluate_<set>.jsonl``; one file per set, the set name inserted before ``.jsonl`` when there are
-several).
+``eval/<set>/sampled/pass@8``, ...; ``samples/<set>``: where its responses went), and writes every
+response to ``--out`` (the set name inserted before ``.jsonl`` when there are several sets), by default
+beside the run: ``<run>/eval/evaluate/<checkpoint>/<set>.jsonl`` (a run's ``hf/step_N`` export:
+``<run>/eval/evaluate/hf_step_N/``; another HF folder: ``<folder>/evaluate/<set>.jsonl``), never into
+the working directory.
 """
 from __future__ import annotations
 
@@ -32,12 +34,11 @@ import argparse
 import dataclasses
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
-from common import ROOT, emit
+from common import emit
 
 
 class EvaluateError(RuntimeError):
@@ -58,7 +59,7 @@ def parse_args(argv=None):
                    help="sampled responses per prompt: pass@1 and pass@k (0: greedy only; default: the run's "
                         "eval.n_samples, else 0)")
     p.add_argument("--no_greedy", action="store_true", help="sampled responses only")
-    p.add_argument("--out", default="", help="per-sample jsonl (default evaluate_<set>.jsonl)")
+    p.add_argument("--out", default="", help="per-sample jsonl (default: beside the run, <run>/eval/evaluate/...)")
     p.add_argument("--config", default="", help="config YAML (default: the run's config.yaml, if any)")
     p.add_argument("--trust_remote_code", action="store_true",
                    help="allow Python code shipped with a model folder (auto_map) to run; never implied by a config")
@@ -68,55 +69,45 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------------------ what --model is
 def locate(model: str) -> tuple[str, str | None]:
     """(kind, checkpoint): ``("hf", None)`` for an HF folder, ``("checkpoint", path)`` for a run or one
-    of its checkpoints."""
-    from megaforge import checkpoint
+    of its checkpoints (megaforge.handoff_source, which model.path of a run uses too)."""
+    from megaforge.handoff_source import SourceError, locate as locate_source
 
     if not os.path.isdir(model):
         raise EvaluateError(f"--model {model}: no such folder (a hub id cannot be evaluated offline; give a folder)")
-    if os.path.exists(os.path.join(model, "config.json")):
-        return "hf", None
-    if os.path.isdir(os.path.join(model, "checkpoints")):
-        ckpt = checkpoint.latest_valid(os.path.join(model, "checkpoints"), log=lambda m: print(m, file=sys.stderr))
-        if ckpt is None:
-            raise EvaluateError(f"--model {model}: the run has no complete checkpoint under checkpoints/")
-        return "checkpoint", ckpt
-    if os.path.isdir(os.path.join(model, "trainer")):
-        why = checkpoint.verify(model)
-        if why is not None:
-            raise EvaluateError(f"--model {model}: not a usable checkpoint: {why}")
-        return "checkpoint", model
-    raise EvaluateError(f"--model {model}: neither an HF folder (config.json) nor a run / run checkpoint")
+    try:
+        ckpt = locate_source(model, "--model", log=lambda m: print(m, file=sys.stderr))
+    except SourceError as e:
+        raise EvaluateError(str(e)) from None
+    return ("hf", None) if ckpt is None else ("checkpoint", ckpt)
 
 
 def run_dir_of(ckpt: str) -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
+    from megaforge.handoff_source import run_dir_of as of
+
+    return of(ckpt)
 
 
 def checkpoint_to_hf(ckpt: str, run_cfg, out: str) -> None:
     """The policy weights of a run checkpoint as an HF folder ``out`` (tokenizer included)."""
-    from megaforge import checkpoint
+    from megaforge.handoff_source import SourceError, checkpoint_to_hf as to_hf
 
-    checkpoint.check_loadable(ckpt)
-    trainer_dir = os.path.join(ckpt, "trainer")
-    if run_cfg.trainer.backend == "megatron":
-        cmd = [sys.executable, os.path.join(ROOT, "tools", "convert_megatron_to_hf.py"), "--ckpt", trainer_dir,
-               "--out", out]
-        if subprocess.run(cmd, cwd=ROOT).returncode != 0:
-            raise EvaluateError(f"converting {trainer_dir} to HF failed (command: {' '.join(cmd)})")
-        return
-    import torch
-
-    from megaforge.hf import load_hf_model, load_tokenizer
-
-    f = os.path.join(trainer_dir, "trainer.pt")
-    state = torch.load(f, map_location="cpu", weights_only=True)
-    model = load_hf_model(run_cfg.model, torch.device("cpu"))
     try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as e:
-        raise EvaluateError(f"{f}: the saved weights do not fit the run's model.*: {e}") from None
-    model.save_pretrained(out, safe_serialization=True)
-    load_tokenizer(run_cfg.model).save_pretrained(out)
+        to_hf(ckpt, run_cfg, out, "--model")
+    except SourceError as e:
+        raise EvaluateError(str(e)) from None
+
+
+def out_folder(model: str, ckpt: str | None) -> str:
+    """Where the per-sample files go without ``--out``: beside the run (``<run>/eval/evaluate/<checkpoint>``)
+    for a run checkpoint or a run's HF export (``<run>/hf/<name>``), else ``<model folder>/evaluate``
+    (never the working directory)."""
+    if ckpt:
+        return os.path.join(run_dir_of(ckpt), "eval", "evaluate", os.path.basename(os.path.normpath(ckpt)))
+    model = os.path.abspath(model)
+    parent = os.path.dirname(model)
+    if os.path.basename(parent) == "hf" and os.path.exists(os.path.join(os.path.dirname(parent), "config.yaml")):
+        return os.path.join(os.path.dirname(parent), "eval", "evaluate", "hf_" + os.path.basename(model))
+    return os.path.join(model, "evaluate")
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -190,7 +181,7 @@ def build_config(args, overrides: list[str], model_dir: str, run_dir: str | None
     return cfg
 
 
-def evaluate(cfg, out_arg: str) -> dict:
+def evaluate(cfg, out_arg: str, out_dir: str) -> dict:
     from megaforge.eval.runner import Evaluator, write_jsonl
     from megaforge.eval.sets import load_eval_sets
     from megaforge.hf import load_tokenizer
@@ -209,9 +200,10 @@ def evaluate(cfg, out_arg: str) -> dict:
         for s in sets:
             metrics, records = ev.evaluate_set(engine, s, step=0)
             out.update({f"eval/{s.name}/{k}": v for k, v in metrics.items()})
-            path = out_arg or f"evaluate_{s.name}.jsonl"
+            path = out_arg or os.path.join(out_dir, f"{s.name}.jsonl")
             if out_arg and len(sets) > 1:
                 path = f"{os.path.splitext(out_arg)[0]}_{s.name}.jsonl"
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             write_jsonl(path, records)
             out[f"samples/{s.name}"] = os.path.abspath(path)
     finally:
@@ -246,7 +238,7 @@ def main(argv=None) -> int:
         refuse_remote_code(cfg, args.model, f"the evaluation's config ({base} and the command line)",
                            args.trust_remote_code)
         result = {"model": os.path.abspath(args.model), "weights": os.path.basename(ckpt) if ckpt else "hf",
-                  "engine": cfg.rollout.engine, **evaluate(cfg, args.out)}
+                  "engine": cfg.rollout.engine, **evaluate(cfg, args.out, out_folder(args.model, ckpt))}
     except (EvaluateError, ConfigError, DataError) as e:
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 1

@@ -2,8 +2,9 @@
 
     python tools/plot_run.py RUN_DIR [--out FILE.png] [--keys reward/mean,loss,...] [--eval_only]
 
-Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per step) and writes a grid of line plots, one
-per metric, to ``RUN_DIR/curves.png`` by default. The held-out evaluation's curves (``eval/<set>/...``:
+Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per step) and ``RUN_DIR/sft_metrics.jsonl`` (the SFT
+phase: warm start or SFT run) and writes a grid of line plots, one per metric, to ``RUN_DIR/curves.png``
+by default: the SFT phase's curves first (``sft/loss``, ``sft/grad_norm``, ``sft/lr``, over SFT steps), then RL's. The held-out evaluation's curves (``eval/<set>/...``:
 greedy pass@1, sampled pass@k, greedy reward and response length; points at the evaluated steps, step 0
 = before training) follow the training curves; ``--eval_only`` plots only them.
 """
@@ -19,6 +20,7 @@ DEFAULT_KEYS = ["reward/mean", "loss", "kl", "entropy", "clip_frac", "response_l
                 "train_rollout_logprob_abs_diff", "time/step", "throughput/tokens_per_s"]
 
 
+SFT_KEYS = ["loss", "grad_norm", "lr"]
 EVAL_SUFFIXES = ("/greedy/pass@1", "/greedy/reward/mean", "/greedy/response_len/mean")
 
 
@@ -36,10 +38,8 @@ def eval_keys(recs: list[dict]) -> list[str]:
     return sorted(keys, key=order)
 
 
-def load(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        raise SystemExit(f"plot_run: {path} does not exist")
+def read_jsonl(path: str) -> list[dict]:
+    """The records of a jsonl file (a line that is not JSON is skipped, named on stderr)."""
     recs = []
     with open(path) as f:
         for i, line in enumerate(f, 1):
@@ -47,6 +47,19 @@ def load(run_dir: str) -> list[dict]:
                 recs.append(json.loads(line))
             except json.JSONDecodeError:
                 print(f"plot_run: {path}:{i} is not valid JSON; skipped", file=sys.stderr)
+    return recs
+
+
+def load(run_dir: str) -> list[dict]:
+    """The RL records of ``metrics.jsonl`` and the SFT phase's of ``sft_metrics.jsonl``, the latter with
+    their keys prefixed ``sft/`` (their ``step``: the SFT step)."""
+    path, sft_path = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "sft_metrics.jsonl")
+    if not os.path.exists(path) and not os.path.exists(sft_path):
+        raise SystemExit(f"plot_run: {path} does not exist (nor {os.path.basename(sft_path)})")
+    recs = read_jsonl(path) if os.path.exists(path) else []
+    if os.path.exists(sft_path):
+        recs = [{"step": r.get("step"), **{f"sft/{k}": v for k, v in r.items() if k != "step"}}
+                for r in read_jsonl(sft_path)] + recs
     if not recs:
         raise SystemExit(f"plot_run: {path} holds no records")
     return recs
@@ -69,7 +82,7 @@ def plot(recs: list[dict], keys: list[str], out: str, title: str = "") -> str:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.5, marker="o" if k.startswith("eval/") else None,
                 ms=3)
         ax.set_title(k, fontsize=10)
-        ax.set_xlabel("step", fontsize=8)
+        ax.set_xlabel("SFT step" if k.startswith("sft/") else "step", fontsize=8)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
@@ -92,7 +105,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     out = a.out or os.path.join(a.run_dir, "curves.png")
     recs = load(a.run_dir)
-    keys = eval_keys(recs) if a.eval_only else a.keys.split(",") + eval_keys(recs)
+    sft = [f"sft/{k}" for k in SFT_KEYS]
+    keys = eval_keys(recs) if a.eval_only else sft + a.keys.split(",") + eval_keys(recs)
     print(plot(recs, keys, out, os.path.basename(os.path.normpath(a.run_dir))))
 
 

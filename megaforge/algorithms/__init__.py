@@ -28,6 +28,7 @@ from megaforge.algorithms import advantages, aggregation, kl, losses  # noqa: F4
 from megaforge.algorithms.aggregation import aggregate  # noqa: F401
 from megaforge.algorithms.advantages import gae, value_targets  # noqa: F401
 from megaforge.algorithms.kl import kl_reward_penalty  # noqa: F401
-from megaforge.algorithms.filters import first_groups, nonzero_variance_groups, overlong_penalty  # noqa: F401
+from megaforge.algorithms.filters import (first_groups, nonzero_variance_groups, overlong_penalty,  # noqa: F401
+                                         zero_variance_fraction)
 from megaforge.algorithms.objective import policy_objective, mismatch_weights  # noqa: F401
 from megaforge.algorithms.value import clipped_value_loss, value_objective  # noqa: F401

@@ -20,6 +20,18 @@ def nonzero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> t
     return (hi > lo)[idx]
 
 
+def zero_variance_fraction(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:
+    """Fraction of the groups in ``group_ids`` [B] whose rewards [B] are all equal (a group of one
+    sample included): ``#{g : max_g(r) == min_g(r)} / #groups``. Under a group baseline (grpo, dr_grpo,
+    rloo, reinforce_pp_baseline) such a group's advantages are 0: at 1.0 the step has no policy
+    gradient. 0.0 for an empty batch."""
+    if rewards.numel() == 0:
+        return 0.0
+    idx, g = group_index(group_ids)
+    kept = torch.zeros(g, dtype=torch.bool).scatter(0, idx, nonzero_variance_groups(rewards, group_ids))
+    return float(1.0 - kept.double().mean())
+
+
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
     """DAPO's soft overlong punishment (section 3.4), added to each response's reward [B]:
 

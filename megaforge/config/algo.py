@@ -10,6 +10,11 @@ from megaforge import configtree
 from megaforge.configtree import ConfigError, bounded
 
 
+#: estimators whose baseline is the mean of a prompt's group: with one sample per prompt (grpo.n_samples 1)
+#: every advantage is 0 and the policy cannot learn
+GROUP_BASELINE_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+
 @dataclass
 class GRPOConfig:
     """torchforge's ``grpo:`` block: group sampling and the clipped objective's numbers."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from megaforge.config.algo import AlgoConfig, CriticConfig, GRPOConfig
+from megaforge.config.algo import GROUP_BASELINE_ADVANTAGES, AlgoConfig, CriticConfig, GRPOConfig
 from megaforge.config.evaluation import EvalConfig
 from megaforge.config.model import DataConfig, ModelConfig
 from megaforge.config.rewards import RewardsConfig, check_reward_spec, reward_label
@@ -97,6 +97,10 @@ class Config:
         need(not (a.advantage == "gae" and self.critic.enabled is False), "critic.enabled",
              "algo.advantage gae needs the critic (set critic.enabled true or null)")
         need(self.sft.pack_len >= 0, "sft.pack_len", "must be >= 0")
+        need(self.grpo.n_samples > 1 or a.advantage not in GROUP_BASELINE_ADVANTAGES or self.max_steps == 0,
+             "grpo.n_samples", f"algo.advantage {a.advantage} compares each response with the other responses to "
+             f"its prompt, so with 1 sample per prompt every advantage is 0 and the policy cannot learn: set "
+             f"grpo.n_samples >= 2 (or algo.advantage reinforce_pp, whose baseline is the batch's)")
 
     def _validate_rewards(self, need) -> None:
         r = self.rewards

@@ -78,6 +78,10 @@ class MetricsConfig:
     """Sample texts printed per step (0: none)."""
     progress: bool = True
     """Show a progress bar."""
+    warn_no_signal_steps: int = bounded(3, ge=0)
+    """Warn (one line on stderr, naming what to change) after this many consecutive RL steps in which
+    every advantage was 0 (``advantages/nonzero_frac`` 0: no policy gradient, e.g. every group's
+    rewards equal, ``groups/zero_variance_frac`` 1); 0: never."""
 
 
 @dataclass

@@ -15,7 +15,8 @@ import torch
 
 from megaforge import collective, memory
 from megaforge.algorithms import (ADVANTAGES, AdvantageInputs, ObjectiveParams, Share, first_groups, kl_reward_penalty,
-                                  nonzero_variance_groups, overlong_penalty, value_targets)
+                                  nonzero_variance_groups, overlong_penalty, value_targets,
+                                  zero_variance_fraction)
 from megaforge.config import Config
 from megaforge.data.batch import per_token_bytes, samples_to_batch, set_denominators
 from megaforge.driver.common import timed
@@ -123,6 +124,7 @@ class StepParts:
             "response_len/mean": float(lens.mean()), "response_len/max": float(lens.max()),
             "response/length_frac": sum(s.finish_reason == "length" for s in generated) / len(generated),
             "response/empty_frac": float((lens == 0).float().mean()),
+            "groups/zero_variance_frac": zero_variance_fraction(r, torch.tensor([s.group_id for s in generated])),
             "data/skipped_rows": float(self.data.skipped), "data/epoch": float(self.data.epoch),
             **self.engine.health_metrics(),
         })
@@ -182,6 +184,16 @@ class StepParts:
             m["throughput/tokens_per_s"] = float(batch.lengths.sum()) / max(m["time/step"], 1e-9)
         m.setdefault("kl", 0.0)
         return m
+
+
+def start_rl_trainer(trainer, cfg: Config) -> None:
+    """The trainer as RL starts (after SFT): a fresh optimizer whose schedule spans ``max_steps`` x
+    ``trainer.mini_batches`` x ``trainer.epochs`` updates, and the frozen reference (:func:`needs_ref`)."""
+    total_updates = cfg.max_steps * cfg.trainer.mini_batches * cfg.trainer.epochs
+    trainer.reset_optimizer(cfg.trainer.lr, total_updates, cfg.trainer.warmup_steps, cfg.trainer.lr_schedule,
+                            cfg.trainer.min_lr)
+    if needs_ref(cfg):
+        trainer.snapshot_reference()
 
 
 def needs_ref(cfg: Config) -> bool:
@@ -255,6 +267,9 @@ def train_share(trainer, handoff: BatchHandOff, batch: Optional[TrainBatch], cfg
         share.values = trainer.compute_values(share)
     if advantages_need_trainer(cfg):
         share_advantages(handoff, share, batch, cfg)
+    seen = batch if batch is not None and not advantages_need_trainer(cfg) else share  # main: the whole batch
+    if seen.advantages is not None:
+        m["advantages/nonzero_frac"] = nonzero_advantage_fraction(seen)
     m.update(trainer.train_step(share))
     m.update(handoff_metrics(handoff, share))
     return share
@@ -274,6 +289,28 @@ def share_advantages(handoff: BatchHandOff, share: TrainBatch, batch: Optional[T
             "once its batch-wide statistics go through AdvantageInputs.batch_sum / batch_max and its rows "
             "through AdvantageInputs.held)")
     share.advantages = batch_advantages(share, cfg, handoff.sequences(batch))
+
+
+def nonzero_advantage_fraction(batch: TrainBatch) -> float:
+    """Fraction of ``batch``'s trained tokens (loss_mask [B, T] = 1) whose advantage [B, T] is not 0;
+    at 0.0 the policy-gradient term of the step is 0 (only a KL or entropy term can move the policy)."""
+    trained = batch.loss_mask > 0
+    n = int(trained.sum())
+    return float((batch.advantages[trained] != 0).sum()) / n if n else 0.0
+
+
+def no_signal_warning(cfg: Config, steps: int, last: int, m: dict) -> str:
+    """The one line printed after ``steps`` consecutive RL steps (the last: ``last``, its metrics ``m``)
+    whose advantages were all 0 (``metrics.warn_no_signal_steps``): what it means and what to change."""
+    head = (f"megaforge: warning: RL steps {last - steps + 1}-{last}: every advantage was 0 (groups/zero_variance_frac "
+            f"{m.get('groups/zero_variance_frac', float('nan')):.2f}, reward/mean {m.get('reward/mean', float('nan')):.3g}), "
+            f"so the policy gets no gradient and this run cannot learn; ")
+    if m.get("reward/std", 0.0) == 0.0:
+        return head + (f"every response scored {m.get('reward/mean', 0.0):.3g}: warm start the model on the task "
+                       f"(sft.max_steps > 0, now {cfg.sft.max_steps}), give easier prompts (data.path) or a reward "
+                       f"with partial credit (rewards.functions)")
+    return head + (f"responses to the same prompt scored alike: raise grpo.n_samples (now {cfg.grpo.n_samples}) or "
+                   f"grpo.temperature (now {cfg.grpo.temperature:g})")
 
 
 def handoff_metrics(handoff: BatchHandOff, share: TrainBatch) -> dict:

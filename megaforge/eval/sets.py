@@ -115,4 +115,5 @@ def _check_disjoint(name: str, raw: list[RawRow], keys: Sequence[int], training:
         where, trained = shared[0]
         raise DataError(f"eval set {name!r}: row {where} has the same prompt as training row {trained} "
                         f"({len(shared)} of its {len(raw)} rows are training prompts); held-out prompts must not "
-                        f"be trained on: remove them, or hold out of data.path (eval.sets[].holdout)")
+                        f"be trained on: remove them, or hold out of data.path (eval.sets[].holdout); to score training prompts on "
+                        f"purpose, --eval.check_disjoint false")

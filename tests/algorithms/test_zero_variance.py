@@ -111,3 +111,13 @@ def test_whitening_of_unequal_returns_matches_the_reference(std_eps):
     ref = ref_whiten([float(x) for x in r], std_eps)
     # the float64 result rounded once to float32: 1 ulp of values of order 1 (6e-8 relative)
     assert torch.allclose(adv[:, 0], torch.tensor(ref, dtype=torch.float32), rtol=2e-7, atol=1e-7), (adv[:, 0], ref)
+
+
+def test_zero_variance_fraction_counts_groups_of_equal_rewards():
+    from megaforge.algorithms import zero_variance_fraction
+
+    rewards = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 0.5, 0.5, 0.3])
+    groups = torch.tensor([7, 7, 7, 3, 3, 9, 9, 4])  # equal, spread, equal, a group of one
+    assert zero_variance_fraction(rewards, groups) == 0.75
+    assert zero_variance_fraction(torch.tensor([0.0, 1.0]), torch.tensor([0, 0])) == 0.0
+    assert zero_variance_fraction(torch.tensor([]), torch.tensor([], dtype=torch.long)) == 0.0
