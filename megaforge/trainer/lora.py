@@ -56,7 +56,10 @@ class LoraPolicy:
     ``requires_grad`` False; the adapters' A and B the only trainable parameters)."""
 
     def __init__(self, lm: torch.nn.Module, lcfg, base_path: str = ""):
-        import peft  # lazy: only LoRA runs need it
+        try:
+            import peft  # lazy: only LoRA runs need it
+        except ImportError as e:
+            raise ConfigError(f"model.lora needs peft (pip install 'megaforge[lora]', tested peft==0.21.2): {e}") from e
 
         check_targets(lm, list(lcfg.target_modules))
         pcfg = peft.LoraConfig(r=lcfg.rank, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
