@@ -227,3 +227,48 @@ def test_short_run_keeps_the_base_bit_equal_and_writes_the_adapter(tiny_model_di
     assert not run.trainer.lora.fresh()  # the adapters trained (the LoRA SFT warm start's loss always moves them)
     assert run.trainer._ref_adapters is not None  # the reference: the warm-started adapters on the same base
     assert os.path.exists(tmp_path / "r" / "adapter" / "step_2" / "adapter_model.safetensors")
+
+
+# ------------------------------------------------------------------------------------- adapter sync
+def test_adapters_alone_give_the_embedded_engine_the_merged_weights_bit_for_bit(tiny_model_dir, tokenizer, tmp_path):
+    from megaforge.rollout.embedded.engine import EmbeddedEngine
+    from megaforge.sync import push_weights
+    from megaforge.sync.adapters import push_adapters
+
+    t = trainer_for(tiny_model_dir, tmp_path, tokenizer)
+    batch = batch_for(tokenizer)
+    engines = []
+    for _ in range(2):
+        from transformers import AutoModelForCausalLM
+
+        engines.append(EmbeddedEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                                      tokenizer, fast="off"))
+    merged_e, adapter_e = engines
+    for version in (1, 2, 3):  # the engine merges onto its kept base every time: no drift over updates
+        train(t, batch)
+        full = push_weights(t, merged_e, 1 << 20, version)
+        small = push_adapters(t, adapter_e, 1 << 20, version)
+        assert adapter_e.weight_version == version
+        a, b = merged_e.model.state_dict(), adapter_e.model.state_dict()
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    print(f"sync bytes per update: merged {full['bytes']} B ({full['tensors']} tensors), adapters alone "
+          f"{small['bytes']} B ({small['tensors']} tensors)")
+    assert small["bytes"] == 4 * sum(p.numel() for _, p in t.lora.adapter_parameters())
+    assert small["bytes"] < full["bytes"]
+
+
+def test_run_with_adapter_sync_logs_its_bytes(tiny_model_dir, tmp_path):
+    import json
+
+    common = ["--config", DEMO, *TINY, "--output_dir", str(tmp_path), "--max_steps", "1", "--model.path", tiny_model_dir,
+              "--model.tokenizer", tiny_model_dir, "--model.lora.rank", "4", "--checkpoint.interval", "0"]
+    got = {}
+    for name, flag in (("merged", "false"), ("adapters", "true")):
+        rc, out, err = run_in_process("grpo", [*common, "--run_name", name, "--sync.lora_adapters", flag])
+        assert rc == 0, err[-3000:]
+        with open(tmp_path / name / "metrics.jsonl") as f:
+            got[name] = json.loads(f.readline())["sync/bytes"]
+    print(f"run sync/bytes per step: merged {got['merged']:.0f}, adapters {got['adapters']:.0f}")
+    assert 0 < got["adapters"] < got["merged"]
+    with pytest.raises(ConfigError, match="'sync.lora_adapters': needs model.lora"):
+        load_config(["--config", DEMO, "--sync.lora_adapters", "true"])

@@ -23,6 +23,7 @@ from typing import Iterator, Optional
 import torch
 
 from megaforge.configtree import ConfigError
+from megaforge.sync.adapters import merge_lora
 
 #: PEFT's name of the one adapter megaforge trains
 ADAPTER = "default"
@@ -113,10 +114,13 @@ class LoraPolicy:
 
     def merged_tensor(self, layer, weight: torch.Tensor) -> torch.Tensor:
         """W + s * B A of one adapted linear ``layer`` (W = ``weight``), float32 sum cast to W's dtype."""
-        a = layer.lora_A[ADAPTER].weight.detach().float()
-        b = layer.lora_B[ADAPTER].weight.detach().float()
-        s = float(layer.scaling[ADAPTER])
-        return (weight.detach().float() + s * (b @ a)).to(weight.dtype)
+        return merge_lora(weight, layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight,
+                          float(layer.scaling[ADAPTER]))
+
+    def adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """(HF module name, A [r, in], B [out, r]) of every adapted linear."""
+        for mod, layer in self._lora_layers().items():
+            yield mod, layer.lora_A[ADAPTER].weight.detach(), layer.lora_B[ADAPTER].weight.detach()
 
     def merged_state(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) for ``names`` (the un-adapted model's state names): the base tensor, or the

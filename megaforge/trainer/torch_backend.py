@@ -180,6 +180,23 @@ class TorchTrainer(Trainer):
         if bucket:
             yield bucket
 
+    def iter_adapter_buckets(self, max_bytes: int) -> Iterator[HFBucket]:
+        """The LoRA adapters as ``[(M.lora_A.weight, A), (M.lora_B.weight, B), ...]`` buckets of at most
+        ``max_bytes`` (an A/B pair never split), for :func:`megaforge.sync.adapters.push_adapters`."""
+        if not self.is_engine_feeder or self.lora is None:
+            return
+        bucket: HFBucket = []
+        size = 0
+        for mod, a, b in self.lora.adapter_tensors():
+            nbytes = (a.numel() + b.numel()) * a.element_size()
+            if bucket and size + nbytes > max_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket += [(mod + ".lora_A.weight", a), (mod + ".lora_B.weight", b)]
+            size += nbytes
+        if bucket:
+            yield bucket
+
     # ------------------------------------------------------------------------------ checkpoint
     def named_weights(self):
         critic = self.critic.net if self.critic is not None else None
