@@ -272,3 +272,22 @@ def test_run_with_adapter_sync_logs_its_bytes(tiny_model_dir, tmp_path):
     assert 0 < got["adapters"] < got["merged"]
     with pytest.raises(ConfigError, match="'sync.lora_adapters': needs model.lora"):
         load_config(["--config", DEMO, "--sync.lora_adapters", "true"])
+
+
+def test_run_resumed_from_an_adapter_checkpoint_ends_bit_equal(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    common = ["--config", DEMO, *TINY, "--output_dir", str(tmp_path), "--model.path", tiny_model_dir,
+              "--model.tokenizer", tiny_model_dir, "--model.lora.rank", "4", "--sft.max_steps", "2",
+              "--sft.batch_size", "8", "--checkpoint.interval", "1", "--deterministic", "true",
+              "--rewards.functions", "[{name: 'lora_plugins:length_reward'}]"]
+    for argv in (["--run_name", "whole", "--max_steps", "3"], ["--run_name", "cut", "--max_steps", "2"],
+                 ["--run_name", "cut", "--max_steps", "3", "--resume", "--resume_allow_changes", "max_steps"]):
+        rc, out, err = run_in_process("grpo", [*common, *argv])
+        assert rc == 0, err[-3000:]
+    assert "resumed from" in out
+    whole = load_file(tmp_path / "whole" / "adapter" / "step_3" / "adapter_model.safetensors")
+    cut = load_file(tmp_path / "cut" / "adapter" / "step_3" / "adapter_model.safetensors")
+    assert set(whole) == set(cut) and all(torch.equal(whole[n], cut[n]) for n in whole)
+    at_cut = load_file(tmp_path / "cut" / "adapter" / "step_2" / "adapter_model.safetensors")
+    assert any(not torch.equal(at_cut[n], cut[n]) for n in cut)  # step 3 moved the adapters
