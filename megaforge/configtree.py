@@ -147,6 +147,18 @@ def _own_fields(cls) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if "extensions" not in f.metadata]
 
 
+def _section_type(t):
+    """The dataclass of a section annotation: ``t`` itself, or X of ``Optional[X]`` (a section that may
+    be null, e.g. ``model.lora``: a dotted override of one of its keys creates it); else None."""
+    if dataclasses.is_dataclass(t):
+        return t
+    if get_origin(t) in (Union, types.UnionType):
+        args = [a for a in get_args(t) if a is not type(None)]
+        if len(args) == 1 and len(get_args(t)) == 2 and dataclasses.is_dataclass(args[0]):
+            return args[0]
+    return None
+
+
 def all_keys(cls, prefix: str = "", data: dict | None = None) -> list[str]:
     """Every valid dotted key of a dataclass tree (including section names); ``data`` (the tree's
     values) decides the extension keys, see the module doc."""
@@ -155,8 +167,8 @@ def all_keys(cls, prefix: str = "", data: dict | None = None) -> list[str]:
     for f in _own_fields(cls):
         key = prefix + f.name
         keys.append(key)
-        t = _hints(cls)[f.name]
-        if dataclasses.is_dataclass(t):
+        t = _section_type(_hints(cls)[f.name])
+        if t is not None:
             keys.extend(all_keys(t, key + ".", data.get(f.name)))
     keys.extend(prefix + k for k in _extension_keys(extensions(cls, data)))
     return keys
@@ -207,6 +219,9 @@ def coerce(value: Any, t, key: str) -> Any:
     if t is Any:
         return value
     if origin in (Union, types.UnionType):
+        section = _section_type(t)
+        if section is not None and isinstance(value, dict):  # an optional section: its own key's error
+            return coerce(value, section, key)
         errors = []
         for a in get_args(t):
             try:
@@ -470,6 +485,9 @@ def help_text(cls, prefix: str = "") -> str:
             lines.append(help_text(t, prefix + f.name + "."))
             continue
         lines.append(_help_line(prefix + f.name, t, f, docs.get(f.name, "")))
+        section = _section_type(t)
+        if section is not None:  # an optional section (default null): its keys, set one to enable it
+            lines.append(help_text(section, prefix + f.name + "."))
     for p, c in extensions(cls).items():
         c_docs, c_hints = field_docs(c), _hints(c)
         lines.extend(_help_line(prefix + p + f.name, c_hints[f.name], f, c_docs.get(f.name, "")) for f in dataclasses.fields(c))

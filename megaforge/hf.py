@@ -113,9 +113,10 @@ def load_hf_model(model_cfg, device: torch.device, dtype: Optional[torch.dtype] 
     return model.to(device)
 
 
-def hf_state_names(model) -> list[str]:
-    """Names of the tensors ``save_pretrained`` writes (tied duplicates left out)."""
-    sd = model.state_dict()
+def hf_state_names(model, names=None) -> list[str]:
+    """Names of the tensors ``save_pretrained`` writes (tied duplicates left out), of ``model``'s state
+    or of the given ``names`` (e.g. a LoRA-adapted model's base names)."""
+    sd = model.state_dict() if names is None else names
     tied: set[str] = set()
     if getattr(model.config, "tie_word_embeddings", False):
         keys = getattr(model, "_tied_weights_keys", None)  # dict {tied: source} (v5) or list (v4)

@@ -77,7 +77,8 @@ def main(mode: str, argv=None) -> None:
         raise SystemExit(143)
     except (ConfigError, DataError, RunError, DeviceError, ModelSourceError) as e:
         cluster.report_failure(e)  # the other ranks exit within launch.abort_grace_s (megaforge.cluster)
-        print(f"megaforge: error: {e}", file=sys.stderr)
+        kind = "config error" if isinstance(e, ConfigError) else "error"  # e.g. a LoRA target the model lacks
+        print(f"megaforge: {kind}: {e}", file=sys.stderr)
         raise SystemExit(1)
     except OSError as e:
         cluster.report_failure(e)

@@ -359,9 +359,13 @@ class Run:
                     self._save_rl()  # once, also when the stop falls on a checkpoint step
                 if cfg.export_hf_every and step % cfg.export_hf_every == 0:
                     self.trainer.export_hf(os.path.join(self.run_dir, "hf", f"step_{step}"))
+                    self.export_adapter(f"step_{step}")
                 if stopping:
                     self._stop("RL", step)
             self._save_rl()
+            last = self.state["rl_step"]
+            if not (cfg.export_hf_every and last % cfg.export_hf_every == 0):  # else written with its HF export
+                self.export_adapter(f"step_{last}")
         finally:
             self.close_rl(bar, logger)
 
@@ -426,6 +430,13 @@ class Run:
         if m and logger is not None:
             logger.amend(step, m)
 
+    def export_adapter(self, name: str) -> None:
+        """With ``model.lora``: the PEFT adapter folder ``<run dir>/adapter/<name>/`` (else nothing)."""
+        if self.cfg.model.lora is not None:
+            path = os.path.join(self.run_dir, "adapter", name)
+            self.trainer.export_adapter(path)
+            say(f"LoRA adapter written: {path}")
+
     def _save_rl(self) -> None:
         if self.driver is not None:
             self.driver.before_save(self.state)  # e.g. drains the rollout in flight into the saved state
@@ -453,6 +464,7 @@ def run_sft(cfg: Config) -> Run:
         run._save_phase()
         if cfg.export_hf_every:
             run.trainer.export_hf(os.path.join(run.run_dir, "hf", f"sft_step_{run.state['sft_step']}"))
+        run.export_adapter(f"sft_step_{run.state['sft_step']}")
     finally:
         run.close()
     return run

@@ -2,9 +2,35 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Optional
+
+from megaforge.configtree import bounded
 
 DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters on the policy (``model.lora``; null: full fine-tuning). A targeted linear layer
+    y = x W^T becomes
+
+        y = x W^T + (alpha / rank) * dropout(x) A^T B^T      A [rank, in] (Kaiming-uniform), B [out, rank] = 0
+
+    so the adapted policy starts equal to the base. Only A and B carry gradients and optimizer state;
+    W stays frozen (bit-equal over the run). The engines get the merged weight W + (alpha / rank) B A
+    through the weight sync; checkpoints hold the adapters and their optimizer state."""
+
+    rank: int = bounded(8, ge=1)
+    """Rank r of each adapter (A is [r, in], B is [out, r])."""
+    alpha: float = bounded(16.0, gt=0)
+    """Scale numerator: the adapter's update is multiplied by alpha / rank."""
+    dropout: float = bounded(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input x (training forwards only; 0: none, and then the merged weights
+    equal the adapted forward exactly)."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate_proj", "up_proj", "down_proj"])
+    """Linear layers that get adapters, by the last part of their module name (``q_proj`` matches every
+    layer's ``self_attn.q_proj``), or a full dotted name. Each entry must match at least one module."""
 
 
 @dataclass
@@ -24,6 +50,9 @@ class ModelConfig:
     """transformers attention implementation for HF modules (sdpa, eager, flex_attention)."""
     trust_remote_code: bool = False
     """Passed to transformers; only enable for model code you trust."""
+    lora: Optional[LoraConfig] = None
+    """Low-rank adapters (``{rank, alpha, dropout, target_modules}``); null: full fine-tuning. Torch
+    backend only (megatron refuses it)."""
 
 
 @dataclass
@@ -60,3 +89,4 @@ class DataConfig:
     """Rows of a synthetic task."""
     synthetic_kwargs: dict = field(default_factory=dict)
     """Extra arguments of the synthetic task generator (e.g. ``{max_operand: 9}``)."""
+

@@ -203,6 +203,19 @@ class Config:
         need(self.checkpoint.keep_last_n >= 1, "checkpoint.keep_last_n", "must be >= 1")
         self._validate_launch(need)
         self.eval.validate_with(self, need)
+        if self.model.lora is not None:
+            need(self.trainer.backend == "torch", "model.lora",
+                 "LoRA is implemented on the torch backend (PEFT); trainer.backend megatron has no LoRA adapters: "
+                 "set trainer.backend: torch or model.lora: null")
+            need(not self.critic_enabled, "model.lora", "the PPO critic (critic.enabled / algo.advantage gae) "
+                 "copies the policy's backbone, which LoRA does not train: use a critic-free advantage (grpo, rloo, ...)")
+            need(len(self.model.lora.target_modules) > 0, "model.lora.target_modules", "must name at least one module")
+        if self.sync.lora_adapters:
+            need(self.model.lora is not None, "sync.lora_adapters", "needs model.lora (there are no adapters to send)")
+            need(self.rollout.engine == "embedded", "sync.lora_adapters", f"the in-process embedded engine merges "
+                 f"adapters itself; rollout.engine {self.rollout.engine!r} gets the merged weights: set it false")
+            need(not self.sync.check_equal, "sync.check_equal", "compares merged tensors, which sync.lora_adapters "
+                 "does not send: set one of them false")
         need(bool(self.model.path or self.model.config), "model.path", "set model.path (or model.config for a random init)")
         need(bool(self.data.path) or self.max_steps == 0, "data.path", "set the RL prompt data")
         need(self.run_name not in ("", ".", "..") and "/" not in self.run_name, "run_name", "must be a plain folder name")

@@ -54,6 +54,10 @@ class SyncConfig:
     check_equal: bool = False
     """After each update, compare the engine's weights with the trainer's (per-tensor sha256 in the
     engine's dtype; SGLang: its /weights_checker hashes in its own layout) and fail naming the tensor."""
+    lora_adapters: bool = False
+    """With ``model.lora`` and ``rollout.engine: embedded``: send the LoRA adapters alone (r (in + out)
+    numbers per adapted linear instead of in x out) and let the engine merge them into its own copy of
+    the base (megaforge.sync.adapters); false: the merged weights, like every other engine gets."""
 
 
 @dataclass

@@ -25,6 +25,7 @@ from megaforge.rollout.manager import generate_samples, sampling_params, score
 from megaforge.rollout.routing import run_routing_shape
 from megaforge.rollout.partial import PartialPool
 from megaforge.sync import push_weights
+from megaforge.sync.adapters import push_adapters
 from megaforge.types import TrainBatch
 
 
@@ -165,8 +166,13 @@ class StepParts:
                 with timed(m, "time/resume"):
                     self.engine.resume_memory(["weights"])
             with timed(m, "time/sync"):
-                push_weights(self.trainer, self.engine, self.cfg.sync.bucket_mb << 20, self.trainer.version,
-                             check_equal=self.cfg.sync.check_equal)
+                if self.cfg.sync.lora_adapters:  # the adapters alone; the engine merges (megaforge.sync.adapters)
+                    stats = push_adapters(self.trainer, self.engine, self.cfg.sync.bucket_mb << 20,
+                                          self.trainer.version)
+                else:
+                    stats = push_weights(self.trainer, self.engine, self.cfg.sync.bucket_mb << 20,
+                                         self.trainer.version, check_equal=self.cfg.sync.check_equal)
+            m["sync/bytes"] = float(stats["bytes"])
             with timed(m, "time/offload"):
                 self.trainer.offload(["weights"])
                 memory.release_cached()  # IPC blocks and torch's cache back before the engine allocates

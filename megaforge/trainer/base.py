@@ -296,6 +296,10 @@ class Trainer(ABC):
     def export_hf(self, path: str) -> None:
         """A Hugging Face model directory (safetensors + config) loadable by transformers."""
 
+    def export_adapter(self, path: str) -> None:
+        """The policy's LoRA adapters as a PEFT adapter folder (backends with ``model.lora``)."""
+        raise RuntimeError(f"{type(self).__name__}: model.lora is not supported by this backend")
+
     def reserve_offload(self) -> None:
         """Start pinning the host buffers of the coming offloads on a background thread
         (``memory.offload: pinned``), so that the first step's offload only copies. The loop calls it
@@ -315,7 +319,8 @@ class Trainer(ABC):
         """{tag: host bytes} of the offloads to come: the current weights and state, the Adam moments
         the optimizers create at their first step, and the frozen reference the run will snapshot."""
         out = host_reservation(self.offload_entries, self.inner_optimizers())
-        if self.cfg.grpo.beta > 0 and self.cfg.trainer.ref_device != "cpu" and self.ref is None:
+        if (self.cfg.grpo.beta > 0 and self.cfg.trainer.ref_device != "cpu" and self.ref is None
+                and self.cfg.model.lora is None):  # a LoRA run's reference is its own base
             out["state"] += out["weights"]  # a copy of the policy's parameters
         return out
 

@@ -1,9 +1,17 @@
 """The torch trainer backend: a Hugging Face CausalLM, AdamW, data parallelism through DDP
 (:mod:`megaforge.trainer.torch_ddp`: every rank trains on its contiguous share of each mini-batch,
 gradients summed over ranks). The training skeleton is :class:`megaforge.trainer.base.Trainer`'s.
+
+With ``model.lora`` (:mod:`megaforge.trainer.lora`, PEFT): the base weights are frozen and stay on
+the device (nothing is offloaded and reloaded for them beyond what ``memory.offload`` asks); AdamW
+holds the adapters alone; the reference policy (``grpo.beta`` > 0) is the same model with its
+adapters disabled (no second copy of the base; after a LoRA SFT warm start, the same base with a
+frozen copy of the warm-started adapters swapped in); the engines get the merged weights; checkpoints
+hold the adapters, their optimizer state and the reference adapters (if any), not the base.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from typing import Iterator
@@ -21,6 +29,7 @@ from megaforge.trainer import precision, torch_ddp
 from megaforge.trainer.base import HFBucket, Objective, Trainer, modules_weights
 from megaforge.trainer.causal_lm import POSITIONS, CausalLMLogprobs, check_split_head
 from megaforge.trainer.critic import TorchCritic
+from megaforge.trainer.lora import LoraPolicy
 from megaforge.types import TrainBatch
 
 
@@ -36,9 +45,16 @@ class TorchTrainer(Trainer):
             self.model.gradient_checkpointing_enable()
         if t.head_positions == "trained":
             check_split_head(self.model)
+        self.lora = None  # LoraPolicy with model.lora; self.model is then adapted in place
+        self._lora_ref = False  # the reference is the LoRA base (adapters off or swapped)
+        self._ref_adapters = None  # the reference's frozen adapters (after a LoRA warm start), else None
+        if cfg.model.lora is not None:
+            self.lora = LoraPolicy(self.model, cfg.model.lora, cfg.model.path)
+            if t.gradient_checkpointing:  # frozen embeddings: the checkpointed blocks need an input that wants grad
+                self.model.enable_input_require_grads()
         # the training forward, under DDP with several ranks; self.model stays the HF CausalLM
         self.module = torch_ddp.wrap(CausalLMLogprobs(self.model, t.autocast), self.device)
-        self.opt = torch_ddp.adamw(self.model.parameters(), t.lr, t)
+        self.opt = torch_ddp.adamw([p for p in self.model.parameters() if p.requires_grad], t.lr, t)
         self.reset_optimizer(t.lr, cfg.max_steps * t.mini_batches * t.epochs, t.warmup_steps, t.lr_schedule, t.min_lr)
         # memory.offload: pinned host buffers / torch_memory_saver (megaforge.memory); None: resident
         self._mem = build_offloader(cfg.memory.offload, self.device, self.offload_entries)
@@ -88,11 +104,14 @@ class TorchTrainer(Trainer):
         (:func:`megaforge.trainer.torch_ddp.per_row_results`), returned in the batch's row order."""
         if positions not in POSITIONS:
             raise ValueError(f"compute_logprobs: positions must be one of {POSITIONS}, got {positions!r}")
-        module = CausalLMLogprobs(self._select_model(model, self.model), self.cfg.trainer.autocast)
+        lora_ref = model == "ref" and self._lora_ref
+        module = CausalLMLogprobs(self.model if lora_ref else self._select_model(model, self.model),
+                                  self.cfg.trainer.autocast)
         local = torch_ddp.rows_to_compute(batch)
-        local_lp = torch_ddp.per_row_results(
-            local, self.cfg.trainer.micro_batch_size, batch.tokens.shape[1],
-            lambda mb: self._logprobs(module, mb, self.temperature, False, positions == "trained")[0])
+        with (self.lora.adapters(self._ref_adapters) if lora_ref else contextlib.nullcontext()):
+            local_lp = torch_ddp.per_row_results(
+                local, self.cfg.trainer.micro_batch_size, batch.tokens.shape[1],
+                lambda mb: self._logprobs(module, mb, self.temperature, False, positions == "trained")[0])
         return torch_ddp.whole_or_share(local_lp, batch)
 
     @onloaded
@@ -102,6 +121,11 @@ class TorchTrainer(Trainer):
 
     @onloaded
     def snapshot_reference(self) -> None:
+        if self.lora is not None:  # the base itself (adapters off), or it with the adapters of now
+            self._lora_ref = True
+            self._ref_adapters = None if self.lora.fresh() else {
+                n: t.clone() for n, t in self.lora.adapter_state().items()}
+            return
         dev = self.device if self.cfg.trainer.ref_device == "same" else resolve_device(self.cfg.trainer.ref_device)
         self.ref = copy.deepcopy(self.model).to(dev).eval()
         for p in self.ref.parameters():
@@ -138,16 +162,37 @@ class TorchTrainer(Trainer):
     def iter_hf_buckets(self, max_bytes: int) -> Iterator[HFBucket]:
         if not self.is_engine_feeder:
             return
-        sd = self.model.state_dict()
+        if self.lora is not None:  # merged W + s B A under the base's names, one tensor at a time
+            tensors = self.lora.merged_state(hf_state_names(self.model, [n for n, _ in self.lora.base_state()]))
+        else:
+            sd = self.model.state_dict()
+            tensors = ((name, sd[name]) for name in hf_state_names(self.model))
         bucket: HFBucket = []
         size = 0
-        for name in hf_state_names(self.model):
-            t = sd[name].detach()
+        for name, t in tensors:
+            t = t.detach()
             nbytes = t.numel() * t.element_size()
             if bucket and size + nbytes > max_bytes:
                 yield bucket
                 bucket, size = [], 0
             bucket.append((name, t))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    def iter_adapter_buckets(self, max_bytes: int) -> Iterator[HFBucket]:
+        """The LoRA adapters as ``[(M.lora_A.weight, A), (M.lora_B.weight, B), ...]`` buckets of at most
+        ``max_bytes`` (an A/B pair never split), for :func:`megaforge.sync.adapters.push_adapters`."""
+        if not self.is_engine_feeder or self.lora is None:
+            return
+        bucket: HFBucket = []
+        size = 0
+        for mod, a, b in self.lora.adapter_tensors():
+            nbytes = (a.numel() + b.numel()) * a.element_size()
+            if bucket and size + nbytes > max_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket += [(mod + ".lora_A.weight", a), (mod + ".lora_B.weight", b)]
             size += nbytes
         if bucket:
             yield bucket
@@ -162,7 +207,13 @@ class TorchTrainer(Trainer):
         self.check_finite()
         if collective.is_main():
             os.makedirs(path, exist_ok=True)
-            state = {"model": self.model.state_dict(), "version": self.version, "sched": dict(self.sched)}
+            state = {"version": self.version, "sched": dict(self.sched)}
+            if self.lora is not None:  # the adapters (and the reference's), not the frozen base
+                state["lora"] = self.lora.adapter_state()
+                if self._lora_ref:
+                    state["lora_ref"] = self._ref_adapters if self._ref_adapters is not None else {}
+            else:
+                state["model"] = self.model.state_dict()
             if self.cfg.checkpoint.save_optimizer:
                 state["optimizer"] = self.opt.state_dict()
             if self.ref is not None:
@@ -176,10 +227,19 @@ class TorchTrainer(Trainer):
     def load(self, path: str) -> None:
         f = os.path.join(path, "trainer.pt")
         state = torch.load(f, map_location="cpu", weights_only=True)
-        try:
-            self.model.load_state_dict(state["model"])
-        except RuntimeError as e:
-            raise RuntimeError(f"{f}: the saved model does not match the configured one: {e}") from e
+        if ("lora" in state) != (self.lora is not None):
+            raise RuntimeError(f"{f}: the checkpoint holds {'LoRA adapters' if 'lora' in state else 'full weights'} "
+                               f"but model.lora is {'set' if self.lora is not None else 'null'}: resume with the "
+                               f"model.lora of the run that wrote it")
+        if self.lora is not None:
+            self.lora.load_adapter_state(state["lora"], f)
+            if "lora_ref" in state:
+                self._lora_ref, self._ref_adapters = True, (state["lora_ref"] or None)
+        else:
+            try:
+                self.model.load_state_dict(state["model"])
+            except RuntimeError as e:
+                raise RuntimeError(f"{f}: the saved model does not match the configured one: {e}") from e
         self.version = int(state["version"])
         self.sched = dict(state["sched"])
         if "optimizer" in state:
@@ -204,7 +264,29 @@ class TorchTrainer(Trainer):
         backend's writer)."""
         if collective.is_main():
             with atomic_output_dir(path) as tmp:
-                self.model.save_pretrained(tmp, safe_serialization=True, max_shard_size=self.export_max_shard_bytes)
+                model = self.model if self.lora is None else self._merged_model()
+                model.save_pretrained(tmp, safe_serialization=True, max_shard_size=self.export_max_shard_bytes)
                 if self.tokenizer is not None:
                     self.tokenizer.save_pretrained(tmp)
+        collective.barrier()
+
+    def _merged_model(self):
+        """A plain HF CausalLM (no PEFT layers) holding the merged weights W + s B A (LoRA export)."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            plain = AutoModelForCausalLM.from_config(self.model.config, dtype=next(self.model.parameters()).dtype)
+        merged = dict(self.lora.merged_state([n for n, _ in self.lora.base_state()]))
+        plain.load_state_dict({n: t.detach().clone() for n, t in merged.items()}, strict=True, assign=True)
+        return plain
+
+    @onloaded
+    def export_adapter(self, path: str) -> None:
+        """The LoRA adapters as a PEFT adapter folder (``peft.PeftModel.from_pretrained(base, path)``),
+        written to a temporary folder next to ``path`` and renamed."""
+        if self.lora is None:
+            raise RuntimeError("export_adapter: model.lora is null (no adapters)")
+        if collective.is_main():
+            with atomic_output_dir(path) as tmp:
+                self.lora.save_adapter(tmp)
         collective.barrier()

@@ -28,6 +28,7 @@ from megaforge.memory.offload import Entry, PinnedOffloader
 from megaforge.rollout.base import MEMORY_TAGS, Engine, EngineStateError, check_tags
 from megaforge.rollout.embedded.fast import FastDecoder, unsupported_reason
 from megaforge.rollout.embedded.sampling import sample_tokens
+from megaforge.sync.adapters import adapter_pairs, merge_lora
 from megaforge.types import Completion, GenerateRequest
 
 
@@ -298,6 +299,27 @@ class EmbeddedEngine(Engine):
             self._params.update(expert_views(self.model))  # fresh views (a weight release may move the storage)
             for bucket in buckets:
                 self.load_tensors(bucket)
+            self._version = int(version)
+
+    def update_adapters(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int, scale: float) -> None:
+        """LoRA adapters alone (``sync.lora_adapters``, :mod:`megaforge.sync.adapters`): each adapted
+        ``M.weight`` becomes merge_lora(W0, A, B, scale), W0 the base weight this engine held before its
+        first adapter update (kept as a copy)."""
+        if "weights" in self._released:
+            raise EngineStateError("update_adapters called while the weights are released; resume 'weights' first")
+        if not hasattr(self, "_lora_base"):
+            self._lora_base: dict[str, torch.Tensor] = {}
+        with self._lock, torch.no_grad():
+            for mod, a, b in adapter_pairs(buckets):
+                name = mod + ".weight"
+                p = self._params.get(name)
+                if p is None:
+                    raise KeyError(f"update_adapters: the engine's model has no tensor {name!r}")
+                if (b.shape[0], a.shape[1]) != tuple(p.shape) or a.shape[0] != b.shape[1]:
+                    raise ValueError(f"update_adapters: {mod}: A {tuple(a.shape)} and B {tuple(b.shape)} do not "
+                                     f"fit the weight {tuple(p.shape)}")
+                base = self._lora_base.setdefault(name, p.detach().clone())
+                p.data.copy_(merge_lora(base, a.to(p.device), b.to(p.device), scale))
             self._version = int(version)
 
     def check_specs(self, specs: Iterable[tuple[str, Sequence[int], torch.dtype]]) -> None:
