@@ -11,7 +11,7 @@ or ``algo.loss: my_pkg.losses:my_loss`` in the config (or ``algo.plugins: [my_pk
 ``algo.loss: my_loss``). The loop never changes for it. ``p`` is the run's
 :class:`~megaforge.algorithms.params.ObjectiveParams`; ``register("my_loss", params=MyParams)``
 gives the loss typed knobs of its own, config keys ``algo.my_loss_<field>``. Families: advantages (grpo, dr_grpo, rloo,
-reinforce_pp, reinforce_pp_baseline, gae), policy losses (ppo_clip, gspo, cispo, sapo, reinforce),
+reinforce_pp, reinforce_pp_baseline, gae; distill: on-policy distillation's per-token reverse KL to a teacher), policy losses (ppo_clip, gspo, cispo, sapo, reinforce),
 aggregations, KL estimators, train/inference mismatch corrections (objective), the critic's value
 loss (value) and DAPO's filters and overlong shaping (filters); the parameters they all read (params).
 An advantage estimator registered with ``shares=True`` also works on one data-parallel share of a batch
@@ -24,7 +24,7 @@ from megaforge.algorithms.core import (  # noqa: F401
 from megaforge.algorithms.params import (  # noqa: F401
     ObjectiveParams, component_classes, load_plugins, resolve_components, resolve_loss_agg,
 )
-from megaforge.algorithms import advantages, aggregation, kl, losses  # noqa: F401  (registration)
+from megaforge.algorithms import advantages, aggregation, distill, kl, losses  # noqa: F401  (registration)
 from megaforge.algorithms.aggregation import aggregate  # noqa: F401
 from megaforge.algorithms.advantages import gae, value_targets  # noqa: F401
 from megaforge.algorithms.kl import kl_reward_penalty  # noqa: F401

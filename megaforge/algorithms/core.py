@@ -42,7 +42,9 @@ class AdvantageInputs:
 
     rewards [B] sequence rewards and group_ids [B] (samples of one prompt share an id) of the whole
     batch; loss_mask [n, T] of the rows held; token_rewards [n, T] optional per-token reward terms
-    (e.g. -beta * KL when the KL is applied in the reward); values [n, T] optional critic values (gae).
+    (e.g. -beta * KL when the KL is applied in the reward); values [n, T] optional critic values (gae);
+    logprobs [n, T] optional log-probs of the sampled tokens under the sampling policy (the trainer's
+    pi_old) and teacher_logprobs [n, T] under the distillation teacher (distill), 0 where loss_mask is 0.
     ``share`` None: the whole batch is held (n = B, rows in order). Otherwise the rows held are
     ``share.rows`` (:meth:`held` picks them from a [B] tensor), and a batch-wide statistic of per-token
     data adds up the shares' partials with :meth:`batch_sum` / :meth:`batch_max` (an estimator that
@@ -55,6 +57,8 @@ class AdvantageInputs:
     token_rewards: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
     share: Optional[Share] = None
+    logprobs: Optional[torch.Tensor] = None
+    teacher_logprobs: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         b, n = self.rewards.shape[0], self.loss_mask.shape[0]
@@ -65,7 +69,7 @@ class AdvantageInputs:
         if held != (n,):
             where = f"B = {b}" if self.share is None else f"share.rows {held}"
             raise ValueError(f"AdvantageInputs: loss_mask has {n} rows, the rows held are {where}")
-        for name in ("token_rewards", "values"):
+        for name in ("token_rewards", "values", "logprobs", "teacher_logprobs"):
             t = getattr(self, name)
             if t is not None and t.shape != self.loss_mask.shape:
                 raise ValueError(f"AdvantageInputs.{name}: shape {tuple(t.shape)}, loss_mask "

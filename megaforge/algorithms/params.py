@@ -98,6 +98,12 @@ class ObjectiveParams:
     mis_threshold: Optional[float] = None
     mis_threshold_low: Optional[float] = None
     mis_level: str = "token"
+    distill_kl_coef: float = 1.0
+    """``teacher.kl_coef``: weight of the per-token reverse KL to the teacher (advantage distill)."""
+    distill_task_coef: float = 0.0
+    """``teacher.task_coef``: weight of the task reward's advantage added to it."""
+    distill_task_advantage: str = "grpo"
+    """``teacher.task_advantage``: the estimator of that task-reward advantage."""
     plugin_kwargs: dict = field(default_factory=dict)
     """``algo.plugin_kwargs``: untyped extras for plug-ins (typed ones: declare ``params``)."""
     components: dict = field(default_factory=default_components)
@@ -118,7 +124,9 @@ class ObjectiveParams:
         a = cfg.algo
         resolve_components(cfg)
         resolved = {"loss_agg": resolve_loss_agg(a), "loss_agg_norm": a.loss_agg_norm or float(cfg.rollout.max_new_tokens),
-                    "plugin_kwargs": dict(a.plugin_kwargs), "components": {type(v): v for v in a.components.values()}}
+                    "plugin_kwargs": dict(a.plugin_kwargs), "components": {type(v): v for v in a.components.values()},
+                    "distill_kl_coef": cfg.teacher.kl_coef, "distill_task_coef": cfg.teacher.task_coef,
+                    "distill_task_advantage": cfg.teacher.task_advantage}
         return cls(**resolved, **{f.name: getattr(cfg.grpo if f.name in GRPO_KEYS else a, f.name)
                                   for f in dataclasses.fields(cls) if f.name not in resolved})
 

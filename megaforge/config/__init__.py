@@ -21,6 +21,7 @@ from megaforge.config.rewards import (JudgeConfig, RewardModelConfig, RewardsCon
                                       reward_label)
 from megaforge.config.rollout import RolloutConfig
 from megaforge.config.root import Config
+from megaforge.config.teacher import TeacherConfig
 from megaforge.config.run import (CheckpointConfig, LaunchConfig, LoopConfig, MemoryConfig, MetricsConfig,
                                   SlurmConfig, SyncConfig)
 from megaforge.config.trainer import SFTConfig, TrainerConfig
@@ -32,7 +33,7 @@ __all__ = [
     "AlgoConfig", "CheckpointConfig", "Config", "ConfigError", "CriticConfig", "DataConfig", "DType", "EvalConfig",
     "EvalSetConfig", "GRPOConfig", "JudgeConfig", "LaunchConfig", "LoopConfig", "MemoryConfig", "MetricsConfig",
     "ModelConfig", "RewardModelConfig", "RewardSpec", "RewardsConfig", "RolloutConfig", "SFTConfig", "SlurmConfig",
-    "SyncConfig", "TrainerConfig", "algo_components", "check_reward_spec", "config_from_dict", "load_config",
+    "SyncConfig", "TeacherConfig", "TrainerConfig", "algo_components", "check_reward_spec", "config_from_dict", "load_config",
     "reward_label", "save_config",
 ]
 

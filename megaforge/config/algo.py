@@ -37,7 +37,8 @@ class AlgoConfig:
 
     advantage: str = "grpo"
     """Advantage estimator: grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae (needs the
-    critic) | a name registered by an ``algo.plugins`` module | ``package.module:callable``."""
+    critic) | distill (on-policy distillation: the per-token reverse KL to the ``teacher:`` section's model,
+    plus its task_coef x the task reward's advantage) | a name registered by an ``algo.plugins`` module | ``package.module:callable``."""
     loss: str = "ppo_clip"
     """Policy loss: ppo_clip | gspo | cispo | sapo | reinforce | a registered name | ``package.module:callable``."""
     loss_agg: Optional[str] = None

@@ -10,6 +10,7 @@ from megaforge.config.evaluation import EvalConfig
 from megaforge.config.model import DataConfig, ModelConfig
 from megaforge.config.rewards import RewardsConfig, check_reward_spec, reward_label
 from megaforge.config.rollout import RolloutConfig
+from megaforge.config.teacher import TeacherConfig
 from megaforge.config.run import (CheckpointConfig, LaunchConfig, LoopConfig, MemoryConfig, MetricsConfig,
                                   SlurmConfig, SyncConfig)
 from megaforge.config.trainer import SFTConfig, TrainerConfig
@@ -48,6 +49,8 @@ class Config:
     """Advantage estimator, policy loss, aggregation, KL, corrections."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """Value model (PPO / gae)."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """On-policy distillation's frozen teacher (algo.advantage: distill)."""
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     """Reward functions."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -101,6 +104,14 @@ class Config:
              "grpo.n_samples", f"algo.advantage {a.advantage} compares each response with the other responses to "
              f"its prompt, so with 1 sample per prompt every advantage is 0 and the policy cannot learn: set "
              f"grpo.n_samples >= 2 (or algo.advantage reinforce_pp, whose baseline is the batch's)")
+        distill, tp = a.advantage == "distill", self.teacher
+        need(not distill or bool(tp.path), "teacher.path",
+             "algo.advantage distill needs a teacher: an HF model folder, a run folder or a run checkpoint")
+        need(distill or not tp.path, "teacher.path",
+             f"a teacher is set but algo.advantage is {a.advantage!r}: set algo.advantage distill (task reward "
+             "combined through teacher.task_coef) or leave teacher.path empty")
+        need(not distill or tp.kl_coef > 0 or tp.task_coef > 0, "teacher.kl_coef",
+             "and teacher.task_coef are both 0: the advantage would be 0 everywhere")
 
     def _validate_rewards(self, need) -> None:
         r = self.rewards

@@ -212,20 +212,27 @@ def kl_in_reward(cfg: Config) -> bool:
     return cfg.algo.kl_in_reward and cfg.grpo.beta > 0
 
 
+def needs_teacher(cfg: Config) -> bool:
+    """The step computes the distillation teacher's log-probs of the sampled tokens (``algo.advantage: distill``)."""
+    return cfg.algo.advantage == "distill"
+
+
 def needs_old_logprobs(cfg: Config) -> bool:
     """The trainer computes pi_old's log-probs before the update: several updates per batch (the ratio
-    needs a fixed pi_old), or the KL penalty in the reward (it is taken from them)."""
-    return cfg.trainer.mini_batches * cfg.trainer.epochs > 1 or kl_in_reward(cfg)
+    needs a fixed pi_old), the KL penalty in the reward, or distillation (both are taken from them)."""
+    return cfg.trainer.mini_batches * cfg.trainer.epochs > 1 or kl_in_reward(cfg) or needs_teacher(cfg)
 
 
 def batch_advantages(batch: TrainBatch, cfg: Config,
-                     whole: Optional[tuple[torch.Tensor, torch.Tensor, Share]] = None) -> torch.Tensor:
+                     whole: Optional[tuple[torch.Tensor, torch.Tensor, Share]] = None,
+                     teacher_logprobs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``algo.advantage`` of ``batch``'s rows [n, T]: of a whole batch, or of one data-parallel share of
     it when ``whole`` = (the whole batch's rewards [B], its group ids [B], this rank's Share) is given
     (:meth:`~megaforge.driver.handoff.BatchHandOff.sequences`). Sets ``batch.returns`` (the critic's
     targets) when the batch has critic values. With :func:`kl_in_reward` the token rewards are
     :func:`~megaforge.algorithms.kl.kl_reward_penalty` of the trainer's old log-probs (as verl), not of
-    the engine's rollout log-probs."""
+    the engine's rollout log-probs. ``teacher_logprobs`` [n, T]: the distillation teacher's, for
+    ``algo.advantage: distill`` (with the trainer's old log-probs as the student's)."""
     token_rewards = None
     if kl_in_reward(cfg):
         if batch.old_logprobs is None or batch.ref_logprobs is None:
@@ -234,7 +241,8 @@ def batch_advantages(batch: TrainBatch, cfg: Config,
                                           cfg.algo.kl_estimator)
     rewards, group_ids, share = whole if whole is not None else (batch.rewards, batch.group_ids, None)
     inp = AdvantageInputs(rewards=rewards, group_ids=group_ids, loss_mask=batch.loss_mask,
-                          token_rewards=token_rewards, values=batch.values, share=share)
+                          token_rewards=token_rewards, values=batch.values, share=share,
+                          logprobs=batch.old_logprobs, teacher_logprobs=teacher_logprobs)
     p = ObjectiveParams.from_config(cfg)  # what estimators are typed to read (cfg.algo lacks .of() and grpo.*)
     if batch.values is not None:  # the critic's targets: lambda-returns
         batch.returns = value_targets(inp, p)
@@ -250,7 +258,7 @@ def advantages_need_trainer(cfg: Config) -> bool:
     values), so every rank computes them on its own share after the log-probs / values
     (:func:`share_advantages`); otherwise the main rank computes them on the whole batch before the
     hand-off."""
-    return kl_in_reward(cfg) or cfg.critic_enabled
+    return kl_in_reward(cfg) or cfg.critic_enabled or needs_teacher(cfg)
 
 
 def train_share(trainer, handoff: BatchHandOff, batch: Optional[TrainBatch], cfg: Config, m: dict) -> TrainBatch:
@@ -271,8 +279,12 @@ def train_share(trainer, handoff: BatchHandOff, batch: Optional[TrainBatch], cfg
         share.old_logprobs = trainer.compute_logprobs(share, "policy", positions="trained")
     if cfg.critic_enabled:
         share.values = trainer.compute_values(share)
+    teacher_lp = None
+    if needs_teacher(cfg):
+        teacher_lp = trainer.compute_logprobs(share, "teacher", positions="trained")
+        m.update(distill_metrics(share, teacher_lp))
     if advantages_need_trainer(cfg):
-        share_advantages(handoff, share, batch, cfg)
+        share_advantages(handoff, share, batch, cfg, teacher_lp)
     seen = batch if batch is not None and not advantages_need_trainer(cfg) else share  # main: the whole batch
     if seen.advantages is not None:
         m["advantages/nonzero_frac"] = nonzero_advantage_fraction(seen)
@@ -281,7 +293,20 @@ def train_share(trainer, handoff: BatchHandOff, batch: Optional[TrainBatch], cfg
     return share
 
 
-def share_advantages(handoff: BatchHandOff, share: TrainBatch, batch: Optional[TrainBatch], cfg: Config) -> None:
+def distill_metrics(share: TrainBatch, teacher_lp: torch.Tensor) -> dict:
+    """``distill/reverse_kl``: the mean over the batch's trained tokens of k_t = log pi_old(y_t) -
+    log pi_teacher(y_t) (the single-sample reverse KL, :mod:`megaforge.algorithms.distill`), and
+    ``distill/teacher_logprob``: the teacher's mean log-prob of the sampled tokens. Collective (the
+    sums over the data-parallel ranks' shares)."""
+    mask = (share.loss_mask > 0).to(torch.float64)
+    k = (share.old_logprobs.double() - teacher_lp.double()) * mask
+    sums = collective.all_reduce_sum(torch.stack([k.sum(), (teacher_lp.double() * mask).sum(), mask.sum()]))
+    n = max(float(sums[2]), 1.0)
+    return {"distill/reverse_kl": float(sums[0]) / n, "distill/teacher_logprob": float(sums[1]) / n}
+
+
+def share_advantages(handoff: BatchHandOff, share: TrainBatch, batch: Optional[TrainBatch], cfg: Config,
+                     teacher_logprobs: Optional[torch.Tensor] = None) -> None:
     """Every rank: :func:`batch_advantages` (and the critic's returns) of its own ``share``, with the
     whole batch's rewards and group ids and the sums over the DP ranks that the estimator needs
     (:meth:`~megaforge.driver.handoff.BatchHandOff.sequences`). ValueError on every rank, before any
@@ -290,11 +315,11 @@ def share_advantages(handoff: BatchHandOff, share: TrainBatch, batch: Optional[T
     name = cfg.algo.advantage
     if handoff.dp_size > 1 and not ADVANTAGES.declared(name).get("shares"):
         raise ValueError(
-            f"algo.advantage {name!r}: with algo.kl_in_reward or the critic every data-parallel rank computes "
+            f"algo.advantage {name!r}: with algo.kl_in_reward, the critic or a teacher every data-parallel rank computes "
             f"its share's advantages, and {name!r} does not declare that it can (register it with shares=True "
             "once its batch-wide statistics go through AdvantageInputs.batch_sum / batch_max and its rows "
             "through AdvantageInputs.held)")
-    share.advantages = batch_advantages(share, cfg, handoff.sequences(batch))
+    share.advantages = batch_advantages(share, cfg, handoff.sequences(batch), teacher_logprobs)
 
 
 def nonzero_advantage_fraction(batch: TrainBatch) -> float:

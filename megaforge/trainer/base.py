@@ -111,13 +111,14 @@ class Trainer(ABC):
         self.params = ObjectiveParams.from_config(cfg)
         self.temperature = cfg.grpo.temperature
         self.ref = None  # the frozen reference policy (snapshot_reference)
+        self.teacher = None  # the frozen distillation teacher (teacher.path; megaforge.trainer.teacher)
         self.critic: Critic | None = None  # the PPO critic (init_critic)
         self.version = 0
         self.sched: dict = {}
 
     @abstractmethod
     def compute_logprobs(self, batch: TrainBatch, model: str = "policy", positions: str = "all") -> torch.Tensor:
-        """Token-aligned logprobs (temperature applied) of ``model`` in {"policy", "ref"}, on CPU,
+        """Token-aligned logprobs (temperature applied) of ``model`` in {"policy", "ref", "teacher"}, on CPU,
         float32; 0 at t = 0 and on padding. No gradient. [B, T] on every rank for a whole batch
         (gathered); the share's [n, T] rows for a share (``batch.is_share``: nothing gathered).
         ``positions``: "all" (every 1 <= t < length: parity checks, engine comparisons) or "trained"
@@ -235,14 +236,18 @@ class Trainer(ABC):
 
     # ------------------------------------------------------------------ models
     def _select_model(self, model: str, policy):
-        """``policy``, or the frozen reference, for ``compute_logprobs(model=...)``."""
+        """``policy``, the frozen reference or the distillation teacher, for ``compute_logprobs(model=...)``."""
         if model == "policy":
             return policy
         if model == "ref":
             if self.ref is None:
                 raise RuntimeError("compute_logprobs(model='ref'): no reference model (snapshot_reference not called)")
             return self.ref
-        raise ValueError(f"compute_logprobs: model must be 'policy' or 'ref', got {model!r}")
+        if model == "teacher":
+            if self.teacher is None:
+                raise RuntimeError("compute_logprobs(model='teacher'): no teacher (teacher.path is not set)")
+            return self.teacher
+        raise ValueError(f"compute_logprobs: model must be 'policy', 'ref' or 'teacher', got {model!r}")
 
     @abstractmethod
     def init_critic(self) -> None:

@@ -30,6 +30,7 @@ from megaforge.trainer.base import HFBucket, Objective, Trainer, modules_weights
 from megaforge.trainer.causal_lm import POSITIONS, CausalLMLogprobs, check_split_head
 from megaforge.trainer.critic import TorchCritic
 from megaforge.trainer.lora import LoraPolicy
+from megaforge.trainer.teacher import load_torch_teacher
 from megaforge.types import TrainBatch
 
 
@@ -56,17 +57,23 @@ class TorchTrainer(Trainer):
         self.module = torch_ddp.wrap(CausalLMLogprobs(self.model, t.autocast), self.device)
         self.opt = torch_ddp.adamw([p for p in self.model.parameters() if p.requires_grad], t.lr, t)
         self.reset_optimizer(t.lr, cfg.max_steps * t.mini_batches * t.epochs, t.warmup_steps, t.lr_schedule, t.min_lr)
+        if cfg.teacher.path:  # on-policy distillation: frozen, on the trainer's device
+            self.teacher = load_torch_teacher(cfg, self.device, tokenizer)
+            if t.autocast != "off":
+                precision.float32_head(self.teacher)
         # memory.offload: pinned host buffers / torch_memory_saver (megaforge.memory); None: resident
         self._mem = build_offloader(cfg.memory.offload, self.device, self.offload_entries)
 
     # ------------------------------------------------------------------------------- optimizer
     def offload_entries(self, tags) -> list:
-        """Parameters (``weights``); gradients, AdamW state, reference, critic (``state``)."""
+        """Parameters (``weights``); gradients, AdamW state, reference, teacher, critic (``state``)."""
         out = param_entries(self.model, "weights") if "weights" in tags else []
         if "state" in tags:
             out += grad_entries(self.model) + optimizer_entries(self.opt)
             if self.ref is not None:
                 out += param_entries(self.ref, "state")
+            if self.teacher is not None:
+                out += param_entries(self.teacher, "state")
             if self.critic is not None:
                 out += self.critic.offload_entries(tags)
         return on_device(out, self.device)

@@ -55,7 +55,7 @@ def test_empty_mini_batch_takes_no_step_and_reference_is_chosen_by_name(cfg, tok
     assert any(not torch.equal(p, q) for p, q in zip(tr.model.parameters(), before))
     with pytest.raises(RuntimeError, match=r"no reference model \(snapshot_reference not called\)"):
         tr.compute_logprobs(batch, model="ref")
-    with pytest.raises(ValueError, match=r"model must be 'policy' or 'ref', got 'critic'"):
+    with pytest.raises(ValueError, match=r"model must be 'policy', 'ref' or 'teacher', got 'critic'"):
         tr.compute_logprobs(batch, model="critic")
     tr.snapshot_reference()
     assert torch.equal(tr.compute_logprobs(batch, model="ref"), tr.compute_logprobs(batch))

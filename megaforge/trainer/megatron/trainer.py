@@ -59,6 +59,7 @@ from megaforge.trainer.megatron.logprobs import vocab_parallel_argmax, vocab_par
 from megaforge.trainer.megatron.optim import (adam_optimizer, clipped_step, finalize_grads, set_lr_and_decay,
                                               state_resetter, wrap_ddp)
 from megaforge.trainer.megatron.packing import Packed, pack, padded_lengths, to_device
+from megaforge.trainer.teacher import build_megatron_teacher
 from megaforge.types import TrainBatch
 
 
@@ -121,7 +122,9 @@ class MegatronTrainer(Trainer):
         self._reset_optimizer_state = state_resetter(self.optimizer)
         self.reset_optimizer(t.lr, cfg.max_steps * t.mini_batches * t.epochs, t.warmup_steps, t.lr_schedule, t.min_lr)
 
-        # memory.offload: DDP buffers, optimizer state, reference to pinned host buffers (megaforge.memory)
+        if cfg.teacher.path:  # on-policy distillation: frozen GPTModel at the policy's layout
+            self.teacher = build_megatron_teacher(self)
+        # memory.offload: DDP buffers, optimizer state, reference, teacher to pinned host buffers (megaforge.memory)
         self._mem = build_offloader(cfg.memory.offload, self.device, self.offload_entries)
 
     # ------------------------------------------------------------------------------ groups
@@ -141,12 +144,14 @@ class MegatronTrainer(Trainer):
 
     # --------------------------------------------------------------------------- optimizer
     def offload_entries(self, tags) -> list:
-        """DDP buffers and optimizer tensors of the policy (and critic), the reference's parameters."""
+        """DDP buffers and optimizer tensors of the policy (and critic), the reference's and teacher's parameters."""
         out = ddp_entries(self.ddp, self.optimizer, tags)
         if self.critic is not None:
             out += self.critic.offload_entries(tags)
         if "state" in tags and self.ref is not None and self.cfg.trainer.ref_device != "cpu":
             out += param_entries(self.ref, "state")
+        if "state" in tags and self.teacher is not None:
+            out += param_entries(self.teacher, "state")
         return on_device(out, self.device)
 
     def inner_optimizers(self) -> list:

@@ -1,0 +1,39 @@
+"""One rank of tests/megatron/test_megatron_teacher.py (launched by mt_helpers.run_workers).
+
+    python teacher_worker.py teacher SPEC.json OUTDIR
+
+For every layout in ``layouts``: a MegatronTrainer whose policy is ``student`` and whose distillation
+teacher (``teacher.path``) is ``teacher``, another architecture of the same vocabulary; records
+compute_logprobs(batch, "teacher") and of the policy. Results go to OUTDIR/teacher.rank{R}.pt.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main():
+    scenario, spec_file, outdir = sys.argv[1:4]
+    with open(spec_file) as f:
+        spec = json.load(f)
+    from mt_helpers import make_batch, save_rank_result, trainer_cfg
+    from megaforge.trainer.megatron import MegatronTrainer
+
+    batch = make_batch()
+    res = {}
+    for layout in spec["layouts"]:
+        cfg = trainer_cfg(spec["student"], layout=layout, micro_batch_size=batch.batch_size)
+        cfg.algo.advantage, cfg.teacher.path = "distill", spec["teacher"]
+        tr = MegatronTrainer(cfg)
+        key = "_".join(f"{k}{int(v)}" for k, v in sorted(layout.items()))
+        res[key] = {"teacher": tr.compute_logprobs(batch, "teacher"), "policy": tr.compute_logprobs(batch, "policy"),
+                    "trained": tr.compute_logprobs(batch, "teacher", positions="trained")}
+        tr.close()
+    save_rank_result(res, outdir, scenario)
+
+
+if __name__ == "__main__":
+    main()
