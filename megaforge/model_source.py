@@ -49,8 +49,9 @@ def problem(key: str, source: str, cache: bool = True) -> Optional[str]:
         return (f"config key '{key}': {source!r} looks like a local path and does not exist (relative paths are "
                 f"read from the current directory {os.getcwd()}); give an existing folder or a hub id 'org/name'")
     if cache and offline() and not in_cache(source):
-        return (f"config key '{key}': hub id {source!r} is not in the local hub cache {hub_cache()} and HF_HUB_OFFLINE "
-                f"is set: download it first (huggingface-cli download {source}) or unset HF_HUB_OFFLINE")
+        return (f"config key '{key}': {source!r} is no folder under the current directory {os.getcwd()}, and as a hub "
+                f"id it is not in the local hub cache {hub_cache()} while HF_HUB_OFFLINE is set: give an existing "
+                f"folder, download it first (huggingface-cli download {source}) or unset HF_HUB_OFFLINE")
     return None
 
 

@@ -102,7 +102,7 @@ def test_tokenizer_mismatch_refused_naming_both(tmp_path, tiny_model_dir):
         "--config", "configs/distill_cpu.yaml", "--teacher.path", str(other), "--output_dir", str(tmp_path / "runs"),
         "--sft.max_steps", "0", "--max_steps", "1"])
     assert rc != 0
-    line = [ln for ln in err.splitlines() if ln.startswith("megaforge: error:")]
+    line = [ln for ln in err.splitlines() if ln.startswith("megaforge: config error:")]
     assert line, err[-2000:]
     assert "teacher.path" in line[0] and str(other) in line[0] and "assets/tiny-tokenizer" in line[0], line[0]
     assert "<extra_teacher_token>" in line[0]

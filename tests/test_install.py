@@ -20,14 +20,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: import name -> distribution, where they differ and the distribution may not be installed here
 DIST = {"yaml": "pyyaml", "megatron": "megatron-core", "math_verify": "math-verify", "transformer_engine":
         "transformer-engine", "torch_memory_saver": "torch-memory-saver", "huggingface_hub": "huggingface-hub",
-        "sglang": "sglang", "sklearn": "scikit-learn", "PIL": "pillow"}
+        "sglang": "sglang", "sklearn": "scikit-learn", "PIL": "pillow", "hydra": "hydra-core"}
 #: packages only a GPU machine has (imported where a GPU config asks for them): requirements-gpu.txt
 GPU_ONLY = {"transformer-engine", "torch-memory-saver", "sglang"}
 #: installed as a dependency of a listed package (named here so that the test says why it passes)
 COMES_WITH = {"huggingface-hub": "transformers", "sympy": "torch"}
 #: imports that are no distribution: a CUDA extension module built with apex / megatron, a module a test
 #: writes into its tmp_path
-NOT_PACKAGES = {"fused_weight_gradient_mlp_cuda", "my_plugins"}
+NOT_PACKAGES = {"fused_weight_gradient_mlp_cuda", "my_plugins", "typed_adv"}
+#: the peers' own environments (tools/peers/, issue 39): pinned in tools/peers/wheels_<peer>.txt, not megaforge's
+PEER_FILES = ("tools/peers/wheels_trl.txt", "tools/peers/wheels_verl.txt")
 TEST_ONLY = {"pytest", "pytest-timeout", "openai", "megatron-core", "gguf", "accelerate", "datasets", "pyarrow",
              "wandb", "submitit"}
 
@@ -103,12 +105,25 @@ def test_the_requirements_files_parse_and_pin_the_h200_versions():
     assert all(spec.startswith("==") for spec in gpu.values()), gpu  # pins, for pip -c
 
 
+def peer_pins() -> set[str]:
+    """Distributions pinned in the peers' wheel lists (``name==version`` lines)."""
+    out = set()
+    for name in PEER_FILES:
+        with open(os.path.join(ROOT, name)) as f:
+            out |= {norm(line.split("==")[0].strip()) for line in f if "==" in line.split("#", 1)[0]}
+    return out
+
+
 def test_dev_requirements_cover_every_third_party_import():
     dev, gpu = requirements("requirements-dev.txt"), requirements("requirements-gpu.txt")
     found = third_party_imports("tests", "tools", "examples", "megaforge")
     assert "pytest" in found and "megatron-core" in found and "openai" in found  # the scan sees them
-    missing = {d: f for d, f in found.items()
-               if d not in dev and not (d in GPU_ONLY and d in gpu) and COMES_WITH.get(d) not in dev}
+    peers = {d for d, f in found.items() if f.startswith(("tools/peers/", "tests/tools/test_peers.py"))}
+    assert {"trl", "verl", "ray"} <= peers  # the scan sees the peers' imports too
+    unpinned = {d: found[d] for d in peers if d not in dev and d not in peer_pins()}
+    assert not unpinned, f"a peer's import pinned neither in requirements-dev.txt nor in {PEER_FILES}: {unpinned}"
+    missing = {d: f for d, f in found.items() if d not in peers
+               and d not in dev and not (d in GPU_ONLY and d in gpu) and COMES_WITH.get(d) not in dev}
     assert not missing, f"imported but in no requirements file: {missing}"
 
 

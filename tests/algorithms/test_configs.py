@@ -5,6 +5,8 @@ A config that cannot run here says so in its header, one comment line before any
 ``# requires: gpu, megatron, sglang, hub`` (hub: weights or data fetched from the Hugging Face hub).
 Such a config is skipped with the unmet requirement as the reason; an unknown requirement fails.
 ``# launcher: sft`` marks a config of launchers/sft.py (default: launchers/grpo.py).
+``# prepare: <key> = <launcher> <flags>`` names a run the config starts from (a LoRA base, a distillation
+teacher): the test makes that run first at the smoke size and passes its folder as ``--<key>``.
 """
 import glob
 import importlib.util
@@ -20,7 +22,7 @@ CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recurs
 
 
 def header(path: str) -> dict:
-    out = {"requires": [], "launcher": "grpo"}
+    out = {"requires": [], "launcher": "grpo", "prepare": []}
     with open(path) as f:
         for line in f:
             if not line.startswith("#"):
@@ -30,6 +32,11 @@ def header(path: str) -> dict:
                 out["requires"] = [r.strip() for r in value.split(",") if r.strip()]
             elif sep and key.strip() == "launcher":
                 out["launcher"] = value.strip()
+            elif sep and key.strip() == "prepare":
+                target, eq, command = value.partition("=")
+                assert eq, f"{path}: '# prepare: {value.strip()}' is not '<key> = <launcher> <flags>'"
+                launcher, *flags = shlex.split(command)
+                out["prepare"].append((target.strip(), launcher, flags))
     return out
 
 
@@ -75,7 +82,12 @@ def test_config_runs_two_steps(path, tmp_path, in_root):
     reasons = [r for r in (unmet(x) for x in h["requires"]) if r]
     if reasons:
         pytest.skip(f"{os.path.relpath(path, ROOT)}: {'; '.join(reasons)} (its '# requires:' header)")
-    run = run_launcher(h["launcher"], ["--config", path, *SMOKE], str(tmp_path), "smoke")
+    made = []
+    for i, (key, launcher, flags) in enumerate(h["prepare"]):
+        assert launcher in ("grpo", "sft"), f"{path}: unknown launcher {launcher!r} in '# prepare:'"
+        source = run_launcher(launcher, [*flags, *SMOKE], str(tmp_path), f"prepared_{i}")
+        made += [f"--{key}", source]
+    run = run_launcher(h["launcher"], ["--config", path, *SMOKE, *made], str(tmp_path), "smoke")
     recs = check_run(run, h["launcher"])
     if os.path.basename(path) == "dapo_cpu.yaml":
         assert all("dynamic_sampling/kept_groups" in r and "reward/overlong_penalty" in r for r in recs)

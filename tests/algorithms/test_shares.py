@@ -60,7 +60,7 @@ class InProcessShares:
 
 def batch(seed: int = 0):
     """rewards [B] (0/1/2) in groups of 4 consecutive rows, a right-padded loss mask of varied lengths
-    (row 5 trains nothing), token rewards and values [B, T] (float32)."""
+    (row 5 trains nothing), token rewards, values and the student's / a teacher's log-probs [B, T] (float32)."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(2, T + 1, (B,), generator=g)
     lengths[5] = 0
@@ -68,7 +68,8 @@ def batch(seed: int = 0):
     mask[:, 0] = 0.0  # a prompt token
     return dict(rewards=torch.randint(0, 3, (B,), generator=g).float(), group_ids=torch.arange(B) // 4,
                 loss_mask=mask, token_rewards=0.1 * torch.randn(B, T, generator=g) * mask,
-                values=torch.randn(B, T, generator=g) * mask)
+                values=torch.randn(B, T, generator=g) * mask,
+                logprobs=-torch.rand(B, T, generator=g) * mask, teacher_logprobs=-torch.rand(B, T, generator=g) * mask)
 
 
 def split(d: dict, dp: int):
@@ -80,7 +81,8 @@ def split(d: dict, dp: int):
         m = d["loss_mask"][rows[i]]
         cols = int(m.nonzero()[:, 1].max()) + 1 if m.any() else 1
         return AdvantageInputs(d["rewards"], d["group_ids"], m[:, :cols], d["token_rewards"][rows[i], :cols],
-                               d["values"][rows[i], :cols], share=share)
+                               d["values"][rows[i], :cols], share=share, logprobs=d["logprobs"][rows[i], :cols],
+                               teacher_logprobs=d["teacher_logprobs"][rows[i], :cols])
 
     return shares, rows, inputs_of
 

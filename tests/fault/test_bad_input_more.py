@@ -132,9 +132,9 @@ def test_relative_model_paths_from_another_directory_name_the_field(tmp_path, mo
     with pytest.raises(ModelSourceError) as e:
         load_tokenizer(cfg)
     msg = str(e.value)
-    assert "model.tokenizer 'assets/tiny-tokenizer'" in msg and str(tmp_path) in msg, msg
+    assert "'model.tokenizer': 'assets/tiny-tokenizer'" in msg and str(tmp_path) in msg, msg
     cfg = SimpleNamespace(tokenizer=None, path="models/nowhere", trust_remote_code=False)
-    with pytest.raises(ModelSourceError, match=r"model.path 'models/nowhere'.*current directory"):
+    with pytest.raises(ModelSourceError, match=r"'model.path': 'models/nowhere'.*current directory"):
         hf_config(cfg)
     # the same tokenizer by absolute path loads
     cfg = SimpleNamespace(tokenizer=os.path.join(repo, "assets", "tiny-tokenizer"), path=None, trust_remote_code=False)

@@ -49,7 +49,7 @@ def test_dense_model_is_refused_with_a_config_error(tmp_path):
            "--rollout.return_routed_experts", "true", "--output_dir", str(tmp_path), "--run_name", "d"]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0
-    assert "megaforge: error: config key 'rollout.return_routed_experts': the model" in p.stderr
+    assert "megaforge: config error: config key 'rollout.return_routed_experts': the model" in p.stderr
 
 
 def test_torch_backend_is_refused():
