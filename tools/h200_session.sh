@@ -275,11 +275,33 @@ for stage in "$@"; do
         > "$OUT/moe_resume.log" 2>&1; echo "exit $?"
       grep -v -i warn "$OUT/moe_resume.log" | tr "\r" "\n" | grep -v "step/s" | tail -14
       cp "$RUNS/grpo_h200_colocated_moe/metrics.jsonl" "$OUT/moe_recipe_metrics.jsonl" ;;
+    moe_replay_start)  # moe_replay detached (its own process session, as gsm_start): it runs on across calls
+      mkdir -p /tmp/mf/rout; rm -rf /tmp/mf/rout/* /tmp/mf-replay-*
+      OUT=/tmp/mf/rout setsid bash tools/h200_session.sh moe_replay > /tmp/mf/replay_stage.log 2>&1 < /dev/null &
+      echo $! > /tmp/mf/replay.pid; echo "[h200_session] moe_replay started detached: pid $(cat /tmp/mf/replay.pid)" ;;
+    moe_replay_watch)  # follow it for WATCH_SECONDS (default 540) or until it ends; its files into $OUT
+      pid=$(cat /tmp/mf/replay.pid); t0=$SECONDS; seen=""
+      while kill -0 "$pid" 2>/dev/null && [ $((SECONDS - t0)) -lt "${WATCH_SECONDS:-540}" ]; do
+        sleep 15
+        now=$(cat /tmp/mf-replay-*/moe_*/metrics.jsonl 2>/dev/null | python3 -c "
+import json, sys
+for r in map(json.loads, sys.stdin):
+    print(r.get('step'), {k: round(v, 4) for k, v in r.items() if k.startswith(('time/step', 'time/train', 'time/rollout', 'routing/', 'train_rollout'))})")
+        [ "$now" != "$seen" ] && { echo "$(date +%T)"; echo "$now"; seen=$now; }
+      done
+      kill -0 "$pid" 2>/dev/null && echo "[h200_session] moe_replay still going at $(date +%T)" || echo "[h200_session] moe_replay ended"
+      tail -c 3000 /tmp/mf/replay_stage.log; cp -r /tmp/mf/rout/. "$OUT"/
+      for v in plain replay; do
+        cp /tmp/mf-replay-*/moe_$v/metrics.jsonl "$OUT/moe_replay_${v}_metrics.jsonl" 2>/dev/null
+        cp /tmp/mf-replay-*/moe_$v/logs/engine_0.log "$OUT/moe_replay_${v}_engine.log" 2>/dev/null
+      done ;;
     moe_replay)  # issue 37 point 4: the MoE recipe 3 steps without, 3 with routing replay (fresh run dirs), in one call
+      # (or detached: moe_replay_start, then moe_replay_watch calls). SGLang's start with the MoE: ~2.5 min a variant
       rdir=/tmp/mf-replay-$(date +%s); recipe_argv
       for variant in plain replay; do
-        extra=(); [ $variant = replay ] && extra=(--rollout.return_routed_experts true)
-        timeout -k 20 "${REPLAY_SECONDS:-250}" "${argv[@]}" --output_dir "$rdir" --run_name "moe_$variant" --max_steps 3 \
+        # plain: the engine's routing recorded and compared with the trainer's own (routing/replay_diff_frac), not replayed
+        extra=(--rollout.return_routed_experts true --trainer.routing_replay $([ $variant = replay ] && echo true || echo false))
+        timeout -k 20 "${REPLAY_SECONDS:-420}" "${argv[@]}" --output_dir "$rdir" --run_name "moe_$variant" --max_steps 3 \
           --checkpoint.interval 0 --metrics.progress false "${extra[@]}" > "$OUT/moe_replay_$variant.log" 2>&1
         echo "[h200_session] moe_replay $variant: exit $?"
         rm -rf "$rdir/moe_$variant/checkpoints"  # the end-of-run save (after step 3's metrics line): /tmp holds one
