@@ -301,8 +301,8 @@ for r in map(json.loads, sys.stdin):
       for variant in plain replay; do
         # plain: the engine's routing recorded and compared with the trainer's own (routing/replay_diff_frac), not replayed
         extra=(--rollout.return_routed_experts true --trainer.routing_replay $([ $variant = replay ] && echo true || echo false))
-        timeout -k 20 "${REPLAY_SECONDS:-420}" "${argv[@]}" --output_dir "$rdir" --run_name "moe_$variant" --max_steps 3 \
-          --checkpoint.interval 0 --metrics.progress false "${extra[@]}" > "$OUT/moe_replay_$variant.log" 2>&1
+        timeout -k 20 "${REPLAY_SECONDS:-420}" "${argv[@]}" --output_dir "$rdir" --run_name "moe_$variant" --max_steps ${REPLAY_STEPS:-3} \
+          --checkpoint.interval 0 --metrics.progress false "${extra[@]}" ${REPLAY_FLAGS:-} > "$OUT/moe_replay_$variant.log" 2>&1
         echo "[h200_session] moe_replay $variant: exit $?"
         rm -rf "$rdir/moe_$variant/checkpoints"  # the end-of-run save (after step 3's metrics line): /tmp holds one
         grep -v -i warn "$OUT/moe_replay_$variant.log" | tr "\r" "\n" | grep -v "step/s" | tail -6

@@ -17,7 +17,6 @@ Results go to OUTDIR/SCENARIO.rank{R}.pt.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -141,14 +140,9 @@ def scenario_trainer(spec, res, outdir):
 
 
 def main():
-    scenario, spec_file, outdir = sys.argv[1:4]
-    with open(spec_file) as f:
-        spec = json.load(f)
-    res = {}
-    {"roundtrip": scenario_roundtrip}[scenario](spec, res, outdir)
-    from mt_helpers import save_rank_result
+    from mt_helpers import worker_main
 
-    save_rank_result(res, outdir, scenario)
+    worker_main({"roundtrip": scenario_roundtrip})
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ metrics, the HF weights after the step and the logprobs. With ``ckpt``: save, a 
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -72,14 +71,9 @@ def scenario_moe(spec, res):
 
 
 def main():
-    scenario, spec_file, outdir = sys.argv[1:4]
-    with open(spec_file) as f:
-        spec = json.load(f)
-    res = {}
-    {"moe": scenario_moe}[scenario](spec, res)
-    from mt_helpers import save_rank_result
+    from mt_helpers import worker_main
 
-    save_rank_result(res, outdir, scenario)
+    worker_main({"moe": scenario_moe})
 
 
 if __name__ == "__main__":

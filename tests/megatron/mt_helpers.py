@@ -100,6 +100,22 @@ def save_rank_result(res, outdir: str, name: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def worker_main(scenarios: dict) -> None:
+    """A worker rank's entry point: ``argv`` = scenario name, spec JSON file, output folder; runs
+    ``scenarios[name](spec, res)`` (or ``(spec, res, outdir)`` where it takes three) and saves ``res``."""
+    import inspect
+    import json
+    import sys
+
+    name, spec_file, outdir = sys.argv[1:4]
+    with open(spec_file) as f:
+        spec = json.load(f)
+    res: dict = {}
+    fn = scenarios[name]
+    fn(spec, res, outdir) if len(inspect.signature(fn).parameters) == 3 else fn(spec, res)
+    save_rank_result(res, outdir, name)
+
+
 def make_tiny(kind: str, path: str, tied: bool = False) -> str:
     """A 4-layer random HF model of family ``kind`` (tests/conftest.make_tiny_model, vocabulary
     250, Qwen3 with head_dim 24 != hidden / heads), norms and biases perturbed so they matter."""

@@ -8,7 +8,6 @@ replayed ones; then an RL train step with the own routing (its routing/replay_di
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -59,14 +58,9 @@ def scenario_replay(spec, res):
 
 
 def main():
-    scenario, spec_file, outdir = sys.argv[1:4]
-    with open(spec_file) as f:
-        spec = json.load(f)
-    res = {}
-    {"replay": scenario_replay}[scenario](spec, res)
-    from mt_helpers import save_rank_result
+    from mt_helpers import worker_main
 
-    save_rank_result(res, outdir, scenario)
+    worker_main({"replay": scenario_replay})
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ Results go to OUTDIR/SCENARIO.rank{R}.pt.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -271,15 +270,10 @@ def scenario_te_cuda(spec, res):
 
 
 def main():
-    scenario, spec_file, outdir = sys.argv[1:4]
-    with open(spec_file) as f:
-        spec = json.load(f)
-    res = {}
-    {"logprobs": scenario_logprobs, "train": scenario_train, "critic": scenario_critic,
-     "reset": scenario_reset, "opt_state": scenario_opt_state, "te_cuda": scenario_te_cuda}[scenario](spec, res)
-    from mt_helpers import save_rank_result
+    from mt_helpers import worker_main
 
-    save_rank_result(res, outdir, scenario)
+    worker_main({"logprobs": scenario_logprobs, "train": scenario_train, "critic": scenario_critic,
+     "reset": scenario_reset, "opt_state": scenario_opt_state, "te_cuda": scenario_te_cuda})
 
 
 if __name__ == "__main__":
