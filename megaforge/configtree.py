@@ -32,7 +32,7 @@ import math
 import textwrap
 import types
 import typing
-from typing import Any, Literal, Optional, Union, get_args, get_origin
+from typing import Any, Callable, Iterable, Literal, Optional, Union, get_args, get_origin
 
 import yaml
 
@@ -200,6 +200,31 @@ def _nearest(key: str, candidates: list[str]) -> str:
 
 
 # --------------------------------------------------------------------------------- type checking
+def choices(names: Callable[[], Iterable[str]]) -> dict:
+    """Field metadata of a ``str`` key whose valid values are known when a config is built, not when
+    the dataclass is written (the names of a registry, e.g. ``rollout.engine``): checked by :func:`build`
+    and shown by ``--help`` like a ``Literal``."""
+    return {"choices": lambda: list(names())}
+
+
+def check_choices(obj, prefix: str = "") -> None:
+    """Every :func:`choices` field of the dataclass tree ``obj`` holds one of its valid values."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if "choices" in f.metadata and v not in f.metadata["choices"]():
+            raise ConfigError(f"config key '{prefix}{f.name}': {choice_error(v, f.metadata['choices']())}")
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            check_choices(v, prefix + f.name + ".")
+
+
+def choice_error(value: Any, valid: Iterable[str]) -> str:
+    """``expected one of 'a', 'b', got 'x'; did you mean 'a'?`` (the nearest valid value, if one is near)."""
+    valid = list(valid)
+    near = difflib.get_close_matches(value, valid, n=1, cutoff=0.6) if isinstance(value, str) else []
+    return (f"expected one of {', '.join(repr(v) for v in valid)}, got {value!r}"
+            + (f"; did you mean {near[0]!r}?" if near else ""))
+
+
 def _type_name(t) -> str:
     if get_origin(t) is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(t))
@@ -309,6 +334,8 @@ def build(cls, data: dict | None, prefix: str = ""):
         kwargs[ext_field.name] = {p: build(c, parts[p], prefix + p) for p, c in ext.items()}
     obj = cls(**kwargs)
     check_bounds(obj, prefix)
+    if not prefix:  # the whole tree is built (plug-ins its sections import have registered their names)
+        check_choices(obj)
     if hasattr(obj, "validate"):
         try:
             obj.validate()
@@ -502,4 +529,5 @@ def _help_line(key: str, t, f: dataclasses.Field, doc: str) -> str:
     else:
         default = "required"
     bound = f", {f.metadata['bound'].text()}" if "bound" in f.metadata else ""
-    return f"  {key} ({_type_name(t)}, default {default!r}{bound}): {doc}"
+    kind = ("one of " + ", ".join(repr(c) for c in f.metadata["choices"]())) if "choices" in f.metadata else _type_name(t)
+    return f"  {key} ({kind}, default {default!r}{bound}): {doc}"

@@ -14,7 +14,7 @@ One process per node starts that node's engine servers: its local rank 0 (the *n
 API key is chosen on rank 0 and broadcast; the servers' URLs are gathered on every rank
 (``all_gather_object``) and rank 0 builds the one :class:`megaforge.rollout.http.engine.HTTPEngine` over
 all of them (engine order = engine id). One node (the common case) keeps the single-process path:
-rank 0 starts every engine (:func:`megaforge.rollout.build_engine`).
+rank 0 starts every engine (its kind's ``build``, megaforge.engine_kinds).
 
 Across hosts: servers must listen on an address rank 0 reaches (``rollout.host 0.0.0.0``: the URL
 then carries this node's address, ``MEGAFORGE_NODE_ADDR`` or the host name's address), and weights
@@ -36,13 +36,12 @@ import torch.distributed
 from megaforge import collective
 from megaforge.cluster import ProcessPlace, place_from_env
 from megaforge.configtree import ConfigError
+from megaforge.engine_kinds import call, engine_kind
 from megaforge.net import is_loopback
 from megaforge.planner.layout import Hardware, check_layout, placement
 from megaforge.planner.shapes import ShapeError, read_shape
-from megaforge.rollout import build_engine
-from megaforge.rollout.http.start import build_http_engine, visible_gpus
+from megaforge.rollout.http.start import visible_gpus
 
-HTTP_ENGINES = ("embedded_server", "sglang")
 _WILDCARD = ("0.0.0.0", "::", "")
 _NODE: Optional["NodeEngines"] = None  # this process's share of a multi-node engine start
 
@@ -89,7 +88,7 @@ def node_address() -> str:
 
 class NodeEngines:
     """This process's part in starting a multi-node set of engines, handed to
-    :func:`megaforge.rollout.http.start.build_http_engine` (``node=``) on node leaders; every other
+    the ``build`` of the engine kind (megaforge.engine_kinds, ``node=``) on node leaders; every other
     rank makes the same two collective calls (:meth:`share`, :meth:`gather`) with nothing to add."""
 
     def __init__(self, cfg, place: ProcessPlace, slots: dict):
@@ -150,16 +149,14 @@ def build_engines(cfg, tokenizer):
     """Called on every rank by the loop: the engine rank 0 drives (None on other ranks). Node leaders
     of a multi-node job start their node's HTTP engine servers (see the module docstring)."""
     global _NODE
-    place = place_from_env()
-    if place.nodes == 1 or cfg.rollout.engine not in HTTP_ENGINES:
-        if not collective.is_main():
-            return None
-        return build_engine(cfg, tokenizer)
-    _NODE = NodeEngines(cfg, place, engine_slots(cfg, place))
-    if place.node_leader and (_NODE.engine_ids or collective.is_main()):
-        return build_http_engine(cfg, tokenizer, cfg.rollout.engine, node=_NODE)
-    _NODE.share("")
-    _NODE.gather([])
+    place, kind, node = place_from_env(), engine_kind(cfg.rollout.engine), None
+    if place.nodes > 1 and not kind.in_process:
+        node = _NODE = NodeEngines(cfg, place, engine_slots(cfg, place))
+    if collective.is_main() or (node is not None and place.node_leader and node.engine_ids):
+        return call(kind.build, cfg, tokenizer, **({} if node is None else {"node": node}))
+    if node is not None:  # a rank that starts no engine still takes part in the start's collective calls
+        node.share("")
+        node.gather([])
     return None
 
 

@@ -15,6 +15,7 @@ from megaforge.config.run import (CheckpointConfig, LaunchConfig, LoopConfig, Me
                                   SlurmConfig, SyncConfig)
 from megaforge.config.trainer import SFTConfig, TrainerConfig
 from megaforge.configtree import ConfigError
+from megaforge.engine_kinds import engine_kind
 
 
 @dataclass
@@ -134,7 +135,7 @@ class Config:
         need(lp.mode != "off_policy" or lp.max_staleness >= updates, "loop.max_staleness",
              f"must be >= trainer.mini_batches * trainer.epochs = {updates} in off_policy mode (one step of "
              f"overlap ages every sample by that many weight versions)")
-        need(lp.mode != "off_policy" or r.engine != "embedded", "rollout.engine",
+        need(lp.mode != "off_policy" or not engine_kind(r.engine).in_process, "rollout.engine",
              "loop.mode off_policy overlaps generation with training, which needs the engine in its own "
              "process: set rollout.engine to embedded_server (CPU/dev) or sglang. The in-process embedded engine "
              "shares this process's cores and GIL (measured on CPU: no speed-up over sync)")
@@ -200,10 +201,10 @@ class Config:
             not self.trainer.sequence_parallel or self.trainer.tensor_parallel > 1,
             "trainer.sequence_parallel", "needs trainer.tensor_parallel > 1",
         )
-        if self.rollout.engine == "embedded":  # the transport must fit where the engine runs
+        if engine_kind(self.rollout.engine).in_process:  # the transport must fit where the engine runs
             need(self.sync.transport in ("auto", "inproc"), "sync.transport",
                  f"{self.sync.transport!r} is for engines in other processes (sglang, embedded_server); rollout.engine "
-                 "'embedded' takes the trainer's weights in its own process: set sync.transport auto (or inproc)")
+                 f"{self.rollout.engine!r} takes the trainer's weights in its own process: set sync.transport auto (or inproc)")
         else:
             need(self.sync.transport != "inproc", "sync.transport",
                  f"'inproc' needs rollout.engine: embedded (rollout.engine {self.rollout.engine!r} runs in other "
@@ -223,7 +224,7 @@ class Config:
             need(len(self.model.lora.target_modules) > 0, "model.lora.target_modules", "must name at least one module")
         if self.sync.lora_adapters:
             need(self.model.lora is not None, "sync.lora_adapters", "needs model.lora (there are no adapters to send)")
-            need(self.rollout.engine == "embedded", "sync.lora_adapters", f"the in-process embedded engine merges "
+            need(engine_kind(self.rollout.engine).in_process, "sync.lora_adapters", f"the in-process embedded engine merges "
                  f"adapters itself; rollout.engine {self.rollout.engine!r} gets the merged weights: set it false")
             need(not self.sync.check_equal, "sync.check_equal", "compares merged tensors, which sync.lora_adapters "
                  "does not send: set one of them false")

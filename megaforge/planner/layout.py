@@ -10,8 +10,9 @@ expert-DP ``EDP = W / (ETP*EP*PP)``. Global rank r sits on node ``r // G``, GPU 
 
 Rollout engines (megaforge.rollout.http.start.gpu_assignment): colocated, engine k takes GPUs
 ``[k*etp, (k+1)*etp)`` counted node-major over all GPUs; disaggregated (``rollout.num_gpus`` > 0),
-every node gives its last ``num_gpus / nodes`` GPUs to engines and the rest to the trainer. The
-``embedded`` engine lives in the trainer process of rank 0 (GPU 0 of node 0).
+every node gives its last ``num_gpus / nodes`` GPUs to engines and the rest to the trainer. An
+in-process engine kind (``embedded``, megaforge.engine_kinds) lives in the trainer process of rank 0
+(GPU 0 of node 0).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megaforge.engine_kinds import ENGINE_KINDS, engine_kind, engine_kind_names
 from megaforge.planner.shapes import ModelShape
 
 #: total memory of known GPUs in GiB (nvidia-smi totals: H100 81559 MiB, H200 143771 MiB, ...)
@@ -182,20 +184,23 @@ def check_layout(cfg, shape: ModelShape, hw: Hardware, mode: str) -> tuple[Optio
                          f"sequences cannot feed {dp} data-parallel ranks"))
     # ---- rollout engines
     engine, etp_r, n_eng = r.engine, r.tensor_parallel, r.num_engines
+    kind = ENGINE_KINDS.get(engine) if engine in ENGINE_KINDS else None
     if rl:
-        if engine == "megatron":
-            err.append(Issue("rollout.engine", "=megatron is not available in this build (valid: embedded, embedded_server, sglang)"))
-        if engine == "embedded":
+        if kind is None:
+            err.append(Issue("rollout.engine", f"={engine} is not available in this build (valid: "
+                             f"{', '.join(engine_kind_names())})"))
+        elif kind.in_process:
             etp_r, n_eng = 1, 1
             if getattr(r, "fast", "off") != "off":
                 warn.append(f"rollout.fast={r.fast}: the estimate models the embedded engine's simple DynamicCache "
                             "loop; its fast path (static KV cache, CUDA graphs) is not modelled yet")
             if not colocated:
-                warn.append("rollout.num_gpus is ignored by the embedded engine (it runs in the trainer's rank-0 process)")
+                warn.append(f"rollout.num_gpus is ignored by the {engine} engine (it runs in the trainer's rank-0 process)")
                 rollout_gpus, colocated = 0, True
-        if engine == "embedded_server" and etp_r != 1:
-            err.append(Issue("rollout.tensor_parallel", f"={etp_r}: the embedded server runs TP 1 (use rollout.num_engines)"))
-        if engine in ("sglang", "embedded_server"):
+        if kind is not None and kind.max_tp and etp_r > kind.max_tp:
+            err.append(Issue("rollout.tensor_parallel", f"={etp_r}: rollout.engine {engine} runs TP {kind.max_tp} at most "
+                             "(use rollout.num_engines)"))
+        if kind is not None and not kind.in_process:
             if shape.heads % etp_r:
                 err.append(Issue("rollout.tensor_parallel", f"={etp_r} does not divide num_attention_heads={shape.heads}"))
             if shape.kv_heads % etp_r and etp_r % shape.kv_heads:
@@ -240,7 +245,7 @@ def placement(lay: Layout, hw: Hardware) -> list[dict]:
             c["ep"] = (rank // lay.etp) % lay.ep
             c["edp"] = (rank // (lay.etp * lay.ep)) % lay.edp
         table[slot]["trainer"] = c
-    if lay.engine == "embedded":
+    if lay.engine and engine_kind(lay.engine).in_process:
         table[(0, 0)]["engine"] = {"id": 0, "tp_rank": 0, "in_process": True}
     elif lay.engine:
         for k in range(lay.num_engines):

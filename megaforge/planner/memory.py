@@ -70,6 +70,8 @@ import importlib.util
 import math
 from dataclasses import dataclass, field
 
+from megaforge.engine_kinds import engine_kind
+
 GiB = float(1 << 30)
 ENGINE_RESERVE_GIB = 1.0
 SGLANG_GRAPH_BASE = 0.5 * GiB
@@ -299,7 +301,7 @@ def engine_items(cfg, shape, lay, memory: float) -> tuple[list[Item], list[Item]
     seqs = r.batch_size * cfg.grpo.n_samples * (cfg.loop.oversample if cfg.algo.dynamic_sampling else 1.0)
     P, N = cfg.data.max_prompt_len, r.max_new_tokens
     ffn = shape.topk * shape.expert_ffn + shape.shared_ffn if shape.is_moe else shape.ffn
-    if lay.engine == "sglang":
+    if engine_kind(lay.engine).memory == "sglang":
         etp = lay.engine_tp
         w = p * n / etp
         kvb = 1 if "fp8" in str(_extra_arg(args, "--kv-cache-dtype", "auto")) else p

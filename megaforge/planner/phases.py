@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from megaforge import configtree
 from megaforge.config import Config
+from megaforge.engine_kinds import engine_kind
 from megaforge.planner import memory as M
 from megaforge.planner.layout import check_layout
 
@@ -34,7 +35,7 @@ def estimate(cfg, shape, lay, hw, mode: str, reserve_gib: float) -> tuple[list, 
     mem = hw.memory_gib * M.GiB
     tres = reserve_gib * M.GiB
     rl = mode == "grpo" and cfg.max_steps > 0
-    separate_engine = lay.engine in ("sglang", "embedded_server")
+    separate_engine = bool(lay.engine) and not engine_kind(lay.engine).in_process
     eres = M.ENGINE_RESERVE_GIB * M.GiB if separate_engine else 0.0
     roll_items, engine_left, kv = (M.engine_items(cfg, shape, lay, mem) if rl and lay.engine else ([], [], {}))
     phases = {}
@@ -96,7 +97,7 @@ def _candidates(cfg, lay, phase: str) -> list[tuple[str, dict]]:
             out.append(("set memory.offload: pinned", {"memory.offload": "pinned"}))
         if cfg.grpo.beta > 0 and t.ref_device != "cpu":
             out.append(("set trainer.ref_device: cpu", {"trainer.ref_device": "cpu"}))
-        if lay.engine == "sglang":
+        if lay.engine and engine_kind(lay.engine).memory == "sglang":
             f = round(r.mem_fraction - 0.05, 2)
             while f >= 0.2:
                 out.append((f"lower rollout.mem_fraction to {f}", {"rollout.mem_fraction": f}))
@@ -143,7 +144,7 @@ def _candidates(cfg, lay, phase: str) -> list[tuple[str, dict]]:
         m //= 2
     if phase == "train" and cfg.grpo.beta > 0 and t.ref_device != "cpu":
         out.append(("set trainer.ref_device: cpu", {"trainer.ref_device": "cpu"}))
-    if phase == "train" and lay.engine == "sglang" and lay.colocated:
+    if phase == "train" and lay.engine and engine_kind(lay.engine).memory == "sglang" and lay.colocated:
         out.append(("lower the CUDA graph batch (rollout.extra_args: [--cuda-graph-max-bs, 64])",
                     {"rollout.extra_args": list(cfg.rollout.extra_args) + ["--cuda-graph-max-bs", "64"]}))
     return out

@@ -8,9 +8,8 @@ from __future__ import annotations
 import os
 
 from megaforge.configtree import ConfigError
+from megaforge.engine_kinds import call, engine_kind
 from megaforge.registry import import_callable
-
-ENGINES = ("embedded", "embedded_server", "sglang")
 
 
 def preflight(cfg) -> None:
@@ -22,10 +21,9 @@ def preflight(cfg) -> None:
             import_callable(cfg.rollout.generate_fn, "rollout.generate_fn")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if cfg.rollout.engine == "sglang":
-        from megaforge.rollout.http.start import require_sglang  # lazy: torch, see above
-
-        require_sglang(cfg, router=cfg.rollout.router and cfg.rollout.num_engines > 1)
+    kind = engine_kind(cfg.rollout.engine)
+    if kind.preflight is not None:
+        call(kind.preflight, cfg)  # e.g. sglang installed in the engine interpreter
     check_context(cfg)
     check_engine_gpus(cfg)
     if cfg.rollout.return_routed_experts:
@@ -74,15 +72,14 @@ def check_engine_gpus(cfg) -> None:
     from megaforge.hf import DeviceError, resolve_device  # lazy: torch, see above
 
     r = cfg.rollout
-    if r.engine in ("embedded", "embedded_server"):
+    kind = engine_kind(r.engine)
+    if kind.on_device:
         try:
             dev = resolve_device(r.device)
         except DeviceError as e:
             raise ConfigError(f"config key 'rollout.device': {e}") from None
-        if r.engine == "embedded" or dev.type != "cuda":
+        if kind.in_process or dev.type != "cuda":
             return
-    elif r.engine != "sglang":
-        return  # not an engine of this build: build_engine says so
     if int(os.environ.get("WORLD_SIZE", "1")) != int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
         return
     from megaforge.rollout.http.start import gpu_assignment, visible_gpus  # lazy: torch, see above
@@ -100,14 +97,7 @@ def check_engine_gpus(cfg) -> None:
 
 
 def build_engine(cfg, tokenizer):
-    """The configured engine (``rollout.engine``), built on the rank that feeds engines."""
-    kind = cfg.rollout.engine
-    if kind == "embedded":
-        from megaforge.rollout.embedded import EmbeddedEngine  # lazy: torch, see above
-
-        return EmbeddedEngine.from_config(cfg, tokenizer)
-    if kind in ("embedded_server", "sglang"):
-        from megaforge.rollout.http.start import build_http_engine  # lazy: torch, see above
-
-        return build_http_engine(cfg, tokenizer, kind)
-    raise ValueError(f"rollout.engine {kind!r} is not available in this build; valid: {', '.join(ENGINES)}")
+    """The configured engine (``rollout.engine``, its kind's ``build``), built on the rank that feeds
+    engines; every engine of a kind not in-process on this node (multi-node jobs:
+    :func:`megaforge.placement.build_engines`)."""
+    return call(engine_kind(cfg.rollout.engine).build, cfg, tokenizer)

@@ -3,19 +3,22 @@ the router, and the :class:`megaforge.rollout.http.engine.HTTPEngine` over them 
 for fault tolerance, :mod:`megaforge.rollout.http.recovery`)."""
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
 from megaforge.configtree import ConfigError
+from megaforge.engine_kinds import engine_kind
 from megaforge.hf import load_hf_model, resolve_device
 from megaforge.net import is_loopback
-from megaforge.rollout.http.auth import API_KEY_ENV, engine_api_key
+from megaforge.rollout.http.auth import engine_api_key
 from megaforge.rollout.http.engine import HTTPEngine
 from megaforge.rollout.http.processes import ServerProcess, child_env, start_all
 from megaforge.rollout.http.versions import TESTED as SGLANG_TESTED  # noqa: F401  (release -> how it was tested)
@@ -130,19 +133,38 @@ def weight_roots(cfg) -> list[str]:
     return [os.path.abspath(d) for d in list(r.weight_roots) + own]
 
 
-def build_http_engine(cfg, tokenizer, kind: str, node=None) -> Optional[HTTPEngine]:
-    """Start ``rollout.num_engines`` servers of ``kind`` (``embedded_server`` | ``sglang``), wait until
-    they are ready, optionally put the router in front; logs in ``<run dir>/logs/engine_K.log``.
-    ``node`` (:class:`megaforge.placement.NodeEngines`, multi-node jobs): start only this node's
-    engines (``node.engine_ids`` on ``node.gpus``); the URLs of all nodes' engines are gathered and
-    rank 0 gets the engine, other node leaders None (``node`` keeps their servers)."""
+@dataclass(frozen=True)
+class ServerStart:
+    """What every server of one start shares: the weights' and tokenizer's folders, the API key, the
+    ``--weight-root`` folders (:func:`weight_roots`) and the device the engines run on."""
+
+    model_dir: str
+    tok_dir: str
+    api_key: str
+    roots: list[str]
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class Servers:
+    """The servers of one HTTP engine kind (its module's, e.g. megaforge.rollout.http.sglang):
+    ``command(cfg, start, port, fd)`` a server's command line (``start``: :class:`ServerStart`),
+    ``env(cfg, start, gpus)`` its environment; ``hold_socket``: the server takes its listening socket
+    ``fd`` from this process (else it binds ``port`` itself)."""
+
+    command: Callable[..., list[str]]
+    env: Callable[..., dict]
+    hold_socket: bool = False
+
+
+def build_http_engine(cfg, tokenizer, kind: Servers, node=None) -> Optional[HTTPEngine]:
+    """Start ``rollout.num_engines`` servers of ``kind``, wait until they are ready, optionally put the
+    router in front; logs in ``<run dir>/logs/engine_K.log``. The engines run on ``rollout.device`` for
+    kinds that run there (megaforge.engine_kinds ``on_device``), else on CUDA GPUs, placed by
+    :func:`gpu_assignment`. ``node`` (:class:`megaforge.placement.NodeEngines`, multi-node jobs): start
+    only this node's engines (``node.engine_ids`` on ``node.gpus``); the URLs of all nodes' engines are
+    gathered and rank 0 gets the engine, other node leaders None (``node`` keeps their servers)."""
     r = cfg.rollout
-    if kind == "sglang":
-        require_sglang(cfg, router=r.router and r.num_engines > 1)
-    elif r.tensor_parallel != 1:
-        raise ValueError("rollout.tensor_parallel: the embedded server runs TP 1 (use rollout.num_engines)")
-    elif r.router and r.num_engines > 1:
-        require_sglang(cfg, router=True)
     api_key = engine_api_key(r.api_key, r.host)
     if node is not None:
         api_key = node.share(api_key)  # rank 0's key on every node
@@ -152,37 +174,16 @@ def build_http_engine(cfg, tokenizer, kind: str, node=None) -> Optional[HTTPEngi
     model_dir, tok_dir = local(model_dir), local(tok_dir)
     logs = os.path.join(cfg.run_dir, "logs")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    device = resolve_device(r.device) if kind == "embedded_server" else torch.device("cuda")
+    device = resolve_device(r.device) if engine_kind(r.engine).on_device else torch.device("cuda")
     ids = list(range(r.num_engines)) if node is None else node.engine_ids
     gpus = (gpu_assignment(r.num_engines, r.tensor_parallel, r.num_gpus, local_world, visible_gpus()) if node is None
             else node.gpus) if device.type == "cuda" else [None] * len(ids)
     gpus = dict(zip(ids, gpus))
-    roots = [] if is_loopback(r.host) else weight_roots(cfg)
-    servers = []
-    for k in ids:
-        if kind == "embedded_server":
-            def cmd(port, fd, k=k):
-                c = [sys.executable, "-m", "megaforge.rollout.server", "--model", model_dir, "--host", r.host,
-                     "--port", str(port), "--sock-fd", str(fd), "--device", "cuda" if device.type == "cuda" else "cpu",
-                     "--dtype", cfg.engine_dtype, "--attn-implementation", cfg.model.attn_implementation,
-                     "--max-batch", str(r.engine_batch_size), "--weight-version", "0", "--fast", r.fast,
-                     "--fast-compile", r.fast_compile, "--fast-attention", r.fast_attention]
-                c += [a for root in roots for a in ("--weight-root", root)]
-                return c + (["--tokenizer", tok_dir] if tok_dir else []) + list(r.extra_args)
-            env = child_env(gpus[k], {API_KEY_ENV: api_key} if api_key else None)
-        else:
-            def cmd(port, fd, k=k):
-                c = [engine_python(cfg), "-m", "sglang.launch_server", "--model-path", model_dir, "--host", r.host,
-                     "--port", str(port), "--tp-size", str(r.tensor_parallel), "--mem-fraction-static", str(r.mem_fraction),
-                     "--dtype", cfg.engine_dtype, "--weight-version", "0", "--random-seed", str(cfg.seed)]
-                c += ["--tokenizer-path", tok_dir] if tok_dir else []
-                c += ["--enable-memory-saver"] if r.num_gpus == 0 else []
-                c += ["--api-key", api_key] if api_key else []
-                c += ["--enable-return-routed-experts"] if r.return_routed_experts else []  # routing replay
-                return c + list(r.extra_args)
-            env = engine_env(cfg, gpus[k])
-        servers.append(ServerProcess(f"engine_{k}", cmd, os.path.join(logs, f"engine_{k}.log"), host=r.host, env=env,
-                                     hold_socket=kind == "embedded_server", api_key=api_key))
+    start = ServerStart(model_dir, tok_dir, api_key, [] if is_loopback(r.host) else weight_roots(cfg),
+                        device)
+    servers = [ServerProcess(f"engine_{k}", functools.partial(kind.command, cfg, start),
+                             os.path.join(logs, f"engine_{k}.log"), host=r.host, env=kind.env(cfg, start, gpus[k]),
+                             hold_socket=kind.hold_socket, api_key=api_key) for k in ids]
     try:
         start_all(servers, r.startup_timeout_s)
         urls = [s.url for s in servers] if node is None else node.gather(servers, cleanup)
