@@ -8,7 +8,7 @@ Trainer ranks follow megatron's default order ``tp-cp-ep-dp-pp`` (TP ranks adjac
 and experts the order ``tp-ep-dp-pp`` with expert-TP ETP = ``trainer.expert_tensor_parallel`` and
 expert-DP ``EDP = W / (ETP*EP*PP)``. Global rank r sits on node ``r // G``, GPU ``r % G`` (G GPUs per node).
 
-Rollout engines (megaforge.rollout.http.start.gpu_assignment): colocated, engine k takes GPUs
+Rollout engines (:func:`engine_gpus`, which the run applies too): colocated, engine k takes GPUs
 ``[k*etp, (k+1)*etp)`` counted node-major over all GPUs; disaggregated (``rollout.num_gpus`` > 0),
 every node gives its last ``num_gpus / nodes`` GPUs to engines and the rest to the trainer. An
 in-process engine kind (``embedded``, megaforge.engine_kinds) lives in the trainer process of rank 0
@@ -229,14 +229,28 @@ def _sequences(cfg, mode: str) -> int:
     return cfg.rollout.batch_size * cfg.grpo.n_samples
 
 
+def engine_gpus(num_engines: int, engine_tp: int, rollout_gpus: int, nodes: int, gpus_per_node: int) -> list[list[tuple[int, int]]]:
+    """The GPUs of each engine server, ``[(node, gpu) of TP rank 0, 1, ...]`` per engine id: the one
+    placement of engines, which the planner reports and the run applies (single node:
+    megaforge.rollout.http.start.gpu_assignment; several: megaforge.placement.engine_slots).
+
+    Colocated (``rollout_gpus == 0``): engine k, TP rank j on GPU ``k*engine_tp + j`` counted node-major
+    over all ``nodes x gpus_per_node`` GPUs; disaggregated: the same over the last ``rollout_gpus / nodes``
+    GPUs of every node. An engine rank beyond those GPUs gets none (check_layout reports it)."""
+    per_node_roll = rollout_gpus // nodes if rollout_gpus else 0
+    first = gpus_per_node - per_node_roll
+    slots = ([(n, first + g) for n in range(nodes) for g in range(per_node_roll)] if rollout_gpus
+             else [(n, g) for n in range(nodes) for g in range(gpus_per_node)])
+    return [[slots[k * engine_tp + j] for j in range(engine_tp) if k * engine_tp + j < len(slots)]
+            for k in range(num_engines)]
+
+
 def placement(lay: Layout, hw: Hardware) -> list[dict]:
     """One row per GPU: node, gpu, trainer rank and coordinates, engine and engine rank."""
     rows = []
     per_node_roll = lay.rollout_gpus // hw.nodes if lay.rollout_gpus else 0
     per_node_train = hw.gpus_per_node - per_node_roll
     trainer_slots = [(n, g) for n in range(hw.nodes) for g in range(per_node_train)]
-    engine_slots = ([(n, per_node_train + g) for n in range(hw.nodes) for g in range(per_node_roll)]
-                    if lay.rollout_gpus else [(n, g) for n in range(hw.nodes) for g in range(hw.gpus_per_node)])
     table = {(n, g): {"node": n, "gpu": g} for n in range(hw.nodes) for g in range(hw.gpus_per_node)}
     for rank, slot in enumerate(trainer_slots[: lay.world]):
         c = {"rank": rank, "tp": rank % lay.tp, "cp": (rank // lay.tp) % lay.cp,
@@ -248,11 +262,9 @@ def placement(lay: Layout, hw: Hardware) -> list[dict]:
     if lay.engine and engine_kind(lay.engine).in_process:
         table[(0, 0)]["engine"] = {"id": 0, "tp_rank": 0, "in_process": True}
     elif lay.engine:
-        for k in range(lay.num_engines):
-            for j in range(lay.engine_tp):
-                i = k * lay.engine_tp + j
-                if i < len(engine_slots):
-                    table[engine_slots[i]]["engine"] = {"id": k, "tp_rank": j}
+        for k, gpus in enumerate(engine_gpus(lay.num_engines, lay.engine_tp, lay.rollout_gpus, hw.nodes, hw.gpus_per_node)):
+            for j, slot in enumerate(gpus):
+                table[slot]["engine"] = {"id": k, "tp_rank": j}
     for key in sorted(table):
         rows.append(table[key])
     return rows

@@ -18,6 +18,7 @@ from megaforge.configtree import ConfigError
 from megaforge.engine_kinds import engine_kind
 from megaforge.hf import load_hf_model, resolve_device
 from megaforge.net import is_loopback
+from megaforge.planner.layout import engine_gpus
 from megaforge.rollout.http.auth import engine_api_key
 from megaforge.rollout.http.engine import HTTPEngine
 from megaforge.rollout.http.processes import ServerProcess, child_env, start_all
@@ -77,24 +78,26 @@ def require_sglang(cfg, router: bool = False) -> str:
 
 
 def gpu_assignment(num_engines: int, tp: int, num_gpus: int, local_world: int, visible: Optional[list[int]]) -> list[list[int]]:
-    """GPU ids (as the parent sees them, mapped through its CUDA_VISIBLE_DEVICES) of each engine.
+    """GPU ids (as the parent sees them, mapped through its CUDA_VISIBLE_DEVICES) of each engine: the
+    planner's placement (:func:`megaforge.planner.layout.engine_gpus`) on this one node.
 
     Colocated (``num_gpus == 0``): engines share the trainer's GPUs, engine k on GPUs
-    ``[k*tp, (k+1)*tp)``. Disaggregated: the last ``num_gpus`` GPUs of the node are the rollout GPUs
-    (the placement :mod:`megaforge.planner.layout` reports); they must not overlap the trainer's
-    ``local_world`` ones. All engines run on this (the main rank's) node.
+    ``[k*tp, (k+1)*tp)``. Disaggregated: the last ``num_gpus`` GPUs of the node are the rollout GPUs;
+    they must not overlap the trainer's ``local_world`` ones. All engines run on this (the main rank's)
+    node.
     """
     need = num_engines * tp
     if num_gpus and need > num_gpus:
         raise ValueError(f"rollout.num_engines x rollout.tensor_parallel = {need} GPUs > rollout.num_gpus = {num_gpus}")
-    base = 0 if num_gpus == 0 else (len(visible) - num_gpus if visible is not None else local_world)
+    n = len(visible) if visible is not None else (local_world + num_gpus if num_gpus else need)
+    base = 0 if num_gpus == 0 else n - num_gpus
     if num_gpus and base < local_world:
         raise ValueError(f"rollout.num_gpus = {num_gpus} rollout GPUs and {local_world} trainer processes do not fit "
                          f"the {len(visible) if visible is not None else '?'} GPUs of this node")
-    if visible is not None and base + need > len(visible):
-        raise ValueError(f"rollout engines need GPUs {base}..{base + need - 1} but only {len(visible)} are visible")
-    ids = visible if visible is not None else list(range(base + need))
-    return [ids[base + k * tp: base + (k + 1) * tp] for k in range(num_engines)]
+    if base + need > n:
+        raise ValueError(f"rollout engines need GPUs {base}..{base + need - 1} but only {n} are visible")
+    ids = visible if visible is not None else list(range(n))
+    return [[ids[g] for _, g in gpus] for gpus in engine_gpus(num_engines, tp, num_gpus, 1, n)]
 
 
 def visible_gpus() -> Optional[list[int]]:
