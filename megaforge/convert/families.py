@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from megaforge.convert.layouts import Dims, padded_vocab_size
+from megaforge.model_families import model_family
 
 
 @dataclass(frozen=True)
@@ -109,12 +110,15 @@ def rope_scaling(cfg) -> Optional[dict]:
     return None if kind in (None, "default") else dict(rp)
 
 
-def describe_dense(cfg, family: str, qkv_bias: bool, qk_norm: bool) -> ModelDesc:
-    """ModelDesc of a dense decoder-only HF config (Llama-style attribute names)."""
+def describe_dense(cfg, family: str) -> ModelDesc:
+    """ModelDesc of a dense decoder-only HF config (Llama-style attribute names); the family's q/k/v
+    biases and q/k norms are those megaforge.model_families records for it."""
+    facts = model_family(family)
+    qkv_bias, qk_norm = facts.qkv_bias, facts.qk_norm
     heads = cfg.num_attention_heads
     if getattr(cfg, "mlp_bias", False):
         raise NotImplementedError(f"{family}: mlp_bias=True is not supported")
-    if family not in ("qwen2",) and getattr(cfg, "attention_bias", False):
+    if facts.o_bias and getattr(cfg, "attention_bias", False):
         raise NotImplementedError(f"{family}: attention_bias=True (biased o_proj) is not supported")
     if getattr(cfg, "use_sliding_window", False):
         raise NotImplementedError(f"{family}: sliding-window attention is not supported")
@@ -300,16 +304,16 @@ def register_family(f: Family) -> Family:
     return f
 
 
-register_family(Family("llama", ("llama",), lambda c: describe_dense(c, "llama", False, False), LLAMA_LAYER))
-register_family(Family("qwen2", ("qwen2",), lambda c: describe_dense(c, "qwen2", True, False), LLAMA_LAYER + QKV_BIAS))
-register_family(Family("qwen3", ("qwen3",), lambda c: describe_dense(c, "qwen3", False, True), LLAMA_LAYER + QK_NORM))
+register_family(Family("llama", ("llama",), lambda c: describe_dense(c, "llama"), LLAMA_LAYER))
+register_family(Family("qwen2", ("qwen2",), lambda c: describe_dense(c, "qwen2"), LLAMA_LAYER + QKV_BIAS))
+register_family(Family("qwen3", ("qwen3",), lambda c: describe_dense(c, "qwen3"), LLAMA_LAYER + QK_NORM))
 
 
 def describe_qwen3_moe(cfg) -> ModelDesc:
     """Qwen3-MoE: Qwen3 attention (q/k norm, no bias); layer i is MoE unless i is in
     ``mlp_only_layers`` or (i + 1) is not a multiple of ``decoder_sparse_step``. Routing: softmax
     over all experts, top-k, renormalised when ``norm_topk_prob``; no shared experts."""
-    desc = describe_dense(cfg, "qwen3_moe", False, True)
+    desc = describe_dense(cfg, "qwen3_moe")
     E = int(getattr(cfg, "num_experts", 0) or 0)
     if E <= 0:
         raise NotImplementedError("qwen3_moe: num_experts must be > 0")

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Optional
+
+from megaforge.model_families import model_family, model_types
 
 #: megatron's make_vocab_size_divisible_by in megaforge's backend (megaforge.trainer.megatron.model)
 VOCAB_DIVISIBLE_BY = 128
@@ -35,8 +38,25 @@ def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
     m = divisible_by * tp
     return ((vocab + m - 1) // m) * m
 
+class _KnownTypes(Mapping):
+    """{model type: whether the megatron backend has a family for it} of the model types the planner
+    can describe: the registered model families (megaforge.model_families), read when asked."""
+
+    def __getitem__(self, model_type: str) -> bool:
+        fam = model_family(model_type)
+        if fam is None:
+            raise KeyError(model_type)
+        return fam.megatron
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(model_types())
+
+    def __len__(self) -> int:
+        return len(model_types())
+
+
 #: model types the planner can describe, and whether the megatron backend has a family for them
-KNOWN_TYPES = {"llama": True, "mistral": False, "qwen2": True, "qwen3": True, "qwen2_moe": False, "qwen3_moe": True}
+KNOWN_TYPES: Mapping[str, bool] = _KnownTypes()
 
 
 class ShapeError(ValueError):
@@ -179,7 +199,8 @@ def shape_from_dict(d: dict, source: str = "") -> ModelShape:
     heads = int(need("num_attention_heads"))
     hidden = int(need("hidden_size"))
     layers = int(need("num_hidden_layers"))
-    experts = int(_first(d, "num_experts", default=0) or 0) if mt.endswith("_moe") else 0
+    fam = model_family(mt)
+    experts = int(_first(d, "num_experts", default=0) or 0) if fam.moe else 0
     moe_layers: list[int] = []
     if experts:
         step = int(_first(d, "decoder_sparse_step", default=1))
@@ -191,9 +212,9 @@ def shape_from_dict(d: dict, source: str = "") -> ModelShape:
         head_dim=int(_first(d, "head_dim", default=hidden // heads)),
         ffn=int(need("intermediate_size")), vocab=int(need("vocab_size")),
         tied=bool(d.get("tie_word_embeddings", False)),
-        qkv_bias=mt in ("qwen2", "qwen2_moe") or bool(d.get("attention_bias", False)),
-        o_bias=mt in ("llama", "mistral", "qwen3", "qwen3_moe") and bool(d.get("attention_bias", False)),
-        qk_norm=mt in ("qwen3", "qwen3_moe"),
+        qkv_bias=fam.qkv_bias or bool(d.get("attention_bias", False)),
+        o_bias=fam.o_bias and bool(d.get("attention_bias", False)),
+        qk_norm=fam.qk_norm,
         experts=experts, topk=int(_first(d, "num_experts_per_tok", default=0) or 0) if experts else 0,
         expert_ffn=int(_first(d, "moe_intermediate_size", default=0) or 0) if experts else 0,
         shared_ffn=int(_first(d, "shared_expert_intermediate_size", default=0) or 0) if experts else 0,

@@ -43,9 +43,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megaforge.model_families import model_types
 from megaforge.rollout.embedded.fast.fuse import fuse_layer
 
-SUPPORTED = ("llama", "qwen2", "qwen3")
+
+def supported() -> list[str]:
+    """The model types the fast path runs: the families megaforge.model_families marks ``fast_decode``."""
+    return model_types(fast_decode=True)
+
+
 ATTENTION = ("auto", "sdpa", "matmul")
 #: attention "auto": matmul when a KV head serves at most this many query heads (H200 measurements,
 #: docs/benchmarks/README.md: matmul won at Qwen3-1.7B's 2 per KV head, lost at Qwen2-0.5B's 7)
@@ -56,8 +62,8 @@ def unsupported_reason(model) -> Optional[str]:
     """Why :class:`StaticForward` cannot run ``model`` (None: it can)."""
     cfg = getattr(model, "config", None)
     mt = getattr(cfg, "model_type", None)
-    if mt not in SUPPORTED:
-        return f"model_type {mt!r} (the fast path supports {', '.join(SUPPORTED)})"
+    if mt not in supported():
+        return f"model_type {mt!r} (the fast path supports {', '.join(supported())})"
     inner = getattr(model, "model", None)
     for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
         if not hasattr(inner, name):
