@@ -89,3 +89,26 @@ def test_a_plugin_kind_is_accepted_whatever_the_order_of_the_config_sections(tmp
     assert config_from_dict(tree).rollout.engine == "toy_42b"
     with pytest.raises(ConfigError, match="'rollout.engine': expected one of .*got 'toy_42c'; did you mean 'toy_42b'"):
         config_from_dict({**tree, "rollout": {"engine": "toy_42c"}})
+
+
+def test_two_nodes_start_a_kind_through_its_build_on_each_node_leader(tmp_path):
+    # 2 nodes x (1 trainer rank + 1 rollout GPU): the planner's placement puts engine k on node k; each
+    # node leader calls the kind's build with its share, rank 0 gets every engine's URL in id order
+    import json
+    import subprocess
+    import sys
+
+    from megaforge.net import free_port
+
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", LOCAL_RANK="0",
+               LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "node_kind_worker.py")
+    procs = [subprocess.Popen([sys.executable, worker, str(tmp_path / f"rank{r}.json")], env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0["engine"] == ["http://127.0.0.1:9000", "http://127.0.0.1:9001"] and r1["engine"] is None
+    assert r0["calls"] == [{"key": "key-of-rank-0", "engine_ids": [0], "gpus": [[1]]}]
+    assert r1["calls"] == [{"key": "key-of-rank-0", "engine_ids": [1], "gpus": [[1]]}]  # rank 0's API key
+    assert r1["stopped"] == [True]  # node 1's servers stop with the run; rank 0's belong to its engine
