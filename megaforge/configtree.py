@@ -32,7 +32,7 @@ import math
 import textwrap
 import types
 import typing
-from typing import Any, Callable, Iterable, Literal, Optional, Union, get_args, get_origin
+from typing import Any, Iterable, Literal, Optional, Union, get_args, get_origin
 
 import yaml
 
@@ -200,15 +200,10 @@ def _nearest(key: str, candidates: list[str]) -> str:
 
 
 # --------------------------------------------------------------------------------- type checking
-def choices(names: Callable[[], Iterable[str]]) -> dict:
-    """Field metadata of a ``str`` key whose valid values are known when a config is built, not when
-    the dataclass is written (the names of a registry, e.g. ``rollout.engine``): checked by :func:`build`
-    and shown by ``--help`` like a ``Literal``."""
-    return {"choices": lambda: list(names())}
-
-
 def check_choices(obj, prefix: str = "") -> None:
-    """Every :func:`choices` field of the dataclass tree ``obj`` holds one of its valid values."""
+    """Every field of the dataclass tree ``obj`` with ``metadata={"choices": fn}`` holds one of ``fn()``:
+    a ``str`` key whose valid values are known once the config is read, not when the dataclass is
+    written (a registry's names, e.g. ``rollout.engine``); ``--help`` shows them like a ``Literal``'s."""
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
         if "choices" in f.metadata and v not in f.metadata["choices"]():

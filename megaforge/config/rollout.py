@@ -4,13 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megaforge.configtree import bounded, choices
+from megaforge.configtree import bounded
 from megaforge.engine_kinds import engine_kind_names
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = field(default="embedded", metadata=choices(engine_kind_names))
+    engine: str = field(default="embedded", metadata={"choices": engine_kind_names})
     """Rollout engine: HF transformers in-process (embedded), the same behind HTTP
     (embedded_server), or SGLang servers (the kinds registered in megaforge.engine_kinds)."""
     batch_size: int = 16
