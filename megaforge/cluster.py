@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megaforge import collective
-from megaforge.rollout.http import processes
+from megaforge.supervise import PROCESS_CHILDREN
 
 
 @dataclass(frozen=True)
@@ -90,10 +90,10 @@ def _key(name: str) -> str:
     return _PREFIX.format(restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + name
 
 
-def _stop_engine_servers() -> None:
-    """Stop every engine server this process started (SIGTERM, SIGKILL after 5 s)."""
+def _stop_children() -> None:
+    """Stop every child process (engine servers) this process started (SIGTERM, SIGKILL after 5 s)."""
     try:
-        processes.stop_all()
+        PROCESS_CHILDREN.stop_all()
     except Exception as e:  # noqa: BLE001  (best effort on the way out; PDEATHSIG still kills them)
         print(f"[megaforge] stopping engine servers failed: {e}", file=sys.stderr, flush=True)
 
@@ -178,7 +178,7 @@ class Watchdog:
 
 def _hard_exit(rank: int, why: str) -> None:
     print(f"[megaforge] rank {rank}: ending this process: {why}", file=sys.stderr, flush=True)
-    _stop_engine_servers()
+    _stop_children()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)

@@ -49,7 +49,7 @@ import submitit
 from megaforge.config import load_config
 from megaforge.configtree import ConfigError, flag_value
 from megaforge.net import free_port
-from megaforge.rollout.http.processes import die_with_parent
+from megaforge.supervise import die_with_parent
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: launcher flag -> (config key, type); flags without a config key are the launcher's own
