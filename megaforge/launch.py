@@ -13,8 +13,8 @@ from megaforge.config import load_config
 from megaforge.configtree import ConfigError
 from megaforge.data.sources import DataError
 from megaforge.planner import FlagError, dry_run, split_argv
+from megaforge.supervise import die_with_parent
 
-PR_SET_PDEATHSIG = 1
 #: failures of the disk, not of megaforge: reported as one line naming the path and the cause
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
 
@@ -27,7 +27,7 @@ def die_with_agent() -> None:
     launchers/grpo.py`` (e.g. under nohup) is left alone."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if not die_with_parent(signal.SIGKILL):
         print(f"megaforge: warning: prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): this worker "
               f"would outlive its torchrun agent", file=sys.stderr, flush=True)
     if os.getppid() == 1:  # adopted by init: the agent is gone
