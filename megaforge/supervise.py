@@ -106,7 +106,7 @@ class Children:
 
     def __init__(self):
         self._live: list[Stoppable] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered when a signal handler (stop_all) interrupts add/discard
         self._spawner: Optional[ThreadPoolExecutor] = None
         self._hooked = False
 
