@@ -34,7 +34,7 @@ from typing import Optional
 import torch.distributed
 
 from megaforge import collective
-from megaforge.cluster import ProcessPlace, place_from_env
+from megaforge.cluster import Job, ProcessPlace, place_from_env
 from megaforge.configtree import ConfigError
 from megaforge.net import is_loopback
 from megaforge.planner.layout import Hardware, check_layout, placement
@@ -44,7 +44,6 @@ from megaforge.rollout.http.start import build_http_engine, visible_gpus
 
 HTTP_ENGINES = ("embedded_server", "sglang")
 _WILDCARD = ("0.0.0.0", "::", "")
-_NODE: Optional["NodeEngines"] = None  # this process's share of a multi-node engine start
 
 
 def hardware(cfg, place: ProcessPlace):
@@ -145,31 +144,28 @@ class NodeEngines:
             shutil.rmtree(d, ignore_errors=True)
         self.cleanup = []
 
+    def end(self, barrier: bool) -> None:
+        """End of run: stop the servers this node's leader started for rank 0. ``barrier``: every rank
+        got here together (the run finished or stopped), so wait until rank 0 shut its engine down."""
+        if barrier and collective.initialized():
+            collective.barrier()
+        self.shutdown()
 
-def build_engines(cfg, tokenizer):
+
+def build_engines(cfg, tokenizer, job: Optional[Job] = None):
     """Called on every rank by the loop: the engine rank 0 drives (None on other ranks). Node leaders
-    of a multi-node job start their node's HTTP engine servers (see the module docstring)."""
-    global _NODE
+    of a multi-node job start their node's HTTP engine servers (see the module docstring); ``job``
+    stops them when the run ends (:meth:`NodeEngines.end`; without one, the process's exit does)."""
     place = place_from_env()
     if place.nodes == 1 or cfg.rollout.engine not in HTTP_ENGINES:
         if not collective.is_main():
             return None
         return build_engine(cfg, tokenizer)
-    _NODE = NodeEngines(cfg, place, engine_slots(cfg, place))
-    if place.node_leader and (_NODE.engine_ids or collective.is_main()):
-        return build_http_engine(cfg, tokenizer, cfg.rollout.engine, node=_NODE)
-    _NODE.share("")
-    _NODE.gather([])
+    node = NodeEngines(cfg, place, engine_slots(cfg, place))
+    if job is not None:
+        job.at_end(node.end)
+    if place.node_leader and (node.engine_ids or collective.is_main()):
+        return build_http_engine(cfg, tokenizer, cfg.rollout.engine, node=node)
+    node.share("")
+    node.gather([])
     return None
-
-
-def shutdown_node_engines(barrier: bool) -> None:
-    """End of run: stop the servers this node's leader started for rank 0. ``barrier``: every rank
-    got here together (the run finished or stopped), so wait until rank 0 shut its engine down."""
-    global _NODE
-    node, _NODE = _NODE, None
-    if node is None:
-        return
-    if barrier and collective.initialized():
-        collective.barrier()
-    node.shutdown()

@@ -74,7 +74,7 @@ export PYTHONPATH=$PWD
 [ -d /tmp/tesite ] && export PYTHONPATH=$PYTHONPATH:/tmp/tesite  # Transformer Engine, apart from SGLang's site
 export MEGAFORGE_SGLANG_ENV_SH=/tmp/sgl/env.sh
 engine_env() {  # the SGLang kit's environment as rollout.engine_env (JSON is YAML)
-  python3 -c "import json; from megaforge.rollout.http.processes import env_from_script; print(json.dumps(env_from_script('/tmp/sgl/env.sh')))"
+  python3 -c "import json; from megaforge.supervise import env_from_script; print(json.dumps(env_from_script('/tmp/sgl/env.sh')))"
 }
 mfsite() {  # megaforge's wheels (.whl: megatron-core, submitit, ...) into their own site folder
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsite .whl/*.whl

@@ -21,7 +21,8 @@ KEY = "test-key-0123456789"
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    from megaforge.rollout.http.processes import ServerProcess, child_env
+    from megaforge.rollout.http.processes import ServerProcess
+    from megaforge.supervise import child_env
 
     d = save_tiny_qwen2(str(tmp_path_factory.mktemp("tiny")))
     cmd = lambda port, fd: [sys.executable, "-m", "megaforge.rollout.server", "--model", d, "--port", str(port),  # noqa: E731
