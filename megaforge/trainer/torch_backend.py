@@ -153,8 +153,7 @@ class TorchTrainer(Trainer):
                                          objective.trained_positions)
             return objective.loss(lp, ent, mb.to(self.device))
 
-        metrics = torch_ddp.accumulate(self.module, mini, self.cfg.trainer.micro_batch_size, loss_fn)
-        return lambda: metrics
+        return torch_ddp.accumulate(self.module, mini, self.cfg.trainer.micro_batch_size, loss_fn)
 
     def _forward_packed(self, module, mb: TrainBatch, temperature: float):
         """Token-aligned logprobs [B, T] of ``mb``'s rows, computed on packed rows (several rows per
