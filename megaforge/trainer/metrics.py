@@ -13,10 +13,12 @@ kinds of values reach :class:`StepMetrics`:
   which the finite check reads anyway, the learning rate, whether the step was skipped): ``mean``
   over the updates, or ``count`` (summed over them).
 
-So a call reads the device (N micro-batches, U updates) U times for the gradient norms and once for
-every metric, where it read it once per metric per micro-batch before; the metrics' reduction and
-copy start before the last optimizer step and are read after it (:func:`to_host_later`). Plus ``updates`` (U, skipped
-ones included) and ``empty_minibatches`` (mini-batches without a trained token: no update runs).
+So a call of N micro-batches and U updates reads the device U times (the gradient norms) plus once
+(all the metrics), where it read it once per metric and micro-batch before; the metrics' reduction
+and copy start before the last optimizer step and are read after it (:func:`to_host_later`). The
+counts: ``skipped`` (updates whose gradient norm was not finite), ``updates`` (U, skipped ones
+included) and ``empty_minibatches`` (mini-batches without a trained token: no update runs for them).
+A key present in some updates only is still divided by U (its value is 0 in the others).
 """
 from __future__ import annotations
 

@@ -46,12 +46,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from torch.profiler import record_function
 
+from megaforge.algorithms.stats import merge
 from megaforge.collective import all_gather_rows, shard_range
 from megaforge.convert import families
 from megaforge.hf import DTYPES
 from megaforge.memory import build_offloader, onloaded
 from megaforge.memory.state import ddp_entries, megatron_parts, on_device, param_entries
-from megaforge.algorithms.stats import merge
 from megaforge.trainer.base import HFBucket, Objective, Trainer, modules_weights
 from megaforge.trainer.megatron import cpu_compat, parallel, routing_replay
 from megaforge.trainer.megatron import model as mmodel
@@ -284,7 +284,8 @@ class MegatronTrainer(Trainer):
         out = super().train_step(batch)
         counts = routing_replay.diff_counts(self.ddp, self.device)
         dist.all_reduce(counts)
-        out["routing/replay_diff_frac"] = float(counts[0] / counts[1]) if float(counts[1]) > 0 else 0.0
+        diff, total = counts.tolist()  # one copy to the host
+        out["routing/replay_diff_frac"] = diff / total if total > 0 else 0.0
         return out
 
     def _from_last_stage(self, t: Optional[torch.Tensor], shape, dtype=torch.float32) -> torch.Tensor:
