@@ -483,7 +483,8 @@ def _pack_rows(rows: TrainBatch, **kw) -> Packed:
 
 def _loss_wrapper(loss_fn, mb: _MicroBatch, logits):
     """megatron loss-func protocol (loss, num_tokens, reduced dict); num_tokens is unused (1). The dict's
-    tensors (forward only: per-row results) are detached; statistics (:class:`~megaforge.algorithms.stats.Stat`) are already."""
+    tensors (forward only: per-row results) are detached; statistics
+    (:class:`~megaforge.algorithms.stats.Stat`) are already."""
     with record_function("megaforge.loss"):
         loss, out = loss_fn(mb, logits)
     out = {k: (v.detach() if torch.is_tensor(v) else v) for k, v in out.items()}
