@@ -7,9 +7,10 @@ node ``GROUP_RANK = r // LOCAL_WORLD_SIZE`` (homogeneous nodes, which megaforge 
 
 Failure of any rank ends every rank within a bounded time:
 
-* a rank that raises reports it (:func:`report_failure`: key ``megaforge/<restart>/failed`` in the
+* a rank that raises reports it (:meth:`Job.report_failure`: key ``megaforge/<restart>/failed`` in the
   rendezvous store, the torchrun agent's TCPStore at ``MASTER_ADDR:MASTER_PORT``) before exiting;
-* every rank runs a :class:`Watchdog` thread with its own store connection. Each period
+* every rank of a run (the :class:`Job` its launcher or :class:`megaforge.loop.Run` holds) runs a
+  :class:`Watchdog` thread with its own store connection. Each period
   (``launch.heartbeat_s``) it bumps its heartbeat counter ``megaforge/<restart>/hb/<rank>`` and reads
   the failure key and the other ranks' counters. It ends this process (engine servers stopped first,
   then ``os._exit(1)``) when
@@ -37,10 +38,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from megaforge import collective
-from megaforge.rollout.http import processes
+from megaforge.supervise import PROCESS_CHILDREN
 
 
 @dataclass(frozen=True)
@@ -83,17 +84,16 @@ def place_from_env(env: Optional[dict] = None) -> ProcessPlace:
 
 # ------------------------------------------------------------------------------------ watchdog
 _PREFIX = "megaforge/{restart}/"
-_WATCHDOG: Optional["Watchdog"] = None
 
 
 def _key(name: str) -> str:
     return _PREFIX.format(restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + name
 
 
-def _stop_engine_servers() -> None:
-    """Stop every engine server this process started (SIGTERM, SIGKILL after 5 s)."""
+def _stop_children() -> None:
+    """Stop every child process (engine servers) this process started (SIGTERM, SIGKILL after 5 s)."""
     try:
-        processes.stop_all()
+        PROCESS_CHILDREN.stop_all()
     except Exception as e:  # noqa: BLE001  (best effort on the way out; PDEATHSIG still kills them)
         print(f"[megaforge] stopping engine servers failed: {e}", file=sys.stderr, flush=True)
 
@@ -178,7 +178,7 @@ class Watchdog:
 
 def _hard_exit(rank: int, why: str) -> None:
     print(f"[megaforge] rank {rank}: ending this process: {why}", file=sys.stderr, flush=True)
-    _stop_engine_servers()
+    _stop_children()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
@@ -194,34 +194,50 @@ def _store_client(timeout_s: float):
 
 
 # --------------------------------------------------------------------------------- entry points
-def init_distributed(cfg, device_type: str) -> ProcessPlace:
-    """The default process group from torchrun's variables with ``launch.dist_timeout_s``, and the
-    watchdog (more than one process). Returns this process's place."""
-    global _WATCHDOG
+class Job:
+    """This process's part in a torchrun job, held by whoever runs it (:func:`megaforge.launch.main` for a
+    launcher's run; a :class:`megaforge.loop.Run` started from Python makes its own): the rank watchdog
+    :func:`init_distributed` started for it, and what must stop when the run ends (:meth:`at_end`)."""
+
+    def __init__(self):
+        self.watchdog: Optional[Watchdog] = None
+        self._at_end: list[Callable[[bool], None]] = []
+
+    def at_end(self, fn: Callable[[bool], None]) -> None:
+        """``fn(together)`` at :meth:`end` (last registered first), e.g. stopping this node's engine servers."""
+        self._at_end.append(fn)
+
+    def report_failure(self, exc: BaseException) -> None:
+        """Tell every other rank that this one is failing (before it exits)."""
+        if self.watchdog is None:
+            return
+        msg = f"{type(exc).__name__}: {exc}".strip().splitlines()
+        try:
+            self.watchdog.report(msg[0][:500] if msg else type(exc).__name__)
+        except Exception as e:  # noqa: BLE001  (the store may be what failed)
+            print(f"[megaforge] could not report the failure to the other ranks: {e}", file=sys.stderr, flush=True)
+        self.watchdog.stop(done=False)
+
+    def end(self, together: bool) -> None:
+        """The run is over. ``together``: it ended the same way on every rank (done, or a stop every rank
+        shares). The :meth:`at_end` calls first, then, when ``together``, the watchdog stops and tells the
+        others this rank finished (after those calls: a barrier among them is still guarded)."""
+        fns, self._at_end = self._at_end[::-1], []
+        for fn in fns:
+            fn(together)
+        if together and self.watchdog is not None:
+            self.watchdog.stop(done=True)
+            self.watchdog = None
+
+
+def init_distributed(cfg, device_type: str, job: Optional[Job] = None) -> ProcessPlace:
+    """The default process group from torchrun's variables with ``launch.dist_timeout_s``, and, for
+    ``job`` (more than one process), its watchdog (one per job). Returns this process's place."""
     place = place_from_env()
     collective.init_from_env(device_type, timeout_s=cfg.launch.dist_timeout_s)
-    if collective.initialized() and collective.world() > 1 and _WATCHDOG is None and "MASTER_ADDR" in os.environ:
+    if (job is not None and job.watchdog is None and collective.initialized() and collective.world() > 1
+            and "MASTER_ADDR" in os.environ):
         la = cfg.launch
-        _WATCHDOG = Watchdog(_store_client(min(30.0, la.peer_timeout_s)), collective.rank(), collective.world(), la.heartbeat_s,
-                             la.peer_timeout_s, la.abort_grace_s).start()
+        job.watchdog = Watchdog(_store_client(min(30.0, la.peer_timeout_s)), collective.rank(), collective.world(),
+                                la.heartbeat_s, la.peer_timeout_s, la.abort_grace_s).start()
     return place
-
-
-def report_failure(exc: BaseException) -> None:
-    """Tell every other rank that this one is failing (before it exits)."""
-    if _WATCHDOG is None:
-        return
-    msg = f"{type(exc).__name__}: {exc}".strip().splitlines()
-    try:
-        _WATCHDOG.report(msg[0][:500] if msg else type(exc).__name__)
-    except Exception as e:  # noqa: BLE001  (the store may be what failed)
-        print(f"[megaforge] could not report the failure to the other ranks: {e}", file=sys.stderr, flush=True)
-    _WATCHDOG.stop(done=False)
-
-
-def finish() -> None:
-    """This rank is done (normally or with a stop every rank shares): stop watching."""
-    global _WATCHDOG
-    if _WATCHDOG is not None:
-        _WATCHDOG.stop(done=True)
-        _WATCHDOG = None

@@ -13,8 +13,8 @@ from megaforge.config import load_config
 from megaforge.configtree import ConfigError
 from megaforge.data.sources import DataError
 from megaforge.planner import FlagError, dry_run, split_argv
+from megaforge.supervise import die_with_parent
 
-PR_SET_PDEATHSIG = 1
 #: failures of the disk, not of megaforge: reported as one line naming the path and the cause
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
 
@@ -27,7 +27,7 @@ def die_with_agent() -> None:
     launchers/grpo.py`` (e.g. under nohup) is left alone."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if not die_with_parent(signal.SIGKILL):
         print(f"megaforge: warning: prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): this worker "
               f"would outlive its torchrun agent", file=sys.stderr, flush=True)
     if os.getppid() == 1:  # adopted by init: the agent is gone
@@ -54,18 +54,19 @@ def main(mode: str, argv=None) -> None:
         raise SystemExit(dry_run(cfg, mode, plan_opts, path))
     # lazy: these import torch and the trainer (seconds); --help and --dry_run answer before them
     import torch.distributed  # lazy: as above
-    from megaforge import cluster, collective, placement  # lazy: as above
+    from megaforge import cluster, collective  # lazy: as above
     from megaforge.driver.common import RunError, RunStopped  # lazy: as above
     from megaforge.hf import DeviceError, ModelSourceError  # lazy: as above
     from megaforge.loop import run_grpo, run_sft  # lazy: as above
     from megaforge.metrics import run_summary  # lazy: as above
 
+    job = cluster.Job()  # this rank's part in the job: its watchdog, its node's engine servers
     together = False  # the run ended the same way on every rank (done, or a shared stop)
     try:
         if mode == "grpo":
-            run = run_grpo(cfg)
+            run = run_grpo(cfg, job)
         elif mode == "sft":
-            run = run_sft(cfg)
+            run = run_sft(cfg, job)
         else:
             raise ValueError(f"unknown launcher mode {mode!r}")
         together = True
@@ -76,12 +77,12 @@ def main(mode: str, argv=None) -> None:
         print(f"megaforge: {e}", file=sys.stderr)
         raise SystemExit(143)
     except (ConfigError, DataError, RunError, DeviceError, ModelSourceError) as e:
-        cluster.report_failure(e)  # the other ranks exit within launch.abort_grace_s (megaforge.cluster)
+        job.report_failure(e)  # the other ranks exit within launch.abort_grace_s (megaforge.cluster)
         kind = "config error" if isinstance(e, ConfigError) else "error"  # e.g. a LoRA target the model lacks
         print(f"megaforge: {kind}: {e}", file=sys.stderr)
         raise SystemExit(1)
     except OSError as e:
-        cluster.report_failure(e)
+        job.report_failure(e)
         if e.errno not in DISK_ERRORS:
             raise
         where = f" ({e.filename})" if e.filename else ""
@@ -89,11 +90,11 @@ def main(mode: str, argv=None) -> None:
               f"({errno.errorcode[e.errno]}); free space and continue with --resume", file=sys.stderr)
         raise SystemExit(1)
     except BaseException as e:
-        cluster.report_failure(e)
+        job.report_failure(e)
         raise
     finally:
-        placement.shutdown_node_engines(barrier=together)  # engine servers this node's leader started
-        if together:
-            cluster.finish()  # after the barrier above, which the watchdog still guards
+        # engine servers this node's leader started (after a barrier when together), then the watchdog
+        # stops (when together: after that barrier, which it still guards)
+        job.end(together)
         if collective.initialized():
             torch.distributed.destroy_process_group()

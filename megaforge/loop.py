@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from megaforge import checkpoint, collective, handoff_source, resume, startup
-from megaforge.cluster import init_distributed
+from megaforge.cluster import Job, init_distributed
 from megaforge.config import Config, save_config
 from megaforge.configtree import ConfigError
 from megaforge.data.batch import sft_batch
@@ -63,11 +63,12 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class Run:
     """Everything one run needs; :meth:`rl` and :meth:`sft` are the two loops."""
 
-    def __init__(self, cfg: Config, mode: str = "grpo"):
+    def __init__(self, cfg: Config, mode: str = "grpo", job: Optional[Job] = None):
         self.cfg, self.mode = cfg, mode
+        self.job = job if job is not None else Job()  # rank watchdog, node engines: the launcher's, else this run's
         self.run_dir = cfg.run_dir
         startup.resolve(cfg, mode)  # bad names fail here, before the run directory and any SFT
-        init_distributed(cfg, resolve_device(cfg.trainer.device).type)  # launch.dist_timeout_s, rank watchdog
+        init_distributed(cfg, resolve_device(cfg.trainer.device).type, self.job)  # launch.dist_timeout_s, rank watchdog
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(cfg.seed)
@@ -199,7 +200,7 @@ class Run:
             say(f"--resume: the checkpoint's learning-rate schedule takes the config's {', '.join(changed)}")
 
     def _build_engine(self):
-        return build_engines(self.cfg, self.tokenizer)  # rank 0's engine; node leaders start their node's servers
+        return build_engines(self.cfg, self.tokenizer, self.job)  # rank 0's engine; node leaders start their node's servers
 
     def _save(self, step: int, phase: str = "rl", tensors: Optional[dict] = None) -> None:
         """A checkpoint (with ``tensors``: main rank, ``{file name: {name: tensor}}`` written beside the
@@ -444,8 +445,8 @@ class Run:
         self.state = collective.broadcast_object(self.state)
         self._save(self.state["rl_step"], tensors=tensors)
 
-def run_grpo(cfg: Config) -> Run:
-    run = Run(cfg, "grpo")
+def run_grpo(cfg: Config, job: Optional[Job] = None) -> Run:
+    run = Run(cfg, "grpo", job)
     try:
         run.sft()
         if cfg.max_steps > 0:
@@ -457,8 +458,8 @@ def run_grpo(cfg: Config) -> Run:
     return run
 
 
-def run_sft(cfg: Config) -> Run:
-    run = Run(cfg, "sft")
+def run_sft(cfg: Config, job: Optional[Job] = None) -> Run:
+    run = Run(cfg, "sft", job)
     try:
         run.sft()
         run._save_phase()

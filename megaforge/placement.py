@@ -34,7 +34,7 @@ from typing import Optional
 import torch.distributed
 
 from megaforge import collective
-from megaforge.cluster import ProcessPlace, place_from_env
+from megaforge.cluster import Job, ProcessPlace, place_from_env
 from megaforge.configtree import ConfigError
 from megaforge.engine_kinds import call, engine_kind
 from megaforge.net import is_loopback
@@ -43,7 +43,6 @@ from megaforge.planner.shapes import ShapeError, read_shape
 from megaforge.rollout.http.start import visible_gpus
 
 _WILDCARD = ("0.0.0.0", "::", "")
-_NODE: Optional["NodeEngines"] = None  # this process's share of a multi-node engine start
 
 
 def hardware(cfg, place: ProcessPlace):
@@ -144,29 +143,26 @@ class NodeEngines:
             shutil.rmtree(d, ignore_errors=True)
         self.cleanup = []
 
+    def end(self, barrier: bool) -> None:
+        """End of run: stop the servers this node's leader started for rank 0. ``barrier``: every rank
+        got here together (the run finished or stopped), so wait until rank 0 shut its engine down."""
+        if barrier and collective.initialized():
+            collective.barrier()
+        self.shutdown()
 
-def build_engines(cfg, tokenizer):
+
+def build_engines(cfg, tokenizer, job: Optional[Job] = None):
     """Called on every rank by the loop: the engine rank 0 drives (None on other ranks). Node leaders
-    of a multi-node job start their node's HTTP engine servers (see the module docstring)."""
-    global _NODE
+    of a multi-node job start their node's engine servers (see the module docstring); ``job``
+    stops them when the run ends (:meth:`NodeEngines.end`; without one, the process's exit does)."""
     place, kind, node = place_from_env(), engine_kind(cfg.rollout.engine), None
     if place.nodes > 1 and not kind.in_process:
-        node = _NODE = NodeEngines(cfg, place, engine_slots(cfg, place))
+        node = NodeEngines(cfg, place, engine_slots(cfg, place))
+        if job is not None:
+            job.at_end(node.end)
     if collective.is_main() or (node is not None and place.node_leader and node.engine_ids):
         return call(kind.build, cfg, tokenizer, **({} if node is None else {"node": node}))
     if node is not None:  # a rank that starts no engine still takes part in the start's collective calls
         node.share("")
         node.gather([])
     return None
-
-
-def shutdown_node_engines(barrier: bool) -> None:
-    """End of run: stop the servers this node's leader started for rank 0. ``barrier``: every rank
-    got here together (the run finished or stopped), so wait until rank 0 shut its engine down."""
-    global _NODE
-    node, _NODE = _NODE, None
-    if node is None:
-        return
-    if barrier and collective.initialized():
-        collective.barrier()
-    node.shutdown()

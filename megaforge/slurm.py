@@ -49,7 +49,7 @@ import submitit
 from megaforge.config import load_config
 from megaforge.configtree import ConfigError, flag_value
 from megaforge.net import free_port
-from megaforge.rollout.http.processes import die_with_parent
+from megaforge.supervise import preexec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: launcher flag -> (config key, type); flags without a config key are the launcher's own
@@ -144,13 +144,11 @@ def _wait_gone(pid: int, timeout_s: float) -> bool:
     return True
 
 
-def _child_setup() -> None:
+def _ignore_user_signals() -> None:
     """In torchrun (before exec): SIGUSR1/SIGUSR2 ignored (inherited by the ranks until the loop installs
-    its own SIGUSR1 handler; SIGUSR2 is the supervisor's), and SIGTERM when the supervisor dies, which
-    makes torchrun stop its ranks."""
+    its own SIGUSR1 handler; SIGUSR2 is the supervisor's)."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    die_with_parent(signal.SIGTERM)
 
 
 class TrainJob(submitit.helpers.Checkpointable):
@@ -193,7 +191,9 @@ class TrainJob(submitit.helpers.Checkpointable):
         cmd = self.command(node, master, port, resume)
         print(f"[megaforge] job {job_id} node {node}/{self.nodes}: {' '.join(cmd)}", flush=True)
         env_vars = dict(os.environ, PYTHONPATH=ROOT + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
-        self._proc = subprocess.Popen(cmd, cwd=self.cwd, env=env_vars, preexec_fn=_child_setup)
+        # torchrun gets SIGTERM when this supervisor dies, which makes it stop its ranks
+        setup = preexec(os.getpid(), signal.SIGTERM, before=_ignore_user_signals)
+        self._proc = subprocess.Popen(cmd, cwd=self.cwd, env=env_vars, preexec_fn=setup)
         rc = self._proc.wait()
         print(f"[megaforge] job {job_id} node {node}: torchrun exited with {rc}", flush=True)
         if rc == 0:

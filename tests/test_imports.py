@@ -130,6 +130,18 @@ def test_sync_imports_nothing_from_rollout():
     assert not bad, "sync/ sits below rollout/, yet:\n" + "\n".join(bad)
 
 
+def test_process_supervision_sits_below_rollout_and_the_launchers():
+    # megaforge.supervise (child processes: death signal, registry, group kill, environment) is below
+    # every module that starts a process: it imports no other megaforge module, and the job-level modules
+    # (cluster, slurm, launch) reach it without going through the engines' wing.
+    graph = megaforge_graph()
+    assert graph["megaforge.supervise"] == set()
+    for mod in ("megaforge.cluster", "megaforge.slurm", "megaforge.launch"):
+        assert not forbidden({mod: graph[mod]}, mod, "megaforge.rollout"), (mod, sorted(graph[mod]))
+    users = {m for m, deps in graph.items() if "megaforge.supervise" in deps}
+    assert {"megaforge.cluster", "megaforge.slurm", "megaforge.rollout.http.processes"} <= users
+
+
 def _write(root, files):
     for rel, text in files.items():
         path = os.path.join(root, rel)

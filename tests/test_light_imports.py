@@ -25,7 +25,7 @@ def loaded_heavy(module: str) -> list[str]:
 
 @pytest.mark.parametrize("module", ["megaforge", "megaforge.api", "megaforge.config", "megaforge.rewards", "megaforge.rewards.executor",
                                     "megaforge.launch", "megaforge.planner", "megaforge.slurm",
-                                    "megaforge.rollout.http.processes"])
+                                    "megaforge.rollout.http.processes", "megaforge.supervise"])
 def test_a_light_module_imports_no_torch(module):
     assert loaded_heavy(module) == []
 

@@ -253,7 +253,8 @@ class SGLangServer:
         import asyncio
 
         from megaforge.rollout.http.client import SGLangClient
-        from megaforge.rollout.http.processes import ServerProcess, child_env, env_from_script
+        from megaforge.rollout.http.processes import ServerProcess
+        from megaforge.supervise import child_env, env_from_script
 
         env = env_from_script(args.sglang_env_sh) if args.sglang_env_sh else {}
         py = args.sglang_python or sys.executable

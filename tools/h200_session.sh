@@ -74,7 +74,7 @@ export PYTHONPATH=$PWD
 [ -d /tmp/tesite ] && export PYTHONPATH=$PYTHONPATH:/tmp/tesite  # Transformer Engine, apart from SGLang's site
 export MEGAFORGE_SGLANG_ENV_SH=/tmp/sgl/env.sh
 engine_env() {  # the SGLang kit's environment as rollout.engine_env (JSON is YAML)
-  python3 -c "import json; from megaforge.rollout.http.processes import env_from_script; print(json.dumps(env_from_script('/tmp/sgl/env.sh')))"
+  python3 -c "import json; from megaforge.supervise import env_from_script; print(json.dumps(env_from_script('/tmp/sgl/env.sh')))"
 }
 mfsite() {  # megaforge's wheels (.whl: megatron-core, submitit, ...) into their own site folder
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsite .whl/*.whl
@@ -275,6 +275,14 @@ for stage in "$@"; do
         > "$OUT/moe_resume.log" 2>&1; echo "exit $?"
       grep -v -i warn "$OUT/moe_resume.log" | tr "\r" "\n" | grep -v "step/s" | tail -14
       cp "$RUNS/grpo_h200_colocated_moe/metrics.jsonl" "$OUT/moe_recipe_metrics.jsonl" ;;
+    openai_bench)  # issue 41 point 1: SGLang's bench_serving (sglang-oai, sglang-oai-chat) against the embedded server's
+      # OpenAI routes. After install; carry .carry/peers/trl (tools/peers/prepare_peers.sh: datasets and its two deps,
+      # which sglang.bench_serving imports at module level and the kit lacks)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dsite .carry/peers/trl/datasets-*.whl \
+        .carry/peers/trl/multiprocess-*.whl .carry/peers/trl/dill-*.whl
+      (. /tmp/sgl/env.sh; export PYTHONPATH=$PWD:/tmp/mfsite:${PYTHONPATH:-}:/tmp/dsite
+       timeout -k 10 200 python3 -m pytest -q -rs -p no:cacheprovider tests/rollout/server/test_openai_api.py 2>&1 \
+         | tee "$OUT/openai_api_gpu.log" | tail -8) ;;
     moe_replay_start)  # moe_replay detached (its own process session, as gsm_start): it runs on across calls
       mkdir -p /tmp/mf/rout; rm -rf /tmp/mf/rout/* /tmp/mf-replay-*
       OUT=/tmp/mf/rout setsid bash tools/h200_session.sh moe_replay > /tmp/mf/replay_stage.log 2>&1 < /dev/null &

@@ -13,7 +13,8 @@ or ``algo.loss: my_pkg.losses:my_loss`` in the config (or ``algo.plugins: [my_pk
 gives the loss typed knobs of its own, config keys ``algo.my_loss_<field>``. Families: advantages (grpo, dr_grpo, rloo,
 reinforce_pp, reinforce_pp_baseline, gae; distill: on-policy distillation's per-token reverse KL to a teacher), policy losses (ppo_clip, gspo, cispo, sapo, reinforce),
 aggregations, KL estimators, train/inference mismatch corrections (objective), the critic's value
-loss (value) and DAPO's filters and overlong shaping (filters); the parameters they all read (params).
+loss (value) and DAPO's filters and overlong shaping (filters); the parameters they all read (params);
+the statistics a loss returns, each declaring its reduction (stats).
 An advantage estimator registered with ``shares=True`` also works on one data-parallel share of a batch
 (:class:`~megaforge.algorithms.core.AdvantageInputs` ``.share``: what the loop uses when the advantages
 read the trainer's per-token results, on several ranks).
@@ -31,4 +32,5 @@ from megaforge.algorithms.kl import kl_reward_penalty  # noqa: F401
 from megaforge.algorithms.filters import (first_groups, nonzero_variance_groups, overlong_penalty,  # noqa: F401
                                          zero_variance_fraction)
 from megaforge.algorithms.objective import policy_objective, mismatch_weights  # noqa: F401
+from megaforge.algorithms.stats import Stat, contribution, largest, token_mean  # noqa: F401
 from megaforge.algorithms.value import clipped_value_loss, value_objective  # noqa: F401

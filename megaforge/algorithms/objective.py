@@ -8,8 +8,10 @@
   the KL is applied in the reward), ``H_t`` the policy's entropy at token t,
 * ``agg`` the configured aggregation over the *global* batch (see :mod:`aggregation`).
 
-Metrics come back as *contributions*: each is already divided by the global token count, so the
-trainer sums them over micro-batches and data-parallel ranks to get the batch value.
+Metrics come back as values, :class:`~megaforge.algorithms.stats.Stat` s declaring their reduction:
+each is a *contribution* (``sum``) already divided by the global token count (``pg_loss`` and
+``loss``: by the aggregation's own global denominator), so the trainer sums them over micro-batches
+and data-parallel ranks to get the batch value.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 from megaforge.algorithms.aggregation import aggregate
 from megaforge.algorithms.core import KL_ESTIMATORS, POLICY_LOSSES
 from megaforge.algorithms.params import ObjectiveParams
+from megaforge.algorithms.stats import Stat, contribution, token_mean
 from megaforge.types import TrainBatch
 
 
@@ -80,11 +83,13 @@ def policy_objective(
     mb: TrainBatch,
     p: ObjectiveParams,
     entropy: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, dict[str, Stat]]:
     """Loss of micro-batch ``mb`` given the policy's token-aligned ``logprobs`` [B, T] (with grad).
 
     ``entropy`` [B, T] is needed when ``entropy_coef != 0`` (with grad) and is logged when given.
-    Returns (scalar loss contribution, {metric: scalar contribution}).
+    Returns (scalar loss contribution, {metric: Stat}): every metric a ``sum`` contribution, the
+    per-token ones (kl, entropy, the loss's and the mismatch correction's stats [B, T]) as
+    :func:`~megaforge.algorithms.stats.token_mean` sum_{i,t} x_it m_it / num_tokens.
     """
     mask = mb.loss_mask.to(logprobs.dtype)
     n_tok, n_seq = mb.num_tokens, mb.num_seqs
@@ -96,12 +101,12 @@ def policy_objective(
     w, wstats = mismatch_weights(old, mb.rollout_logprobs.to(logprobs.dtype), mask, p)
     stats.update(wstats)
     per_token = pg * w
-    metrics: dict[str, torch.Tensor] = {}
+    metrics: dict[str, Stat] = {}
 
     def contrib(x):  # token-mean contribution of a per-token quantity
-        return (x.detach() * mask).sum() / n_tok
+        return token_mean(x, mask, n_tok)
 
-    metrics["pg_loss"] = aggregate(pg.detach() * w, mask, p.loss_agg, n_tok, n_seq, p.loss_agg_norm)
+    metrics["pg_loss"] = contribution(aggregate(pg.detach() * w, mask, p.loss_agg, n_tok, n_seq, p.loss_agg_norm))
     if mb.ref_logprobs is not None:
         kl = KL_ESTIMATORS.get(p.kl_estimator)(logprobs, mb.ref_logprobs.to(logprobs.dtype))
         metrics["kl"] = contrib(kl)
@@ -114,10 +119,10 @@ def policy_objective(
     elif p.entropy_coef != 0.0:
         raise ValueError("entropy_coef != 0 needs the policy entropy from the trainer")
     loss = aggregate(per_token, mask, p.loss_agg, n_tok, n_seq, p.loss_agg_norm)
-    metrics["loss"] = loss.detach()
+    metrics["loss"] = contribution(loss)
     metrics["train_rollout_logprob_abs_diff"] = contrib((old - mb.rollout_logprobs.to(old.dtype)).abs())
     for k, v in stats.items():
         metrics[k] = contrib(v)
     if "clip_frac" not in metrics:  # a required metric; losses without hard clipping (sapo) clip nothing
-        metrics["clip_frac"] = torch.zeros((), dtype=loss.dtype, device=loss.device)
+        metrics["clip_frac"] = contribution(torch.zeros((), dtype=loss.dtype, device=loss.device))
     return loss, metrics

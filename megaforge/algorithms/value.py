@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from megaforge.algorithms.stats import contribution, token_mean
 
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                        mask: torch.Tensor, value_clip: Optional[float]) -> tuple[torch.Tensor, dict]:
@@ -28,16 +29,17 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
 
 
 def value_objective(values, old_values, returns, mask, num_tokens: int, value_clip: Optional[float]):
-    """(scalar loss contribution, {metric: contribution}) of one micro-batch: sums divided by the
-    global trained-token count, so micro-batches and ranks add up to the batch's token mean."""
+    """(scalar loss contribution, {metric: Stat}) of one micro-batch: every metric a ``sum``
+    contribution, sum_{i,t} x_it m_it / num_tokens (the global trained-token count), so micro-batches
+    and ranks add up to the batch's token mean."""
     if num_tokens <= 0:
         raise ValueError("value_objective: num_tokens must be the global trained-token count")
     mask = mask.to(values.dtype)
     per_tok, stats = clipped_value_loss(values, old_values.to(values.dtype), returns.to(values.dtype), mask, value_clip)
     loss = (per_tok * mask).sum() / num_tokens
-    metrics = {"critic/loss": loss.detach(),
-               "critic/values": (values.detach() * mask).sum() / num_tokens,
-               "critic/returns": (returns.to(values.dtype) * mask).sum() / num_tokens}
+    metrics = {"critic/loss": contribution(loss),
+               "critic/values": token_mean(values, mask, num_tokens),
+               "critic/returns": token_mean(returns.to(values.dtype), mask, num_tokens)}
     for k, v in stats.items():
-        metrics["critic/" + k] = (v * mask).sum() / num_tokens
+        metrics["critic/" + k] = token_mean(v, mask, num_tokens)
     return loss, metrics

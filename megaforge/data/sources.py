@@ -167,6 +167,8 @@ class JsonlIndex(Sequence):
 
 
 INDEX_CACHE_SIZE = 4
+# A cache, not run state: keyed by every file's (path, size, mtime), so an index is what a fresh scan would give
+# whoever asks (the train data and eval sets of a run, a second run in the same process).
 _INDEXES: "OrderedDict[tuple, JsonlIndex]" = OrderedDict()
 
 

@@ -9,7 +9,9 @@ DDP reduces in an fp32 main-grad buffer); Adam ``12*P`` (fp32 master copy + two 
 for fp32 params) divided by DP*CP (dense) / expert-DP (experts) with the distributed optimizer.
 torch backend: weights, gradients, two AdamW moments in the parameter dtype (``4*p*P``), plus a
 DDP bucket copy of the gradients (``p*P``) with more than one rank. The frozen reference (``grpo.beta
-> 0``, ``trainer.ref_device: same``) adds ``p*P``.
+> 0``, ``trainer.ref_device: same``) adds ``p*P``. With ``model.lora`` (torch backend) gradients,
+AdamW moments and buckets count the adapters' ``P_a`` (:meth:`ModelShape.lora_params`) instead of ``P``,
+the weights ``p*(P + P_a)``, and the reference is the base with the adapters off (no second copy).
 
 Activations: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models", per layer ``s*b*h*(34 + 5*a*s/h)`` with LayerNorm, GeLU and dropout) adapted to what
@@ -131,8 +133,16 @@ def trainer_state(cfg, shape, lay, stage: int) -> list[Item]:
             items += _megatron_state(cfg, lay, p, sp["dense"] + sp["embedding"] + head, sp["expert"], "critic ")
         return items
     n = shape.hf_params()
-    items = [Item("trainer weights", p * n, "trainer", f"{n / 1e9:.3f} B params x {p} B"),
-             Item("gradients", p * n, "trainer", f"{p} B/param")]
+    lora = cfg.model.lora
+    if lora is not None:  # model.lora: the frozen base, and gradients / AdamW for the adapters alone
+        na = shape.lora_params(lora.rank, lora.target_modules)
+        items = [Item("trainer weights", p * n, "trainer", f"{n / 1e9:.3f} B params x {p} B (frozen base)"),
+                 Item("LoRA adapters", p * na, "trainer", f"{na / 1e6:.2f} M params (rank {lora.rank}) x {p} B"),
+                 Item("gradients", p * na, "trainer", f"{p} B/param of the adapters")]
+        n = na
+    else:
+        items = [Item("trainer weights", p * n, "trainer", f"{n / 1e9:.3f} B params x {p} B"),
+                 Item("gradients", p * n, "trainer", f"{p} B/param")]
     if lay.world > 1:
         items.append(Item("DDP gradient buckets", p * n, "trainer", f"{p} B/param"))
     items.append(Item("optimizer (AdamW)", 2.0 * p * n, "trainer", f"2 moments x {p} B/param"))
@@ -159,6 +169,8 @@ def _megatron_state(cfg, lay, p: int, dense: float, expert: float, prefix: str) 
 
 def reference(cfg, shape, lay, stage: int, mode: str) -> list[Item]:
     if mode != "grpo" or cfg.max_steps == 0 or cfg.grpo.beta <= 0 or cfg.trainer.ref_device == "cpu":
+        return []
+    if cfg.model.lora is not None:  # the reference is the base with the adapters off: no second copy
         return []
     p = dtype_bytes(cfg.model.dtype)
     if lay.backend == "megatron":

@@ -140,6 +140,23 @@ class ModelShape:
                 n += self.dense_mlp_params()
         return n
 
+    def lora_params(self, rank: int, targets: list) -> int:
+        """Adapter parameters of ``model.lora`` (rank r, ``targets``: module names, matched by their last
+        part): r * (in + out) per adapted linear layer, A [r, in] and B [out, r]. Per layer: q_proj (h, qd),
+        k_proj / v_proj (h, kvd), o_proj (qd, h); in dense layers gate_proj / up_proj (h, F) and down_proj
+        (F, h). MoE layers' experts are not counted (Hugging Face's MoE experts are fused tensors, not
+        linear modules)."""
+        h, f = self.hidden, self.ffn
+        dims = {"q_proj": (h, self.qd), "k_proj": (h, self.kvd), "v_proj": (h, self.kvd), "o_proj": (self.qd, h)}
+        mlp = {"gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+        names = {t.rsplit(".", 1)[-1] for t in targets}
+        n = 0
+        for i in range(self.layers):
+            for name in names:
+                io = dims.get(name) or (mlp.get(name) if i not in self.moe_layers else None)
+                n += rank * sum(io) if io else 0
+        return n
+
     def stage_params(self, tp: int, pp: int, stage: int, ep: int = 1, etp: Optional[int] = None) -> dict:
         """Megatron parameters on one rank of pipeline stage ``stage``: {dense, expert, embedding,
         output}. Layers are split evenly (L % pp == 0 is checked elsewhere); the first stage holds the

@@ -6,7 +6,6 @@ included, stays in its process tree, which the executor kills with it (:func:`ki
 """
 from __future__ import annotations
 
-import ctypes
 import importlib
 import multiprocessing.connection as mpc
 import os
@@ -15,9 +14,7 @@ import signal
 import sys
 
 from megaforge.rewards.values import reward_value
-
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
+from megaforge.supervise import become_subreaper, die_with_parent
 
 
 def worker_entry() -> None:
@@ -25,12 +22,9 @@ def worker_entry() -> None:
     answer chunks of calls one result at a time. Its pipes' descriptors are ``argv[1:3]``."""
     inbox = mpc.Connection(int(sys.argv[1]), writable=False)
     outbox = mpc.Connection(int(sys.argv[2]), readable=False)
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of its reward stay in its tree (kill_tree)
-    except (OSError, AttributeError):  # not Linux: the trainer's close() still kills its process group
-        pass
+    # not Linux: both are no-ops, and the trainer's close() still kills the worker's process group
+    die_with_parent(signal.SIGKILL)
+    become_subreaper()  # orphans of its reward stay in its tree (kill_tree)
     build, specs, plugins, path, parent = pickle.loads(inbox.recv_bytes())
     if os.getppid() != parent:  # the trainer died before the line above
         os._exit(0)

@@ -13,22 +13,27 @@ for ``trainer.epochs`` passes; a mini-batch without a trained token is skipped (
 a zero gradient would still move the weights through Adam's momentum); each other one is a
 backend's forward/backward (:meth:`Trainer._forward_backward`) and one optimizer step (LR schedule
 :func:`~megaforge.trainer.optim.lr_at`, then the backend's :meth:`Trainer._clip_and_step`; a
-non-finite gradient norm skips it); metrics are averaged over the steps (:class:`StepMetrics`). The
-PPO critic (:class:`Critic`) is updated the same way after the policy.
+non-finite gradient norm skips it). Metrics are values: the loss returns its micro-batch statistics
+(:class:`~megaforge.algorithms.stats.Stat`), which stay on the device, summed over the micro-batches
+and updates of the call, until :class:`~megaforge.trainer.metrics.StepMetrics` reduces them over the
+ranks and copies them to the host once (:meth:`Trainer._stats_to_host`). The PPO critic
+(:class:`Critic`) is updated the same way after the policy.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 
 from megaforge import collective
 from megaforge.algorithms import ObjectiveParams, policy_objective
+from megaforge.algorithms.stats import Stat, contribution
 from megaforge.data.batch import share_mini_batches, share_of
 from megaforge.memory.offload import PinnedOffloader
 from megaforge.memory.state import host_reservation
+from megaforge.trainer.metrics import COUNT, MEAN, StepMetrics, world_stats_to_host
 from megaforge.trainer.optim import lr_at
 from megaforge.types import TrainBatch
 
@@ -47,8 +52,11 @@ def modules_weights(**modules) -> Iterator[tuple[str, torch.Tensor]]:
                 yield f"{prefix}.{name}", p
 
 
-#: the metrics of one mini-batch's forward/backward, read once the optimizer step is under way
-MetricsReader = Callable[[], dict[str, float]]
+#: the micro-batch statistics of one mini-batch's forward/backward on this rank, summed over its
+#: micro-batches on the device (not yet reduced over ranks, not read by the host)
+Stats = dict[str, Stat]
+#: an optimizer update's own values, on the host and equal on every rank: {name: (value, "mean" | "count")}
+UpdateValues = dict[str, tuple[float, str]]
 
 
 @dataclass(frozen=True)
@@ -57,8 +65,8 @@ class Objective:
     ``temperature`` (and the policy entropy when ``entropy``; rows packed several per row where the
     backend can when ``packed``; only at the trained positions, 0 elsewhere, when
     ``trained_positions``: the loss reads no other), then ``loss(logprobs [b, T], entropy [b, T] or None, micro_batch)
-    -> (scalar loss contribution, {metric: scalar contribution})`` with the micro-batch's rows on the
-    trainer's device."""
+    -> (scalar loss contribution, {metric: Stat})`` with the micro-batch's rows on the trainer's
+    device (:mod:`megaforge.algorithms.stats`: each statistic declares its reduction)."""
 
     temperature: float
     entropy: bool
@@ -68,9 +76,10 @@ class Objective:
 
 
 def sft_loss(logprobs: torch.Tensor, entropy, mb: TrainBatch):
-    """-sum of the response tokens' logprobs / the mini-batch's trained-token count."""
+    """-sum of the response tokens' logprobs / the mini-batch's trained-token count (a ``sum``
+    contribution: micro-batches and ranks add up to the mini-batch's token mean)."""
     loss = -(logprobs * mb.loss_mask.to(logprobs.dtype)).sum() / mb.num_tokens
-    return loss, {"loss": loss.detach()}
+    return loss, {"loss": contribution(loss)}
 
 
 SFT = Objective(temperature=1.0, entropy=False, packed=True, loss=sft_loss)
@@ -86,14 +95,14 @@ class Critic(ABC):
         the share's [n, T] rows for a share."""
 
     @abstractmethod
-    def forward_backward(self, mini: TrainBatch) -> MetricsReader:
+    def forward_backward(self, mini: TrainBatch) -> Stats:
         """Value-loss gradients of ``mini``, this rank's rows of a mini-batch with the whole mini-batch's
-        counts (it has ``values`` = V_old and ``returns``); returns the reader of the ``critic/...``
-        metrics summed over ranks."""
+        counts (it has ``values`` = V_old and ``returns``); returns the ``critic/...`` statistics summed
+        over this rank's micro-batches, on the device."""
 
     @abstractmethod
-    def step(self) -> dict[str, float]:
-        """Clipped optimizer step at the constant ``critic.lr``: ``{"grad_norm": norm}``."""
+    def step(self) -> UpdateValues:
+        """Clipped optimizer step at the constant ``critic.lr``: ``{"critic/grad_norm": (norm, "mean")}``."""
 
     @abstractmethod
     def offload_entries(self, tags) -> list:
@@ -152,9 +161,7 @@ class Trainer(ABC):
         the ``critic/...`` metrics averaged over the optimizer steps."""
         if batch.values is None or batch.returns is None:
             raise ValueError("train_critic: the batch needs values (V_old) and returns")
-        out = self._updates(batch, self.critic.forward_backward, self.critic.step)
-        return {("critic/grad_norm" if k == "grad_norm" else k): v for k, v in out.items()
-                if k.startswith("critic/") or k == "grad_norm"}
+        return self._updates(batch, self.critic.forward_backward, self.critic.step, counts=False)
 
     def data_parallel(self) -> tuple[int, int]:
         """(this rank's data-parallel rank, the data-parallel size): which share of a batch it trains
@@ -174,27 +181,41 @@ class Trainer(ABC):
                              f"trainer.mini_batches={m}")
         return share_mini_batches(batch)
 
-    def _updates(self, batch: TrainBatch, forward_backward: Callable[[TrainBatch], MetricsReader],
-                 step: Callable[[], dict]) -> dict[str, float]:
+    def _updates(self, batch: TrainBatch, forward_backward: Callable[[TrainBatch], Stats],
+                 step: Callable[[], UpdateValues], counts: bool = True) -> dict[str, float]:
         """Mini-batches x epochs of ``forward_backward(mini)`` and ``step()``; empty mini-batches are
-        skipped on every rank alike (their counts are global)."""
+        skipped on every rank alike (their counts are global). The metrics of
+        :class:`~megaforge.trainer.metrics.StepMetrics`: reduced over ranks and read by the host once,
+        at the end; with ``counts``, also ``skipped``, ``updates`` and ``empty_minibatches``."""
         acc = StepMetrics()
-        for _ in range(self.cfg.trainer.epochs):
-            for mini in self._mini_batches(batch):
-                if mini.num_tokens == 0:
-                    acc.add_empty()
-                    continue
-                read = forward_backward(mini)
-                stepped = step()
-                acc.add({**read(), **stepped})
-        return acc.result()
+        minis = [mini for _ in range(self.cfg.trainer.epochs) for mini in self._mini_batches(batch)]
+        last = max((i for i, mini in enumerate(minis) if mini.num_tokens), default=-1)
+        read = None
+        for i, mini in enumerate(minis):
+            if mini.num_tokens == 0:
+                acc.add_empty()
+                continue
+            acc.add_stats(forward_backward(mini))
+            if i == last:  # the statistics are complete: reduce and copy them while the last step runs
+                read = acc.start_to_host(self._stats_to_host)
+            acc.add_values(step())
+        return acc.result(read or acc.start_to_host(self._stats_to_host), counts)
+
+    def _stats_to_host(self, stats: Mapping[str, Stat], updates: int) -> Callable[[], dict[str, float]]:
+        """The call's micro-batch ``stats`` (this rank's sums over its micro-batches and ``updates``
+        updates, on the device) reduced over the data-parallel ranks
+        (:func:`~megaforge.trainer.metrics.stack_and_reduce`) and copied to the host once; returns the
+        reader of the host dict. Collective. Here every rank of the world is a DP rank holding the
+        stats; a backend with model parallelism overrides it."""
+        return world_stats_to_host(stats, updates, _world_reduce)
 
     @abstractmethod
-    def _forward_backward(self, mini: TrainBatch, objective: Objective) -> MetricsReader:
+    def _forward_backward(self, mini: TrainBatch, objective: Objective) -> Stats:
         """Gradients of ``objective`` on ``mini``, this rank's rows of a mini-batch with the whole
         mini-batch's ``num_tokens`` / ``num_seqs`` (micro-batches summed: the losses are contributions
-        to the mini-batch's objective); returns the reader of its metrics summed
-        over micro-batches and data-parallel ranks."""
+        to the mini-batch's objective); returns its statistics summed over this rank's micro-batches,
+        on the device (:func:`~megaforge.algorithms.stats.merge`; reduced over ranks by
+        :meth:`_stats_to_host`)."""
 
     # ---------------------------------------------------------------------- optimizer
     def reset_optimizer(self, lr: float, total_steps: int, warmup_steps: int = 0,
@@ -212,15 +233,16 @@ class Trainer(ABC):
         self._apply_lr(lr)
         return lr
 
-    def _optimizer_step(self) -> dict[str, float]:
+    def _optimizer_step(self) -> UpdateValues:
         """LR of the schedule, then the backend's clipped step; a non-finite gradient norm skips it
-        (``skipped``: the loop counts consecutive skips against ``trainer.max_bad_steps``)."""
+        (``skipped``, counted over the call's updates: the loop counts consecutive skips against
+        ``trainer.max_bad_steps``). ``grad_norm`` and ``lr`` are averaged over the updates."""
         lr = self._set_lr()
         norm, stepped = self._clip_and_step()
         if stepped:
             self.sched["step"] += 1
             self.version += 1
-        return {"grad_norm": norm, "lr": lr, "skipped": 0.0 if stepped else 1.0}
+        return {"grad_norm": (norm, MEAN), "lr": (lr, MEAN), "skipped": (0.0 if stepped else 1.0, COUNT)}
 
     @abstractmethod
     def _clear_optimizer_state(self) -> None:
@@ -347,32 +369,6 @@ class Trainer(ABC):
         return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
-class StepMetrics:
-    """Averages per-optimizer-step metrics over the mini-batches x epochs of one ``train_step``.
-
-    ``skipped`` is the number of optimizer steps skipped for a non-finite gradient (summed, not
-    averaged), ``updates`` the number attempted (skipped ones included); ``empty_minibatches`` counts
-    mini-batches with no trained token (every response empty, e.g. all requests aborted), for which no
-    optimizer step runs at all: a zero gradient would still move the weights through Adam's momentum.
-    """
-
-    def __init__(self):
-        self.totals: dict[str, float] = {}
-        self.steps = 0
-        self.empty = 0
-
-    def add(self, step: dict[str, float]) -> None:
-        for k, v in step.items():
-            self.totals[k] = self.totals.get(k, 0.0) + v
-        self.steps += 1
-
-    def add_empty(self) -> None:
-        self.empty += 1
-
-    def result(self) -> dict[str, float]:
-        out = {k: v / self.steps for k, v in self.totals.items()} if self.steps else {}
-        out["skipped"] = self.totals.get("skipped", 0.0)
-        out["updates"] = float(self.steps)
-        out["empty_minibatches"] = float(self.empty)
-        return out
-
+def _world_reduce(vec: torch.Tensor, op: str) -> torch.Tensor:
+    """Elementwise ``op`` ("sum" | "max") of ``vec`` over the world (:mod:`megaforge.collective`)."""
+    return collective.all_reduce_sum(vec) if op == "sum" else collective.all_reduce_max(vec)

@@ -51,24 +51,29 @@ def check_split_head(lm) -> None:
 
 def causal_lm_logprobs(lm, tokens: torch.Tensor, lengths: torch.Tensor, temperature: float, with_entropy: bool,
                        autocast: str, loss_mask: Optional[torch.Tensor] = None,
-                       position_ids: Optional[torch.Tensor] = None):
+                       position_ids: Optional[torch.Tensor] = None, positions=None):
     """(logprobs [B, T], entropy [B, T] or None) of ``lm`` on right-padded ``tokens`` [B, T]: at every
-    position 1 <= t < length when ``loss_mask`` is None, else only at positions with loss_mask > 0
-    (0 elsewhere; see the module docstring). ``position_ids`` [B, T] (packed rows): no attention mask,
-    the model derives the per-row causal mask from the restarts."""
+    position 1 <= t < length when ``loss_mask`` and ``positions`` are None, else only at positions with
+    loss_mask > 0 (0 elsewhere; see the module docstring). ``positions``: their (rows [N], cols [N]) of
+    :func:`~megaforge.trainer.logprobs.trained_positions`, computed by the caller on the host (on the
+    device, ``nonzero`` would make the host wait for it); else computed here from ``loss_mask``.
+    ``position_ids`` [B, T] (packed rows): no attention mask, the model derives the per-row causal
+    mask from the restarts."""
+    if positions is None and loss_mask is not None:
+        positions = trained_positions(loss_mask, lengths)
     T = tokens.shape[1]
     attn = None
     if position_ids is None:
         attn = (torch.arange(T, device=tokens.device)[None, :] < lengths[:, None]).long()
     kw = dict(input_ids=tokens, attention_mask=attn, position_ids=position_ids, use_cache=False)
     with precision.autocast(autocast, tokens.device):
-        if loss_mask is None:
+        if positions is None:
             logits = lm(**kw).logits
         else:
-            rows, cols = trained_positions(loss_mask, lengths)
+            rows, cols = (p.to(tokens.device, non_blocking=True) for p in positions)
             h = lm.get_decoder()(**kw).last_hidden_state
             logits = lm.get_output_embeddings()(h[rows, cols - 1])
-    if loss_mask is None:
+    if positions is None:
         return token_logprobs(logits, tokens, lengths, temperature, with_entropy)
     return selected_token_logprobs(logits, tokens, rows, cols, temperature, with_entropy)
 
@@ -83,6 +88,7 @@ class CausalLMLogprobs(torch.nn.Module):
         self.lm = lm
         self.autocast = autocast
 
-    def forward(self, tokens, lengths, temperature: float, with_entropy: bool, loss_mask=None, position_ids=None):
+    def forward(self, tokens, lengths, temperature: float, with_entropy: bool, loss_mask=None, position_ids=None,
+                positions=None):
         return causal_lm_logprobs(self.lm, tokens, lengths, temperature, with_entropy, self.autocast,
-                                  loss_mask, position_ids)
+                                  loss_mask, position_ids, positions)

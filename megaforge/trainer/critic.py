@@ -22,6 +22,7 @@ from megaforge.memory.state import grad_entries, optimizer_entries, param_entrie
 from megaforge.trainer import torch_ddp
 from megaforge.trainer.base import Critic
 from megaforge.trainer.logprobs import valid_positions
+from megaforge.trainer.metrics import MEAN
 from megaforge.trainer.precision import training_attention
 from megaforge.types import TrainBatch
 
@@ -90,13 +91,12 @@ class TorchCritic(Critic):
             v = self.module(mb.tokens, mb.lengths)
             return value_objective(v, mb.values, mb.returns, mb.loss_mask, mb.num_tokens, clip)
 
-        metrics = torch_ddp.accumulate(self.module, mini, self.cfg.trainer.micro_batch_size, loss_fn)
-        return lambda: metrics
+        return torch_ddp.accumulate(self.module, mini, self.cfg.trainer.micro_batch_size, loss_fn)
 
-    def step(self) -> dict[str, float]:
+    def step(self) -> dict[str, tuple[float, str]]:
         norm, stepped = torch_ddp.clipped_step(self.net.named_parameters(), self.opt, self.cfg.trainer.grad_clip)
         self.steps += int(stepped)
-        return {"grad_norm": norm}
+        return {"critic/grad_norm": (norm, MEAN)}
 
     def offload_entries(self, tags) -> list:
         if "state" not in tags:

@@ -29,6 +29,7 @@ from megaforge.trainer import precision, torch_ddp
 from megaforge.trainer.base import HFBucket, Objective, Trainer, modules_weights
 from megaforge.trainer.causal_lm import POSITIONS, CausalLMLogprobs, check_split_head
 from megaforge.trainer.critic import TorchCritic
+from megaforge.trainer.logprobs import trained_positions
 from megaforge.trainer.lora import LoraPolicy
 from megaforge.trainer.teacher import load_torch_teacher
 from megaforge.types import TrainBatch
@@ -96,10 +97,12 @@ class TorchTrainer(Trainer):
         """(logprobs, entropy) of ``mb`` by ``module`` (a :class:`CausalLMLogprobs`, DDP-wrapped or not)
         on the module's device: at the trained positions only (0 elsewhere) when ``trained``, else at
         every position 1 <= t < length. The head runs on the trained positions alone when
-        ``trainer.head_positions`` is "trained"; with "all" every position's is computed and masked."""
-        mb = mb.to(next(module.parameters()).device)
+        ``trainer.head_positions`` is "trained" (those positions found on the host: ``mb`` is there);
+        with "all" every position's is computed and masked."""
         select = trained and self.cfg.trainer.head_positions == "trained"
-        lp, ent = module(mb.tokens, mb.lengths, temperature, with_entropy, mb.loss_mask if select else None)
+        positions = trained_positions(mb.loss_mask, mb.lengths) if select else None
+        mb = mb.to(next(module.parameters()).device)
+        lp, ent = module(mb.tokens, mb.lengths, temperature, with_entropy, positions=positions)
         if trained and not select:
             keep = (mb.loss_mask > 0).float()
             lp, ent = lp * keep, (None if ent is None else ent * keep)
@@ -153,8 +156,7 @@ class TorchTrainer(Trainer):
                                          objective.trained_positions)
             return objective.loss(lp, ent, mb.to(self.device))
 
-        metrics = torch_ddp.accumulate(self.module, mini, self.cfg.trainer.micro_batch_size, loss_fn)
-        return lambda: metrics
+        return torch_ddp.accumulate(self.module, mini, self.cfg.trainer.micro_batch_size, loss_fn)
 
     def _forward_packed(self, module, mb: TrainBatch, temperature: float):
         """Token-aligned logprobs [B, T] of ``mb``'s rows, computed on packed rows (several rows per

@@ -5,7 +5,8 @@ Micro-batches are cut from a rank's rows ordered by length, longest first
 (:func:`length_ordered_micro_batches`), and each is trimmed to its longest row, so rows of similar
 length share a micro-batch and little padding is computed. The order changes nothing but float
 summation order: every loss is a sum of per-row terms over global denominators (num_tokens /
-num_seqs, :mod:`megaforge.algorithms.aggregation`), and every metric a sum of contributions.
+num_seqs, :mod:`megaforge.algorithms.aggregation`), and every metric a sum of contributions (or a
+maximum: :mod:`megaforge.algorithms.stats`).
 Per-row results (log-probs, values) are put back in the rows' own order (:func:`per_row_results`).
 
 Every rank trains on its rows of each mini-batch (:func:`megaforge.data.batch.share_of`). Losses
@@ -22,6 +23,7 @@ from typing import Iterable
 import torch
 
 from megaforge import collective
+from megaforge.algorithms.stats import Stat, merge
 from megaforge.types import TrainBatch
 
 
@@ -79,25 +81,22 @@ def per_row_results(rows: TrainBatch, size: int, width: int, fn) -> torch.Tensor
     return out
 
 
-def accumulate(module: torch.nn.Module, rows: TrainBatch, micro_batch_size: int, loss_fn) -> dict[str, float]:
-    """Backward of ``loss_fn(micro_batch) -> (loss, {metric: scalar})`` over the length-ordered
+def accumulate(module: torch.nn.Module, rows: TrainBatch, micro_batch_size: int, loss_fn) -> dict[str, Stat]:
+    """Backward of ``loss_fn(micro_batch) -> (loss, {metric: Stat})`` over the length-ordered
     micro-batches of ``rows`` (:func:`length_ordered_micro_batches`; gradients all-reduced once, after
-    the last one); returns every metric summed over the micro-batches and ranks."""
+    the last one); returns the statistics combined over this rank's micro-batches on the device
+    (:func:`~megaforge.algorithms.stats.merge`: nothing is read by the host, nothing reduced over
+    ranks: the trainer does both once per call)."""
     scale = float(collective.world())
-    sums: dict[str, torch.Tensor] = {}
+    total: dict[str, Stat] = {}
     mbs = [mb for _, mb in length_ordered_micro_batches(rows, micro_batch_size)]
     for i, mb in enumerate(mbs):
         sync = i == len(mbs) - 1 or not hasattr(module, "no_sync")
         with (contextlib.nullcontext() if sync else module.no_sync()):
             loss, metrics = loss_fn(mb)
             (loss * scale).backward()
-        for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + v.detach().float().cpu()
-    keys = sorted(sums)
-    if not keys:
-        return {}
-    vec = collective.all_reduce_sum(torch.stack([torch.as_tensor(sums[k]) for k in keys]))
-    return {k: float(vec[i]) for i, k in enumerate(keys)}
+        total = merge(total, metrics)
+    return total
 
 
 def clipped_step(named: Iterable[tuple[str, torch.nn.Parameter]], opt: torch.optim.Optimizer,

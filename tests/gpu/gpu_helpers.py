@@ -6,7 +6,7 @@ import os
 
 def sglang_env() -> dict:
     """The environment variables ``MEGAFORGE_SGLANG_ENV_SH`` sets or changes ({} when unset)."""
-    from megaforge.rollout.http.processes import env_from_script
+    from megaforge.supervise import env_from_script
 
     path = os.environ.get("MEGAFORGE_SGLANG_ENV_SH", "")
     return env_from_script(path) if path else {}

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch.distributed as tdist
 
-from megaforge.cluster import Watchdog, place_from_env
+from megaforge.cluster import Job, Watchdog, _key, place_from_env
 
 
 def free_port():
@@ -77,3 +77,31 @@ def test_place_from_env():
     assert place_from_env({}).world == 1
     with pytest.raises(RuntimeError, match="not a multiple"):
         place_from_env({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"})
+
+
+def test_the_job_holds_its_watchdog_stops_its_parts_then_says_done(store):
+    # What megaforge.launch does at the end of a run, on the Job it holds (no process-wide state): the
+    # parts registered with at_end (node engines) stop first, last registered first, while the watchdog
+    # still watches; then the watchdog stops and tells the others this rank finished.
+    job, other = Job(), store()
+    job.watchdog, _ = _dog(store, 0)
+    job.watchdog.start()
+    seen = []
+    job.at_end(lambda together: seen.append(("first", together, other.check([_key("done/0")]))))
+    job.at_end(lambda together: seen.append(("second", together, other.check([_key("done/0")]))))
+    job.end(together=True)
+    assert seen == [("second", True, False), ("first", True, False)]
+    assert other.check([_key("done/0")]) and job.watchdog is None
+    job.end(together=True)  # a second end has nothing left to do
+    assert len(seen) == 2
+
+
+def test_a_failing_job_reports_and_does_not_say_done(store):
+    job, other = Job(), store()
+    job.watchdog, _ = _dog(store, 1)
+    job.watchdog.start()
+    job.report_failure(ValueError("bad row 3\nsecond line"))
+    job.end(together=False)
+    assert other.get(_key("failed")) == b"rank 1: ValueError: bad row 3"
+    assert not other.check([_key("done/1")])
+    Job().report_failure(RuntimeError("no watchdog: one process"))  # nothing to tell, no error

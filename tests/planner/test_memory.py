@@ -309,3 +309,38 @@ def test_torch_rl_head_on_trained_positions_only(tmp_path):
     assert got["all"] - got["trained"] == (rows * seq - rows * 32) * 1000 * 14 - rows * 32 * 4 * 64
     sft_cfg, _, sft_lay = tiny_layout(tmp_path, *common, gpus=1)
     assert M.head_positions(sft_cfg, sft_lay, "sft", seq, rows) is None  # SFT: every position
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                     ["q_proj", "v_proj"], ["model.layers.0.self_attn.q_proj", "down_proj"]])
+def test_lora_adapter_count_equals_peft(targets):
+    """ModelShape.lora_params counts what PEFT trains: r * (in + out) per adapted module (exact integers).
+    A dotted name is matched by its last part, so it counts every layer's module of that name (the
+    planner's upper bound); PEFT adapts only the named one: the difference is stated and checked."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(TINY, model_type="qwen2")
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+    peft_model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    trained = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    shape = shape_from_dict(cfg)
+    want = shape.lora_params(4, targets)
+    if any("." in t for t in targets):  # q_proj of layer 1 counted too: 4 * (64 + 64)
+        assert want - trained == 4 * (shape.hidden + shape.qd)
+    else:
+        assert want == trained
+
+
+def test_lora_plan_counts_adapters_for_gradients_and_adamw_and_no_reference_copy():
+    """With model.lora (torch backend): gradients and AdamW hold the adapters alone, weights add them to
+    the frozen base, and grpo.beta > 0 adds no reference copy (the base with the adapters off)."""
+    base = plan("configs/demo_cpu.yaml", model_config=QWEN3, gpus_per_node=1, gpu="H200")
+    lora = plan("configs/demo_cpu.yaml", "--model.lora", "{rank: 16}", model_config=QWEN3, gpus_per_node=1, gpu="H200")
+    b, a = base["phases"]["train"]["items"], lora["phases"]["train"]["items"]
+    shape = shape_from_dict(json.load(open(os.path.join(QWEN3, "config.json"))))
+    na = shape.lora_params(16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    assert abs(a["LoRA adapters"] - 4 * na / 2**30) < 2e-3 and a["gradients"] == a["LoRA adapters"]
+    assert abs(a["optimizer (AdamW)"] - 2 * a["LoRA adapters"]) < 2e-3 < b["optimizer (AdamW)"] / 10
+    assert a["trainer weights"] == b["trainer weights"]
+    assert "reference model" in b and "reference model" not in a

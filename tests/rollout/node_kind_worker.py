@@ -39,13 +39,15 @@ ENGINE_KINDS.register("toy_remote", EngineKind(build=build))
 
 def main(out: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    from megaforge.cluster import Job
     from megaforge.config import load_config
-    from megaforge.placement import build_engines, shutdown_node_engines
+    from megaforge.placement import build_engines
 
     cfg = load_config(["--config", os.path.join(ROOT, "configs", "demo_cpu.yaml"), "--rollout.engine", "toy_remote",
                        "--rollout.num_engines", "2", "--rollout.num_gpus", "2"])
-    got = build_engines(cfg, None)
-    shutdown_node_engines(barrier=True)
+    job = Job()
+    got = build_engines(cfg, None, job)
+    job.end(together=True)
     with open(out, "w") as f:
         json.dump({"engine": got, "calls": CALLS, "stopped": [s.stopped for s in SERVERS]}, f)
     dist.destroy_process_group()

@@ -35,7 +35,7 @@ V=${VERL_VARIANT:-mapped}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 MF_PATH=$PWD:/tmp/mfsite
 engine_env() {
-  PYTHONPATH=$MF_PATH python3 -c "import json; from megaforge.rollout.http.processes import env_from_script; print(json.dumps(env_from_script('/tmp/sgl/env.sh')))"
+  PYTHONPATH=$MF_PATH python3 -c "import json; from megaforge.supervise import env_from_script; print(json.dumps(env_from_script('/tmp/sgl/env.sh')))"
 }
 launch() {  # $1: name, $2: log file that grows one line per step, then the command: detached, stamped, launch time kept
   local name=$1 log=$2; shift 2

@@ -172,15 +172,11 @@ def tool_rollout(engine, requests, rows, tokenizer, cfg, tools=("calculator",), 
                         max_turn_tokens)
 
 
-_FNS: dict = {}
-
-
 def call_generate_fn(cfg, engine, requests, rows, n: int, tokenizer, group_offset: int) -> list[Sample]:
-    """Call ``rollout.generate_fn`` and check its answer against the interface (errors name the key)."""
+    """Call ``rollout.generate_fn`` and check its answer against the interface (errors name the key). The
+    function is looked up at each call: its module is imported once (``sys.modules``), so no cache here."""
     path = cfg.rollout.generate_fn
-    if path not in _FNS:
-        _FNS[path] = import_callable(path, "rollout.generate_fn")
-    samples = _FNS[path](engine, list(requests), list(rows), tokenizer, cfg, **dict(cfg.rollout.generate_kwargs))
+    samples = import_callable(path, "rollout.generate_fn")(engine, list(requests), list(rows), tokenizer, cfg, **dict(cfg.rollout.generate_kwargs))
     if not isinstance(samples, list) or len(samples) != len(requests) or not all(isinstance(s, Sample) for s in samples):
         raise ValueError(f"rollout.generate_fn {path!r} must return a list of {len(requests)} Samples (one per "
                          f"request), got {type(samples).__name__} of {len(samples) if hasattr(samples, '__len__') else '?'}")

@@ -44,6 +44,8 @@ import sys
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x8000000, 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+# Its own prctl (death signal included), not megaforge.supervise's: this file runs as `python -I <this file>`
+# (isolated mode: no PYTHONPATH, no site) from an emptied environment, so it cannot import megaforge.
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 1, 24, 38, 47, 4
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 HIDDEN_EMPTY = ("/dev/shm", "/var/tmp", "/run/lock")  # world-writable on most systems: hidden, read-only

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from megaforge.rollout.http.auth import API_KEY_ENV
-from megaforge.rollout.http.processes import child_env
+from megaforge.supervise import child_env
 from megaforge.rollout.http.start import Servers, ServerStart, build_http_engine, require_sglang
 
 

@@ -21,7 +21,8 @@ from megaforge.net import is_loopback
 from megaforge.planner.layout import engine_gpus
 from megaforge.rollout.http.auth import engine_api_key
 from megaforge.rollout.http.engine import HTTPEngine
-from megaforge.rollout.http.processes import ServerProcess, child_env, start_all
+from megaforge.rollout.http.processes import ServerProcess, start_all
+from megaforge.supervise import child_env
 from megaforge.rollout.http.versions import TESTED as SGLANG_TESTED  # noqa: F401  (release -> how it was tested)
 from megaforge.rollout.http.versions import UnsupportedServer, caps_for_release
 

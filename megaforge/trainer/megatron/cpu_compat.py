@@ -29,6 +29,7 @@ import time
 import torch
 from torch.overrides import TorchFunctionMode
 
+# Process-wide by nature: the patches change megatron's modules, which every trainer of the process shares.
 _APPLIED = False
 
 

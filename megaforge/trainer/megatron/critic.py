@@ -32,6 +32,7 @@ from megaforge.memory.state import ddp_entries
 from megaforge.trainer.base import Critic
 from megaforge.trainer.megatron import model as mmodel
 from megaforge.trainer.megatron.optim import adam_optimizer, clipped_step, finalize_grads, set_lr_and_decay, wrap_ddp
+from megaforge.trainer.metrics import MEAN
 from megaforge.types import TrainBatch
 
 
@@ -112,12 +113,12 @@ class MegatronCritic(Critic):
 
         return self.tr.schedule_backward(self.ddp, self.optimizer, mini, loss_fn)
 
-    def step(self) -> dict[str, float]:
+    def step(self) -> dict[str, tuple[float, str]]:
         set_lr_and_decay(self.optimizer, self.cfg.critic.lr, self.cfg.trainer.weight_decay)  # constant critic.lr
         with record_function("megaforge.optimizer_step"):
             norm, stepped = clipped_step(self.optimizer, self.cfg.trainer.grad_clip)
         self.steps += int(stepped)
-        return {"grad_norm": norm}
+        return {"critic/grad_norm": (norm, MEAN)}
 
     def offload_entries(self, tags) -> list:
         """The critic's DDP buffers (weights and gradients, both ``state``) and optimizer tensors."""

@@ -51,6 +51,8 @@ def _logits_grad(logits, logz, ent, g_lp, g_ent, local, own, n_valid: int):
     return torch.where(col < n_valid, grad, torch.zeros((), device=z.device)).to(logits.dtype)
 
 
+# A cache, not run state: one compiled kernel per module-level function for the process (compiling again per
+# trainer would only cost time; the result does not depend on who asks).
 _COMPILED: dict = {}
 
 

@@ -19,8 +19,10 @@ by the number of micro-batches), DDP sums gradients over DP x CP (no averaging) 
 ``finalize_model_grads`` is called without a token count (no rescaling). The result is the exact
 gradient of the objective, whatever the layout or the micro-batching.
 
-Metrics are contributions (see ``policy_objective``): summed over micro-batches and DP ranks on
-the last pipeline stage, broadcast to all ranks, averaged over the optimizer steps of the call.
+Metrics are values (:mod:`megaforge.algorithms.stats`, see ``policy_objective``): summed over the
+micro-batches and optimizer steps of a call on the device of the last pipeline stage, all-reduced
+over DP once per call, broadcast to all ranks and copied to the host once
+(:meth:`MegatronTrainer._stats_to_host`).
 
 Calling it: every rank of the world calls every method (all are collective) with the same
 arguments; results (logprobs, metrics) are the same on every rank. ``iter_hf_buckets`` yields
@@ -44,6 +46,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from torch.profiler import record_function
 
+from megaforge.algorithms.stats import merge
 from megaforge.collective import all_gather_rows, shard_range
 from megaforge.convert import families
 from megaforge.hf import DTYPES
@@ -59,6 +62,7 @@ from megaforge.trainer.megatron.logprobs import vocab_parallel_argmax, vocab_par
 from megaforge.trainer.megatron.optim import (adam_optimizer, clipped_step, finalize_grads, set_lr_and_decay,
                                               state_resetter, wrap_ddp)
 from megaforge.trainer.megatron.packing import Packed, pack, padded_lengths, to_device
+from megaforge.trainer.metrics import stack_and_reduce, to_host_later
 from megaforge.trainer.teacher import build_megatron_teacher
 from megaforge.types import TrainBatch
 
@@ -243,8 +247,9 @@ class MegatronTrainer(Trainer):
             x, tensor_parallel_output_grad=False, group=self._ps().get_context_parallel_group())
 
     def run_schedule(self, module, mbs: list[_MicroBatch], loss_fn, forward_only: bool) -> list:
-        """Run megatron's (pipeline) schedule; ``loss_fn(mb, logits) -> (loss, metrics dict)`` on the
-        last stage. Returns the metrics dicts of the last stage (empty list elsewhere)."""
+        """Run megatron's (pipeline) schedule; ``loss_fn(mb, logits) -> (loss, dict)`` on the last stage
+        (training: a dict of :class:`~megaforge.algorithms.stats.Stat`; forward only: per-row tensors).
+        Returns the dicts of the last stage, one per real micro-batch (empty list elsewhere)."""
         def forward_step(data_iter, model):
             mb = next(data_iter)
             p = mb.packed
@@ -279,7 +284,8 @@ class MegatronTrainer(Trainer):
         out = super().train_step(batch)
         counts = routing_replay.diff_counts(self.ddp, self.device)
         dist.all_reduce(counts)
-        out["routing/replay_diff_frac"] = float(counts[0] / counts[1]) if float(counts[1]) > 0 else 0.0
+        diff, total = counts.tolist()  # one copy to the host
+        out["routing/replay_diff_frac"] = diff / total if total > 0 else 0.0
         return out
 
     def _from_last_stage(self, t: Optional[torch.Tensor], shape, dtype=torch.float32) -> torch.Tensor:
@@ -390,21 +396,33 @@ class MegatronTrainer(Trainer):
 
         return self.schedule_backward(self.ddp, self.optimizer, mini, loss_fn)
 
-    def schedule_backward(self, ddp, optimizer, mini: TrainBatch, loss_fn):
-        """Gradients of ``loss_fn(mb, logits) -> (loss, metrics)`` over ``mini`` (this DP rank's rows of
-        a mini-batch) through megatron's schedule, for ``ddp`` (the policy's or the critic's) and its optimizer.
-        Returns the reader of the metrics summed over micro-batches and DP ranks: their copy to the
-        host overlaps the optimizer step."""
+    def schedule_backward(self, ddp, optimizer, mini: TrainBatch, loss_fn) -> dict:
+        """Gradients of ``loss_fn(mb, logits) -> (loss, {metric: Stat})`` over ``mini`` (this DP rank's
+        rows of a mini-batch) through megatron's schedule, for ``ddp`` (the policy's or the critic's)
+        and its optimizer. Returns the statistics summed over the micro-batches on the device of the
+        last stage (empty elsewhere); :meth:`_stats_to_host` reduces them once per call."""
         ddp.train()
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         out = self.run_schedule(ddp, self.micro_batches(mini), loss_fn, forward_only=False)
-        keys = self._obj_from_last_stage(sorted(out[0]) if self._last_stage() else None)
+        total: dict = {}
+        for d in out:
+            total = merge(total, d)
+        return total
+
+    def _stats_to_host(self, stats, updates: int):
+        """The base class's reduction on the last pipeline stage, over megatron's DP group (TP / CP
+        peers computed the same statistics), one stacked tensor per reduction kind; then broadcast to
+        the other stages (their keys once per call, with PP > 1) and copied to the host once, the copy
+        overlapping the last optimizer step (:func:`~megaforge.trainer.metrics.to_host_later`)."""
+        keys = self._obj_from_last_stage(sorted(stats) if self._last_stage() else None)
+        if not keys:
+            return dict
         vec = None
         if self._last_stage():
-            vec = torch.stack([sum(d[k].float() for d in out) for k in keys]).to(self.device)
-            dist.all_reduce(vec, group=self._ps().get_data_parallel_group())
-        values = _to_host_later(self._from_last_stage(vec, (len(keys),)))
+            group = self._ps().get_data_parallel_group()
+            _, vec = stack_and_reduce(stats, updates, partial(_all_reduce, group=group))
+        values = to_host_later(self._from_last_stage(vec, (len(keys),), torch.float64))
         return lambda: dict(zip(keys, values()))
 
     def init_critic(self) -> None:
@@ -439,24 +457,10 @@ class MegatronTrainer(Trainer):
         self._ps().destroy_model_parallel()
 
 
-def _to_host_later(t: torch.Tensor):
-    """Start copying device tensor ``t`` to pinned host memory; returns a function giving its values
-    (a list of floats) once the copy has landed. Read after the optimizer step, whose gradient
-    norm syncs the device anyway, it costs no extra sync: reading it first would drain the device
-    once more, and waiting for the whole step would keep the next step's host work from
-    overlapping the optimizer's kernels."""
-    if t.device.type != "cuda":
-        return lambda: [float(v) for v in t.tolist()]
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-
-    def values():
-        done.synchronize()
-        return [float(v) for v in host.tolist()]
-
-    return values
+def _all_reduce(vec: torch.Tensor, op: str, group) -> torch.Tensor:
+    """``vec`` reduced in place by ``op`` ("sum" | "max") over ``group``."""
+    dist.all_reduce(vec, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+    return vec
 
 
 def _filler_rows(local: TrainBatch) -> TrainBatch:
@@ -478,7 +482,10 @@ def _pack_rows(rows: TrainBatch, **kw) -> Packed:
 
 
 def _loss_wrapper(loss_fn, mb: _MicroBatch, logits):
-    """megatron loss-func protocol (loss, num_tokens, reduced dict); num_tokens is unused (1)."""
+    """megatron loss-func protocol (loss, num_tokens, reduced dict); num_tokens is unused (1). The dict's
+    tensors (forward only: per-row results) are detached; statistics
+    (:class:`~megaforge.algorithms.stats.Stat`) are already."""
     with record_function("megaforge.loss"):
-        loss, metrics = loss_fn(mb, logits)
-    return loss, torch.ones((), dtype=torch.int, device=logits.device), {k: v.detach() for k, v in metrics.items()}
+        loss, out = loss_fn(mb, logits)
+    out = {k: (v.detach() if torch.is_tensor(v) else v) for k, v in out.items()}
+    return loss, torch.ones((), dtype=torch.int, device=logits.device), out

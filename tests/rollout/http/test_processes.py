@@ -21,7 +21,8 @@ pytestmark = pytest.mark.timeout(240)
 PARENT = textwrap.dedent("""
     import signal, sys, time
     sys.path.insert(0, {root!r})
-    from megaforge.rollout.http.processes import ServerProcess, child_env
+    from megaforge.rollout.http.processes import ServerProcess
+    from megaforge.supervise import child_env
     kind, arg, log = sys.argv[1:4]
     stop = []
     if arg == "graceful":  # the program handles SIGTERM itself, like the RL loop
@@ -114,7 +115,8 @@ def test_program_sigterm_handler_is_kept_and_atexit_stops_servers(tmp_path):
 
 
 def test_readiness_timeout_reports_log_tail_and_kills(tmp_path):
-    from megaforge.rollout.http.processes import ServerProcess, ServerStartError, child_env
+    from megaforge.rollout.http.processes import ServerProcess, ServerStartError
+    from megaforge.supervise import child_env
 
     cmd = lambda port, fd: [sys.executable, "-c", "print('loading shard 3 of 7', flush=True); import time; time.sleep(120)"]
     s = ServerProcess("engine_0", cmd, str(tmp_path / "logs" / "engine_0.log"), env=child_env())
@@ -125,7 +127,8 @@ def test_readiness_timeout_reports_log_tail_and_kills(tmp_path):
 
 
 def test_early_exit_reports_exit_code_and_log_tail(tmp_path):
-    from megaforge.rollout.http.processes import ServerProcess, ServerStartError, child_env
+    from megaforge.rollout.http.processes import ServerProcess, ServerStartError
+    from megaforge.supervise import child_env
 
     cmd = lambda port, fd: [sys.executable, "-m", "megaforge.rollout.server", "--model", str(tmp_path / "nope"),
                             "--port", str(port), "--sock-fd", str(fd)]
@@ -137,7 +140,8 @@ def test_early_exit_reports_exit_code_and_log_tail(tmp_path):
 
 def test_known_start_failure_names_the_config_key_to_change(tmp_path):
     # the last line SGLang 0.5.16 logs on an H200 whose sgl_kernel has no FA3 (the server then exits)
-    from megaforge.rollout.http.processes import ServerProcess, ServerStartError, child_env
+    from megaforge.rollout.http.processes import ServerProcess, ServerStartError
+    from megaforge.supervise import child_env
 
     fa3 = "ImportError: Can not import FA3 in sgl_kernel. Please check your installation."
     cmd = lambda port, fd: [sys.executable, "-c", f"print({fa3!r}, flush=True); raise SystemExit(1)"]
@@ -150,7 +154,8 @@ def test_known_start_failure_names_the_config_key_to_change(tmp_path):
 
 def test_non_loopback_bind_needs_api_key_and_admin_needs_token(tmp_path, tiny_model_dir):
     from megaforge.net import free_port
-    from megaforge.rollout.http.processes import ServerProcess, child_env
+    from megaforge.rollout.http.processes import ServerProcess
+    from megaforge.supervise import child_env
     from megaforge.rollout.http.auth import API_KEY_ENV
 
     refused = subprocess.run([sys.executable, "-m", "megaforge.rollout.server", "--model", tiny_model_dir, "--host",
@@ -189,7 +194,8 @@ def test_non_loopback_server_reads_weights_only_under_its_roots(tmp_path, tiny_m
     """Issue 21, item 5: --weight-root bounds /update_weights_from_disk (symbolic links resolved)."""
     import shutil
 
-    from megaforge.rollout.http.processes import ServerProcess, child_env
+    from megaforge.rollout.http.processes import ServerProcess
+    from megaforge.supervise import child_env
     from megaforge.rollout.http.auth import API_KEY_ENV
 
     allowed, outside = tmp_path / "allowed", tmp_path / "outside"

@@ -73,7 +73,8 @@ def test_weight_update_speaks_each_release(api, long_model_dir, tmp_path, tokeni
 
 # ------------------------------------------------------------------------- server environments
 def test_servers_never_inherit_torchruns_rendezvous(monkeypatch, tmp_path):
-    from megaforge.rollout.http.processes import ServerProcess, child_env, is_rendezvous_var
+    from megaforge.rollout.http.processes import ServerProcess
+    from megaforge.supervise import child_env, is_rendezvous_var
 
     torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
                 "ROLE_RANK": "0", "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",

@@ -21,7 +21,8 @@ KEY = "test-key-0123456789"
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    from megaforge.rollout.http.processes import ServerProcess, child_env
+    from megaforge.rollout.http.processes import ServerProcess
+    from megaforge.supervise import child_env
 
     d = save_tiny_qwen2(str(tmp_path_factory.mktemp("tiny")))
     cmd = lambda port, fd: [sys.executable, "-m", "megaforge.rollout.server", "--model", d, "--port", str(port),  # noqa: E731
@@ -185,10 +186,11 @@ def test_a_generate_fn_with_an_openai_client_through_the_http_engine(srv):
         engine.shutdown()
 
 
-BENCH_SKIP = "sglang is not installed (sglang.benchmark.serving needs sglang.srt's modules and its pinned deps)"
+BENCH_SKIP = ("sglang or datasets is not installed (sglang.bench_serving imports sglang.srt's modules and, at module "
+              "level, datasets: the H200 kit has the first, not the second)")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason=BENCH_SKIP)
+@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("sglang", "datasets")), reason=BENCH_SKIP)
 @pytest.mark.parametrize("backend", ["sglang-oai", "sglang-oai-chat"])
 def test_sglang_bench_serving_openai_modes(srv, backend, tmp_path):
     """SGLang 0.5.16's bench_serving against the embedded server: waits for /v1/models, then 8 random

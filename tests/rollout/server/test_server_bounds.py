@@ -40,7 +40,8 @@ def model_dir(tmp_path_factory):
 
 
 def _server(tmp_path, model_dir, *flags, nofile=None):
-    from megaforge.rollout.http.processes import ServerProcess, child_env
+    from megaforge.rollout.http.processes import ServerProcess
+    from megaforge.supervise import child_env
 
     def cmd(port, fd):
         args = ["--model", model_dir, "--port", str(port), "--sock-fd", str(fd), *flags]
@@ -189,7 +190,8 @@ def test_the_open_file_limit_is_raised_to_the_hard_limit(model_dir, tmp_path):
     wrap = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (512, resource.getrlimit("
             "resource.RLIMIT_NOFILE)[1])); sys.argv = ['megaforge.rollout.server'] + sys.argv[1:]; "
             "runpy.run_module('megaforge.rollout.server', run_name='__main__')")
-    from megaforge.rollout.http.processes import ServerProcess, child_env
+    from megaforge.rollout.http.processes import ServerProcess
+    from megaforge.supervise import child_env
 
     cmd = lambda port, fd: [sys.executable, "-c", wrap, "--model", model_dir, "--port", str(port),  # noqa: E731
                             "--sock-fd", str(fd)]

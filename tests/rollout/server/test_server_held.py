@@ -24,7 +24,8 @@ def model_dir(tmp_path_factory):
 
 
 def _server(tmp_path, model_dir, *flags):
-    from megaforge.rollout.http.processes import ServerProcess, child_env
+    from megaforge.rollout.http.processes import ServerProcess
+    from megaforge.supervise import child_env
 
     cmd = lambda port, fd: [sys.executable, "-m", "megaforge.rollout.server", "--model", model_dir,  # noqa: E731
                             "--port", str(port), "--sock-fd", str(fd), *flags]
