@@ -13,8 +13,8 @@ then :func:`~megaforge.trainer.logprobs.selected_token_logprobs`: the same value
 head costs 2 C V FLOP per position (x3 with its backward) and a [positions, V] float32 buffer, so a
 GSM8K row of ~150 prompt and ~280 response tokens pays it on its response only. This equals the
 CausalLM's forward only where that forward is exactly ``lm_head(decoder(...).last_hidden_state)``
-(no logit scaling or soft-capping): the model types of :data:`SPLIT_HEAD_MODEL_TYPES`, checked by
-:func:`check_split_head`.
+(no logit scaling or soft-capping): the model types registered with ``split_head`` in
+:mod:`megaforge.model_families`, checked by :func:`check_split_head`.
 
 Under ``trainer.autocast`` the decoder runs in bfloat16 and the head in float32
 (:func:`megaforge.trainer.precision.float32_head` patches the head module, used either way); the
@@ -26,22 +26,21 @@ from typing import Optional
 
 import torch
 
+from megaforge.model_families import model_types
 from megaforge.trainer import precision
 from megaforge.trainer.logprobs import selected_token_logprobs, token_logprobs, trained_positions
 
-#: HF model types whose CausalLM forward is ``lm_head(model(...).last_hidden_state)``, nothing more
-#: (transformers 5's LlamaForCausalLM, Qwen2/Qwen3 and their MoE classes; router aux losses only with labels)
-SPLIT_HEAD_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 POSITIONS = ("all", "trained")
 
 
 def check_split_head(lm) -> None:
     """ValueError unless ``lm``'s logits are its head applied to its decoder's last hidden state."""
     mt = getattr(lm.config, "model_type", None)
-    if mt not in SPLIT_HEAD_MODEL_TYPES:
+    split = model_types(split_head=True)  # the families whose CausalLM forward is lm_head(decoder(...)) alone
+    if mt not in split:
         raise ValueError(
             f"trainer.head_positions: 'trained' runs the decoder and the LM head separately, which equals the "
-            f"CausalLM forward for model types {', '.join(SPLIT_HEAD_MODEL_TYPES)}; this model is {mt!r} "
+            f"CausalLM forward for model types {', '.join(split)}; this model is {mt!r} "
             f"({type(lm).__name__}): set trainer.head_positions: all")
     decoder = lm.get_decoder()
     if decoder is lm or not isinstance(lm.get_output_embeddings(), torch.nn.Linear):
