@@ -78,3 +78,37 @@ def length_reward(prompt: str, response: str, target) -> float:
 
 # every algorithm run uses it, so that losses, gradients and the critic are not trivially zero
 VARIED_REWARD = ["--rewards.functions", "[{name: 'algo_helpers:length_reward'}]"]
+
+
+TINY_TORCH = ["--config", f"{ROOT}/configs/demo_cpu.yaml", "--model.config", f"{ROOT}/configs/models/tiny-qwen2",
+              "--model.tokenizer", f"{ROOT}/assets/tiny-tokenizer", "--trainer.device", "cpu", "--grpo.temperature", "0.8"]
+
+
+def tiny_torch_trainer(*extra):
+    """A TorchTrainer of the demo's tiny Qwen2 on the CPU (no engine), with ``extra`` flags."""
+    from megaforge.config import load_config
+    from megaforge.trainer.torch_backend import TorchTrainer
+
+    return TorchTrainer(load_config(TINY_TORCH + list(extra)), None)
+
+
+def rl_batch(B: int = 8, seed: int = 0):
+    """B rows of lengths 5..20 in no order, prompts of 2-5 tokens, loss on the response, random
+    advantages, pi_old / reference / rollout log-probs near -4."""
+    from megaforge.types import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 21, (B,), generator=g)
+    prompt = torch.randint(2, 5, (B,), generator=g)
+    T = int(lengths.max())
+    t = torch.arange(T)[None]
+    tokens = torch.where(t < lengths[:, None], torch.randint(3, 500, (B, T), generator=g), 0)
+    mask = ((t >= prompt[:, None]) & (t < lengths[:, None])).float()
+
+    def near(scale):
+        return (-4.0 + scale * torch.randn(B, T, generator=g)) * mask
+
+    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=mask,
+                      advantages=torch.randn(B, 1, generator=g) * mask, rollout_logprobs=near(0.3),
+                      old_logprobs=near(0.3), ref_logprobs=near(0.5),
+                      num_tokens=int(mask.sum()), num_seqs=int((mask.sum(-1) > 0).sum()))

@@ -3,42 +3,16 @@ gradients and metrics equal those of the whole mini-batch in one micro-batch for
 aggregation, per-row results come back in the rows' order, and the computed positions fall."""
 import pytest
 import torch
-from algo_helpers import ROOT
+from algo_helpers import rl_batch as _rl_batch
+from algo_helpers import tiny_torch_trainer as _trainer
 
-from megaforge.config import load_config
 from megaforge.trainer import torch_ddp
 from megaforge.trainer.base import Objective
 from megaforge.trainer.causal_lm import causal_lm_logprobs
-from megaforge.types import TrainBatch
-
-BASE = ["--config", f"{ROOT}/configs/demo_cpu.yaml", "--model.config", f"{ROOT}/configs/models/tiny-qwen2",
-        "--model.tokenizer", f"{ROOT}/assets/tiny-tokenizer", "--trainer.device", "cpu", "--grpo.temperature", "0.8"]
 
 
-def _trainer(*extra):
-    from megaforge.trainer.torch_backend import TorchTrainer
-
-    return TorchTrainer(load_config(BASE + list(extra)), None)
-
-
-def rl_batch(B: int = 9, seed: int = 0) -> TrainBatch:
-    """B rows of lengths 5..20 in no order, prompts of 2-5 tokens, loss on the response, random
-    advantages, pi_old / reference / rollout log-probs near -4."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(5, 21, (B,), generator=g)
-    prompt = torch.randint(2, 5, (B,), generator=g)
-    T = int(lengths.max())
-    t = torch.arange(T)[None]
-    tokens = torch.where(t < lengths[:, None], torch.randint(3, 500, (B, T), generator=g), 0)
-    mask = ((t >= prompt[:, None]) & (t < lengths[:, None])).float()
-
-    def near(scale):
-        return (-4.0 + scale * torch.randn(B, T, generator=g)) * mask
-
-    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=mask,
-                      advantages=torch.randn(B, 1, generator=g) * mask, rollout_logprobs=near(0.3),
-                      old_logprobs=near(0.3), ref_logprobs=near(0.5),
-                      num_tokens=int(mask.sum()), num_seqs=int((mask.sum(-1) > 0).sum()))
+def rl_batch(B: int = 9, seed: int = 0):
+    return _rl_batch(B, seed)
 
 
 def test_length_ordered_is_a_permutation_in_runs_of_size_longest_first():
