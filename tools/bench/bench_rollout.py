@@ -34,10 +34,10 @@ eager one only). Shapes default to qwen2-0.5b and
 qwen3-1.7b (Qwen3-1.7B's shape, configs/models/qwen3-1.7b). Every shape is built with a 4,096-token
 position table and no BOS/EOS token (pad 0).
 
-    python tools/bench_rollout.py                 # H200: 0.5B and 1.5B shapes, batch 64/256/1024
-    python tools/bench_rollout.py --quick         # batch 256 only, no extras
-    python tools/bench_rollout.py --tiny          # CPU: a tiny shape, exercises the code path
-    python tools/bench_rollout.py --sglang --sglang_env_sh /tmp/sgl/env.sh     # fast engine vs SGLang
+    python tools/bench/bench_rollout.py                 # H200: 0.5B and 1.5B shapes, batch 64/256/1024
+    python tools/bench/bench_rollout.py --quick         # batch 256 only, no extras
+    python tools/bench/bench_rollout.py --tiny          # CPU: a tiny shape, exercises the code path
+    python tools/bench/bench_rollout.py --sglang --sglang_env_sh /tmp/sgl/env.sh     # fast engine vs SGLang
 """
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ import time
 
 import torch
 
-from common import ROOT, Stopwatch, device_name, emit, model_config, random_model, stage_logger
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: common.py
+from common import ROOT, Stopwatch, device_name, emit, model_config, random_model, stage_logger  # noqa: E402
 
 QWEN2 = dict(model_type="qwen2", rope_theta=1e6, rms_norm_eps=1e-6)
 SHAPES = {  # HF config fields, or a name under configs/models/
