@@ -5,8 +5,9 @@ provenance (:func:`emit`), progress lines on stderr, device timing (:class:`Stop
 (:func:`model_config`, :func:`random_model`, :func:`write_random_model`).
 
 The tools run as scripts (``python tools/x.py``, ``torchrun tools/x.py``: this folder is then the
-first entry of ``sys.path``, so ``from common import ...`` finds this file) and import megaforge as
-installed (``pip install -e .``) or from ``PYTHONPATH`` (the GPU machine: ``PYTHONPATH=$PWD``).
+first entry of ``sys.path``, so ``from common import ...`` finds this file; the benchmarks in
+``tools/bench/`` put this folder on ``sys.path`` after their own) and import megaforge as installed
+(``pip install -e .``) or from ``PYTHONPATH`` (the GPU machine: ``PYTHONPATH=$PWD``).
 """
 from __future__ import annotations
 

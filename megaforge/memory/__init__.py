@@ -32,7 +32,7 @@ process (``memory/outside_torch_gib`` = used by the process's context, communica
 workspaces: ``device used - torch reserved`` with no other process on the GPU), release torch's own
 cache and finished CUDA-IPC blocks before the engine takes memory back (:func:`release_cached`),
 and destroy megaforge's weight-update group only at shutdown (one communicator, measured by
-tools/bench_colocate.py).
+tools/bench/bench_colocate.py).
 """
 from __future__ import annotations
 

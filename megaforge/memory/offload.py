@@ -15,7 +15,7 @@ onload after a plan, each chunk is allocated as one device buffer and its tensor
 into it (``t.data = chunk[off:off + n].view(dtype).view(shape)``): from then on one copy and one
 allocation per chunk, whatever the number of tensors.
 
-Invariants (tested on CPU with ``device="cpu"`` host buffers, on GPU by tools/bench_colocate.py):
+Invariants (tested on CPU with ``device="cpu"`` host buffers, on GPU by tools/bench/bench_colocate.py):
 * identity: no tensor object is replaced; parameters, optimizer-state tensors and views keep
   their ``id``; only ``.data`` of movable tensors is re-pointed (same shape, dtype, contiguous).
 * values: after ``onload(tag)`` every ``keep=True`` tensor holds the bytes it held before

@@ -58,8 +58,8 @@ def test_cli_missing_shard_fails_naming_it_and_leaves_nothing(ckpt, tmp_path):
 
 @pytest.mark.slow  # ~12 s; a benchmark (run on the H200: docs/benchmarks); the conversions: tests/convert
 def test_bench_convert_tiny_reports_one_json_line(tmp_path):
-    """tools/bench_convert.py --tiny (CPU, Qwen3-MoE, 50 kB buckets) streams the whole model."""
-    p = _run("bench_convert.py", "--tiny")
+    """tools/bench/bench_convert.py --tiny (CPU, Qwen3-MoE, 50 kB buckets) streams the whole model."""
+    p = _run(os.path.join("bench", "bench_convert.py"), "--tiny")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     assert len(lines) == 1, p.stdout[-2000:]

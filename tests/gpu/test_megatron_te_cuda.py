@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from mt_helpers import hf_logprobs, make_batch, make_tiny, run_workers  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
-                                reason="needs transformer_engine (tools/te_build.sh)")
+                                reason="needs transformer_engine (tools/gpu/te_build.sh)")
 
 
 def _masked_mean_abs(x, mask):

@@ -1,4 +1,4 @@
-"""tools/check_parity.py and tools/bench_train.py run and report (CPU, gloo)."""
+"""tools/check_parity.py and tools/bench/bench_train.py run and report (CPU, gloo)."""
 import json
 import os
 
@@ -54,7 +54,7 @@ def test_check_parity_tp2_sp_passes(tiny_models, tmp_path):
 
 @pytest.mark.slow  # ~14 s; a benchmark (run on the H200: docs/benchmarks); the train step: tests/megatron
 def test_bench_train_tiny_runs_both_steps(tmp_path):
-    codes, logs = run_ranks([os.path.join(ROOT, "tools", "bench_train.py"), "--tiny"], 1, tmp_path, "bench")
+    codes, logs = run_ranks([os.path.join(ROOT, "tools", "bench", "bench_train.py"), "--tiny"], 1, tmp_path, "bench")
     assert codes == [0], tails(logs)
     rep = _json_line(logs[0])
     assert rep["ours_tflops_per_gpu"] > 0 and rep["raw_tflops_per_gpu"] > 0 and rep["tokens_per_step"] == 4 * 64
@@ -63,7 +63,7 @@ def test_bench_train_tiny_runs_both_steps(tmp_path):
 def test_bench_train_tiny_moe_randomly_initialised_runs_each_expert_variant(tmp_path):
     """A Qwen3-MoE shape from its config alone (random init: transformers holds the experts fused, the
     converter reads per-expert tensors) trains in both steps; the FLOPs count the k routed experts."""
-    codes, logs = run_ranks([os.path.join(ROOT, "tools", "bench_train.py"), "--tiny", "--shape", "tinymoe",
+    codes, logs = run_ranks([os.path.join(ROOT, "tools", "bench", "bench_train.py"), "--tiny", "--shape", "tinymoe",
                              "--moe_experts", "sequential,auto"], 1, tmp_path, "bench")
     assert codes == [0], tails(logs)
     rep = _json_line(logs[0])
@@ -76,7 +76,7 @@ def test_bench_train_tiny_moe_randomly_initialised_runs_each_expert_variant(tmp_
 def test_trace_gaps_charges_idle_gpu_time_to_the_host_work_running_meanwhile():
     import sys
 
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    sys.path.insert(0, os.path.join(ROOT, "tools", "bench"))
     from trace_gaps import gaps_report
 
     def ev(cat, name, ts, dur, tid=1, pid=7):
@@ -102,12 +102,12 @@ def test_trace_gaps_charges_idle_gpu_time_to_the_host_work_running_meanwhile():
     assert by_phase == {"phase1": 110, "(none)": 160}, by_phase
 
 
-@pytest.mark.slow  # ~30 s; the tool's real run is on the GPU (tools/h200_session.sh bench_step)
+@pytest.mark.slow  # ~30 s; the tool's real run is on the GPU (tools/gpu/h200_session.sh bench_step)
 def test_bench_grpo_step_tiny_reports_the_step_beside_its_parts(tmp_path):
-    """tools/bench_grpo_step.py on the CPU (tiny model, embedded server, megatron trainer): the colocated
+    """tools/bench/bench_grpo_step.py on the CPU (tiny model, embedded server, megatron trainer): the colocated
     steps, the engine alone on the last step's requests, the train step alone on its batch and raw
     megatron-core on as many tokens, one JSON line with every figure its targets are read from."""
-    codes, logs = run_ranks([os.path.join(ROOT, "tools", "bench_grpo_step.py"), "--tiny"], 1, tmp_path, "grpo_step")
+    codes, logs = run_ranks([os.path.join(ROOT, "tools", "bench", "bench_grpo_step.py"), "--tiny"], 1, tmp_path, "grpo_step")
     assert codes == [0], tails(logs)
     rep = _json_line(logs[0])
     assert len(rep["steps"]) == 2 and rep["step"] == rep["steps"][-1]
@@ -120,10 +120,10 @@ def test_bench_grpo_step_tiny_reports_the_step_beside_its_parts(tmp_path):
 
 @pytest.mark.slow  # ~17 s; a benchmark (run on the H200: docs/benchmarks); save / verify / load: tests/test_checkpoint.py, tests/megatron
 def test_bench_checkpoint_times_save_verify_load_and_cleans_up(tmp_path):
-    """tools/bench_checkpoint.py on the CPU demo's model with the megatron trainer: one JSON line with
+    """tools/bench/bench_checkpoint.py on the CPU demo's model with the megatron trainer: one JSON line with
     the checkpoint's size and phases, and --dir left without the checkpoint."""
     where = tmp_path / "ckpt"
-    codes, logs = run_ranks([os.path.join(ROOT, "tools", "bench_checkpoint.py"), "--config",
+    codes, logs = run_ranks([os.path.join(ROOT, "tools", "bench", "bench_checkpoint.py"), "--config",
                              os.path.join(ROOT, "configs", "demo_cpu.yaml"), "--dir", str(where),
                              "--trainer.backend", "megatron"], 1, tmp_path, "bench_ckpt")
     assert codes == [0], tails(logs)

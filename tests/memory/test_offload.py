@@ -1,6 +1,6 @@
 """The offload copy engine (megaforge.memory.offload) on CPU-emulated paths: host buffers are plain CPU
 tensors and the "device" storage is CPU memory, so identity, values, freeing, chunking, buffer reuse
-and the weights/state split are checked exactly as on a GPU (tools/bench_colocate.py measures speed)."""
+and the weights/state split are checked exactly as on a GPU (tools/bench/bench_colocate.py measures speed)."""
 from __future__ import annotations
 
 import copy

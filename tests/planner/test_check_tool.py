@@ -1,4 +1,4 @@
-"""tools/check_memory_estimate.py: the CPU smoke run goes through the whole GPU code path (Megatron
+"""tools/bench/check_memory_estimate.py: the CPU smoke run goes through the whole GPU code path (Megatron
 trainer from a config JSON with random weights, embedded-engine rollout, RL train step, the
 planner's prediction) and prints one JSON line; measured values are null on CPU."""
 import os
@@ -11,7 +11,7 @@ from planner_helpers import ROOT, last_json, run
 
 def test_cpu_smoke_prints_prediction_beside_measurement():
     pytest.importorskip("megatron.core")
-    proc = run(["tools/check_memory_estimate.py", "--cpu_smoke", "--beta", "0.1"], timeout=300)
+    proc = run(["tools/bench/check_memory_estimate.py", "--cpu_smoke", "--beta", "0.1"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = last_json(proc.stdout)
     assert out["tool"] == "check_memory_estimate" and out["device"] == "cpu"
@@ -21,7 +21,7 @@ def test_cpu_smoke_prints_prediction_beside_measurement():
         assert ph["predicted_gib"] > 0
     # the prediction is the planner's for the same config, not a number of the tool's own
     from megaforge.planner import make_plan
-    sys.path.insert(0, os.path.join(ROOT, "tools"))  # the tools import their folder's common.py
+    sys.path.insert(0, os.path.join(ROOT, "tools", "bench"))  # the benchmark imports tools/common.py itself
     from check_memory_estimate import build_config, parse_args
 
     cfg = build_config(parse_args(["--cpu_smoke", "--beta", "0.1"]), "cpu")
@@ -34,5 +34,5 @@ def test_cpu_smoke_prints_prediction_beside_measurement():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
 def test_without_cuda_it_refuses_and_points_to_the_smoke_mode():
-    proc = run(["tools/check_memory_estimate.py"])
+    proc = run(["tools/bench/check_memory_estimate.py"])
     assert proc.returncode == 2 and "--cpu_smoke" in proc.stderr

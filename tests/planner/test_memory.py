@@ -260,7 +260,7 @@ def test_entropy_bonus_costs_the_entropy_backward():
 
 
 def test_estimate_against_the_h200_measurements():
-    """The planner's phase estimates beside the peaks tools/check_memory_estimate.py measured on an
+    """The planner's phase estimates beside the peaks tools/bench/check_memory_estimate.py measured on an
     H200 (Qwen3-1.7B, TP1 and TP2 + SP; docs/benchmarks/check_memory_estimate_h200.jsonl): within
     5% for the rollout and the train phase. A planner change that moves an estimate away from what
     the GPU measured fails here."""
@@ -268,7 +268,7 @@ def test_estimate_against_the_h200_measurements():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, os.path.join(root, "tools", "check_memory_estimate.py"), "--predict_only",
+    out = subprocess.run([sys.executable, os.path.join(root, "tools", "bench", "check_memory_estimate.py"), "--predict_only",
                           "--measured", os.path.join(root, "docs", "benchmarks", "check_memory_estimate_h200.jsonl")],
                          capture_output=True, text=True, timeout=300, cwd=root)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""tools/carry_size.py counts what the run tool copies: tracked and untracked-not-ignored files plus the
+"""tools/gpu/carry_size.py counts what the run tool copies: tracked and untracked-not-ignored files plus the
 carried (ignored) paths, and refuses more than 64 MiB or a missing carry path."""
 import json
 import os

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # The side-by-side runs of issue 39 on the offline H200, in the device calls a session makes (each < 10 min, chained
 # within the 30 s the machine stays warm so /tmp survives; the runs start detached, in their own process session,
-# and keep going across calls while the machine is held: tools/h200_session.sh's gsm_start way). Results go to $OUT.
+# and keep going across calls while the machine is held: tools/gpu/h200_session.sh's gsm_start way). Results go to $OUT.
 # NOTHING HERE HAS RUN ON A GPU YET (2026-12-05): every stage ran only as far as a CPU allows (tools/peers/README.md).
 #
 # Here, once: bash tools/peers/prepare_peers.sh        (.carry/peers: 50.8 MB of wheels; ignored by git)
 #             plus the SGLang kit (.sgl) and the GSM8K model / data / wheels (.carry/q, .carry/data, .carry/whl) as
 #             configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's header says.
-# One hold (~30 min), the calls one right after the other (sizes: python3 tools/carry_size.py PATHS):
-#   1  carry .sgl/sgl-part1 .sgl/sgl-part2:   bash tools/h200_session.sh parts            (alone: a refused start costs)
-#   2  carry .sgl/sgl-small .whl:             bash tools/h200_session.sh install
+# One hold (~30 min), the calls one right after the other (sizes: python3 tools/gpu/carry_size.py PATHS):
+#   1  carry .sgl/sgl-part1 .sgl/sgl-part2:   bash tools/gpu/h200_session.sh parts            (alone: a refused start costs)
+#   2  carry .sgl/sgl-small .whl:             bash tools/gpu/h200_session.sh install
 #   3  carry .carry/peers/verl-ray .carry/peers/verl-rest .carry/peers/trl .carry/peers/SHA256SUMS (56.3 MiB):
 #                                             bash tools/peers/h200_peers.sh kit
-#   4..11 carry .carry/q/SHA256SUMS + one .carry/q/*.part_0K:  bash tools/h200_session.sh gsm_part
+#   4..11 carry .carry/q/SHA256SUMS + one .carry/q/*.part_0K:  bash tools/gpu/h200_session.sh gsm_part
 #   12 carry .carry/q/*.part_08 .carry/data .carry/whl:
-#        bash tools/h200_session.sh gsm_prep && PEER_STEPS=20 bash tools/peers/h200_peers.sh data mf_start \
+#        bash tools/gpu/h200_session.sh gsm_prep && PEER_STEPS=20 bash tools/peers/h200_peers.sh data mf_start \
 #          && sleep 200 && bash tools/peers/h200_peers.sh mf_watch
 #   13 bash tools/peers/h200_peers.sh mf_watch verl_start && sleep 240 && WATCH_SECONDS=200 bash tools/peers/h200_peers.sh verl_watch
 #   14.. WATCH_SECONDS=540 bash tools/peers/h200_peers.sh verl_watch     (until "run ended"), then

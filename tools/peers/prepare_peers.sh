@@ -3,7 +3,7 @@
 #   DIR/verl-ray/  ray 2.60.0 repacked (~45 MB)        DIR/verl-rest/  verl 0.9.1 and the rest of wheels_verl.txt
 #   DIR/trl/       wheels_trl.txt                       DIR/SHA256SUMS  every file's checksum
 # Python 3.12 x86-64 wheels without their dependencies (the lists name every one the machine lacks); the two
-# sdists through ../shared/gpu-wheels/fetch-sdist.py. Sizes per call: python3 tools/carry_size.py DIR/verl-ray ...
+# sdists through ../shared/gpu-wheels/fetch-sdist.py. Sizes per call: python3 tools/gpu/carry_size.py DIR/verl-ray ...
 # usage: bash tools/peers/prepare_peers.sh [DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."

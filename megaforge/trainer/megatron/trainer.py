@@ -30,7 +30,7 @@ tensors on global rank 0 only (empty lists elsewhere, same count) and must be co
 on every rank. On CPU, :mod:`cpu_compat` patches are installed process-wide by the constructor.
 
 Profiling: ``megaforge.pack`` / ``.forward`` / ``.loss`` / ``.optimizer_step`` are
-``record_function`` ranges; ``tools/bench_train.py --trace DIR`` charges the device's idle time to them.
+``record_function`` ranges; ``tools/bench/bench_train.py --trace DIR`` charges the device's idle time to them.
 """
 from __future__ import annotations
 

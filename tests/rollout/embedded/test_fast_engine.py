@@ -441,7 +441,7 @@ def test_buckets():
 
 
 def test_bench_tool_runs_on_cpu():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_rollout.py"), "--tiny", "--quick",
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench", "bench_rollout.py"), "--tiny", "--quick",
                         "--batches", "4", "--new", "6", "--prompt", "5"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()
@@ -456,7 +456,7 @@ def test_bench_tool_against_a_server_repeats_and_reports_the_median():
     """--sglang with megaforge's embedded server standing in for SGLang (the GPU runs the real one):
     --repeats timed runs per side, every run's tok/s and the median's tokens; --variants picks the
     fast engine's forms."""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_rollout.py"), "--sglang", "--sglang_server",
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench", "bench_rollout.py"), "--sglang", "--sglang_server",
                         "embedded", "--tiny", "--batches", "4", "--new", "6", "--prompt", "5", "--repeats", "3",
                         "--variants", "fast,fast_default"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -471,7 +471,7 @@ def test_bench_tool_against_a_server_repeats_and_reports_the_median():
 
 
 def test_bench_timed_runs_takes_the_median_run():
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    sys.path.insert(0, os.path.join(ROOT, "tools", "bench"))
     from bench_rollout import timed_runs
 
     got = timed_runs([(100, 1.0), (90, 0.3), (100, 0.5), (100, 2.0)])  # 100, 300, 200, 50 tok/s

@@ -28,7 +28,7 @@ float32 softmax (HF's eager attention):
     s = q @ K^T [B, Hkv, G, Lb] (model dtype), p = softmax(scale * s + mask) in float32,
     o = p.to(dtype) @ V [B, Hkv, G, D]
 
-each reads the cache once with no padded query rows (tools/profile_fast_decode.py measures both).
+each reads the cache once with no padded query rows (tools/bench/profile_fast_decode.py measures both).
 
 ``compile``: a torch.compile backend (GPU: "inductor") for the decode step's pieces (the head too)
 and the matmul attention; their tensors are read at each call (one compiled graph serves every layer

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """One colocated GRPO step of a recipe beside the engine alone and the train step alone, in one run.
 
-    torchrun --nproc_per_node 1 tools/bench_grpo_step.py --config configs/grpo_h200_colocated.yaml
-    python tools/bench_grpo_step.py --tiny          # CPU: a tiny model and the embedded server, the code path
+    torchrun --nproc_per_node 1 tools/bench/bench_grpo_step.py --config configs/grpo_h200_colocated.yaml
+    python tools/bench/bench_grpo_step.py --tiny          # CPU: a tiny model and the embedded server, the code path
 
 Prints ONE JSON line (rank 0; progress on stderr). Everything runs on the recipe's own parts (its
 trainer, its engines, its memory choreography), with dotted overrides after the flags:
@@ -14,7 +14,7 @@ trainer, its engines, its memory choreography), with dotted overrides after the 
    again with the trainer offloaded, as during the step: tok/s = sampled tokens / seconds.
 3. train alone: the last step's batch trained again (reference logprobs where the recipe uses them,
    the loss, the optimizer step) with the engine's memory released, the trainer resident.
-4. raw (megatron backend): megatron-core's pretraining step (tools/raw_megatron.py) on the same model
+4. raw (megatron backend): megatron-core's pretraining step (tools/bench/raw_megatron.py) on the same model
    and optimizer, over full rows holding as many real tokens as the batch.
 
 Figures and targets: ``overhead`` = (release + onload + offload + sync + resume) / step (<= 0.05);
@@ -33,8 +33,9 @@ import time
 
 import torch
 
-from common import MODELS, ROOT, Stopwatch, device_name, emit, stage_logger, time_per_call
-from raw_megatron import flops, raw_microbatches, raw_step
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: common.py
+from common import MODELS, ROOT, Stopwatch, device_name, emit, stage_logger, time_per_call  # noqa: E402
+from raw_megatron import flops, raw_microbatches, raw_step  # noqa: E402
 
 T0 = time.time()
 say = stage_logger("bench_grpo_step")

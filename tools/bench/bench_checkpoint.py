@@ -1,7 +1,7 @@
 """How long a run's checkpoint takes: the write, the manifest's checksums, a resume's verification and load.
 
-    torchrun --nproc_per_node 1 tools/bench_checkpoint.py --config configs/grpo_h200_colocated.yaml
-    python tools/bench_checkpoint.py --config configs/demo_cpu.yaml --dir /tmp/ckpt    # CPU, the torch trainer
+    torchrun --nproc_per_node 1 tools/bench/bench_checkpoint.py --config configs/grpo_h200_colocated.yaml
+    python tools/bench/bench_checkpoint.py --config configs/demo_cpu.yaml --dir /tmp/ckpt    # CPU, the torch trainer
 
 The config's trainer is built as a run builds it (``model.path`` or a random init; no engine), its
 optimizer state materialised as a fresh run's first checkpoint has it, then, timed apart:
@@ -27,7 +27,8 @@ import shutil
 import sys
 import tempfile
 
-from common import ROOT, Stopwatch, emit, stage_logger
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: common.py
+from common import ROOT, Stopwatch, emit, stage_logger  # noqa: E402
 
 say = stage_logger("bench_checkpoint")
 

@@ -23,8 +23,9 @@ path's logprobs against a teacher-forced HF forward of its own samples (smallest
 
 With ``--sglang``: megaforge's fast engine against a real SGLang server on the same GPU instead of
 HF: the shape's random weights are saved with a tokenizer folder, ``python -m sglang.launch_server``
-(its own environment: ``--sglang_env_sh`` / ``--sglang_python``, as ``rollout.engine_env`` /
-``rollout.engine_python``) serves them, each batch is one batched ``/generate`` of the same prompts
+serves them with the command line and environment a run gives its SGLang engine (built by
+megaforge.rollout.http.sglang, :func:`server_launch`; its own environment: ``--sglang_env_sh`` /
+``--sglang_python``, as ``rollout.engine_env`` / ``rollout.engine_python``), each batch is one batched ``/generate`` of the same prompts
 (``input_ids``, temperature 1, ``ignore_eos``, logprobs returned, as megaforge's rollout asks):
 a warm-up run, the prefix cache flushed, ``--repeats`` timed runs (default 3, the median reported, every
 run's figure in ``tok_s_runs``); then the server's memory is released and the
@@ -34,10 +35,10 @@ eager one only). Shapes default to qwen2-0.5b and
 qwen3-1.7b (Qwen3-1.7B's shape, configs/models/qwen3-1.7b). Every shape is built with a 4,096-token
 position table and no BOS/EOS token (pad 0).
 
-    python tools/bench_rollout.py                 # H200: 0.5B and 1.5B shapes, batch 64/256/1024
-    python tools/bench_rollout.py --quick         # batch 256 only, no extras
-    python tools/bench_rollout.py --tiny          # CPU: a tiny shape, exercises the code path
-    python tools/bench_rollout.py --sglang --sglang_env_sh /tmp/sgl/env.sh     # fast engine vs SGLang
+    python tools/bench/bench_rollout.py                 # H200: 0.5B and 1.5B shapes, batch 64/256/1024
+    python tools/bench/bench_rollout.py --quick         # batch 256 only, no extras
+    python tools/bench/bench_rollout.py --tiny          # CPU: a tiny shape, exercises the code path
+    python tools/bench/bench_rollout.py --sglang --sglang_env_sh /tmp/sgl/env.sh     # fast engine vs SGLang
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ import time
 
 import torch
 
-from common import ROOT, Stopwatch, device_name, emit, model_config, random_model, stage_logger
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: common.py
+from common import ROOT, Stopwatch, device_name, emit, model_config, random_model, stage_logger  # noqa: E402
 
 QWEN2 = dict(model_type="qwen2", rope_theta=1e6, rms_norm_eps=1e-6)
 SHAPES = {  # HF config fields, or a name under configs/models/
@@ -245,31 +247,46 @@ def extra_rows(shape, model, args, dev) -> dict:
 
 
 # ------------------------------------------------------------------------------------- real SGLang
+def server_launch(model_dir: str, args):
+    """The server this bench starts, built as a run builds its engines' servers: the engine kind's
+    :class:`~megaforge.rollout.http.start.Servers` (megaforge.rollout.http.sglang, or embedded_server
+    for ``--sglang_server embedded``), a run config with the bench's settings and the
+    :class:`~megaforge.rollout.http.start.ServerStart`. Settings: ``rollout.engine_python`` =
+    ``--sglang_python``, ``rollout.engine_env`` = what ``--sglang_env_sh`` sets, ``rollout.mem_fraction``
+    = ``--sglang_mem``, ``rollout.extra_args`` = ``--sglang_args`` (SGLang only), ``model.dtype`` the
+    bench's; colocated (``rollout.num_gpus 0``: SGLang's memory saver, which the release of its memory
+    before the fast engine's runs needs), TP 1 on 127.0.0.1, seed 0, ``rollout.engine_batch_size`` 4096
+    (the embedded server), no training steps (``max_steps 0``: no data), no API key, the tokenizer saved
+    beside the weights. Returns (servers, cfg, start)."""
+    from megaforge.config import config_from_dict
+    from megaforge.rollout.http import embedded_server, sglang
+    from megaforge.rollout.http.start import ServerStart
+    from megaforge.supervise import env_from_script
+
+    real = args.sglang_server == "sglang"
+    cfg = config_from_dict({"seed": 0, "max_steps": 0, "model": {"path": model_dir, "dtype": args.dtype_name}, "rollout": {
+        "engine": "sglang" if real else "embedded_server", "device": args.device, "host": "127.0.0.1",
+        "num_gpus": 0, "tensor_parallel": 1, "mem_fraction": args.sglang_mem, "engine_python": args.sglang_python,
+        "engine_env": env_from_script(args.sglang_env_sh) if args.sglang_env_sh and real else {},
+        "extra_args": args.sglang_args.split() if real else [], "engine_batch_size": 4096}})
+    return (sglang if real else embedded_server).SERVERS, cfg, ServerStart(model_dir, "", "", [], torch.device(args.device))
+
+
 class SGLangServer:
     """A server of ``model_dir`` on this machine's GPU (``--sglang_server sglang``), or megaforge's
-    embedded server speaking the same protocol (``embedded``: the CPU check of this code path)."""
+    embedded server speaking the same protocol (``embedded``: the CPU check of this code path), started
+    with the command line and environment a run gives its engine (:func:`server_launch`)."""
 
     def __init__(self, model_dir: str, args, log_path: str):
         import asyncio
+        import functools
 
         from megaforge.rollout.http.client import SGLangClient
         from megaforge.rollout.http.processes import ServerProcess
-        from megaforge.supervise import child_env, env_from_script
 
-        env = env_from_script(args.sglang_env_sh) if args.sglang_env_sh else {}
-        py = args.sglang_python or sys.executable
-        if args.sglang_server == "sglang":
-            def cmd(port, fd):
-                return [py, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", "127.0.0.1",
-                        "--port", str(port), "--dtype", args.dtype_name, "--mem-fraction-static", str(args.sglang_mem),
-                        "--random-seed", "0", "--enable-memory-saver", *args.sglang_args.split()]
-            proc = ServerProcess("sglang", cmd, log_path, env=child_env(None, env, repo_on_path=False))
-        else:
-            def cmd(port, fd):
-                return [sys.executable, "-m", "megaforge.rollout.server", "--model", model_dir, "--host", "127.0.0.1",
-                        "--port", str(port), "--sock-fd", str(fd), "--device", args.device, "--dtype", args.dtype_name,
-                        "--max-batch", "4096"]
-            proc = ServerProcess("embedded", cmd, log_path, env=child_env(), hold_socket=True)
+        servers, cfg, start = server_launch(model_dir, args)
+        proc = ServerProcess(args.sglang_server, functools.partial(servers.command, cfg, start), log_path,
+                             host=cfg.rollout.host, env=servers.env(cfg, start, None), hold_socket=servers.hold_socket)
         with Stopwatch() as w:
             self.proc = proc.start_ready(900.0)
         self.start_s = w.seconds
@@ -371,7 +388,9 @@ def sglang_rows(shape: str, model, args, dev, tmp: str) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
+    """(args, shapes, device, dtype) of the command line, the defaults filled in (``args.dtype_name``
+    the dtype's name, ``args.batches`` a list, ``args.compile`` the backend or None)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="batch 256 only (tiny: 8), no extras")
     ap.add_argument("--tiny", action="store_true", help="a tiny shape (runs on CPU)")
@@ -420,6 +439,11 @@ def main(argv=None) -> int:
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[
         args.dtype or ("float32" if dev.type == "cpu" else "bfloat16")]
     args.dtype_name = str(dtype).split(".")[-1]
+    return args, shapes, dev, dtype
+
+
+def main(argv=None) -> int:
+    args, shapes, dev, dtype = parse_args(argv)
     if dev.type == "cpu":
         torch.set_num_threads(min(2, os.cpu_count() or 1))
     import transformers

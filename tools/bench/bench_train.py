@@ -1,9 +1,9 @@
 """Throughput of megaforge's Megatron RL train step beside a raw megatron-core pretraining step.
 
-    torchrun --nproc_per_node 1 tools/bench_train.py --shape 8l --layer_spec te [--fp8 hybrid]
-    torchrun --nproc_per_node 1 tools/bench_train.py --shape 24l --layer_spec torch
-    torchrun --nproc_per_node 1 tools/bench_train.py --shape moe4l --layer_spec te --moe_experts sequential,grouped
-    python tools/bench_train.py --tiny            # CPU smoke run of the same code path
+    torchrun --nproc_per_node 1 tools/bench/bench_train.py --shape 8l --layer_spec te [--fp8 hybrid]
+    torchrun --nproc_per_node 1 tools/bench/bench_train.py --shape 24l --layer_spec torch
+    torchrun --nproc_per_node 1 tools/bench/bench_train.py --shape moe4l --layer_spec te --moe_experts sequential,grouped
+    python tools/bench/bench_train.py --tiny            # CPU smoke run of the same code path
 
 Both steps run on the *same* model, optimizer and layout (one MegatronTrainer, random init):
 
@@ -16,7 +16,7 @@ Both steps run on the *same* model, optimizer and layout (one MegatronTrainer, r
 
 TFLOP/s per GPU = (6 P n + 6 L h sum_d len_d^2) / time / GPUs, forward + backward, with P all
 parameters, n the real tokens of the step and the attention term summed over documents d (a full
-row of ``seq`` tokens gives the usual 6 L s h n; tools/raw_megatron.py); a mixture of experts counts
+row of ``seq`` tokens gives the usual 6 L s h n; tools/bench/raw_megatron.py); a mixture of experts counts
 the parameters a token is routed through (k of E experts). Prints one JSON line (rank 0).
 
 Mixture of experts (``moe*`` shapes: Qwen3-30B-A3B's layer, 128 experts top-8, expert FFN 768, hidden
@@ -36,15 +36,16 @@ import tempfile
 
 import torch
 
-from common import PeakMemory, Stopwatch, device_name, emit, model_config, rl_batch, sync, time_per_call
-from raw_megatron import flops, n_params, raw_microbatches, raw_step
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: common.py
+from common import PeakMemory, Stopwatch, device_name, emit, model_config, rl_batch, sync, time_per_call  # noqa: E402
+from raw_megatron import flops, n_params, raw_microbatches, raw_step  # noqa: E402
 
 SHAPES = {  # Llama layouts: layers, hidden, ffn, heads, kv heads, seq (tokens a row), vocab, mbs (full rows a micro-batch)
     "8l": dict(layers=8, hidden=4096, ffn=14336, heads=32, kv=8, seq=4096, vocab=32000, mbs=1),
     "24l": dict(layers=24, hidden=2048, ffn=5632, heads=16, kv=4, seq=4096, vocab=32000, mbs=2),
     # the recipes' models (configs/models/: qkv bias, QK norm, tied embeddings as the real ones), rows packed to 4,096
     "q05b": dict(model="qwen2.5-coder-0.5b", seq=4096, mbs=1),  # configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's
-    "q17b": dict(model="qwen3-1.7b", seq=4096, mbs=1),  # tools/bench_grpo_step.py's
+    "q17b": dict(model="qwen3-1.7b", seq=4096, mbs=1),  # tools/bench/bench_grpo_step.py's
     "tiny": dict(layers=2, hidden=64, ffn=128, heads=4, kv=2, seq=64, vocab=256, mbs=2),
     # Qwen3-30B-A3B's per-layer structure in 4 layers (3.0 B parameters, 0.9 B active a token)
     "moe4l": dict(layers=4, hidden=2048, ffn=6144, heads=32, kv=4, seq=4096, vocab=32000, mbs=1, head_dim=128,
@@ -79,7 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="also trace one step of each with little profiler overhead (no stacks): chrome traces "
                         "DIR/{raw,ours}_trace.json.gz and, on stderr, a JSON line per step with the GPU's idle "
-                        "time charged to the host work that ran meanwhile (tools/trace_gaps.py)")
+                        "time charged to the host work that ran meanwhile (tools/bench/trace_gaps.py)")
     a = p.parse_args(argv)
     if a.tiny:
         a.shape = "tinymoe" if a.shape == "tinymoe" else "tiny"

@@ -1,7 +1,7 @@
 """The per-token logprob/entropy pass over the vocabulary, fused (torch.compile'd kernels) vs eager.
 
-    python tools/bench_logprobs.py                      # CUDA: 4096 tokens x Qwen's 151,936 vocabulary
-    python tools/bench_logprobs.py --tokens 64 --vocab 1000   # CPU smoke run
+    python tools/bench/bench_logprobs.py                      # CUDA: 4096 tokens x Qwen's 151,936 vocabulary
+    python tools/bench/bench_logprobs.py --tokens 64 --vocab 1000   # CPU smoke run
 
 Forward + backward of ``vocab_parallel_logprobs`` (logprob and entropy both carrying a gradient)
 on the same bf16 logits both ways; prints one JSON line: the largest differences (logprob, entropy,
@@ -11,11 +11,13 @@ the logits.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
-from common import PeakMemory, device_name, emit, time_per_call
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: common.py
+from common import PeakMemory, device_name, emit, time_per_call  # noqa: E402
 
 
 def main(argv=None) -> int:

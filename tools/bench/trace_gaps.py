@@ -1,6 +1,6 @@
 """Where the GPU waited for the host: idle gaps of a torch.profiler chrome trace, attributed to host work.
 
-    python tools/trace_gaps.py TRACE.json[.gz] [--top 25]
+    python tools/bench/trace_gaps.py TRACE.json[.gz] [--top 25]
 
 Reads a trace exported by ``torch.profiler`` (``prof.export_chrome_trace``) with CPU and CUDA
 activity. GPU activity = kernels, memcpys and memsets on any stream, merged into busy intervals;
@@ -21,10 +21,12 @@ import argparse
 import bisect
 import gzip
 import json
+import os
 import sys
 from collections import defaultdict
 
-from common import emit
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: common.py
+from common import emit  # noqa: E402
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function")

@@ -1,9 +1,9 @@
 """Per step of MoE runs without and with routing replay, one JSON line: the run's variant (its folder's
 name), step, ``train_rollout_logprob_abs_diff``, ``routing/replay_diff_frac`` (null where the run did not record the engine's routing) and
-``time/step`` from each ``metrics.jsonl`` given (tools/h200_session.sh, stage moe_replay). A missing
+``time/step`` from each ``metrics.jsonl`` given (tools/gpu/h200_session.sh, stage moe_replay). A missing
 file prints one line with ``"error"``.
 
-    python tools/replay_metrics.py RUN_A/metrics.jsonl RUN_B/metrics.jsonl
+    python tools/gpu/replay_metrics.py RUN_A/metrics.jsonl RUN_B/metrics.jsonl
 """
 from __future__ import annotations
 

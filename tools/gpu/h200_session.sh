@@ -4,20 +4,20 @@
 #
 # Here, once:  bash ../shared/gpu-wheels/sglang-prepare.sh .sgl && ../shared/gpu-wheels/fetch.sh .whl
 #              (with /.sgl/ and /.whl/ in .git/info/exclude)
-# call 1, carry .sgl/sgl-part1 .sgl/sgl-part2:  bash tools/h200_session.sh parts
-# call 2, carry .sgl/sgl-small .whl:            bash tools/h200_session.sh install tests
-# call 3 (same machine):                         bash tools/h200_session.sh recipe
-# call 4:                                        bash tools/h200_session.sh resume bench_step
-# call 5:                                        bash tools/h200_session.sh rollout
+# call 1, carry .sgl/sgl-part1 .sgl/sgl-part2:  bash tools/gpu/h200_session.sh parts
+# call 2, carry .sgl/sgl-small .whl:            bash tools/gpu/h200_session.sh install tests
+# call 3 (same machine):                         bash tools/gpu/h200_session.sh recipe
+# call 4:                                        bash tools/gpu/h200_session.sh resume bench_step
+# call 5:                                        bash tools/gpu/h200_session.sh rollout
 # TE + FP8 variant of the recipe (kit: bash ../shared/gpu-wheels/te-prepare.sh .tep, /.tep/ excluded):
-#   calls a..f, carry .tep/te-partK (K = 1..6):     bash tools/h200_session.sh teK
+#   calls a..f, carry .tep/te-partK (K = 1..6):     bash tools/gpu/h200_session.sh teK
 #   (SGLang's calls 1-2 as above; call 1 may also carry .tep/te-part1: 42 + 4 + 47 MB is over 64 MiB, so not)
-#   call g, carry .tep/te-small:                   bash tools/h200_session.sh te_build
+#   call g, carry .tep/te-small:                   bash tools/gpu/h200_session.sh te_build
 #     (it returns the built extension as te_ext.tgz.*: put them in .tep/te-ext and carry that too next time:
 #      the build is skipped)
-#   call h:                                        bash tools/h200_session.sh recipe_fp8
-#   call i:                                        bash tools/h200_session.sh resume_fp8
-# Issue 19's remainder in one session (~1,400 of 1,800 device s; sizes from tools/carry_size.py, 64 MiB a call):
+#   call h:                                        bash tools/gpu/h200_session.sh recipe_fp8
+#   call i:                                        bash tools/gpu/h200_session.sh resume_fp8
+# Issue 19's remainder in one session (~1,400 of 1,800 device s; sizes from tools/gpu/carry_size.py, 64 MiB a call):
 #   parts (.sgl/sgl-part1 + part2, 50.9 MiB) -> install rollout in one call (.sgl/sgl-small + .whl, 52.2; fast
 #   engine vs SGLang ~420 s) -> te1 .. te6 (6 calls, 51.8 each) -> te_build (.tep/te-small, 9.1; 3-6 min)
 #   -> recipe_fp8 (540 s) -> resume_fp8 (~200 s). Measured 2026-12-02: install 37 s, rollout 499 s, te_build 147 s
@@ -45,25 +45,25 @@
 #   te_tests -> recipe_fp8 -> resume_fp8.
 # GSM8K recipe (issue 20; kit as configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's header says, under .carry/). The recipe
 # runs on the main path (Megatron + SGLang), so SGLang's calls 1-2 above come first (parts alone), then:
-#   8 calls, carry .carry/q/SHA256SUMS + .carry/q/*.part_0K:    bash tools/h200_session.sh gsm_part
-#   then carry .carry/q/*.part_08 .carry/data .carry/whl:       bash tools/h200_session.sh gsm_prep gsm_start && sleep 240 \
-#                                                                 && WATCH_SECONDS=200 bash tools/h200_session.sh gsm_watch
-#   then, each right after the last:                            WATCH_SECONDS=545 bash tools/h200_session.sh gsm_watch
+#   8 calls, carry .carry/q/SHA256SUMS + .carry/q/*.part_0K:    bash tools/gpu/h200_session.sh gsm_part
+#   then carry .carry/q/*.part_08 .carry/data .carry/whl:       bash tools/gpu/h200_session.sh gsm_prep gsm_start && sleep 240 \
+#                                                                 && WATCH_SECONDS=200 bash tools/gpu/h200_session.sh gsm_watch
+#   then, each right after the last:                            WATCH_SECONDS=545 bash tools/gpu/h200_session.sh gsm_watch
 #   (gsm_start's run lives in its own process session: the device keeps it running after the call returns, for as
 #   long as the machine is held, so one run trains across calls with no restart. Run 4, 2026-12-04, code f881733:
 #   parts 0.3 s, install 32 s, parts ~5 s each, gsm_prep 89 s; the run reached step 57 in the 1,762 s used.)
 #   Or in resumable chunks: GSM_SECONDS=430 ... gsm_prep gsm_chunk, then GSM_SECONDS=520 ... gsm_chunk each call
 #   (GSM_ENGINE=embedded: runs 1-3's embedded engine + torch trainer instead; no SGLang calls needed)
-#   Each call's size first, here: python3 tools/carry_size.py <its carry paths> (the tree counts too: at 3.9 MB
+#   Each call's size first, here: python3 tools/gpu/carry_size.py <its carry paths> (the tree counts too: at 3.9 MB
 #   the 62 MB parts of an earlier kit left the last call at 64.0 MiB, over the limit; 55 MB parts leave 59.4).
 #   A part call holds the machine ~4 s, the join + convert ~95 s. 2026-12-03 (code 07bab35): a main-path chunk
 #   took 2 min 45 s from its start to SGLang's ready (decode CUDA graphs 68 s of it) and 34 s for the step-0
 #   evaluation with one sample per prompt; the embedded engine's chunks spent ~20 s compiling after a restart.
 # The tools import megaforge from the checkout (PYTHONPATH below). The machine's copy of the tree has no
 # .git, so their JSON lines say "commit": "unknown" unless the call's command names it:
-#   MEGAFORGE_COMMIT=<sha from git rev-parse HEAD here> bash tools/h200_session.sh ...
+#   MEGAFORGE_COMMIT=<sha from git rev-parse HEAD here> bash tools/gpu/h200_session.sh ...
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
 RUNS=/tmp/mf-runs
@@ -163,32 +163,32 @@ for stage in "$@"; do
       cp "$RUNS/grpo_h200_colocated/logs/engine_0.log" "$OUT/recipe_engine.log" 2>/dev/null
       rm -rf "$RUNS/grpo_h200_colocated/checkpoints" ;;  # 24 GB each: the disk is 64 GiB
     bench_step)
-      timeout -k 30 540 $TORCHRUN tools/bench_grpo_step.py --config configs/grpo_h200_colocated.yaml \
+      timeout -k 30 540 $TORCHRUN tools/bench/bench_grpo_step.py --config configs/grpo_h200_colocated.yaml \
         --rollout.engine_env "$(engine_env)" --raw_steps 1 > "$OUT/bench_grpo_step.log" 2>&1; echo "exit $?"
       grep -v -i warn "$OUT/bench_grpo_step.log" | grep "^\[bench\|^{" | tail -14
       grep '^{"bench"' "$OUT/bench_grpo_step.log" > "$OUT/bench_grpo_step.json" ;;
     rollout)
-      timeout -k 30 540 python3 tools/bench_rollout.py --sglang --sglang_env_sh /tmp/sgl/env.sh > "$OUT/bench_rollout.log" 2>&1
+      timeout -k 30 540 python3 tools/bench/bench_rollout.py --sglang --sglang_env_sh /tmp/sgl/env.sh > "$OUT/bench_rollout.log" 2>&1
       echo "exit $?"; grep "^\[bench" "$OUT/bench_rollout.log" | tail -30
       grep '^{"bench"' "$OUT/bench_rollout.log" > "$OUT/bench_rollout_sglang.json" ;;
     te[1-6]) mkdir -p /tmp/te && cat .tep/te-part${stage#te}/* >> /tmp/te/core.part && ls -l /tmp/te ;;
     te_build)
       ext=""; [ -d .tep/te-ext ] && ext=$PWD/.tep/te-ext  # a build brought back by an earlier call ($OUT/te_ext.tgz.*)
-      TE_EXT_DIR=$ext TE_EXT_OUT=$OUT bash tools/te_build.sh .tep/te-small /tmp/tesite > "$OUT/te_build.log" 2>&1
+      TE_EXT_DIR=$ext TE_EXT_OUT=$OUT bash tools/gpu/te_build.sh .tep/te-small /tmp/tesite > "$OUT/te_build.log" 2>&1
       echo "exit $?"; tail -3 "$OUT/te_build.log"; ls -l "$OUT" | grep te_ext
       export PYTHONPATH=$PYTHONPATH:/tmp/tesite ;;
     te_tests)  # the Megatron trainer's TE spec, bf16 and FP8, on a tiny Qwen3 (needs te_build, install's megatron)
       timeout -k 20 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_megatron_te_cuda.py 2>&1 \
         | tee "$OUT/te_tests.log" | grep -v -i warn | tail -15 ;;
     rollout_b64)  # issue 19 point 5 again where it was close: the defaults, 5 timed runs each side, the median
-      timeout -k 30 540 python3 tools/bench_rollout.py --sglang --sglang_env_sh /tmp/sgl/env.sh \
+      timeout -k 30 540 python3 tools/bench/bench_rollout.py --sglang --sglang_env_sh /tmp/sgl/env.sh \
         --shapes "${B64_SHAPES:-qwen2-0.5b,qwen3-1.7b}" --batches 64,256 --repeats 5 --variants fast_default \
         > "$OUT/bench_rollout_b64.log" 2>&1
       echo "exit $?"; grep "^\[bench" "$OUT/bench_rollout_b64.log" | tail -12
       grep '^{"bench"' "$OUT/bench_rollout_b64.log" > "$OUT/bench_rollout_sglang_b64.json" ;;
     bench_ckpt)  # the recipe's checkpoint alone (torch spec, no engine; after mfsite or install): write, verify, load
       free -g | head -2
-      timeout -k 10 "${CKPT_SECONDS:-400}" $TORCHRUN tools/bench_checkpoint.py --config configs/grpo_h200_colocated.yaml \
+      timeout -k 10 "${CKPT_SECONDS:-400}" $TORCHRUN tools/bench/bench_checkpoint.py --config configs/grpo_h200_colocated.yaml \
         --dir /tmp/ckpt-bench > "$OUT/bench_checkpoint.log" 2>&1; echo "exit $?"
       grep "^\[bench\|^{" "$OUT/bench_checkpoint.log" | tail -8
       grep '^{"bench"' "$OUT/bench_checkpoint.log" > "$OUT/bench_checkpoint.json" ;;
@@ -244,14 +244,14 @@ for stage in "$@"; do
       gsm_collect ;;
     moe_bench)  # issue 37 point 2: the MoE train step (Qwen3-30B-A3B's layer, 4 layers) beside raw megatron-core,
       # SequentialMLP then grouped experts in one process (after install + te_build)
-      timeout -k 20 400 $TORCHRUN tools/bench_train.py --shape moe4l --layer_spec te --moe_experts sequential,grouped \
+      timeout -k 20 400 $TORCHRUN tools/bench/bench_train.py --shape moe4l --layer_spec te --moe_experts sequential,grouped \
         > "$OUT/bench_train_moe.log" 2>&1; echo "exit $?"
       grep -v -i warn "$OUT/bench_train_moe.log" | grep "^{\|Error\|error" | tail -6
       grep '^{' "$OUT/bench_train_moe.log" > "$OUT/bench_train_moe.json" ;;
     train_bench)  # issue 38 point 1: the RL train step beside raw megatron-core at the recipes' shapes (0.5B, 1.7B), one
       # step of each profiled and traced (kernel tables, host waits, idle gaps under $OUT/prof_<shape>); after mfsite
       for shape in ${BENCH_SHAPES:-q05b q17b}; do
-        timeout -k 20 ${BENCH_TIMEOUT:-240} $TORCHRUN tools/bench_train.py --shape $shape --layer_spec ${BENCH_SPEC:-torch} \
+        timeout -k 20 ${BENCH_TIMEOUT:-240} $TORCHRUN tools/bench/bench_train.py --shape $shape --layer_spec ${BENCH_SPEC:-torch} \
           --profile "$OUT/prof_$shape" --trace "$OUT/prof_$shape" ${BENCH_FLAGS:-} > "$OUT/bench_train_$shape.log" 2>&1
         echo "exit $?"; grep '^{' "$OUT/bench_train_$shape.log" | cut -c1-1500
         grep -v -i warn "$OUT/bench_train_$shape.log" | grep -i "error" | tail -3
@@ -285,7 +285,7 @@ for stage in "$@"; do
          | tee "$OUT/openai_api_gpu.log" | tail -8) ;;
     moe_replay_start)  # moe_replay detached (its own process session, as gsm_start): it runs on across calls
       mkdir -p /tmp/mf/rout; rm -rf /tmp/mf/rout/* /tmp/mf-replay-*
-      OUT=/tmp/mf/rout setsid bash tools/h200_session.sh moe_replay > /tmp/mf/replay_stage.log 2>&1 < /dev/null &
+      OUT=/tmp/mf/rout setsid bash tools/gpu/h200_session.sh moe_replay > /tmp/mf/replay_stage.log 2>&1 < /dev/null &
       echo $! > /tmp/mf/replay.pid; echo "[h200_session] moe_replay started detached: pid $(cat /tmp/mf/replay.pid)" ;;
     moe_replay_watch)  # follow it for WATCH_SECONDS (default 540) or until it ends; its files into $OUT
       pid=$(cat /tmp/mf/replay.pid); t0=$SECONDS; seen=""
@@ -315,7 +315,7 @@ for r in map(json.loads, sys.stdin):
         rm -rf "$rdir/moe_$variant/checkpoints"  # the end-of-run save (after step 3's metrics line): /tmp holds one
         grep -v -i warn "$OUT/moe_replay_$variant.log" | tr "\r" "\n" | grep -v "step/s" | tail -6
       done
-      python3 tools/replay_metrics.py "$rdir/moe_plain/metrics.jsonl" "$rdir/moe_replay/metrics.jsonl" | tee "$OUT/moe_replay.jsonl"
+      python3 tools/gpu/replay_metrics.py "$rdir/moe_plain/metrics.jsonl" "$rdir/moe_replay/metrics.jsonl" | tee "$OUT/moe_replay.jsonl"
       cp "$rdir"/moe_replay/logs/engine_0.log "$OUT/moe_replay_engine.log" 2>/dev/null ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

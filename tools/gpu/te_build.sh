@@ -3,10 +3,10 @@
 # holds SGLang's transformers pin, which the trainer must not import). Input: a kit made here with
 #   bash ../shared/gpu-wheels/te-prepare.sh .tep        (te-small/ and the core wheel in te-part1..6/)
 # and, on the machine, the six parts joined in order into /tmp/te/core.part
-# (tools/h200_session.sh te1 .. te6). Then:
-#   bash tools/te_build.sh .tep/te-small /tmp/tesite     # then PYTHONPATH=...:/tmp/tesite
+# (tools/gpu/h200_session.sh te1 .. te6). Then:
+#   bash tools/gpu/te_build.sh .tep/te-small /tmp/tesite     # then PYTHONPATH=...:/tmp/tesite
 # TE_EXT_OUT=DIR also writes the built torch extension there in 15 MB pieces (te_ext.tgz.00, ...); a later
-# session carries them (e.g. .tep/te-ext) and skips the 3-6 minute build: TE_EXT_DIR=.tep/te-ext bash tools/te_build.sh ...
+# session carries them (e.g. .tep/te-ext) and skips the 3-6 minute build: TE_EXT_DIR=.tep/te-ext bash tools/gpu/te_build.sh ...
 set -euo pipefail
 kit=$(cd "${1:?usage: te_build.sh KIT_DIR TARGET}" && pwd); target=${2:?usage: te_build.sh KIT_DIR TARGET}
 mkdir -p /tmp/te "$target"

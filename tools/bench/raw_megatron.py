@@ -1,5 +1,5 @@
 """megatron-core's own pretraining step, the baseline the train benchmarks set megaforge's RL step
-beside (tools/bench_train.py, tools/bench_grpo_step.py), and the FLOP count both are rated by.
+beside (tools/bench/bench_train.py, tools/bench/bench_grpo_step.py), and the FLOP count both are rated by.
 
 FLOPs of a forward + backward = 6 P n + 6 L q sum_d len_d^2, with P all parameters (Llama layout:
 attention, gated MLP, two norms a layer, untied embedding and output layer, final norm; a mixture of

@@ -26,9 +26,9 @@ fails or when ``--budget`` seconds are spent):
    3 (the group's set-up reported apart), and the device memory the weight-update communicator holds
    in this process (``outside_torch_gib`` before/after).
 
-    python tools/bench_colocate.py              # 1 H200: ~4-5 min
-    python tools/bench_colocate.py --nccl       # 2 H200: adds the nccl transport, ~5-6 min
-    python tools/bench_colocate.py --tiny       # CPU: tiny model, shm transport, CPU-emulated copy engine
+    python tools/bench/bench_colocate.py              # 1 H200: ~4-5 min
+    python tools/bench/bench_colocate.py --nccl       # 2 H200: adds the nccl transport, ~5-6 min
+    python tools/bench/bench_colocate.py --tiny       # CPU: tiny model, shm transport, CPU-emulated copy engine
 """
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ import traceback
 
 import torch
 
-from common import GIB, MODELS, ROOT, Stopwatch, device_name, emit, model_config, stage_logger, write_random_model
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: common.py
+from common import GIB, MODELS, ROOT, Stopwatch, device_name, emit, model_config, stage_logger, write_random_model  # noqa: E402
 
 T0 = time.time()
 say = stage_logger("bench_colocate")

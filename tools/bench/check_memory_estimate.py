@@ -1,9 +1,9 @@
 """The dry-run planner's memory estimate beside the measured peak, per phase, on a CUDA machine.
 
-    torchrun --nproc_per_node 1 tools/check_memory_estimate.py --model_config configs/models/qwen3-1.7b
-    torchrun --nproc_per_node 2 tools/check_memory_estimate.py --tp 2 --sp      # a second layout
-    python tools/check_memory_estimate.py --cpu_smoke                           # CPU: the code path only
-    python tools/check_memory_estimate.py --predict_only --measured docs/benchmarks/check_memory_estimate_h200.jsonl
+    torchrun --nproc_per_node 1 tools/bench/check_memory_estimate.py --model_config configs/models/qwen3-1.7b
+    torchrun --nproc_per_node 2 tools/bench/check_memory_estimate.py --tp 2 --sp      # a second layout
+    python tools/bench/check_memory_estimate.py --cpu_smoke                           # CPU: the code path only
+    python tools/bench/check_memory_estimate.py --predict_only --measured docs/benchmarks/check_memory_estimate_h200.jsonl
                                      # no GPU: today's planner against the peaks measured in that file
 
 What runs is a colocated RL step of megaforge's own parts with a random-init model built from the
@@ -33,7 +33,8 @@ import sys
 
 import torch
 
-from common import MODELS, ROOT, PeakMemory, device_name, emit, rl_batch, stage_logger
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: common.py
+from common import MODELS, ROOT, PeakMemory, device_name, emit, rl_batch, stage_logger  # noqa: E402
 
 progress = stage_logger("check_memory_estimate")  # a run cut by a time limit still shows how far it got
 

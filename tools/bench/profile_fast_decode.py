@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Where the fast engine's decode step spends its GPU time: kernels of a profiled generate call.
 
-    python tools/profile_fast_decode.py                          # H200: qwen3-1.7b at batch 64, eager and compiled
-    python tools/profile_fast_decode.py --shape qwen2-0.5b --batch 256
-    python tools/profile_fast_decode.py --tiny                   # CPU: the code path (CPU op times)
+    python tools/bench/profile_fast_decode.py                          # H200: qwen3-1.7b at batch 64, eager and compiled
+    python tools/bench/profile_fast_decode.py --shape qwen2-0.5b --batch 256
+    python tools/bench/profile_fast_decode.py --tiny                   # CPU: the code path (CPU op times)
 
 Per variant (``eager``: the HF modules; ``compiled``: the per-layer pieces through torch.compile;
 ``_matmul``: the decode attention as two batched matmuls instead of SDPA, forward.py):
@@ -22,13 +22,15 @@ Prints ONE JSON line. Prompts are random (128 tokens), 64 sampled tokens each, E
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import defaultdict
 
 import torch
 
-from bench_rollout import build_model, free, requests
-from common import Stopwatch, device_name, emit, stage_logger
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: common.py
+from bench_rollout import build_model, free, requests  # noqa: E402
+from common import Stopwatch, device_name, emit, stage_logger  # noqa: E402
 
 say = stage_logger("profile_fast_decode")
 GROUPS = (("attention", ("attention", "fmha", "flash", "sdpa", "_efficient")),

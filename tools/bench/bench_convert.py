@@ -1,9 +1,9 @@
 """Throughput of the HF bucket iterator (Megatron shards -> HF tensors on global rank 0) beside a
 plain device-to-device copy of the same bytes.
 
-    python tools/bench_convert.py --hf-config configs/models/qwen3-1.7b                    # 1 GPU, TP=1
-    torchrun --nproc_per_node 2 tools/bench_convert.py --hf-config configs/models/qwen3-1.7b --tp 2
-    python tools/bench_convert.py --tiny                                                   # CPU smoke run
+    python tools/bench/bench_convert.py --hf-config configs/models/qwen3-1.7b                    # 1 GPU, TP=1
+    torchrun --nproc_per_node 2 tools/bench/bench_convert.py --hf-config configs/models/qwen3-1.7b --tp 2
+    python tools/bench/bench_convert.py --tiny                                                   # CPU smoke run
 
 The model is the GPTModel of an HF config (``--hf-config``: a directory with ``config.json``; the
 repo's ``configs/models/qwen3-1.7b`` is Qwen3-1.7B, 2.0 B parameters with the untied embedding)
@@ -25,7 +25,8 @@ import os
 import sys
 import warnings
 
-from common import device_name, emit, model_config, time_per_call
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: common.py
+from common import device_name, emit, model_config, time_per_call  # noqa: E402
 
 TINY_MOE = dict(  # --tiny: a Qwen3-MoE small enough for the CPU, vocabulary padded at TP=1 (509 -> 512)
     model_type="qwen3_moe", vocab_size=509, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
