@@ -6,7 +6,8 @@ that declare them (:data:`SOURCES`): every key of the ``algo:`` section's own bu
 (:data:`LOOP_KEYS`), ``grpo.clip_low`` / ``clip_high`` / ``beta``, and ``teacher.kl_coef`` /
 ``task_coef`` / ``task_advantage`` as ``distill_<key>``; their docstrings in
 :mod:`megaforge.config.objective` and :mod:`megaforge.config.teacher` say what each means. A new key of
-the ``algo:`` section is a field of :class:`~megaforge.config.objective.AlgoKeys` and nothing else.
+the objective is a field of :class:`~megaforge.config.objective.AlgoKeys` and nothing else (a new
+``algo.`` key that only the loop reads is also named in :data:`LOOP_KEYS`).
 
 A registry entry may declare its own typed parameters, a frozen dataclass with a docstring per field::
 

@@ -2,8 +2,9 @@
 the ``algo:`` section's own keys; ``teacher:``'s are in :mod:`megaforge.config.teacher`).
 
 :class:`~megaforge.algorithms.params.ObjectiveParams` copies its fields from these dataclasses (name, type,
-default, range), so a key is declared here and nowhere else. This module imports no part of
-``megaforge.algorithms`` (which imports it); the ``algo:`` section's extension keys, which the
+default, range), so a key is declared here and nowhere else: a new field of :class:`AlgoKeys` is a
+config key, listed by ``--help``, and ``p.<name>`` of every estimator and loss. This module imports no
+part of ``megaforge.algorithms`` (which imports it); the ``algo:`` section's extension keys, which the
 algorithm registries decide, are added by :class:`megaforge.config.algo.AlgoConfig`.
 """
 from __future__ import annotations
