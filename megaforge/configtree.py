@@ -108,7 +108,15 @@ def _hints(cls) -> dict:
 
 
 def field_docs(cls) -> dict[str, str]:
-    """Attribute docstrings of a dataclass: {field name: doc}."""
+    """Attribute docstrings of a dataclass and of the dataclasses it extends: {field name: doc}."""
+    docs: dict[str, str] = {}
+    for c in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(c):
+            docs.update(_own_field_docs(c))
+    return docs
+
+
+def _own_field_docs(cls) -> dict[str, str]:
     try:
         src = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):

@@ -1,8 +1,13 @@
 """The objective's parameters: one frozen object that advantages, losses, KL terms and aggregations read.
 
-:class:`ObjectiveParams` is built once from the config (:meth:`ObjectiveParams.from_config`). Its
-fields are named after the config keys they come from (``algo.<name>``; ``clip_low``, ``clip_high``
-and ``beta`` from ``grpo.``), whose docstrings in :mod:`megaforge.config` say what each means.
+:class:`ObjectiveParams` is built once from the config (:meth:`ObjectiveParams.from_config`). It
+declares none of its keys: its fields are copied (name, type, default, range) from the config sections
+that declare them (:data:`SOURCES`): every key of the ``algo:`` section's own but those the loop reads
+(:data:`LOOP_KEYS`), ``grpo.clip_low`` / ``clip_high`` / ``beta``, and ``teacher.kl_coef`` /
+``task_coef`` / ``task_advantage`` as ``distill_<key>``; their docstrings in
+:mod:`megaforge.config.objective` and :mod:`megaforge.config.teacher` say what each means. A new key of
+the objective is a field of :class:`~megaforge.config.objective.AlgoKeys` and nothing else (a new
+``algo.`` key that only the loop reads is also named in :data:`LOOP_KEYS`).
 
 A registry entry may declare its own typed parameters, a frozen dataclass with a docstring per field::
 
@@ -25,18 +30,28 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megaforge import configtree
 from megaforge.algorithms.core import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
+from megaforge.config.objective import AlgoKeys, GRPOConfig
+from megaforge.config.teacher import TeacherConfig
 from megaforge.configtree import ConfigError
 
 #: the registries whose entries' parameters are config keys of the ``algo`` section
 REGISTRIES = (ADVANTAGES, POLICY_LOSSES, LOSS_AGGS, KL_ESTIMATORS)
 DEFAULT_LOSS_AGG = "token_mean"
-#: ObjectiveParams fields read from the ``grpo`` section (all others: ``algo``)
-GRPO_KEYS = ("clip_low", "clip_high", "beta")
+#: keys of the ``algo:`` section that the loop reads, not the objective (dynamic sampling, overlong
+#: shaping) and the plug-in modules imported at start-up: no fields of ObjectiveParams
+LOOP_KEYS = ("dynamic_sampling", "dynamic_sampling_max_rounds", "overlong_buffer", "overlong_penalty", "plugins")
+#: where ObjectiveParams's fields are declared: (section, its dataclass, {key: field name}), in field order
+SOURCES = (
+    ("algo", AlgoKeys, {f.name: f.name for f in dataclasses.fields(AlgoKeys) if f.name not in LOOP_KEYS}),
+    ("grpo", GRPOConfig, {k: k for k in ("clip_low", "clip_high", "beta")}),
+    ("teacher", TeacherConfig, {k: "distill_" + k for k in ("kl_coef", "task_coef", "task_advantage")}),
+)
 
 
 def _defined_in(cls: type, modules) -> bool:
@@ -73,41 +88,44 @@ def default_components() -> dict[type, Any]:
     return {cls: cls() for cls in component_classes().values()}
 
 
-@dataclass(frozen=True)
-class ObjectiveParams:
-    """What every advantage estimator, policy loss, KL term and aggregation reads (frozen)."""
+def _copy_config_fields(cls: type) -> type:
+    """Give ``cls`` (before ``@dataclass``) a field per key of :data:`SOURCES`, ahead of its own: the
+    config field's type, default and range, and ``metadata["key"]``, the dotted config key."""
+    copied: dict[str, Any] = {}
+    for section, source, names in SOURCES:
+        hints = typing.get_type_hints(source)
+        for f in dataclasses.fields(source):
+            if f.name not in names:
+                continue
+            default = ({"default": f.default} if f.default is not dataclasses.MISSING
+                       else {"default_factory": f.default_factory})
+            copied[names[f.name]] = hints[f.name]
+            setattr(cls, names[f.name], field(**default, metadata={**f.metadata, "key": f"{section}.{f.name}"}))
+    if set(copied) & set(cls.__dict__.get("__annotations__", {})):
+        raise TypeError(f"{cls.__name__} declares a field the config declares: "
+                        f"{sorted(set(copied) & set(cls.__annotations__))}")
+    cls.__annotations__ = {**copied, **cls.__dict__.get("__annotations__", {})}
+    return cls
 
-    advantage: str = "grpo"
-    loss: str = "ppo_clip"
-    loss_agg: str = DEFAULT_LOSS_AGG
-    """Resolved: never null (:func:`resolve_loss_agg`)."""
-    loss_agg_norm: float = 0.0
-    """Resolved: ``algo.loss_agg_norm``, or rollout.max_new_tokens when that is 0."""
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    clip_c: Optional[float] = None
-    beta: float = 0.0
-    kl_estimator: str = "low_var_kl"
-    kl_in_reward: bool = False
-    entropy_coef: float = 0.0
-    std_eps: float = 1e-6
-    gamma: float = 1.0
-    lam: float = 1.0
-    tis_cap: Optional[float] = None
-    tis_level: str = "token"
-    mis_threshold: Optional[float] = None
-    mis_threshold_low: Optional[float] = None
-    mis_level: str = "token"
-    distill_kl_coef: float = 1.0
-    """``teacher.kl_coef``: weight of the per-token reverse KL to the teacher (advantage distill)."""
-    distill_task_coef: float = 0.0
-    """``teacher.task_coef``: weight of the task reward's advantage added to it."""
-    distill_task_advantage: str = "grpo"
-    """``teacher.task_advantage``: the estimator of that task-reward advantage."""
-    plugin_kwargs: dict = field(default_factory=dict)
-    """``algo.plugin_kwargs``: untyped extras for plug-ins (typed ones: declare ``params``)."""
+
+@dataclass(frozen=True)
+@_copy_config_fields
+class ObjectiveParams:
+    """What every advantage estimator, policy loss, KL term and aggregation reads (frozen).
+
+    Fields copied from the config (:data:`SOURCES`), named like its keys (``p.tis_cap`` is
+    ``algo.tis_cap``, ``p.clip_low`` ``grpo.clip_low``, ``p.distill_kl_coef`` ``teacher.kl_coef``),
+    with the config's types, defaults and ranges. Two are resolved: ``loss_agg`` null becomes the
+    loss's own aggregation on construction (the registry entry's declared one, else token_mean; so
+    ``p.loss_agg`` is never null), and :meth:`from_config` also refuses an explicit one that contradicts
+    the loss's (:func:`resolve_loss_agg`) and turns ``loss_agg_norm`` 0 into ``rollout.max_new_tokens``."""
+
     components: dict = field(default_factory=default_components)
     """{parameters dataclass: value} of every registered entry that declares parameters."""
+
+    def __post_init__(self):
+        if self.loss_agg is None:  # the loss's own, as the config's null means
+            object.__setattr__(self, "loss_agg", POLICY_LOSSES.declared(self.loss).get("loss_agg") or DEFAULT_LOSS_AGG)
 
     def of(self, cls: type):
         """The configured parameters of the entry that declared dataclass ``cls``."""
@@ -123,18 +141,17 @@ class ObjectiveParams:
         so a typo fails at start-up with the config key and the registered names."""
         a = cfg.algo
         resolve_components(cfg)
-        resolved = {"loss_agg": resolve_loss_agg(a), "loss_agg_norm": a.loss_agg_norm or float(cfg.rollout.max_new_tokens),
-                    "plugin_kwargs": dict(a.plugin_kwargs), "components": {type(v): v for v in a.components.values()},
-                    "distill_kl_coef": cfg.teacher.kl_coef, "distill_task_coef": cfg.teacher.task_coef,
-                    "distill_task_advantage": cfg.teacher.task_advantage}
-        return cls(**resolved, **{f.name: getattr(cfg.grpo if f.name in GRPO_KEYS else a, f.name)
-                                  for f in dataclasses.fields(cls) if f.name not in resolved})
+        values = {name: getattr(getattr(cfg, section), key)
+                  for section, _, names in SOURCES for key, name in names.items()}
+        values.update(loss_agg=resolve_loss_agg(a), loss_agg_norm=a.loss_agg_norm or float(cfg.rollout.max_new_tokens),
+                      plugin_kwargs=dict(a.plugin_kwargs))
+        return cls(**values, components={type(v): v for v in a.components.values()})
 
     @classmethod
     def of_values(cls, **values) -> "ObjectiveParams":
         """From flat values named like the config keys (``clip_low=0.2``, ``sapo_tau_pos=1.0``), the rest
-        at their defaults, component parameters type-checked as in the config. For code that calls a
-        loss or an estimator directly (tests, tools); a run uses :meth:`from_config`."""
+        at their defaults, each type- and range-checked as in the config. For code that calls a loss or
+        an estimator directly (tests, tools); a run uses :meth:`from_config`."""
         classes = component_classes()
         flat = {p + f.name: (p, f.name) for p, c in classes.items() for f in dataclasses.fields(c)}
         own = {f.name for f in dataclasses.fields(cls)} - {"components"}
@@ -144,7 +161,11 @@ class ObjectiveParams:
                 raise ConfigError(f"unknown objective parameter {key!r}; valid: {', '.join(sorted(own | set(flat)))}")
             prefix, name = flat[key]
             parts[prefix][name] = values.pop(key)
-        return cls(**values, components={c: configtree.build(c, parts[p], p) for p, c in classes.items()})
+        hints = typing.get_type_hints(cls)
+        obj = cls(**{k: configtree.coerce(v, hints[k], k) for k, v in values.items()},
+                  components={c: configtree.build(c, parts[p], p) for p, c in classes.items()})
+        configtree.check_bounds(obj)
+        return obj
 
 
 def load_plugins(modules) -> None:
