@@ -1,4 +1,4 @@
-"""The seed's Workflow 2 ("Custom Loss Function", torchforge's ``CustomLoss``) as a megaforge plug-in:
+"""torchforge's Workflow 2 ("Custom Loss Function", torchforge's ``CustomLoss``) as a megaforge plug-in:
 a loss with a knob of its own, in this one file.
 
 torchforge's loss is an ``nn.Module`` that computes everything itself: ratio, clipped policy
@@ -15,7 +15,7 @@ loss and both trainer backends:
     (... * padding_mask).sum() / mask.sum  algo.loss_agg: token_mean (over the whole global batch,
                                            so micro-batches and GPUs add up exactly)
 
-Note the seed's ``kl = ref_logprobs - logprobs`` has the sign flipped: minimising ``beta * kl``
+Note torchforge's ``kl = ref_logprobs - logprobs`` has the sign flipped: minimising ``beta * kl``
 would *reward* moving away from the reference. megaforge's ``k1`` is ``logprobs - ref_logprobs``.
 
 Use it by name (this module registers ``seed_custom`` when imported through ``algo.plugins``)::
@@ -39,7 +39,7 @@ from megaforge.configtree import FieldError
 @dataclass(frozen=True)
 class SeedCustomParams:
     clip_range: float = 0.2
-    """Symmetric ratio clip c of the seed's CustomLoss: the ratio is clipped to [1 - c, 1 + c]."""
+    """Symmetric ratio clip c of torchforge's CustomLoss: the ratio is clipped to [1 - c, 1 + c]."""
 
     def validate(self) -> None:
         if not 0 < self.clip_range < 1:
@@ -49,7 +49,7 @@ class SeedCustomParams:
 @POLICY_LOSSES.register("seed_custom", params=SeedCustomParams)
 def custom_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, p: ObjectiveParams):
-    """Symmetric clipped policy gradient of the seed's CustomLoss.
+    """Symmetric clipped policy gradient of torchforge's CustomLoss.
 
         r_t = exp(logp_t - logp_old_t)
         L_t = -min(r_t A_t, clip(r_t, 1 - c, 1 + c) A_t),   c = algo.seed_custom_clip_range (0.2)

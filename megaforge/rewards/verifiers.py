@@ -1,6 +1,6 @@
 """Verifiable rewards: final-answer correctness and output format.
 
-Reward callables follow the seed's signature ``reward(prompt: str, response: str, target) -> float``.
+Reward callables follow torchforge's signature ``reward(prompt: str, response: str, target) -> float``.
 
 Bounded grading: math-verify evaluates what it compares, and a 17-character answer such as
 ``9^{9^{9}}`` (an integer of 370 million digits) holds the interpreter for minutes in one C call

@@ -102,7 +102,7 @@ def test_custom_loss_example_command(tmp_path, in_root):
     assert argv[:2] == ["python", "launchers/grpo.py"] and argv[-1] == "$@"
     run = run_launcher("grpo", argv[2:-1] + SMOKE[4:], str(tmp_path), "custom")  # keeps its 2 + 2 steps
     recs = check_run(run, "grpo")
-    assert recs[-1]["kl"] != 0.0  # the seed's beta * KL term is on
+    assert recs[-1]["kl"] != 0.0  # torchforge's beta * KL term is on
 
 
 ALGOS = {

@@ -133,7 +133,7 @@ def test_algorithm_config_validation_names_the_key(argv, key):
 
 
 def test_a_plugin_loss_knob_is_a_typed_config_key(in_root):
-    """examples/custom_loss: the seed's loss declares params=SeedCustomParams; its field is the key
+    """examples/custom_loss: torchforge's loss declares params=SeedCustomParams; its field is the key
     algo.seed_custom_clip_range, read from the YAML, checked, suggested on a typo."""
     from examples.custom_loss.seed_loss import SeedCustomParams
 
