@@ -165,7 +165,7 @@ def sapo_loss(logprobs, old_logprobs, advantages, mask, p: ObjectiveParams):
 
 @POLICY_LOSSES.register("reinforce", params=ReinforceParams)
 def reinforce_loss(logprobs, old_logprobs, advantages, mask, p: ObjectiveParams):
-    """REINFORCE (Williams 1992) with an optional clipped, detached importance ratio (torchforge's
+    """REINFORCE (Williams 1992) with an optional clipped, detached importance ratio (as
     torchforge ``ReinforceLoss(clip_ratio=c)``).
 
         w_t = sg[r_t],  r_t = pi(y_t) / pi_old(y_t)  (1 on-policy), clipped to [1 - c, 1 + c] when
