@@ -10,11 +10,10 @@ layers stay within 1e-5 (absolute for log-probs and entropy of magnitude <= 10, 
 parameter's largest gradient entry for gradients)."""
 import pytest
 import torch
-from algo_helpers import ROOT
+from algo_helpers import tiny_torch_trainer
 from tests.conftest import make_tiny_model
-from test_micro_batch_order import BASE, rl_batch
+from test_micro_batch_order import rl_batch
 
-from megaforge.config import load_config
 from megaforge.trainer.base import Objective
 from megaforge.trainer.causal_lm import causal_lm_logprobs, check_split_head
 from megaforge.trainer.logprobs import trained_positions
@@ -89,9 +88,7 @@ def test_other_model_types_are_refused_by_name():
 
 
 def _trainer(*extra):
-    from megaforge.trainer.torch_backend import TorchTrainer
-
-    return TorchTrainer(load_config(BASE + ["--trainer.micro_batch_size", "4", "--grpo.beta", "0.1", *extra]), None)
+    return tiny_torch_trainer("--trainer.micro_batch_size", "4", "--grpo.beta", "0.1", *extra)
 
 
 def test_trainer_logprobs_and_gradients_of_both_modes():
