@@ -43,6 +43,11 @@ class EngineKind:
     preflight: Optional[Code] = None
     """``preflight(cfg)``: checks that need no engine yet (run at start-up, before any SFT or run
     directory), raising ConfigError; e.g. sglang installed in the engine interpreter."""
+    lora_adapters: Literal["", "tensors", "folder"] = ""
+    """How it takes LoRA adapters alone (``sync.lora_adapters``): ``tensors``, A and B handed over in
+    memory and merged onto its kept base (``engine.update_adapters``); ``folder``, the trainer writes
+    the PEFT adapter folder and the engine loads it by path (``engine.adapter_path`` /
+    ``engine.load_adapter``, megaforge.rollout.http.lora); "": it gets the merged weights only."""
     memory: Literal["hf", "sglang"] = "hf"
     """The planner's memory model of an engine GPU (megaforge.planner.memory.engine_items): ``hf``, a
     Hugging Face model with a DynamicCache of ``rollout.engine_batch_size`` sequences; ``sglang``, a
@@ -72,7 +77,8 @@ def call(code: Code, *args, **kwargs):
 
 
 ENGINE_KINDS.register("embedded", EngineKind(build="megaforge.rollout.embedded.engine:EmbeddedEngine.from_config",
-                                             in_process=True, max_tp=1))
+                                             in_process=True, max_tp=1, lora_adapters="tensors"))
 ENGINE_KINDS.register("embedded_server", EngineKind(build="megaforge.rollout.http.embedded_server:build", max_tp=1))
 ENGINE_KINDS.register("sglang", EngineKind(build="megaforge.rollout.http.sglang:build", on_device=False,
-                                           preflight="megaforge.rollout.http.sglang:preflight", memory="sglang"))
+                                           preflight="megaforge.rollout.http.sglang:preflight", memory="sglang",
+                                           lora_adapters="folder"))

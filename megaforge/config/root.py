@@ -15,7 +15,7 @@ from megaforge.config.run import (CheckpointConfig, LaunchConfig, LoopConfig, Me
                                   SlurmConfig, SyncConfig)
 from megaforge.config.trainer import SFTConfig, TrainerConfig
 from megaforge.configtree import ConfigError
-from megaforge.engine_kinds import engine_kind
+from megaforge.engine_kinds import engine_kind, engine_kind_names
 
 
 @dataclass
@@ -224,8 +224,10 @@ class Config:
             need(len(self.model.lora.target_modules) > 0, "model.lora.target_modules", "must name at least one module")
         if self.sync.lora_adapters:
             need(self.model.lora is not None, "sync.lora_adapters", "needs model.lora (there are no adapters to send)")
-            need(engine_kind(self.rollout.engine).in_process, "sync.lora_adapters", f"the in-process embedded engine merges "
-                 f"adapters itself; rollout.engine {self.rollout.engine!r} gets the merged weights: set it false")
+            takes = [n for n in engine_kind_names() if engine_kind(n).lora_adapters]
+            need(bool(engine_kind(self.rollout.engine).lora_adapters), "sync.lora_adapters",
+                 f"rollout.engine {self.rollout.engine!r} takes the merged weights only (adapters alone: "
+                 f"{', '.join(takes)}): set it false")
             need(not self.sync.check_equal, "sync.check_equal", "compares merged tensors, which sync.lora_adapters "
                  "does not send: set one of them false")
         need(bool(self.model.path or self.model.config), "model.path", "set model.path (or model.config for a random init)")

@@ -55,9 +55,11 @@ class SyncConfig:
     """After each update, compare the engine's weights with the trainer's (per-tensor sha256 in the
     engine's dtype; SGLang: its /weights_checker hashes in its own layout) and fail naming the tensor."""
     lora_adapters: bool = False
-    """With ``model.lora`` and ``rollout.engine: embedded``: send the LoRA adapters alone (r (in + out)
-    numbers per adapted linear instead of in x out) and let the engine merge them into its own copy of
-    the base (megaforge.sync.adapters); false: the merged weights, like every other engine gets."""
+    """With ``model.lora``: send the LoRA adapters alone (r (in + out) numbers per adapted linear
+    instead of in x out). ``rollout.engine: embedded`` merges them into its own copy of the base
+    (megaforge.sync.adapters); ``sglang`` starts its servers with ``--enable-lora`` and loads each
+    version's PEFT adapter folder by name (megaforge.rollout.http.lora); other engines refuse it.
+    false: the merged weights, like every engine gets."""
 
 
 @dataclass

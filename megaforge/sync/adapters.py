@@ -12,7 +12,12 @@ same tensors bit for bit (same dtype). Bytes per adapted linear: r (in + out) in
 """
 from __future__ import annotations
 
+import os
+import tempfile
+
 import torch
+
+from megaforge.engine_kinds import engine_kind
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 
@@ -44,9 +49,12 @@ def adapter_pairs(buckets):
 
 
 def push_adapters(trainer, engine, max_bytes: int, version: int) -> dict:
-    """:func:`megaforge.sync.push_weights` for the adapters alone: ``trainer.iter_adapter_buckets``
-    into ``engine.update_adapters`` (scale ``trainer.lora.scale``). Returns ``buckets``, ``bytes``,
-    ``tensors``."""
+    """:func:`megaforge.sync.push_weights` for the adapters alone, on every trainer rank. An engine kind
+    that takes ``tensors`` (megaforge.engine_kinds): ``trainer.iter_adapter_buckets`` into
+    ``engine.update_adapters`` (scale ``trainer.lora.scale``); one that takes a ``folder``
+    (:func:`push_adapter_folder`). Returns ``buckets``, ``bytes``, ``tensors``."""
+    if engine_kind(trainer.cfg.rollout.engine).lora_adapters == "folder":
+        return push_adapter_folder(trainer, engine, version)
     stats = {"buckets": 0, "bytes": 0, "tensors": 0}
 
     def buckets():
@@ -63,3 +71,32 @@ def push_adapters(trainer, engine, max_bytes: int, version: int) -> dict:
         return stats
     engine.update_adapters(buckets(), version, trainer.lora.scale)
     return stats
+
+
+def push_adapter_folder(trainer, engine, version: int) -> dict:
+    """The trainer writes version ``version``'s PEFT adapter folder (``trainer.export_adapter``, the
+    writer of ``<run>/adapter/``: collective, the main rank writes) to ``engine.adapter_path(version)``
+    and the engine loads it (``engine.load_adapter(path, version)``, megaforge.rollout.http.lora).
+    ``bytes``: the folder's size (adapter_model.safetensors + adapter_config.json) on the main rank
+    (0 elsewhere), ``tensors`` its tensor count; no engine: the folder goes to a temporary folder,
+    counted and deleted."""
+    with tempfile.TemporaryDirectory(prefix="megaforge-adapter-") as tmp:
+        path = engine.adapter_path(version) if engine is not None else os.path.join(tmp, f"v{version}")
+        trainer.export_adapter(path)
+        stats = {"buckets": 0, "bytes": 0, "tensors": 0}
+        if os.path.isdir(path):
+            stats["buckets"] = 1
+            stats["bytes"] = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+            stats["tensors"] = _tensor_count(os.path.join(path, "adapter_model.safetensors"))
+            if engine is not None:
+                engine.load_adapter(path, version)
+    return stats
+
+
+def _tensor_count(f: str) -> int:
+    if not os.path.exists(f):
+        return 0
+    from safetensors import safe_open
+
+    with safe_open(f, "pt") as h:
+        return len(list(h.keys()))

@@ -176,6 +176,18 @@ class SGLangClient:
     async def update_weight_version(self, new_version: str) -> dict:
         return await self.request("POST", "/update_weight_version", {"new_version": new_version})
 
+    # ------------------------------------------------------------------------------ LoRA adapters
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        """POST /load_lora_adapter (sglang 0.5.16 ``LoadLoRAAdapterReqInput``: lora_name, lora_path; an
+        answer ``{"success": false, "error_message": ...}`` comes with HTTP 400)."""
+        return await self.request("POST", "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path},
+                                  idempotent=False)
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict:
+        """POST /unload_lora_adapter (``UnloadLoRAAdapterReqInput``: lora_name). SGLang answers once the
+        requests in flight with that adapter have finished (``LoRARegistry.wait_for_unload``)."""
+        return await self.request("POST", "/unload_lora_adapter", {"lora_name": lora_name}, idempotent=False)
+
     # ---------------------------------------------------------------------------------------- state
     async def health(self, timeout_s: float = 10.0) -> bool:
         return await self._probe("/health", timeout_s)

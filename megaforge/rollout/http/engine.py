@@ -11,6 +11,8 @@ megaforge's embedded server (``rollout.engine: embedded_server``), through one c
   ``disk``): one transport of :mod:`megaforge.sync.transports`, over this engine as its
   :class:`~megaforge.sync.transports.Fanout` (per-engine async clients, the event loop, the fault
   bookkeeping, the weight snapshot).
+* ``adapter_path`` / ``load_adapter`` (``sync.lora_adapters``): LoRA adapters alone, loaded as PEFT
+  folders and named by every ``/generate`` (:mod:`megaforge.rollout.http.lora`).
 * ``release_memory`` / ``resume_memory`` send only tags whose state changes (SGLang fails on resuming
   a tag that was not released), and the engine refuses weight updates while ``weights`` is released.
 * ``weight_version`` asks every server (``/model_info``) and fails if they disagree.
@@ -36,6 +38,7 @@ import torch
 
 from megaforge.rollout.base import MEMORY_TAGS, Engine, EngineStateError, check_tags
 from megaforge.rollout.http.client import SGLangClient
+from megaforge.rollout.http.lora import AdapterServing
 from megaforge.rollout.http.protocol import completion_from_output
 from megaforge.rollout.http.recovery import ROUTER, Recovery
 from megaforge.rollout.http.snapshot import WeightSnapshot
@@ -50,7 +53,7 @@ async def _gather(coros, return_exceptions: bool = False):
     return await asyncio.gather(*coros, return_exceptions=return_exceptions)
 
 
-class HTTPEngine(Recovery, Engine):
+class HTTPEngine(AdapterServing, Recovery, Engine):
     def __init__(self, urls: Sequence[str], api_key: str = "", router_url: Optional[str] = None,
                  timeout_s: float = 600.0, transport: str = "auto", tp_sizes: Optional[Sequence[int]] = None,
                  processes: Sequence = (), model_dir: str = "", cleanup_dirs: Sequence[str] = (),
@@ -71,6 +74,7 @@ class HTTPEngine(Recovery, Engine):
         self._released: set[str] = set()
         self.snapshot = WeightSnapshot(snapshot_dir, model_dir) if max_restarts > 0 else None
         self._init_recovery(max_restarts, health_timeout_s, startup_timeout_s)
+        self._init_adapters()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="megaforge-engine-http", daemon=True)
         self._thread.start()
@@ -134,10 +138,19 @@ class HTTPEngine(Recovery, Engine):
             size = -(-len(requests) // len(self.clients))
             pending = [(k, list(range(s, min(s + size, len(requests))))) for k, s in enumerate(range(0, len(requests), size))]
 
+        lora = self._acquire_adapter()  # sync.lora_adapters: the adapter every request of this call names
+        try:
+            return self._generate(requests, rids, where, pending, lora)
+        finally:
+            self._release_adapter(lora)
+
+    def _generate(self, requests, rids, where, pending, lora: Optional[str]) -> list[Completion]:
         async def one(client: SGLangClient, idx: list[int]):
             payload = {"input_ids": [requests[i].input_ids for i in idx],
                        "sampling_params": [requests[i].sampling.to_sglang() for i in idx],
                        "return_logprob": True, "rid": [rids[i] for i in idx]}
+            if lora is not None:  # GenerateReqInput.lora_path: one adapter name per request
+                payload["lora_path"] = [lora] * len(idx)
             routed = any(requests[i].return_routed_experts for i in idx)
             if routed:  # one flag per batch request (sglang's GenerateReqInput.return_routed_experts: bool)
                 payload["return_routed_experts"] = True

@@ -170,6 +170,8 @@ class Recovery:
         if self.snapshot is not None and self.snapshot.path is not None:
             want = self.snapshot.version
             self._resync(k, want)
+        if self._reload_adapter(k):  # sync.lora_adapters: the base came back; the current adapter again
+            want = self._adapter[2]
         got = self._call(c.get_weight_version())
         if got != want:
             raise EngineFailure(f"{self._name(k)} serves weight version {got} after its restart, expected {want}",

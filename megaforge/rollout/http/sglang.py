@@ -3,6 +3,7 @@ interpreter, ``rollout.engine_python`` / ``rollout.engine_env``) on CUDA GPUs, s
 :func:`megaforge.rollout.http.start.build_http_engine` (registered in megaforge.engine_kinds)."""
 from __future__ import annotations
 
+from megaforge.rollout.http.lora import lora_flags
 from megaforge.rollout.http.start import Servers, ServerStart, build_http_engine, engine_env, engine_python, require_sglang
 
 
@@ -22,6 +23,7 @@ def command(cfg, s: ServerStart, port: int, fd: int) -> list[str]:
     c += ["--enable-memory-saver"] if r.num_gpus == 0 else []
     c += ["--api-key", s.api_key] if s.api_key else []
     c += ["--enable-return-routed-experts"] if r.return_routed_experts else []  # routing replay
+    c += lora_flags(cfg.model.lora) if cfg.sync.lora_adapters else []  # adapters alone (megaforge.rollout.http.lora)
     return c + list(r.extra_args)
 
 

@@ -1,0 +1,166 @@
+"""sync.lora_adapters with rollout.engine sglang (megaforge.rollout.http.lora) against an HTTP double
+that takes sglang 0.5.16's request fields field by field (tests/sglang_double.py says where each comes
+from): the server flags from model.lora, each sync's PEFT folder loaded under a versioned name, every
+/generate naming the current adapter, the previous one unloaded only once no request uses it, errors
+naming the adapter folder and the HTTP status. The real server: tests/gpu/test_sglang_lora.py."""
+import os
+import threading
+
+import pytest
+import torch
+from sglang_double import SGLangDouble
+
+from megaforge.config import config_from_dict
+from megaforge.configtree import ConfigError
+
+
+def cfg_for(model_dir, tmp_path, engine="sglang", **sync):
+    return config_from_dict({
+        "output_dir": str(tmp_path), "run_name": "t", "max_steps": 2, "seed": 0,
+        "model": {"path": model_dir, "lora": {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj",
+                                                                                           "model.layers.0.mlp.up_proj"]}},
+        "data": {"path": "arithmetic", "format": "synthetic"},
+        "rollout": {"engine": engine}, "sync": {"lora_adapters": True, **sync},
+        "trainer": {"backend": "torch", "lr": 1e-2, "micro_batch_size": 4},
+    })
+
+
+@pytest.fixture
+def double():
+    d = SGLangDouble(eos_id=2).start()
+    yield d
+    d.stop()
+
+
+def test_config_accepts_sglang_and_refuses_merged_only_engines(tiny_model_dir, tmp_path):
+    cfg_for(tiny_model_dir, tmp_path)  # accepted
+    with pytest.raises(ConfigError, match=r"'sync.lora_adapters'.*embedded_server.*embedded, sglang"):
+        cfg_for(tiny_model_dir, tmp_path, engine="embedded_server")
+
+
+def test_server_command_enables_lora_from_model_lora(tiny_model_dir, tmp_path):
+    from megaforge.rollout.http.sglang import command
+    from megaforge.rollout.http.start import ServerStart
+
+    cfg = cfg_for(tiny_model_dir, tmp_path)
+    c = command(cfg, ServerStart(tiny_model_dir, "", "", [], torch.device("cuda")), 30000, -1)
+    i = c.index("--enable-lora")
+    assert c[i:i + 9] == ["--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", "q_proj", "up_proj",
+                          "v_proj", "--max-loras-per-batch", "2"]
+    cfg.sync.lora_adapters = False  # merged weights: a plain server
+    assert "--enable-lora" not in command(cfg, ServerStart(tiny_model_dir, "", "", [], torch.device("cuda")), 1, -1)
+
+
+def _trainer(cfg, tokenizer):
+    from megaforge.trainer.torch_backend import TorchTrainer
+
+    torch.manual_seed(0)
+    t = TorchTrainer(cfg, tokenizer)
+    with torch.no_grad():  # adapters away from B = 0, so the folder's tensors say something
+        for _, p in t.lora.adapter_parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return t
+
+
+def _request(n=2):
+    from megaforge.types import GenerateRequest, SamplingParams
+
+    return [GenerateRequest(rid=f"r{i}", input_ids=[5, 6, 7 + i], sampling=SamplingParams(max_new_tokens=4))
+            for i in range(n)]
+
+
+def test_each_sync_loads_a_versioned_adapter_that_requests_name(tiny_model_dir, tokenizer, tmp_path, double):
+    from safetensors.torch import load_file
+
+    from megaforge.rollout.http.engine import HTTPEngine
+    from megaforge.sync.adapters import push_adapters
+
+    cfg = cfg_for(tiny_model_dir, tmp_path)
+    t = _trainer(cfg, tokenizer)
+    engine = HTTPEngine([double.url])
+    try:
+        engine.generate(_request())  # before the first sync: the base, no adapter named
+        assert "lora_path" not in double.calls[-1][1]
+
+        stats = push_adapters(t, engine, 1 << 20, 1)
+        (ep, body), (ep2, body2) = double.calls[-2:]
+        assert ep == "/load_lora_adapter" and body["lora_name"] == "policy-v1"
+        assert ep2 == "/update_weight_version" and body2 == {"new_version": "1", "abort_all_requests": False}
+        folder = body["lora_path"]
+        assert stats["bytes"] == sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)) > 0
+        saved = load_file(os.path.join(folder, "adapter_model.safetensors"))
+        for mod, a, b in t.lora.adapter_tensors():  # the trainer's adapters, under PEFT's names
+            key = next(k for k in saved if k.endswith(mod + ".lora_A.weight"))
+            assert torch.equal(saved[key], a) and torch.equal(saved[key.replace("lora_A", "lora_B")], b)
+        assert stats["tensors"] == len(saved) == 2 * len(list(t.lora.adapter_tensors()))
+
+        out = engine.generate(_request())
+        assert double.calls[-1][1]["lora_path"] == ["policy-v1", "policy-v1"]
+        assert [c.weight_version for c in out] == [1, 1] and engine.weight_version == 1
+
+        push_adapters(t, engine, 1 << 20, 2)  # nothing in flight: v1 unloaded at once, its folder gone
+        assert [c[0] for c in double.calls[-3:]] == ["/load_lora_adapter", "/update_weight_version",
+                                                     "/unload_lora_adapter"]
+        assert double.calls[-1][1] == {"lora_name": "policy-v1"} and list(double.loaded) == ["policy-v2"]
+        assert not os.path.exists(folder)
+    finally:
+        engine.shutdown()
+
+
+def test_previous_adapter_is_unloaded_after_its_requests_finish(tiny_model_dir, tokenizer, tmp_path, double):
+    from megaforge.rollout.http.engine import HTTPEngine
+    from megaforge.sync.adapters import push_adapters
+
+    cfg = cfg_for(tiny_model_dir, tmp_path)
+    t = _trainer(cfg, tokenizer)
+    engine = HTTPEngine([double.url])
+    inside, go = threading.Event(), threading.Event()
+    try:
+        push_adapters(t, engine, 1 << 20, 1)
+        double.inflight_hook = lambda body: (inside.set(), go.wait(10))
+        th = threading.Thread(target=engine.generate, args=(_request(),))
+        th.start()
+        assert inside.wait(10)  # a generate with policy-v1 is in flight
+        double.inflight_hook = None
+        push_adapters(t, engine, 1 << 20, 2)
+        assert set(double.loaded) == {"policy-v1", "policy-v2"}  # v1 kept: its requests are running
+        assert engine.adapter_name == "policy-v2"
+        go.set()
+        th.join(10)
+        assert list(double.loaded) == ["policy-v2"]  # unloaded as the last request with it finished
+        assert double.calls[-1] == ("/unload_lora_adapter", {"lora_name": "policy-v1"})
+    finally:
+        go.set()
+        engine.shutdown()
+
+
+def test_sglang_errors_name_the_adapter_folder_and_the_status(tiny_model_dir, tokenizer, tmp_path, double):
+    from megaforge.rollout.http.engine import HTTPEngine
+    from megaforge.rollout.http.lora import AdapterError
+
+    engine = HTTPEngine([double.url])
+    try:
+        missing = str(tmp_path / "nowhere")
+        with pytest.raises(AdapterError, match=rf"/load_lora_adapter: LoRA adapter 'policy-v3' \(folder {missing}\): "
+                                               r"HTTP 400: .*no adapter_config.json"):
+            engine.load_adapter(missing, 3)
+        assert engine.adapter_name is None  # nothing half-switched: requests still name no adapter
+    finally:
+        engine.shutdown()
+
+
+def test_the_double_refuses_fields_sglang_does_not_have(double):
+    """The double's field check can fail: a misspelled field is a 422 naming it."""
+    import asyncio
+
+    from megaforge.rollout.http.client import EngineHTTPError, SGLangClient
+
+    async def go():
+        c = SGLangClient(double.url, retries=0)
+        try:
+            await c.request("POST", "/load_lora_adapter", {"lora_name": "x", "adapter_path": "/tmp"})
+        finally:
+            await c.close()
+
+    with pytest.raises(EngineHTTPError, match=r"HTTP 422.*unknown \['adapter_path'\], missing \['lora_path'\]"):
+        asyncio.run(go())
