@@ -44,16 +44,19 @@ class AdapterError(RuntimeError):
         self.status, self.name, self.path = err.status, name, path
 
 
-def lora_flags(lora, max_loras_per_batch: int = 2) -> list[str]:
+def lora_flags(lora, colocated: bool, max_loras_per_batch: int = 2) -> list[str]:
     """SGLang server flags (sglang 0.5.16 ``server_args``) for adapters of ``model.lora`` loaded at run
     time: ``--enable-lora``, ``--max-lora-rank`` (the adapters' r), ``--lora-target-modules`` (the PEFT
     names q_proj / k_proj / v_proj / o_proj / gate_proj / up_proj / down_proj are SGLang's choices too;
     it stacks q/k/v into qkv_proj and gate/up into gate_up_proj itself) and ``--max-loras-per-batch``
     (2: the retiring adapter's requests and the new one's may share a batch). Full dotted target names
-    are passed by their last part (SGLang matches on it)."""
+    are passed by their last part (SGLang matches on it). ``colocated`` (the server runs with
+    ``--enable-memory-saver`` and releases its weights while the trainer trains): also
+    ``--enable-weights-cpu-backup``, since the base is never sent again and must come back from the
+    server's own host copy on resume (0.5.16 discards released weights otherwise)."""
     targets = sorted({t.split(".")[-1] for t in lora.target_modules})
-    return ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *targets,
-            "--max-loras-per-batch", str(max_loras_per_batch)]
+    return (["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *targets,
+             "--max-loras-per-batch", str(max_loras_per_batch)] + (["--enable-weights-cpu-backup"] if colocated else []))
 
 
 class AdapterServing:

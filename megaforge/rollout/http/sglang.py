@@ -23,7 +23,7 @@ def command(cfg, s: ServerStart, port: int, fd: int) -> list[str]:
     c += ["--enable-memory-saver"] if r.num_gpus == 0 else []
     c += ["--api-key", s.api_key] if s.api_key else []
     c += ["--enable-return-routed-experts"] if r.return_routed_experts else []  # routing replay
-    c += lora_flags(cfg.model.lora) if cfg.sync.lora_adapters else []  # adapters alone (megaforge.rollout.http.lora)
+    c += lora_flags(cfg.model.lora, r.num_gpus == 0) if cfg.sync.lora_adapters else []  # megaforge.rollout.http.lora
     return c + list(r.extra_args)
 
 

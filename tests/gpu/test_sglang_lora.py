@@ -1,0 +1,149 @@
+"""A real SGLang server serving the LoRA-adapted policy from the adapters alone (sync.lora_adapters with
+rollout.engine sglang, megaforge.rollout.http.lora): the server started by ``build_engine`` with
+``--enable-lora`` from model.lora, a torch trainer with rank-8 adapters on every linear of a tiny random
+Qwen3 (bf16) on the same GPU. After each adapter sync the served log-probs equal the trainer's adapted
+policy (not the base's), the previous adapter is gone from ``/v1/models`` and the sync's bytes and
+seconds are reported beside the merged sync's bytes. Figures go to ``$MEGAFORGE_GPU_REPORT``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from gpu_helpers import sglang_env, sglang_python
+
+pytestmark = pytest.mark.timeout(900)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENIZER = os.path.join(ROOT, "assets", "tiny-tokenizer")
+PROMPTS = [[5, 17, 33, 9, 41], [100, 101, 102], [7, 8, 9, 10, 11, 12, 13], [40, 41, 42, 43]]
+SERVER_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-cuda-graph",
+               "--log-level", "info"]
+# bf16 serving vs the trainer's bf16 forward (test_sglang_server.py's LP_MAX_DIFF: a few 1e-3 measured
+# on two layers); the adapter's x A^T B^T adds one more bf16 product per linear (SGLang's csgmv kernel
+# vs PEFT's two matmuls), same order. Adapters perturbed by 0.3 randn move the log-probs by more than the tolerance (asserted).
+LP_MAX_DIFF = 0.05
+REPORT: dict = {}
+
+
+def _report(key, value):
+    REPORT[key] = value
+    path = os.environ.get("MEGAFORGE_GPU_REPORT_LORA")
+    if path:
+        with open(path, "w") as f:
+            json.dump(REPORT, f, indent=1, default=str)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+    d = str(tmp_path_factory.mktemp("tiny-qwen3-lora"))
+    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=128,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=True, eos_token_id=2, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(d)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def cfg(model_dir, tmp_path_factory):
+    from megaforge.config import config_from_dict
+
+    return config_from_dict({
+        "output_dir": str(tmp_path_factory.mktemp("run")), "run_name": "gpu_lora", "max_steps": 0, "seed": 0,
+        "model": {"path": model_dir, "dtype": "bfloat16", "lora": {"rank": 8, "alpha": 16.0}},
+        "data": {"path": "arithmetic", "format": "synthetic"},
+        "rollout": {"engine": "sglang", "engine_env": sglang_env(), "engine_python": sglang_python(),
+                    "extra_args": SERVER_ARGS, "mem_fraction": 0.3, "startup_timeout_s": 900.0,
+                    "request_timeout_s": 300.0},
+        "sync": {"lora_adapters": True},
+        "trainer": {"backend": "torch", "device": "cuda", "lr": 3e-3, "micro_batch_size": 8},
+        "grpo": {"beta": 0.01},
+    })
+
+
+@pytest.fixture(scope="module")
+def engine(cfg):
+    from megaforge.hf import load_tokenizer
+    from megaforge.rollout import build_engine
+
+    eng = build_engine(cfg, load_tokenizer(cfg.model))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def trainer(cfg):
+    from megaforge.trainer.torch_backend import TorchTrainer
+
+    t = TorchTrainer(cfg)
+    t.reset_optimizer(cfg.trainer.lr, 10)
+    t.snapshot_reference()  # fresh adapters: the reference is the base (adapters off)
+    return t
+
+
+def _perturb(trainer, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for _, p in trainer.lora.adapter_parameters():
+            p.add_((torch.randn(p.shape, generator=g) * 0.3).to(p.device, p.dtype))
+
+
+def _requests(seed=0):
+    from megaforge.types import GenerateRequest, SamplingParams
+
+    return [GenerateRequest(p, SamplingParams(temperature=1.0, max_new_tokens=16, stop_token_ids=[], seed=seed + i),
+                            rid=f"r{i}") for i, p in enumerate(PROMPTS)]
+
+
+def _batch(comps):
+    from megaforge.types import TrainBatch
+
+    seqs = [p + c.output_ids for p, c in zip(PROMPTS, comps)]
+    T = max(map(len, seqs))
+    tokens = torch.tensor([s + [0] * (T - len(s)) for s in seqs])
+    mask = torch.zeros(tokens.shape)
+    for b, (p, c) in enumerate(zip(PROMPTS, comps)):
+        mask[b, len(p):len(p) + len(c.output_ids)] = 1.0
+    return TrainBatch(tokens=tokens, lengths=torch.tensor([len(s) for s in seqs]), loss_mask=mask,
+                      advantages=torch.zeros(tokens.shape), rollout_logprobs=torch.zeros(tokens.shape),
+                      num_tokens=int(mask.sum()), num_seqs=len(seqs))
+
+
+def _diff(lp, comps) -> float:
+    d = torch.cat([(torch.tensor(c.output_logprobs) - lp[b, len(p):len(p) + len(c.output_ids)].float()).abs()
+                   for b, (p, c) in enumerate(zip(PROMPTS, comps))])
+    return float(d.max())
+
+
+def _served_adapters(engine) -> set[str]:
+    models = engine.query("GET", "/v1/models")[0]
+    return {m["id"] for m in models.get("data", []) if m["id"].startswith("policy-v")}
+
+
+def test_adapters_alone_serve_the_adapted_policy(engine, trainer):
+    from megaforge.sync import push_weights
+    from megaforge.sync.adapters import push_adapters
+
+    for version, seed in ((1, 11), (2, 22)):
+        _perturb(trainer, seed)
+        t0 = time.perf_counter()
+        stats = push_adapters(trainer, engine, 64 << 20, version)
+        sync_s = time.perf_counter() - t0
+        assert engine.adapter_name == f"policy-v{version}" and engine.weight_version == version
+        assert _served_adapters(engine) == {f"policy-v{version}"}  # the previous one unloaded
+        comps = engine.generate(_requests(seed=100 * version))
+        assert all(c.weight_version == version for c in comps)
+        batch = _batch(comps)
+        adapted = _diff(trainer.compute_logprobs(batch), comps)
+        base = _diff(trainer.compute_logprobs(batch, "ref"), comps)
+        _report(f"v{version}", {"adapter_bytes": stats["bytes"], "adapter_sync_s": round(sync_s, 4),
+                                "merged_bytes": push_weights(trainer, None, 64 << 20, version)["bytes"],
+                                "max_lp_diff_adapted": adapted, "max_lp_diff_base": base})
+        assert adapted < LP_MAX_DIFF < base
