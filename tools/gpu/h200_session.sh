@@ -59,8 +59,9 @@
 #   A part call holds the machine ~4 s, the join + convert ~95 s. 2026-12-03 (code 07bab35): a main-path chunk
 #   took 2 min 45 s from its start to SGLang's ready (decode CUDA graphs 68 s of it) and 34 s for the step-0
 #   evaluation with one sample per prompt; the embedded engine's chunks spent ~20 s compiling after a restart.
-# LoRA served by SGLang (issue 43 point 2), after parts + install:  bash tools/gpu/h200_session.sh lora_sync
-#   (~2 x 150 s of recipe + the GPU test's ~2 min server start; LORA_STEPS / LORA_SECONDS change its size)
+# LoRA served by SGLang (issue 43 point 2), after parts + install, one call each (each < 600 s):
+#   bash tools/gpu/h200_session.sh lora_test;  ... lora_merged;  ... lora_adapters
+#   (LORA_STEPS / LORA_SECONDS change the recipe's size; the two recipe stages print sync/bytes and time/sync)
 # The tools import megaforge from the checkout (PYTHONPATH below). The machine's copy of the tree has no
 # .git, so their JSON lines say "commit": "unknown" unless the call's command names it:
 #   MEGAFORGE_COMMIT=<sha from git rev-parse HEAD here> bash tools/gpu/h200_session.sh ...
@@ -319,31 +320,30 @@ for r in map(json.loads, sys.stdin):
       done
       python3 tools/gpu/replay_metrics.py "$rdir/moe_plain/metrics.jsonl" "$rdir/moe_replay/metrics.jsonl" | tee "$OUT/moe_replay.jsonl"
       cp "$rdir"/moe_replay/logs/engine_0.log "$OUT/moe_replay_engine.log" 2>/dev/null ;;
-    lora_sync)  # issue 43 point 2: LoRA served by SGLang, merged weights vs the adapters alone (after install). The GPU
-      # test (tests/gpu/test_sglang_lora.py: served log-probs = the adapted policy's), then the colocated recipe with
-      # the torch backend and rank-16 adapters on every linear, LORA_STEPS steps each way; sync/bytes and time/sync
-      # per step and their means printed for both
-      MEGAFORGE_GPU_REPORT_LORA="$OUT/gpu_lora_test.json" timeout -k 20 240 python3 -m pytest -q -p no:cacheprovider \
+    lora_test)  # issue 43 point 2: tests/gpu/test_sglang_lora.py (served log-probs = the adapted policy's; after install)
+      MEGAFORGE_GPU_REPORT_LORA="$OUT/gpu_lora_test.json" timeout -k 20 300 python3 -m pytest -q -p no:cacheprovider \
         tests/gpu/test_sglang_lora.py 2>&1 | tee "$OUT/gpu_lora_test.log" | tail -8
-      cat "$OUT/gpu_lora_test.json" 2>/dev/null
-      for adapters in false true; do
-        recipe "${LORA_SECONDS:-150}" --run_name lora_sync_$adapters --max_steps "${LORA_STEPS:-3}" --trainer.backend torch \
-          --trainer.device cuda --memory.offload none --model.lora.rank 16 --sync.lora_adapters $adapters \
-          --rollout.batch_size 16 --rollout.max_new_tokens 256 --checkpoint.interval 0 --metrics.progress false \
-          > "$OUT/lora_sync_$adapters.log" 2>&1
-        echo "[h200_session] lora_sync adapters=$adapters: exit $?"
-        grep -v -i warn "$OUT/lora_sync_$adapters.log" | grep -i "error\|Traceback" | tail -3
-        cp "$RUNS/lora_sync_$adapters/metrics.jsonl" "$OUT/lora_sync_${adapters}_metrics.jsonl" 2>/dev/null
-        python3 -c "
+      cat "$OUT/gpu_lora_test.json" 2>/dev/null ;;
+    lora_merged|lora_adapters)  # the colocated recipe, torch backend, rank-16 adapters on every linear, LORA_STEPS steps,
+      # SGLang given the merged weights (lora_merged) or the adapters alone (lora_adapters); sync/bytes and time/sync
+      # per step and their means (the first step's push is the same in both: the mean is over every step)
+      adapters=$([ $stage = lora_adapters ] && echo true || echo false)
+      recipe "${LORA_SECONDS:-420}" --run_name $stage --max_steps "${LORA_STEPS:-4}" --trainer.backend torch \
+        --trainer.device cuda --memory.offload none --model.lora.rank 16 --sync.lora_adapters $adapters \
+        --rollout.batch_size 16 --rollout.max_new_tokens 256 --checkpoint.interval 0 --metrics.progress false \
+        > "$OUT/$stage.log" 2>&1
+      echo "[h200_session] $stage: exit $?"
+      grep -v -i warn "$OUT/$stage.log" | grep -i "error\|Traceback" | tail -3
+      cp "$RUNS/$stage/metrics.jsonl" "$OUT/${stage}_metrics.jsonl" 2>/dev/null
+      python3 -c "
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 for r in rows:
     print('step', r.get('step'), 'sync/bytes', int(r.get('sync/bytes', -1)), 'time/sync %.4f s' % r.get('time/sync', -1),
           'reward %.4f' % r.get('reward/mean', -1))
 n = max(len(rows), 1)
-print('adapters=$adapters mean sync/bytes', int(sum(r.get('sync/bytes', 0) for r in rows) / n),
-      'mean time/sync %.4f s' % (sum(r.get('time/sync', 0) for r in rows) / n))" "$OUT/lora_sync_${adapters}_metrics.jsonl"
-      done ;;
+print(sys.argv[2], 'mean sync/bytes', int(sum(r.get('sync/bytes', 0) for r in rows) / n),
+      'mean time/sync %.4f s' % (sum(r.get('time/sync', 0) for r in rows) / n))" "$OUT/${stage}_metrics.jsonl" $stage ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
