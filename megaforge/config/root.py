@@ -113,6 +113,14 @@ class Config:
              "combined through teacher.task_coef) or leave teacher.path empty")
         need(not distill or tp.kl_coef > 0 or tp.task_coef > 0, "teacher.kl_coef",
              "and teacher.task_coef are both 0: the advantage would be 0 everywhere")
+        need(tp.served_by == "engine" or not tp.url, "teacher.url",
+             "is the SGLang server of a teacher served by an engine: set teacher.served_by engine or leave it empty")
+        need(not tp.url or tp.url.startswith(("http://", "https://")), "teacher.url",
+             f"{tp.url!r} is not an http(s):// URL")
+        need(not tp.url or self.grpo.temperature == 1.0, "teacher.url",
+             f"SGLang's prompt log-probs are of the raw logits (temperature 1), the student's at grpo.temperature "
+             f"{self.grpo.temperature}: set grpo.temperature 1.0, or serve the teacher with the embedded engine "
+             "(teacher.url empty) or on the trainer (teacher.served_by trainer)")
 
     def _validate_rewards(self, need) -> None:
         r = self.rewards

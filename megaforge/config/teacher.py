@@ -22,6 +22,21 @@ class TeacherConfig:
     one checkpoint folder of a run (``<run>/checkpoints/step_N``: torch-backend checkpoints are read
     directly, megatron ones must first be exported with tools/convert_megatron_to_hf.py). Empty: no
     teacher (every algo.advantage other than distill)."""
+    served_by: Literal["trainer", "engine"] = "trainer"
+    """Where the teacher scores the sampled tokens. trainer: a frozen copy on the trainer's device (like
+    the reference model; every trainer rank scores its share). engine: an inference engine returns
+    the prompt log-probs of the given token ids (megaforge.trainer.served_teacher): with
+    ``teacher.url`` empty an embedded engine holding teacher.path on ``rollout.device`` in each
+    trainer process; with ``teacher.url`` set the SGLang server there (``/generate`` with
+    ``max_new_tokens`` 0, ``return_logprob``, ``logprob_start_len`` 0). Both take the log-probs at
+    ``grpo.temperature``, as the trainer-side teacher: the embedded engine divides the logits by it,
+    SGLang's prompt log-probs are of the raw logits (temperature 1), so with a URL grpo.temperature
+    must be 1.0."""
+    url: str = ""
+    """With ``served_by: engine``: the base URL of an SGLang server (>= 0.5.16) already serving
+    teacher.path's weights (e.g. ``http://10.0.0.5:30000``; started by you, e.g. ``python -m
+    sglang.launch_server --model-path <teacher.path> ...``); empty: the embedded engine. teacher.path
+    stays required: the tokenizer check reads its tokenizer."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """The teacher's parameter and compute dtype; auto: model.dtype."""
     kl_coef: float = bounded(1.0, ge=0)

@@ -281,7 +281,7 @@ def train_share(trainer, handoff: BatchHandOff, batch: Optional[TrainBatch], cfg
         share.values = trainer.compute_values(share)
     teacher_lp = None
     if needs_teacher(cfg):
-        teacher_lp = trainer.compute_logprobs(share, "teacher", positions="trained")
+        teacher_lp = trainer.teacher_logprobs(share)  # on the trainer or from an engine (teacher.served_by)
         m.update(distill_metrics(share, teacher_lp))
     if advantages_need_trainer(cfg):
         share_advantages(handoff, share, batch, cfg, teacher_lp)

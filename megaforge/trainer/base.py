@@ -35,6 +35,7 @@ from megaforge.memory.offload import PinnedOffloader
 from megaforge.memory.state import host_reservation
 from megaforge.trainer.metrics import COUNT, MEAN, StepMetrics, world_stats_to_host
 from megaforge.trainer.optim import lr_at
+from megaforge.trainer.served_teacher import build_served_teacher
 from megaforge.types import TrainBatch
 
 HFBucket = list[tuple[str, torch.Tensor]]
@@ -121,6 +122,9 @@ class Trainer(ABC):
         self.temperature = cfg.grpo.temperature
         self.ref = None  # the frozen reference policy (snapshot_reference)
         self.teacher = None  # the frozen distillation teacher (teacher.path; megaforge.trainer.teacher)
+        self.served_teacher = None  # or the engine serving it (teacher.served_by engine; megaforge.trainer.served_teacher)
+        if cfg.teacher.path and cfg.teacher.served_by == "engine":
+            self.served_teacher = build_served_teacher(cfg, tokenizer)
         self.critic: Critic | None = None  # the PPO critic (init_critic)
         self.version = 0
         self.sched: dict = {}
@@ -133,6 +137,14 @@ class Trainer(ABC):
         ``positions``: "all" (every 1 <= t < length: parity checks, engine comparisons) or "trained"
         (only where loss_mask > 0, 0 elsewhere: pi_old and the reference of an RL step, whose readers
         all mask by loss_mask; the torch backend then runs its LM head there alone)."""
+
+    def teacher_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """The distillation teacher's log-probs of ``batch``'s tokens at its trained positions, [n, T]
+        float32 at ``grpo.temperature``, 0 elsewhere: ``compute_logprobs(batch, "teacher", "trained")``,
+        or the engine's (``teacher.served_by: engine``, :mod:`megaforge.trainer.served_teacher`)."""
+        if self.served_teacher is not None:
+            return self.served_teacher.logprobs(batch)
+        return self.compute_logprobs(batch, "teacher", positions="trained")
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One RL update on ``batch`` (mini-batches x epochs as configured) with the objective of

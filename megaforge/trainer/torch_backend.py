@@ -58,7 +58,7 @@ class TorchTrainer(Trainer):
         self.module = torch_ddp.wrap(CausalLMLogprobs(self.model, t.autocast), self.device)
         self.opt = torch_ddp.adamw([p for p in self.model.parameters() if p.requires_grad], t.lr, t)
         self.reset_optimizer(t.lr, cfg.max_steps * t.mini_batches * t.epochs, t.warmup_steps, t.lr_schedule, t.min_lr)
-        if cfg.teacher.path:  # on-policy distillation: frozen, on the trainer's device
+        if cfg.teacher.path and cfg.teacher.served_by == "trainer":  # distillation: frozen, on the trainer's device
             self.teacher = load_torch_teacher(cfg, self.device, tokenizer)
             if t.autocast != "off":
                 precision.float32_head(self.teacher)

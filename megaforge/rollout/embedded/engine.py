@@ -204,6 +204,30 @@ class EmbeddedEngine(Engine):
         return out  # type: ignore[return-value]
 
     @torch.no_grad()
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], temperature: float = 1.0) -> list[list[Optional[float]]]:
+        """Per prompt x (len L), ``[None, lp_1, ..., lp_{L-1}]`` with lp_t = log_softmax(logits_{t-1} / temperature)
+        [x_t] in float32 (as SGLang's ``meta_info.input_token_logprobs`` values with ``logprob_start_len`` 0:
+        nothing for the first token). ``max_batch`` prompts per forward, right-padded (the padding is
+        masked and after every real token, so it changes no real position)."""
+        if "weights" in self._released:
+            raise EngineStateError("prompt_logprobs called while the weights are released")
+        out: list[list[Optional[float]]] = []
+        with self._lock:
+            for s in range(0, len(prompts), self.max_batch):
+                chunk = [list(p) for p in prompts[s: s + self.max_batch]]
+                L = max(len(p) for p in chunk)
+                ids = torch.full((len(chunk), L), self.pad_id, dtype=torch.long)
+                attn = torch.zeros((len(chunk), L), dtype=torch.long)
+                for b, p in enumerate(chunk):
+                    ids[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+                    attn[b, :len(p)] = 1
+                ids, attn = ids.to(self.device), attn.to(self.device)
+                logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temperature
+                lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0].cpu()
+                out += [[None] + lp[b, :len(p) - 1].tolist() for b, p in enumerate(chunk)]
+        return out
+
+    @torch.no_grad()
     def _generate_batch(self, reqs: list[GenerateRequest]) -> list[Completion]:
         dev = self.device
         B = len(reqs)

@@ -126,7 +126,7 @@ class MegatronTrainer(Trainer):
         self._reset_optimizer_state = state_resetter(self.optimizer)
         self.reset_optimizer(t.lr, cfg.max_steps * t.mini_batches * t.epochs, t.warmup_steps, t.lr_schedule, t.min_lr)
 
-        if cfg.teacher.path:  # on-policy distillation: frozen GPTModel at the policy's layout
+        if cfg.teacher.path and cfg.teacher.served_by == "trainer":  # distillation: frozen GPTModel at the policy's layout
             self.teacher = build_megatron_teacher(self)
         # memory.offload: DDP buffers, optimizer state, reference, teacher to pinned host buffers (megaforge.memory)
         self._mem = build_offloader(cfg.memory.offload, self.device, self.offload_entries)
