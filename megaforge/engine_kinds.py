@@ -33,7 +33,7 @@ class EngineKind:
     returns None on node leaders other than rank 0."""
     in_process: bool = False
     """The engine lives in the trainer's rank-0 process (one engine, TP 1, colocated; the weights handed
-    over in memory: sync.transport auto / inproc, sync.lora_adapters; no off-policy overlap). Else its
+    over in memory: sync.transport auto / inproc, sync.lora_adapters as tensors; no off-policy overlap). Else its
     engines are servers in their own processes, placed on GPUs by the planner's placement
     (:func:`megaforge.planner.layout.engine_gpus`), on several nodes too."""
     on_device: bool = True
