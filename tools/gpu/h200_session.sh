@@ -61,6 +61,7 @@
 #   evaluation with one sample per prompt; the embedded engine's chunks spent ~20 s compiling after a restart.
 # LoRA served by SGLang (issue 43 point 2), after parts + install, one call each (each < 600 s):
 #   bash tools/gpu/h200_session.sh lora_test;  ... lora_merged;  ... lora_adapters
+# The distillation teacher served by SGLang (issue 43 point 5), after install:  bash tools/gpu/h200_session.sh teacher_test
 #   (LORA_STEPS / LORA_SECONDS change the recipe's size; the two recipe stages print sync/bytes and time/sync)
 # The tools import megaforge from the checkout (PYTHONPATH below). The machine's copy of the tree has no
 # .git, so their JSON lines say "commit": "unknown" unless the call's command names it:
@@ -324,6 +325,9 @@ for r in map(json.loads, sys.stdin):
       MEGAFORGE_GPU_REPORT_LORA="$OUT/gpu_lora_test.json" timeout -k 20 300 python3 -m pytest -q -p no:cacheprovider \
         tests/gpu/test_sglang_lora.py 2>&1 | tee "$OUT/gpu_lora_test.log" | tail -8
       cat "$OUT/gpu_lora_test.json" 2>/dev/null ;;
+    teacher_test)  # issue 43 point 5: tests/gpu/test_sglang_teacher.py (SGLang's prompt log-probs = the trainer-side teacher's)
+      MEGAFORGE_GPU_REPORT_TEACHER="$OUT/gpu_teacher_test.json" timeout -k 20 300 python3 -m pytest -q -s -p no:cacheprovider \
+        tests/gpu/test_sglang_teacher.py 2>&1 | tee "$OUT/gpu_teacher_test.log" | grep -v -i warn | tail -8 ;;
     lora_merged|lora_adapters)  # the colocated recipe, torch backend, rank-16 adapters on every linear, LORA_STEPS steps,
       # SGLang given the merged weights (lora_merged) or the adapters alone (lora_adapters); sync/bytes and time/sync
       # per step and their means (the first step's push is the same in both: the mean is over every step)

@@ -1,0 +1,93 @@
+"""The distillation teacher served by a real SGLang server (teacher.served_by: engine with teacher.url,
+megaforge.trainer.served_teacher): a server holding a tiny random Qwen3 (bf16) is started by
+``build_engine``; its prompt log-probs (``/generate`` with ``max_new_tokens`` 0, ``return_logprob``,
+``logprob_start_len`` 0) laid out as the teacher's equal the trainer-side teacher's on the same GPU
+within the bf16 tolerance of test_sglang_server.py. Figures go to ``$MEGAFORGE_GPU_REPORT_TEACHER``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from gpu_helpers import sglang_env, sglang_python
+
+pytestmark = pytest.mark.timeout(900)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENIZER = os.path.join(ROOT, "assets", "tiny-tokenizer")
+SERVER_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-cuda-graph"]
+# bf16 serving vs the trainer's bf16 forward of the same weights (test_sglang_server.py: a few 1e-3
+# measured on two layers; a sharp teacher's larger log-probs scale the rounding with them)
+LP_MAX_DIFF = 0.05
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+    d = str(tmp_path_factory.mktemp("tiny-qwen3-teacher"))
+    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=128,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=True, eos_token_id=2, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(3)
+    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        m.model.embed_tokens.weight.mul_(10.0)  # a less uniform distribution than a plain random init's
+    m.save_pretrained(d)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(d)
+    return d
+
+
+def _cfg(tmp, student, teacher, **teacher_kw):
+    from megaforge.config import config_from_dict
+
+    return config_from_dict({
+        "output_dir": str(tmp), "run_name": "gpu_teacher", "max_steps": 0, "seed": 0,
+        "model": {"path": student, "dtype": "bfloat16"}, "data": {"path": "arithmetic", "format": "synthetic"},
+        "algo": {"advantage": "distill" if teacher else "grpo"}, "teacher": {"path": teacher, **teacher_kw},
+        "rollout": {"engine": "sglang", "engine_env": sglang_env(), "engine_python": sglang_python(),
+                    "extra_args": SERVER_ARGS, "mem_fraction": 0.3, "startup_timeout_s": 900.0},
+        "trainer": {"backend": "torch", "device": "cuda", "micro_batch_size": 8}, "grpo": {"temperature": 1.0},
+    })
+
+
+def test_sglang_prompt_logprobs_are_the_teachers(teacher_dir, tmp_path):
+    from megaforge.hf import load_tokenizer
+    from megaforge.rollout import build_engine
+    from megaforge.trainer.served_teacher import build_served_teacher
+    from megaforge.trainer.torch_backend import TorchTrainer
+    from megaforge.types import TrainBatch
+
+    server_cfg = _cfg(tmp_path, teacher_dir, "")  # a server holding the teacher's weights
+    engine = build_engine(server_cfg, load_tokenizer(server_cfg.model))
+    try:
+        url = engine.clients[0].url
+        served = build_served_teacher(_cfg(tmp_path, teacher_dir, teacher_dir, served_by="engine", url=url))
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(3, 500, (8, 40), generator=g)
+        lengths = torch.tensor([40, 33, 12, 27, 40, 8, 19, 36])
+        mask = torch.zeros(tokens.shape)
+        for b, n in enumerate(lengths.tolist()):
+            mask[b, 4:n] = 1.0
+            tokens[b, n:] = 0
+        batch = TrainBatch(tokens=tokens, lengths=lengths, loss_mask=mask, advantages=torch.zeros(tokens.shape),
+                           rollout_logprobs=torch.zeros(tokens.shape))
+        t0 = time.perf_counter()
+        got = served.logprobs(batch)
+        seconds = time.perf_counter() - t0
+        want = TorchTrainer(_cfg(tmp_path, teacher_dir, teacher_dir)).teacher_logprobs(batch)
+        diff = float((got - want).abs().max())
+        report = {"max_lp_diff": diff, "seconds": round(seconds, 4), "tokens": int(lengths.sum()),
+                  "mean_teacher_logprob": float(want[mask > 0].mean())}
+        path = os.environ.get("MEGAFORGE_GPU_REPORT_TEACHER")
+        if path:
+            with open(path, "w") as f:
+                json.dump(report, f, indent=1)
+        print(report)
+        assert diff < LP_MAX_DIFF
+        assert torch.equal(got[mask == 0], torch.zeros_like(got[mask == 0]))
+    finally:
+        engine.shutdown()
