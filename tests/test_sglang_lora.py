@@ -46,7 +46,7 @@ def test_server_command_enables_lora_from_model_lora(tiny_model_dir, tmp_path):
     c = command(cfg, ServerStart(tiny_model_dir, "", "", [], torch.device("cuda")), 30000, -1)
     i = c.index("--enable-lora")
     assert c[i:i + 10] == ["--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", "q_proj", "up_proj",
-                           "v_proj", "--max-loras-per-batch", "2", "--enable-weights-cpu-backup"]  # colocated
+                           "v_proj", "--max-loras-per-batch", "3", "--enable-weights-cpu-backup"]  # colocated
     assert "--enable-memory-saver" in c
     cfg.sync.lora_adapters = False  # merged weights: a plain server
     assert "--enable-lora" not in command(cfg, ServerStart(tiny_model_dir, "", "", [], torch.device("cuda")), 1, -1)

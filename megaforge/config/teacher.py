@@ -12,7 +12,8 @@ from megaforge.configtree import bounded
 @dataclass
 class TeacherConfig:
     """The teacher of ``algo.advantage: distill``: loaded once at start-up on the trainer's device
-    (at the policy's TP / PP layout with the megatron backend), frozen, never checkpointed (it is
+    (at the policy's TP / PP layout with the megatron backend; or served by an engine:
+    ``teacher.served_by``), frozen, never checkpointed (it is
     re-read from ``teacher.path`` on resume). Its tokenizer must equal the student's (same
     token -> id map) and its vocabulary size the student's, or the run refuses to start."""
 

@@ -34,7 +34,8 @@ Scorer = Callable[[list[list[int]]], list[list[Optional[float]]]]
 
 
 class ServedTeacher:
-    """``score(rows)`` -> per row ``[None, lp_1, ..., lp_{L-1}]``; ``what`` names the engine in errors."""
+    """``score(rows)`` -> per row ``[None, lp_1, ..., lp_{L-1}]``; ``what`` names the engine in errors;
+    ``engine`` the in-process engine behind ``score`` (None for a server)."""
 
     def __init__(self, score: Scorer, what: str, engine=None):
         self.score, self.what, self.engine = score, what, engine
@@ -55,10 +56,6 @@ class ServedTeacher:
             if len(row) > 1:
                 out[b, 1:len(row)] = torch.tensor(lp[1:], dtype=torch.float32)
         return out * (batch.loss_mask > 0)
-
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
 
 
 def build_served_teacher(cfg, tokenizer=None) -> ServedTeacher:

@@ -44,12 +44,13 @@ class AdapterError(RuntimeError):
         self.status, self.name, self.path = err.status, name, path
 
 
-def lora_flags(lora, colocated: bool, max_loras_per_batch: int = 2) -> list[str]:
+def lora_flags(lora, colocated: bool, max_loras_per_batch: int = 3) -> list[str]:
     """SGLang server flags (sglang 0.5.16 ``server_args``) for adapters of ``model.lora`` loaded at run
     time: ``--enable-lora``, ``--max-lora-rank`` (the adapters' r), ``--lora-target-modules`` (the PEFT
     names q_proj / k_proj / v_proj / o_proj / gate_proj / up_proj / down_proj are SGLang's choices too;
     it stacks q/k/v into qkv_proj and gate/up into gate_up_proj itself) and ``--max-loras-per-batch``
-    (2: the retiring adapter's requests and the new one's may share a batch). Full dotted target names
+    (3, SGLang counting the base as one: base-only requests of before the first sync, the retiring
+    adapter's and the new one's may share a batch with off-policy overlap; a fourth would wait). Full dotted target names
     are passed by their last part (SGLang matches on it). ``colocated`` (the server runs with
     ``--enable-memory-saver`` and releases its weights while the trainer trains): also
     ``--enable-weights-cpu-backup``, since the base is never sent again and must come back from the
