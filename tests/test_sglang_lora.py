@@ -52,6 +52,16 @@ def test_server_command_enables_lora_from_model_lora(tiny_model_dir, tmp_path):
     assert "--enable-lora" not in command(cfg, ServerStart(tiny_model_dir, "", "", [], torch.device("cuda")), 1, -1)
 
 
+def test_targets_sglang_does_not_know_are_a_config_error(tiny_model_dir, tmp_path):
+    from megaforge.rollout.http.lora import check_targets
+
+    cfg = cfg_for(tiny_model_dir, tmp_path)
+    check_targets(cfg)
+    cfg.model.lora.target_modules = ["q_proj", "model.layers.0.mlp.act_fn"]
+    with pytest.raises(ConfigError, match=r"'model.lora.target_modules': SGLang serves .* not \['act_fn'\]"):
+        check_targets(cfg)
+
+
 def _trainer(cfg, tokenizer):
     from megaforge.trainer.torch_backend import TorchTrainer
 

@@ -44,6 +44,26 @@ class AdapterError(RuntimeError):
         self.status, self.name, self.path = err.status, name, path
 
 
+#: ``--lora-target-modules`` choices of sglang 0.5.16 (``srt/utils/common.py`` SUPPORTED_LORA_TARGET_MODULES)
+SGLANG_TARGETS = frozenset({
+    "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "wq_b", "wk",
+    "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj", "embed_tokens", "lm_head",
+    "qkvr", "wo_ud"})
+
+
+def check_targets(cfg) -> None:
+    """ConfigError naming ``model.lora.target_modules`` when sync.lora_adapters would start SGLang with a
+    target it does not know (its argument parser would refuse the server's command line)."""
+    from megaforge.configtree import ConfigError
+
+    if not cfg.sync.lora_adapters or cfg.model.lora is None:
+        return
+    bad = sorted({t.split(".")[-1] for t in cfg.model.lora.target_modules} - SGLANG_TARGETS)
+    if bad:
+        raise ConfigError(f"config key 'model.lora.target_modules': SGLang serves adapters on {sorted(SGLANG_TARGETS)} "
+                          f"only, not {bad}: drop them or set sync.lora_adapters false (merged weights)")
+
+
 def lora_flags(lora, colocated: bool, max_loras_per_batch: int = 3) -> list[str]:
     """SGLang server flags (sglang 0.5.16 ``server_args``) for adapters of ``model.lora`` loaded at run
     time: ``--enable-lora``, ``--max-lora-rank`` (the adapters' r), ``--lora-target-modules`` (the PEFT

@@ -3,7 +3,7 @@ interpreter, ``rollout.engine_python`` / ``rollout.engine_env``) on CUDA GPUs, s
 :func:`megaforge.rollout.http.start.build_http_engine` (registered in megaforge.engine_kinds)."""
 from __future__ import annotations
 
-from megaforge.rollout.http.lora import lora_flags
+from megaforge.rollout.http.lora import check_targets, lora_flags
 from megaforge.rollout.http.start import Servers, ServerStart, build_http_engine, engine_env, engine_python, require_sglang
 
 
@@ -11,6 +11,7 @@ def preflight(cfg) -> None:
     """sglang (and sglang-router with ``rollout.router`` over several engines) installed in the engine
     interpreter, in a release megaforge supports."""
     require_sglang(cfg, router=cfg.rollout.router and cfg.rollout.num_engines > 1)
+    check_targets(cfg)  # sync.lora_adapters: model.lora's targets among SGLang's
 
 
 def command(cfg, s: ServerStart, port: int, fd: int) -> list[str]:
