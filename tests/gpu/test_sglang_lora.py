@@ -2,8 +2,8 @@
 rollout.engine sglang, megaforge.rollout.http.lora): the server started by ``build_engine`` with
 ``--enable-lora`` from model.lora, a torch trainer with rank-8 adapters on every linear of a tiny random
 Qwen3 (bf16) on the same GPU. After each adapter sync the served log-probs equal the trainer's adapted
-policy (not the base's), the previous adapter is gone from ``/v1/models`` and the sync's bytes and
-seconds are reported beside the merged sync's bytes. Figures go to ``$MEGAFORGE_GPU_REPORT``.
+policy (not the base's), the previous adapter is gone from ``/v1/models``; the adapter syncs' bytes and
+seconds are reported beside a merged sync's into the same server (sync.transport ipc). Figures go to ``$MEGAFORGE_GPU_REPORT``.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def cfg(model_dir, tmp_path_factory):
         "rollout": {"engine": "sglang", "engine_env": sglang_env(), "engine_python": sglang_python(),
                     "extra_args": SERVER_ARGS, "mem_fraction": 0.3, "startup_timeout_s": 900.0,
                     "request_timeout_s": 300.0},
-        "sync": {"lora_adapters": True},
+        "sync": {"lora_adapters": True, "transport": "ipc"},
         "trainer": {"backend": "torch", "device": "cuda", "lr": 3e-3, "micro_batch_size": 8},
         "grpo": {"beta": 0.01},
     })
@@ -147,3 +147,9 @@ def test_adapters_alone_serve_the_adapted_policy(engine, trainer):
                                 "merged_bytes": push_weights(trainer, None, 64 << 20, version)["bytes"],
                                 "max_lp_diff_adapted": adapted, "max_lp_diff_base": base})
         assert adapted < LP_MAX_DIFF < base
+    # the merged sync of the same adapters into the same server (its base weights become W + s B A), timed
+    # in the same run for the comparison; nothing is generated after it (the adapter would then apply twice)
+    t0 = time.perf_counter()
+    merged = push_weights(trainer, engine, 64 << 20, 3)
+    _report("merged_sync", {"bytes": merged["bytes"], "sync_s": round(time.perf_counter() - t0, 4)})
+    assert engine.weight_version == 3
