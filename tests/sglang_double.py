@@ -8,6 +8,7 @@ Accepted request fields, field by field, from sglang 0.5.16's ``srt/managers/io_
 * ``LoadLoRAAdapterReqInput``: ``lora_name: str`` (required), ``lora_path: str`` (required),
   ``pinned: bool = False``, ``lora_id: Optional[str] = None``;
 * ``UnloadLoRAAdapterReqInput``: ``lora_name: str`` (required), ``lora_id: Optional[str] = None``;
+* ``ReleaseMemoryOccupationReqInput`` / ``ResumeMemoryOccupationReqInput``: ``tags: Optional[List[str]]``;
 * ``UpdateWeightVersionReqInput``: ``new_version: str`` (required), ``abort_all_requests: bool = True``
   (0.5.16 aborts the requests in flight unless told otherwise);
 * ``GenerateReqInput`` (a stdlib dataclass): the fields in :data:`GENERATE_FIELDS`, among them
@@ -41,6 +42,7 @@ BASE = {"rid", "http_worker_ipc"}
 LOAD_FIELDS = BASE | {"lora_name", "lora_path", "pinned", "lora_id"}
 UNLOAD_FIELDS = BASE | {"lora_name", "lora_id"}
 VERSION_FIELDS = BASE | {"new_version", "abort_all_requests"}
+MEMORY_FIELDS = BASE | {"tags"}  # Release/ResumeMemoryOccupationReqInput
 GENERATE_FIELDS = {
     "rid", "session_id", "text", "input_ids", "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes",
     "use_audio_in_video", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
@@ -71,10 +73,14 @@ class SGLangDouble:
         app = web.Application()
         app.router.add_get("/server_info", self._server_info)
         app.router.add_get("/model_info", self._model_info)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/health_generate", self._health)
         app.router.add_post("/load_lora_adapter", self._load)
         app.router.add_post("/unload_lora_adapter", self._unload)
         app.router.add_post("/update_weight_version", self._version)
         app.router.add_post("/generate", self._generate)
+        app.router.add_post("/release_memory_occupation", self._memory)
+        app.router.add_post("/resume_memory_occupation", self._memory)
         ready = threading.Event()
 
         async def up():
@@ -113,6 +119,9 @@ class SGLangDouble:
     async def _server_info(self, request):
         return web.json_response({"version": self.version})
 
+    async def _health(self, request):
+        return web.Response(text="")
+
     async def _model_info(self, request):
         return web.json_response({"weight_version": self.weight_version})
 
@@ -138,6 +147,10 @@ class SGLangDouble:
         b = await self._body(request, VERSION_FIELDS, {"new_version"}, "/update_weight_version")
         self.weight_version = b["new_version"]
         return web.json_response({"success": True, "message": ""})
+
+    async def _memory(self, request):
+        await self._body(request, MEMORY_FIELDS, set(), request.path)
+        return web.json_response({})
 
     async def _generate(self, request):
         b = await self._body(request, GENERATE_FIELDS, set(), "/generate")

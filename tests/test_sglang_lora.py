@@ -175,3 +175,40 @@ def test_the_double_refuses_fields_sglang_does_not_have(double):
 
     with pytest.raises(EngineHTTPError, match=r"HTTP 422.*unknown \['adapter_path'\], missing \['lora_path'\]"):
         asyncio.run(go())
+
+
+def test_two_step_lora_run_loads_one_adapter_per_step(tmp_path, tiny_model_dir):
+    """A 2-step LoRA GRPO run through the driver with an engine kind taking adapter folders (HTTPEngine
+    over the double, tests/sglang_double_kind.py): every step's push loads the new version's adapter,
+    unloads the last one, logs sync/bytes (the folder's size) and time/sync, and step k's requests name
+    policy-v(k-1). (The double answers every prompt with the end of sequence: the run's rewards are flat;
+    this test is about the sync's wiring.)"""
+    import json
+
+    from run_helpers import run_in_process
+
+    import sglang_double_kind
+
+    rc, out, err = run_in_process("grpo", [
+        "--config", "configs/demo_cpu.yaml", "--algo.plugins", "[sglang_double_kind]",
+        "--rollout.engine", "sglang_double", "--model.path", tiny_model_dir, "--model.config", "",
+        "--model.lora.rank", "4", "--sync.lora_adapters", "true", "--output_dir", str(tmp_path), "--run_name", "r",
+        "--sft.max_steps", "0", "--max_steps", "2", "--rollout.batch_size", "4", "--grpo.n_samples", "2",
+        "--checkpoint.interval", "0", "--metrics.progress", "false", "--metrics.tensorboard", "false"])
+    try:
+        assert rc == 0, err[-3000:]
+        double = sglang_double_kind.DOUBLES[-1]
+        lora = [(ep, b.get("lora_name")) for ep, b in double.calls if "lora" in ep]
+        # the run's first push (version 0: the fresh adapters, B = 0), then one per step
+        assert lora == [("/load_lora_adapter", "policy-v0"), ("/load_lora_adapter", "policy-v1"),
+                        ("/unload_lora_adapter", "policy-v0"), ("/load_lora_adapter", "policy-v2"),
+                        ("/unload_lora_adapter", "policy-v1")]
+        named = [b.get("lora_path") for ep, b in double.calls if ep == "/generate"]
+        assert [set(n) for n in named] == [{"policy-v0"}, {"policy-v1"}]
+        rows = [json.loads(ln) for ln in open(tmp_path / "r" / "metrics.jsonl")]
+        assert [r["weight_version"] for r in rows] == [1.0, 2.0]
+        assert all(r["sync/bytes"] > 0 and r["time/sync"] > 0 for r in rows)
+    finally:
+        for d in sglang_double_kind.DOUBLES:
+            d.stop()
+        sglang_double_kind.DOUBLES.clear()
