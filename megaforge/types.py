@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -200,11 +200,6 @@ class TrainBatch:
         if t == self.tokens.shape[1]:
             return self
         return self.apply(lambda v: v[:, :t] if v.dim() >= 2 else v)
-
-    def micro_batches(self, size: int) -> Iterator["TrainBatch"]:
-        """Consecutive micro-batches of at most ``size`` rows."""
-        for i in range(0, self.batch_size, size):
-            yield self.select(slice(i, i + size))
 
     def apply(self, fn) -> "TrainBatch":
         """A batch with ``fn(tensor)`` for every tensor field that is set (counts unchanged)."""

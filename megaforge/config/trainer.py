@@ -31,7 +31,14 @@ class TrainerConfig:
     grad_clip: float = bounded(1.0, ge=0)
     """Global gradient-norm clip (0 disables)."""
     micro_batch_size: int = 8
-    """Sequences per forward/backward."""
+    """Sequences per forward/backward (with micro_batch_tokens: the most a micro-batch holds)."""
+    micro_batch_tokens: int = bounded(0, ge=0)
+    """Token budget of a micro-batch (0: off, every micro-batch is micro_batch_size rows). When set, a
+    micro-batch takes the next row while it holds at most micro_batch_size rows and at most this many
+    positions: its rows' packed length on the megatron backend (rows end to end, each padded for CP
+    alignment; before the CP split), rows x its longest row on the torch backend (rows sorted longest
+    first). A row longer than the budget is a micro-batch alone. Fewer, fuller micro-batches for short
+    rows: fewer kernel launches and host round trips per token, activation memory bounded by tokens."""
     mini_batches: int = 1
     """Optimizer steps per RL step (the batch is split into this many mini-batches)."""
     epochs: int = 1

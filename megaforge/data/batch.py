@@ -152,6 +152,31 @@ def share_mini_batches(share: TrainBatch) -> list[TrainBatch]:
     return out
 
 
+def token_budget_runs(lengths: Sequence[int], max_rows: int, max_tokens: int = 0,
+                      padded: bool = False) -> list[tuple[int, int]]:
+    """Consecutive micro-batches [lo, hi) of rows with these ``lengths``, cut greedily in order: a run
+    takes the next row while ``hi - lo <= max_rows`` and its positions stay <= ``max_tokens``.
+    Positions of a run: ``sum(lengths[lo:hi])`` (rows packed end to end: the Megatron backend's thd
+    micro-batch), or with ``padded`` ``(hi - lo) * max(lengths[lo:hi])`` (rows padded to the run's
+    longest: the torch backend, which sorts rows longest first before cutting). A row longer than
+    ``max_tokens`` is a run of its own. ``max_tokens`` 0: runs of ``max_rows`` rows.
+    E.g. lengths [300, 500, 200, 900, 100], max_rows 8, max_tokens 1000 -> [(0, 3), (3, 5)];
+    with padded -> [(0, 2), (2, 3), (3, 4), (4, 5)]."""
+    if max_rows < 1 or max_tokens < 0:
+        raise ValueError(f"micro-batch limits must be positive: rows {max_rows}, tokens {max_tokens}")
+    runs: list[tuple[int, int]] = []
+    lo, total, longest = 0, 0, 0
+    for i, n in enumerate(lengths):
+        cost = (i - lo + 1) * max(longest, n) if padded else total + n
+        if i > lo and (i - lo >= max_rows or (max_tokens and cost > max_tokens)):
+            runs.append((lo, i))
+            lo, total, longest = i, 0, 0
+        total, longest = total + n, max(longest, n)
+    if len(lengths) > lo:
+        runs.append((lo, len(lengths)))
+    return runs
+
+
 def per_token_bytes(batch: TrainBatch) -> int:
     """Bytes of the batch's per-token ([B, T]) tensors (host memory when they live on the host)."""
     return sum(t.numel() * t.element_size() for name in TrainBatch.TENSOR_FIELDS if name not in TrainBatch.ROW_FIELDS

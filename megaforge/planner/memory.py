@@ -292,7 +292,9 @@ def loss_bytes(cfg, mode: str, backend: str = "torch") -> int:
 
 
 def micro_batches(cfg, lay, mode: str) -> tuple[int, int, int]:
-    """(sequence length, rows per micro-batch, micro-batches per DP rank per optimizer step)."""
+    """(sequence length, rows per micro-batch, micro-batches per DP rank per optimizer step). Rows are
+    planned at full length; with trainer.micro_batch_tokens, ceil(budget / length) of them (the budget
+    rounded up to whole rows: never below what a micro-batch of that budget holds)."""
     t = cfg.trainer
     if mode == "sft":
         seq, seqs, minis = cfg.sft.max_len, cfg.sft.batch_size, 1
@@ -300,6 +302,8 @@ def micro_batches(cfg, lay, mode: str) -> tuple[int, int, int]:
         seq, seqs, minis = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, cfg.rollout.batch_size * cfg.grpo.n_samples, t.mini_batches
     per_rank = math.ceil(seqs / minis / lay.dp)
     rows = max(1, min(t.micro_batch_size, per_rank))
+    if t.micro_batch_tokens:  # full-length rows within the budget, rounded up: at most one row's tokens over it
+        rows = max(1, min(rows, math.ceil(t.micro_batch_tokens / seq)))
     return seq, rows, math.ceil(per_rank / rows)
 
 

@@ -79,7 +79,8 @@ class TorchCritic(Critic):
         self.net.eval()
         local = torch_ddp.rows_to_compute(batch)
         local_v = torch_ddp.per_row_results(local, self.cfg.trainer.micro_batch_size, batch.tokens.shape[1],
-                                            lambda mb: self.net(mb.tokens.to(self.device), mb.lengths.to(self.device)))
+                                            lambda mb: self.net(mb.tokens.to(self.device), mb.lengths.to(self.device)),
+                                            self.cfg.trainer.micro_batch_tokens)
         return torch_ddp.whole_or_share(local_v, batch)
 
     def forward_backward(self, mini: TrainBatch):
@@ -91,7 +92,8 @@ class TorchCritic(Critic):
             v = self.module(mb.tokens, mb.lengths)
             return value_objective(v, mb.values, mb.returns, mb.loss_mask, mb.num_tokens, clip)
 
-        return torch_ddp.accumulate(self.module, mini, self.cfg.trainer.micro_batch_size, loss_fn)
+        return torch_ddp.accumulate(self.module, mini, self.cfg.trainer.micro_batch_size, loss_fn,
+                                    self.cfg.trainer.micro_batch_tokens)
 
     def step(self) -> dict[str, tuple[float, str]]:
         norm, stepped = torch_ddp.clipped_step(self.net.named_parameters(), self.opt, self.cfg.trainer.grad_clip)

@@ -121,7 +121,8 @@ class TorchTrainer(Trainer):
         with (self.lora.adapters(self._ref_adapters) if lora_ref else contextlib.nullcontext()):
             local_lp = torch_ddp.per_row_results(
                 local, self.cfg.trainer.micro_batch_size, batch.tokens.shape[1],
-                lambda mb: self._logprobs(module, mb, self.temperature, False, positions == "trained")[0])
+                lambda mb: self._logprobs(module, mb, self.temperature, False, positions == "trained")[0],
+                self.cfg.trainer.micro_batch_tokens)
         return torch_ddp.whole_or_share(local_lp, batch)
 
     @onloaded
@@ -156,7 +157,8 @@ class TorchTrainer(Trainer):
                                          objective.trained_positions)
             return objective.loss(lp, ent, mb.to(self.device))
 
-        return torch_ddp.accumulate(self.module, mini, self.cfg.trainer.micro_batch_size, loss_fn)
+        return torch_ddp.accumulate(self.module, mini, self.cfg.trainer.micro_batch_size, loss_fn,
+                                    self.cfg.trainer.micro_batch_tokens)
 
     def _forward_packed(self, module, mb: TrainBatch, temperature: float):
         """Token-aligned logprobs [B, T] of ``mb``'s rows, computed on packed rows (several rows per

@@ -24,6 +24,7 @@ import torch
 
 from megaforge import collective
 from megaforge.algorithms.stats import Stat, merge
+from megaforge.data.batch import token_budget_runs
 from megaforge.types import TrainBatch
 
 
@@ -50,13 +51,17 @@ def whole_or_share(local: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
     return local if batch.is_share else collective.all_gather_rows(local, batch.batch_size)
 
 
-def length_ordered(lengths: torch.Tensor, size: int) -> list[torch.Tensor]:
+def length_ordered(lengths: torch.Tensor, size: int, tokens: int = 0) -> list[torch.Tensor]:
     """Row indices [<= size] of each micro-batch: the rows sorted by length, longest first (a stable
-    sort: rows of equal length keep their order), cut into runs of ``size``."""
+    sort: rows of equal length keep their order), cut into runs of ``size`` rows, or with a token
+    budget ``tokens`` > 0 (trainer.micro_batch_tokens) into runs of at most ``size`` rows whose rows x
+    longest row stays <= ``tokens`` (:func:`megaforge.data.batch.token_budget_runs`)."""
     if lengths.numel() == 0:
         return []
     order = torch.sort(lengths, descending=True, stable=True).indices
-    return list(order.split(size))
+    if not tokens:
+        return list(order.split(size))
+    return [order[a:b] for a, b in token_budget_runs(lengths[order].tolist(), size, tokens, padded=True)]
 
 
 def padded_tokens(lengths: torch.Tensor, index: list[torch.Tensor]) -> int:
@@ -65,23 +70,24 @@ def padded_tokens(lengths: torch.Tensor, index: list[torch.Tensor]) -> int:
     return sum(len(i) * int(lengths[i].max()) for i in index if len(i))
 
 
-def length_ordered_micro_batches(rows: TrainBatch, size: int) -> list[tuple[torch.Tensor, TrainBatch]]:
+def length_ordered_micro_batches(rows: TrainBatch, size: int, tokens: int = 0) -> list[tuple[torch.Tensor, TrainBatch]]:
     """(row indices into ``rows``, micro-batch) of :func:`length_ordered`, each micro-batch trimmed
     to its longest row; the counts (num_tokens / num_seqs) stay the whole mini-batch's."""
-    return [(i, rows.select(i)) for i in length_ordered(rows.lengths, size)]
+    return [(i, rows.select(i)) for i in length_ordered(rows.lengths, size, tokens)]
 
 
-def per_row_results(rows: TrainBatch, size: int, width: int, fn) -> torch.Tensor:
+def per_row_results(rows: TrainBatch, size: int, width: int, fn, tokens: int = 0) -> torch.Tensor:
     """``fn(micro_batch) -> [b, t]`` over the length-ordered micro-batches of ``rows``, put back in
     the order of ``rows``: [n, width] float32 on CPU, zero beyond each micro-batch's width t."""
     out = torch.zeros((rows.batch_size, width), dtype=torch.float32)
-    for index, mb in length_ordered_micro_batches(rows, size):
+    for index, mb in length_ordered_micro_batches(rows, size, tokens):
         r = fn(mb)
         out[index, : r.shape[1]] = r.detach().float().cpu()
     return out
 
 
-def accumulate(module: torch.nn.Module, rows: TrainBatch, micro_batch_size: int, loss_fn) -> dict[str, Stat]:
+def accumulate(module: torch.nn.Module, rows: TrainBatch, micro_batch_size: int, loss_fn,
+               tokens: int = 0) -> dict[str, Stat]:
     """Backward of ``loss_fn(micro_batch) -> (loss, {metric: Stat})`` over the length-ordered
     micro-batches of ``rows`` (:func:`length_ordered_micro_batches`; gradients all-reduced once, after
     the last one); returns the statistics combined over this rank's micro-batches on the device
@@ -89,7 +95,7 @@ def accumulate(module: torch.nn.Module, rows: TrainBatch, micro_batch_size: int,
     ranks: the trainer does both once per call)."""
     scale = float(collective.world())
     total: dict[str, Stat] = {}
-    mbs = [mb for _, mb in length_ordered_micro_batches(rows, micro_batch_size)]
+    mbs = [mb for _, mb in length_ordered_micro_batches(rows, micro_batch_size, tokens)]
     for i, mb in enumerate(mbs):
         sync = i == len(mbs) - 1 or not hasattr(module, "no_sync")
         with (contextlib.nullcontext() if sync else module.no_sync()):

@@ -24,6 +24,38 @@ def test_length_ordered_is_a_permutation_in_runs_of_size_longest_first():
     assert torch_ddp.length_ordered(torch.zeros(0, dtype=torch.long), 4) == []
 
 
+def test_token_budget_runs_cut_in_order_within_both_limits():
+    from megaforge.data.batch import token_budget_runs
+
+    assert token_budget_runs([300, 500, 200, 900, 100], 8, 1000) == [(0, 3), (3, 5)]
+    assert token_budget_runs([300, 500, 200, 900, 100], 2, 1000) == [(0, 2), (2, 3), (3, 5)]
+    assert token_budget_runs([300, 500, 200, 900, 100], 8, 1000, padded=True) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    assert token_budget_runs([2000, 5, 5], 8, 1000) == [(0, 1), (1, 3)]  # a row over the budget: alone
+    assert token_budget_runs(list(range(7)), 3) == [(0, 3), (3, 6), (6, 7)]  # budget 0: rows only
+    assert token_budget_runs([], 4, 10) == []
+    g = torch.Generator().manual_seed(1)
+    for padded in (False, True):
+        lengths = torch.randint(1, 300, (200,), generator=g).tolist()
+        runs = token_budget_runs(lengths, 16, 1024, padded)
+        assert [a for a, _ in runs] == [0] + [b for _, b in runs[:-1]] and runs[-1][1] == 200  # in order, all rows
+        for a, b in runs:
+            cost = (b - a) * max(lengths[a:b]) if padded else sum(lengths[a:b])
+            assert b - a <= 16 and (cost <= 1024 or b - a == 1)
+        # greedy: the next row would have broken a limit
+        for (a, b), _ in zip(runs, runs[1:]):
+            nxt = (b - a + 1) * max(lengths[a:b + 1]) if padded else sum(lengths[a:b + 1])
+            assert b - a == 16 or nxt > 1024
+    with pytest.raises(ValueError, match="rows 0, tokens 5"):
+        token_budget_runs([1], 0, 5)
+
+
+def test_length_ordered_with_a_token_budget():
+    lengths = torch.tensor([7, 3, 9, 3, 12, 1, 9])
+    index = torch_ddp.length_ordered(lengths, 3, tokens=20)  # sorted 12, 9, 9, 7, 3, 3, 1
+    assert [i.tolist() for i in index] == [[4], [2, 6], [0, 1], [3, 5]]
+    assert all(len(i) * int(lengths[i].max()) <= 20 for i in index)
+
+
 def test_gsm8k_shaped_mini_batch_computes_fewer_positions(capsys):
     """One mini-batch of the GSM8K run (512 rows / 4 mini-batches = 128, micro_batch_size 16): prompts
     of 100-320 tokens, responses of 50-512 (mean ~280), so rows of ~150-830 tokens."""
@@ -68,6 +100,31 @@ def test_gradient_and_metrics_equal_one_micro_batch(extra):
     assert metrics[0].keys() == metrics[1].keys()
     for k, v in metrics[1].items():  # each a sum of ~150 float32 token contributions
         assert metrics[0][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+
+
+def test_a_token_budget_keeps_gradients_metrics_and_row_order():
+    """trainer.micro_batch_tokens 40 (micro-batches of 1-4 rows of 5-20 tokens, padded to their
+    longest) vs the 9 rows in one micro-batch: same gradients and metrics (tolerance as above), and
+    log-probs in the batch's row order equal to one micro-batch's within 1e-5 (float32, padding only
+    differs)."""
+    batch = rl_batch()
+    extra = ["--algo.loss", "ppo_clip", "--grpo.beta", "0.1", "--algo.entropy_coef", "0.01"]
+    out = []
+    for flags in (["--trainer.micro_batch_size", "9"],
+                  ["--trainer.micro_batch_size", "9", "--trainer.micro_batch_tokens", "40"]):
+        tr = _trainer(*flags, *extra)
+        rl = Objective(tr.temperature, entropy=True, packed=False, loss=tr._policy_loss, trained_positions=True)
+        metrics = {k: float(v) for k, v in tr._forward_backward(batch, rl).items()}
+        grads = {n: p.grad.clone() for n, p in tr.model.named_parameters()}
+        out.append((metrics, grads, tr.compute_logprobs(batch)))
+    runs = torch_ddp.length_ordered(batch.lengths, 9, tokens=40)
+    assert len(runs) > 2  # the budget did cut
+    (m0, g0, lp0), (m1, g1, lp1) = out
+    for n, g in g0.items():
+        assert (g1[n] - g).abs().max() <= 1e-4 * g.abs().max() + 1e-12, n
+    for k, v in m0.items():
+        assert m1[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+    assert (lp1 - lp0).abs().max() <= 1e-5
 
 
 def test_logprobs_and_values_come_back_in_row_order():

@@ -124,6 +124,21 @@ def test_train_step_tp2_matches_torch_backend_and_checkpoint_reshards_to_pp2(tin
     assert not os.path.exists(spec["export"] + ".tmp")
 
 
+def test_token_budget_micro_batches_train_like_the_torch_backend(tiny_models, tmp_path):
+    """trainer.micro_batch_tokens 24 at TP=2: rows of 20, 7, 13, 3, 17 tokens packed end to end as
+    [20], [7, 13, 3], [17] (micro_batch_size 5 rows would be one micro-batch); the RL step's metrics
+    and weights equal the torch backend's at 2 rows a micro-batch (losses are sums of per-row terms
+    over the mini-batch's denominators: the cut changes the summation order only; TOL as above)."""
+    path = tiny_models["qwen2"]
+    spec = {"model": path, "layout1": {"tp": 2}, "steps1": ["rl"], "ckpt": str(tmp_path / "ckpt"),
+            "trainer": {"micro_batch_size": 5, "micro_batch_tokens": 24}}
+    r = run_workers("train", 2, spec, tmp_path)[0]
+    assert r["micro_batch_rows"] == [1, 3, 1]
+    ref_m, ref_w = torch_backend_reference(path, make_batch(), ["rl"])
+    _check_metrics(r["metrics1"][0], ref_m[0], "rl step (tp2, token budget)")
+    _check_weights(r["weights1"], ref_w[0], "weights after the rl step (tp2, token budget)")
+
+
 @pytest.mark.slow
 def test_train_tied_llama_tp2_pp2_then_tp2_dp2_sp(tiny_models, tmp_path):
     """Llama with tied embeddings at TP=2 x PP=2 (1F1B over 3 micro-batches, two mini-batches =

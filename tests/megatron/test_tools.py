@@ -107,7 +107,8 @@ def test_bench_grpo_step_tiny_reports_the_step_beside_its_parts(tmp_path):
     """tools/bench/bench_grpo_step.py on the CPU (tiny model, embedded server, megatron trainer): the colocated
     steps, the engine alone on the last step's requests, the train step alone on its batch and raw
     megatron-core on as many tokens, one JSON line with every figure its targets are read from."""
-    codes, logs = run_ranks([os.path.join(ROOT, "tools", "bench", "bench_grpo_step.py"), "--tiny"], 1, tmp_path, "grpo_step")
+    codes, logs = run_ranks([os.path.join(ROOT, "tools", "bench", "bench_grpo_step.py"), "--tiny", "--limit_gpu", "H200"],
+                            1, tmp_path, "grpo_step")
     assert codes == [0], tails(logs)
     rep = _json_line(logs[0])
     assert len(rep["steps"]) == 2 and rep["step"] == rep["steps"][-1]
@@ -116,6 +117,9 @@ def test_bench_grpo_step_tiny_reports_the_step_beside_its_parts(tmp_path):
     assert rep["train_alone"]["train_step_s"] > 0 and rep["raw"]["seconds"] > 0 and rep["raw"]["tokens"] > 0
     assert set(rep["targets"]) == {"overhead_le_0.05", "step_vs_parts_le_1.10", "first_step_offload_le_2s"}
     assert 0 <= rep["step"]["overhead"] < 1 and rep["step_vs_parts"] > 0
+    lim = rep["limit"]  # the estimate for an H200 (tools/bench/step_limit.py) of this very batch
+    assert lim["tokens"] == rep["tokens_per_step"] and lim["peak_flops"] == 989.4e12 and lim["forward_passes"] >= 1
+    assert lim["decode_s"] > 0 and lim["train_s"] > 0 and rep["tokens_per_s_vs_limit"] > 0
 
 
 @pytest.mark.slow  # ~17 s; a benchmark (run on the H200: docs/benchmarks); save / verify / load: tests/test_checkpoint.py, tests/megatron

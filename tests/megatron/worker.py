@@ -75,6 +75,7 @@ def scenario_train(spec, res):
     if spec.get("ref"):
         tr.snapshot_reference()
         res["ref0"] = tr.compute_logprobs(batch, "ref")
+    res["micro_batch_rows"] = [mb.rows.batch_size for mb in tr.micro_batches(batch)]
     res["metrics1"] = run_steps(tr, batch, spec["steps1"])
     res["weights1"], res["n_buckets"] = hf_weights(tr, spec.get("bucket_bytes", 40_000))
     res["lp1"] = tr.compute_logprobs(batch)

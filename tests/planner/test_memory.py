@@ -146,6 +146,16 @@ def test_loss_buffer_and_micro_batch_tokens(tmp_path):
     assert items["logits / logprob buffers"] == s * (1024 / 2) * 14 + s * (2 + 2) * 64 / 2
 
 
+def test_token_budget_plans_whole_rows_within_it(tmp_path):
+    """trainer.micro_batch_tokens: full-length rows, ceil(budget / length) of them (never fewer tokens
+    than the budget allows), at most micro_batch_size; 0 leaves the row count alone."""
+    base = ("--trainer.micro_batch_size", "8", "--sft.max_len", "100")
+    for budget, want in (("0", 8), ("250", 3), ("300", 3), ("5000", 8), ("50", 1)):
+        cfg, _, lay = tiny_layout(tmp_path, *base, "--trainer.micro_batch_tokens", budget)
+        seq, rows, nm = M.micro_batches(cfg, lay, "sft")
+        assert (seq, rows) == (100, want), budget
+
+
 def test_kv_cache_per_token_by_hand():
     p = plan(GSM8K, **H100x8)  # Qwen3-1.7B, SGLang TP 1: 2 (K, V) x 28 layers x 8 kv heads x 128 x 2 B
     assert p["kv"]["kv_bytes_per_token"] == 2 * 28 * 8 * 128 * 2

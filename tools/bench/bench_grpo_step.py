@@ -20,7 +20,9 @@ trainer, its engines, its memory choreography), with dotted overrides after the 
 Figures and targets: ``overhead`` = (release + onload + offload + sync + resume) / step (<= 0.05);
 ``step_vs_parts`` = step / (engine alone + train alone) (<= 1.10); the first step's offload
 (<= 2 s); ``tokens_per_s_per_gpu`` = all tokens of the step (prompts and responses) / step time /
-GPUs; the train step's TFLOP/s against raw megatron-core's (raw_megatron's formula, real tokens).
+GPUs; the train step's TFLOP/s against raw megatron-core's (raw_megatron's formula, real tokens);
+``limit``: our estimate of the fastest this step's batch could run on the GPU (tools/bench/step_limit.py)
+and ``tokens_per_s_vs_limit``, the measured tokens/s as a fraction of it (one known GPU only).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import torch
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: common.py
 from common import MODELS, ROOT, Stopwatch, device_name, emit, stage_logger, time_per_call  # noqa: E402
 from raw_megatron import flops, raw_microbatches, raw_step  # noqa: E402
+from step_limit import hardware, step_limit  # noqa: E402
 
 T0 = time.time()
 say = stage_logger("bench_grpo_step")
@@ -53,8 +56,29 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=2, help="colocated steps (>= 2: the first is reported apart)")
     p.add_argument("--raw_steps", type=int, default=2, help="timed raw megatron-core steps (after one warm-up)")
     p.add_argument("--tiny", action="store_true", help="CPU: tiny model, embedded server, the code path only")
+    p.add_argument("--limit_gpu", default="", help="estimate the limit for this GPU (e.g. H200) instead of the one "
+                   "running (the CPU check of the estimate's path)")
     a, over = p.parse_known_args(argv)
     return a, (TINY if a.tiny else []) + over
+
+
+def estimate_limit(cfg, batch, dev, world: int, gpu: str = ""):
+    """tools/bench/step_limit.py's estimate for this batch on this GPU, or on GPU ``gpu`` when named
+    (None off CUDA without ``gpu``, on an unknown GPU or with several ranks: the estimate is for one
+    GPU). Prompt / response split of each row: the first trained position; forward-only passes:
+    pi_old, plus the reference when the recipe uses it."""
+    if world != 1 or not (gpu or dev.type == "cuda"):
+        return None
+    hw = hardware(gpu or device_name(dev))
+    if hw is None:
+        return None
+    from megaforge.driver.steps import needs_ref
+    from megaforge.hf import hf_config
+
+    start = (batch.loss_mask > 0).float().argmax(1)
+    prompts, lengths = start.tolist(), batch.lengths.tolist()
+    return step_limit(hf_config(cfg.model), prompts, [n - p for n, p in zip(lengths, prompts)],
+                      cfg.grpo.n_samples, 1 + int(needs_ref(cfg)), *hw)
 
 
 def recorded(obj, name: str, calls: list):
@@ -158,6 +182,12 @@ def main(argv=None) -> int:
                           "ours_train_tflops_per_gpu": round(ours, 1), "raw_tflops_per_gpu": round(raw, 1),
                           "ratio": round(ours / raw, 3)}
             say(f"raw megatron-core: {t_raw:.2f} s for {raw_tok} tokens; train step {ours:.0f} vs raw {raw:.0f} TFLOP/s")
+        limit = estimate_limit(cfg, batch, dev, world, a.limit_gpu)  # our estimate of the fastest this step could run
+        if limit is not None:
+            res["limit"] = limit
+            res["tokens_per_s_vs_limit"] = float(f"{res['tokens_per_s_per_gpu'] / limit['tokens_per_s']:.4g}")
+            say(f"limit (train at {limit['frac_of_peak']:.0%} of peak, decode at the bandwidth bound): "
+                f"{limit['tokens_per_s']:.0f} tokens/s; measured {res['tokens_per_s_vs_limit']:.2f} of it")
         res["targets"] = {"overhead_le_0.05": last["overhead"] <= 0.05,
                           "step_vs_parts_le_1.10": res["step_vs_parts"] <= 1.10,
                           "first_step_offload_le_2s": res["first_step_offload_s"] <= 2.0}

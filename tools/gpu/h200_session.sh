@@ -61,8 +61,11 @@
 #   evaluation with one sample per prompt; the embedded engine's chunks spent ~20 s compiling after a restart.
 # LoRA served by SGLang (issue 43 point 2), after parts + install, one call each (each < 600 s):
 #   bash tools/gpu/h200_session.sh lora_test;  ... lora_merged;  ... lora_adapters
-# The distillation teacher served by SGLang (issue 43 point 5), after install:  bash tools/gpu/h200_session.sh teacher_test
 #   (LORA_STEPS / LORA_SECONDS change the recipe's size; the two recipe stages print sync/bytes and time/sync)
+# The distillation teacher served by SGLang (issue 43 point 5), after install:  bash tools/gpu/h200_session.sh teacher_test
+# SGLang with its default Hopper attention (FA3; the kit drops it): bash tools/gpu/fa3_prepare.sh .fa3 here
+#   (/.fa3/ excluded), then after parts + install: one call per piece, carry .fa3/fa3-partK: fa3_part;
+#   then carry .fa3/fa3-small: fa3_install rollout_fa3; then rollout_triton (same flags) for the ratio.
 # The tools import megaforge from the checkout (PYTHONPATH below). The machine's copy of the tree has no
 # .git, so their JSON lines say "commit": "unknown" unless the call's command names it:
 #   MEGAFORGE_COMMIT=<sha from git rev-parse HEAD here> bash tools/gpu/h200_session.sh ...
@@ -175,6 +178,22 @@ for stage in "$@"; do
       timeout -k 30 540 python3 tools/bench/bench_rollout.py --sglang --sglang_env_sh /tmp/sgl/env.sh > "$OUT/bench_rollout.log" 2>&1
       echo "exit $?"; grep "^\[bench" "$OUT/bench_rollout.log" | tail -30
       grep '^{"bench"' "$OUT/bench_rollout.log" > "$OUT/bench_rollout_sglang.json" ;;
+    fa3_part) mkdir -p /tmp/fa3 && cp ${FA3_DIR:-.fa3}/fa3-part*/* /tmp/fa3/ && ls -l /tmp/fa3 ;;  # one piece a call
+    fa3_install)  # SGLang's FA3 kernels (tools/gpu/fa3_prepare.sh) into the kit's sgl_kernel, after install + every fa3_part
+      (set -e; sums=$PWD/${FA3_DIR:-.fa3}/fa3-small/SHA256SUMS; cd /tmp/fa3; cat flash_ops.abi3.so.xz.p[0-9][0-9] > flash_ops.abi3.so.xz
+       grep ' flash_ops.abi3.so.xz$' "$sums" | sha256sum --quiet -c
+       xz -d -c flash_ops.abi3.so.xz > /tmp/site/sgl_kernel/flash_ops.abi3.so; rm -f flash_ops.abi3.so.xz*
+       cd /tmp/site/sgl_kernel && grep ' flash_ops.abi3.so$' "$sums" | sha256sum --quiet -c
+       . /tmp/sgl/env.sh && cd /tmp && python3 -c "from sgl_kernel import flash_ops; print('FA3 kernels import:', flash_ops.__file__)"
+      ) || echo "fa3_install failed" ;;
+    rollout_fa3|rollout_triton)  # bench_rollout against SGLang with FA3 (its Hopper default) or triton attention, one
+      # server backend a call; ROLLOUT_FLAGS e.g. "--shapes qwen2-0.5b --variants fast_default" to fit 540 s
+      attn=${stage#rollout_}
+      timeout -k 30 540 python3 tools/bench/bench_rollout.py --sglang --sglang_env_sh /tmp/sgl/env.sh --budget 480 \
+        --sglang_args "--attention-backend $attn --sampling-backend pytorch --cuda-graph-backend-prefill disabled" \
+        ${ROLLOUT_FLAGS:-} > "$OUT/bench_rollout_$attn.log" 2>&1
+      echo "exit $?"; grep "^\[bench" "$OUT/bench_rollout_$attn.log" | tail -30
+      grep '^{"bench"' "$OUT/bench_rollout_$attn.log" > "$OUT/bench_rollout_sglang_$attn.json" ;;
     te[1-6]) mkdir -p /tmp/te && cat .tep/te-part${stage#te}/* >> /tmp/te/core.part && ls -l /tmp/te ;;
     te_build)
       ext=""; [ -d .tep/te-ext ] && ext=$PWD/.tep/te-ext  # a build brought back by an earlier call ($OUT/te_ext.tgz.*)

@@ -14,6 +14,7 @@ j <= i.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -68,6 +69,18 @@ def cp_chunk_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) ->
     return torch.cat([a, torch.arange(j * c, (j + 1) * c, device=device)])
 
 
+@functools.lru_cache(maxsize=8)
+def padded_index(docs: tuple[tuple[int, int], ...], device: torch.device) -> tuple[torch.Tensor, int, int]:
+    """(row of the padded [n * L] layout of each packed position [t], n, L) for n contiguous documents
+    (start, end) covering 0..t, L the longest: document d's j-th token goes to d * L + j. Cached: every
+    layer of a micro-batch (and its backward) attends over the same documents."""
+    lens = torch.tensor([hi - lo for lo, hi in docs])
+    width = int(lens.max())
+    row = torch.repeat_interleave(torch.arange(len(docs)), lens)
+    pos = torch.arange(int(lens.sum())) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    return (row * width + pos).to(device), len(docs), width
+
+
 class SDPAttention(MegatronModule):
     """Core attention: softmax(q k^T * scale + causal/document mask) v via PyTorch SDPA.
 
@@ -120,6 +133,8 @@ class SDPAttention(MegatronModule):
         rank holds rows start/c .. end/c of each, in the load-balanced layout."""
         cp = _group_size(self.cp_group)
         to4 = lambda x: x.permute(1, 2, 0, 3)  # noqa: E731  [L, b, h, d] -> [b, h, L, d]
+        if cp == 1 and len(docs) > 1 and q.shape[1] == 1 and docs[0][0] == 0 and docs[-1][1] == q.shape[0]:
+            return self._attend_padded(q, k, v, docs)
         if cp > 1:
             r = torch.distributed.get_rank(self.cp_group)
             t_local = q.shape[0]
@@ -140,6 +155,24 @@ class SDPAttention(MegatronModule):
                 o = self._sdpa(qi, to4(k_all[idx]), to4(v_all[idx]), causal=False, mask=mask)
             outs.append(o.permute(2, 0, 1, 3))
         return torch.cat(outs, 0)
+
+    def _attend_padded(self, q, k, v, docs: list[tuple[int, int]]) -> torch.Tensor:
+        """Causal attention within each of n documents as ONE SDPA call: the packed rows q [t, 1, np, hn],
+        k/v [t, 1, ng, hn] are scattered into a zero-padded [n, h, L, hn] batch (L the longest
+        document; padding after each document's tokens, so causality keeps it out of every real
+        query's view), attended with ``is_causal``, and the real rows gathered back: [t, 1, np, hn].
+        The per-document loop made n SDPA calls (and their slicing) per layer, forward and backward:
+        at 16 rows a micro-batch and 24 layers, 768 small kernels and host round trips; this makes 1
+        call and 4 index copies a layer, for at most n L - t padded positions of attention work."""
+        t, np_, hn = q.shape[0], q.shape[2], q.shape[3]
+        flat, n, width = padded_index(tuple(docs), q.device)
+
+        def pad(x):  # [t, 1, h, hn] -> [n, h, L, hn]
+            buf = x.new_zeros(n * width, x.shape[2], hn).index_copy(0, flat, x[:, 0])
+            return buf.view(n, width, x.shape[2], hn).transpose(1, 2)
+
+        o = self._sdpa(pad(q), pad(k), pad(v), causal=True)  # [n, np, L, hn]
+        return o.transpose(1, 2).reshape(n * width, np_, hn).index_select(0, flat).view(t, 1, np_, hn)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):

@@ -49,6 +49,7 @@ from torch.profiler import record_function
 from megaforge.algorithms.stats import merge
 from megaforge.collective import all_gather_rows, shard_range
 from megaforge.convert import families
+from megaforge.data.batch import token_budget_runs
 from megaforge.hf import DTYPES
 from megaforge.memory import build_offloader, onloaded
 from megaforge.memory.state import ddp_entries, megatron_parts, on_device, param_entries
@@ -207,8 +208,10 @@ class MegatronTrainer(Trainer):
         def local_len(rows: TrainBatch) -> int:
             return sum(padded_lengths(rows.lengths.tolist(), cp, sp, multiple)) // cp
 
+        t = self.cfg.trainer  # rows end to end (each padded for CP), <= micro_batch_size rows / micro_batch_tokens
+        runs = token_budget_runs(padded_lengths(local.lengths.tolist(), cp), t.micro_batch_size, t.micro_batch_tokens)
         mbs = [_MicroBatch(mb, pack_fn, self.device, local_len(mb))
-               for mb in local.micro_batches(self.cfg.trainer.micro_batch_size)]
+               for mb in (local.select(slice(a, b)) for a, b in runs)]
         n = self._even_micro_batch_count(len(mbs))
         if n > len(mbs):
             fill = _filler_rows(local)
