@@ -145,6 +145,25 @@ def test_previous_adapter_is_unloaded_after_its_requests_finish(tiny_model_dir, 
         engine.shutdown()
 
 
+def test_a_restarted_server_gets_the_current_adapter_and_no_stale_unload(tiny_model_dir, tokenizer, tmp_path, double):
+    from megaforge.rollout.http.engine import HTTPEngine
+    from megaforge.sync.adapters import push_adapters
+
+    t = _trainer(cfg_for(tiny_model_dir, tmp_path), tokenizer)
+    engine = HTTPEngine([double.url])
+    try:
+        push_adapters(t, engine, 1 << 20, 1)
+        held = engine._acquire_adapter()  # a generate with policy-v1 in flight
+        push_adapters(t, engine, 1 << 20, 2)
+        double.loaded.clear()  # the server restarts: it comes back with the base alone
+        double.weight_version = "0"
+        assert engine._reload_adapter(0) and list(double.loaded) == ["policy-v2"] and engine.weight_version == 2
+        engine._release_adapter(held)  # policy-v1 is not on the restarted server: nothing to unload there
+        assert not any(ep == "/unload_lora_adapter" for ep, _ in double.calls)
+    finally:
+        engine.shutdown()
+
+
 def test_sglang_errors_name_the_adapter_folder_and_the_status(tiny_model_dir, tokenizer, tmp_path, double):
     from megaforge.rollout.http.engine import HTTPEngine
     from megaforge.rollout.http.lora import AdapterError

@@ -86,7 +86,7 @@ class AdapterServing:
     def _init_adapters(self) -> None:
         self._adapter_root: Optional[str] = None
         self._adapter: Optional[tuple[str, str, int]] = None  # (name, folder, version) served now
-        self._retired: list[tuple[str, str]] = []  # (name, folder) to unload once unused
+        self._retired: list[tuple[str, str, set]] = []  # (name, folder, servers holding it) to unload once unused
         self._inflight: collections.Counter = collections.Counter()  # adapter name -> generate calls using it
         self._names: set[str] = set()
         self._adapter_lock = threading.Lock()
@@ -114,7 +114,7 @@ class AdapterServing:
         self._names.add(name)
         with self._adapter_lock:
             if self._adapter is not None:
-                self._retired.append(self._adapter[:2])
+                self._retired.append((*self._adapter[:2], set(range(len(self.clients)))))
             self._adapter = (name, path, version)
         self._unload_unused()
 
@@ -146,19 +146,22 @@ class AdapterServing:
     def _unload_unused(self) -> None:
         """Unload (and delete the folder of) every retired adapter no ``generate`` call uses now."""
         with self._adapter_lock:
-            done = [(n, p) for n, p in self._retired if self._inflight[n] <= 0]
+            done = [r for r in self._retired if self._inflight[r[0]] <= 0]
             self._retired = [r for r in self._retired if r not in done]
-        for name, path in done:
-            for client in self.clients:
+        for name, path, servers in done:
+            for k in sorted(servers):
                 try:
-                    self._call(client.unload_lora_adapter(name))
+                    self._call(self.clients[k].unload_lora_adapter(name))
                 except EngineHTTPError as e:
                     raise AdapterError(e, name, path) from None
             shutil.rmtree(path, ignore_errors=True)
 
     def _reload_adapter(self, k: int) -> bool:
-        """A restarted server ``k`` (it came back with the base alone) loads the current adapter; False
-        when none is loaded yet."""
+        """A restarted server ``k`` (it came back with the base alone) loads the current adapter (the retired
+        ones are gone from it: not unloaded there later); False when none is loaded yet."""
+        with self._adapter_lock:
+            for _, _, servers in self._retired:
+                servers.discard(k)
         if self._adapter is None:
             return False
         name, path, version = self._adapter
