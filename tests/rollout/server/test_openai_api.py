@@ -187,7 +187,7 @@ def test_a_generate_fn_with_an_openai_client_through_the_http_engine(srv):
 
 
 BENCH_SKIP = ("sglang or datasets is not installed (sglang.bench_serving imports sglang.srt's modules and, at module "
-              "level, datasets: the H200 kit has the first, not the second)")
+              "level, datasets: the H200 kit has the first, not the second; on a CPU: tools/bench/sglang_bench_env.sh)")
 
 
 @pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("sglang", "datasets")), reason=BENCH_SKIP)
