@@ -29,7 +29,7 @@ def preflight(cfg) -> None:
     if cfg.rollout.return_routed_experts:
         from megaforge.rollout.routing import run_routing_shape  # lazy: torch, see above
 
-        run_routing_shape(cfg)  # a dense model: ConfigError
+        run_routing_shape(True, cfg.model)  # a dense model: ConfigError
 
 
 def context_limit(hf_cfg) -> int:

@@ -9,7 +9,7 @@ from megaforge.config import load_config
 from megaforge.data.holdout import choose_held_out, key_digest, prompt_key
 from megaforge.data.prompts import PromptSource, prompt_renderer
 from megaforge.data.sources import DataError
-from megaforge.eval.sets import load_eval_sets
+from megaforge.build import RunBuilder
 
 
 def write(path, rows):
@@ -17,6 +17,11 @@ def write(path, rows):
         for r in rows:
             f.write(json.dumps(r) + "\n")
     return str(path)
+
+
+def load_eval_sets(cfg, tokenizer):
+    """The run's eval sets, as the build step reads them from the tree."""
+    return RunBuilder(cfg).eval_sets(tokenizer)
 
 
 def cfg_for(train, *extra):
