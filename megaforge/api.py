@@ -111,7 +111,7 @@ def build_trainer(cfg, tokenizer=None, rl: bool = True):
     from megaforge.hf import resolve_device
 
     cfg = _config(cfg)
-    init_distributed(cfg, resolve_device(cfg.trainer.device).type)
+    init_distributed(cfg.launch, resolve_device(cfg.trainer.device).type)
     b = RunBuilder(cfg)
     trainer = b.trainer(tokenizer if tokenizer is not None else load_tokenizer(cfg))
     if rl:
@@ -129,7 +129,7 @@ def build_engine(cfg, tokenizer=None):
     from megaforge.rollout import preflight
 
     cfg = _config(cfg)
-    init_distributed(cfg, resolve_device(cfg.trainer.device).type)
+    init_distributed(cfg.launch, resolve_device(cfg.trainer.device).type)
     preflight(cfg)
     return RunBuilder(cfg).engines(tokenizer if tokenizer is not None else load_tokenizer(cfg))
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megaforge.config import Config
-from megaforge.specs import EvalSettings, GenerateContext, Sampling, Schedule, StepSettings, expect
+from megaforge.specs import EngineSpec, EvalSettings, GenerateContext, Sampling, Schedule, StepSettings, expect
 
 
 class RunBuilder:
@@ -44,6 +44,13 @@ class RunBuilder:
                                max_tool_tokens=r.max_tool_tokens, n_samples=c.grpo.n_samples,
                                temperature=c.grpo.temperature, seed=c.seed, model_path=c.model.path,
                                generate_kwargs=dict(r.generate_kwargs))
+
+    def engine_spec(self) -> EngineSpec:
+        """What the engine kinds build from: the ``rollout`` and ``model`` sections, the engines' dtype,
+        ``seed``, the run directory, ``sync.transport``, ``sync.lora_adapters``."""
+        c = self.cfg
+        return EngineSpec(rollout=c.rollout, model=c.model, dtype=c.engine_dtype, seed=c.seed, run_dir=c.run_dir,
+                          transport=c.sync.transport, lora_adapters=c.sync.lora_adapters)
 
     def objective(self):
         """The objective's parameters (algo.*, grpo.*, teacher.*; algo.plugins imported)."""
@@ -109,10 +116,11 @@ class RunBuilder:
 
     def engines(self, tokenizer, job=None):
         """The rollout engine(s) (``rollout.engine``; rank 0's, None elsewhere; node leaders start their
-        node's servers). The engine kinds still read the tree (PENDING in tests/test_config_ownership.py)."""
-        from megaforge.placement import build_engines  # lazy: torch
+        node's servers), built by the kind from :meth:`engine_spec`; a multi-node job's engine GPUs come
+        from the planner's placement, which reads the tree (:func:`megaforge.placement.engine_slots`)."""
+        from megaforge.placement import build_engines, engine_slots  # lazy: torch
 
-        return build_engines(self.cfg, tokenizer, job)
+        return build_engines(self.engine_spec(), tokenizer, job, slots=lambda place: engine_slots(self.cfg, place))
 
     def rewards(self):
         """The reward manager: the ``rewards`` section and ``algo.plugins`` (plug-in rewards)."""

@@ -62,7 +62,7 @@ class Run:
         self.job = job if job is not None else Job()  # rank watchdog, node engines: the launcher's, else this run's
         self.run_dir = cfg.run_dir
         startup.resolve(cfg, mode)  # bad names fail here, before the run directory and any SFT
-        init_distributed(cfg, resolve_device(cfg.trainer.device).type, self.job)  # launch.dist_timeout_s, rank watchdog
+        init_distributed(cfg.launch, resolve_device(cfg.trainer.device).type, self.job)  # timeout, rank watchdog
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(cfg.seed)
@@ -161,7 +161,8 @@ class Run:
         if err:
             raise RunError(err)
         self.cfg.model.path = out
-        check_context(self.cfg)  # the source's context, now that it is readable
+        c = self.cfg
+        check_context(c.model, c.data, c.rollout, c.eval)  # the source's context, now that it is readable
 
     def _resume(self) -> None:
         path, t0 = None, time.perf_counter()

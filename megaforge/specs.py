@@ -99,6 +99,38 @@ class GenerateContext:
             f"rollout.generate_kwargs (see {GENERATE_FN_DOCS})")
 
 
+def engine_dtype(rollout, model) -> str:
+    """The engines' parameter dtype: ``rollout.dtype``, ``model.dtype`` when it is auto."""
+    return model.dtype if rollout.dtype == "auto" else rollout.dtype
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a rollout engine kind builds its engine(s) from: ``build(spec, tokenizer, node=None)`` and
+    ``preflight(spec)`` of :mod:`megaforge.engine_kinds`, and the server start-up below them.
+
+    Reads: the ``rollout`` section (``rollout``), the ``model`` section (``model``), ``rollout.dtype``
+    with ``model.dtype`` (``dtype``: :func:`engine_dtype`), ``seed``, ``output_dir`` / ``run_name``
+    (``run_dir``: the servers' logs go to ``<run_dir>/logs``), ``sync.transport`` (``transport``),
+    ``sync.lora_adapters`` (``lora_adapters``). Another attribute (``spec.sync``, ``spec.data``: the
+    whole configuration, which kinds got before) raises AttributeError listing these fields."""
+
+    rollout: Any
+    model: Any
+    dtype: str = "float32"
+    seed: int = 0
+    run_dir: str = ""
+    transport: str = "auto"
+    lora_adapters: bool = False
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"EngineSpec has no attribute {name!r}: an engine kind's build / preflight receives "
+                             f"an EngineSpec (fields: {_names(EngineSpec)}), not the whole configuration "
+                             f"(megaforge.engine_kinds)")
+
+
 @dataclass(frozen=True)
 class StepSettings:
     """What the RL step primitives (:class:`megaforge.driver.steps.StepParts`) and the drivers read.

@@ -204,46 +204,19 @@ PENDING: set[str] = {
     'megaforge.planner.memory:loss_bytes', 'megaforge.planner.memory:micro_batches',
     'megaforge.planner.memory:reference', 'megaforge.planner.memory:trainer_state',
     'megaforge.planner.memory:work_items',
-    # megaforge.rollout.http.start: 7
-    'megaforge.rollout.http.start:_model_dir', 'megaforge.rollout.http.start:build_http_engine',
-    'megaforge.rollout.http.start:engine_env', 'megaforge.rollout.http.start:engine_python',
-    'megaforge.rollout.http.start:installed_versions', 'megaforge.rollout.http.start:require_sglang',
-    'megaforge.rollout.http.start:weight_roots',
-    # megaforge.placement: 4
-    'megaforge.placement:NodeEngines.__init__', 'megaforge.placement:build_engines',
-    'megaforge.placement:engine_slots', 'megaforge.placement:hardware',
-    # megaforge.rollout: 4
-    'megaforge.rollout:build_engine', 'megaforge.rollout:check_context', 'megaforge.rollout:check_engine_gpus',
-    'megaforge.rollout:preflight',
-    # megaforge.rollout.http.sglang: 4
-    'megaforge.rollout.http.sglang:build', 'megaforge.rollout.http.sglang:command',
-    'megaforge.rollout.http.sglang:env', 'megaforge.rollout.http.sglang:preflight',
-    # megaforge.trainer.teacher: 4
-    'megaforge.trainer.teacher:check_vocabulary', 'megaforge.trainer.teacher:load_torch_teacher',
-    'megaforge.trainer.teacher:locate', 'megaforge.trainer.teacher:teacher_dtype',
     # megaforge.planner.layout: 3
     'megaforge.planner.layout:_sequences', 'megaforge.planner.layout:check_layout',
     'megaforge.planner.layout:default_gpus',
     # megaforge.planner.phases: 3
     'megaforge.planner.phases:_candidates', 'megaforge.planner.phases:estimate', 'megaforge.planner.phases:knobs',
-    # megaforge.rollout.http.embedded_server: 2
-    'megaforge.rollout.http.embedded_server:build', 'megaforge.rollout.http.embedded_server:command',
-    # megaforge.trainer.critic: 2
-    'megaforge.trainer.critic:TorchCritic.__init__', 'megaforge.trainer.critic:_backbone',
-    # megaforge.algorithms.params: 1
-    'megaforge.algorithms.params:resolve_components',
-    # megaforge.cluster: 1
-    'megaforge.cluster:init_distributed',
-    # megaforge.rollout.embedded.engine: 1
-    'megaforge.rollout.embedded.engine:EmbeddedEngine.from_config',
-    # megaforge.rollout.http.lora: 1
-    'megaforge.rollout.http.lora:check_targets',
+    # megaforge.placement: 1
+    'megaforge.placement:engine_slots',
+    # megaforge.rollout: 1
+    'megaforge.rollout:preflight',
     # megaforge.trainer.base: 1
     'megaforge.trainer.base:Trainer.__init__',
     # megaforge.trainer.megatron.trainer: 1
     'megaforge.trainer.megatron.trainer:MegatronTrainer.__init__',
-    # megaforge.trainer.served_teacher: 1
-    'megaforge.trainer.served_teacher:build_served_teacher',
     # megaforge.trainer.torch_backend: 1
     'megaforge.trainer.torch_backend:TorchTrainer.__init__',
 }

@@ -12,7 +12,7 @@ import torch
 from megaforge import specs
 from megaforge.build import RunBuilder
 from megaforge.config import load_config
-from megaforge.specs import EvalSettings, GenerateContext, Sampling, Schedule, StepSettings, expect
+from megaforge.specs import EngineSpec, EvalSettings, GenerateContext, Sampling, Schedule, StepSettings, expect
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
@@ -85,7 +85,7 @@ def test_eval_schedule_reads_its_settings():
 
 
 def test_each_spec_says_which_config_keys_it_reads():
-    for cls in (Sampling, GenerateContext, StepSettings, EvalSettings, Schedule):
+    for cls in (Sampling, GenerateContext, EngineSpec, StepSettings, EvalSettings, Schedule):
         doc = cls.__doc__ or ""
         assert "Reads:" in doc, cls.__name__
         assert re.findall(r"``[a-z_]+\.[a-z_]+``", doc), cls.__name__  # at least one dotted key named
@@ -151,3 +151,27 @@ def test_specs_stay_light():
 
     assert loaded_heavy("megaforge.specs") == []
     assert specs.__doc__ and "expect" in specs.__doc__
+
+
+def test_an_engine_kind_gets_the_engine_spec_at_preflight_and_build(tmp_path):
+    """A kind's preflight and build receive the EngineSpec the builder makes (the same at both: preflight
+    builds its own, below megaforge.build); reading a key it lacks (``spec.sync``) names its fields."""
+    from megaforge.engine_kinds import ENGINE_KINDS, EngineKind
+    from megaforge.rollout import preflight
+
+    got = []
+    if "spec_probe" not in ENGINE_KINDS:
+        ENGINE_KINDS.register("spec_probe", EngineKind(build=lambda spec, tok: got.append(("build", spec)),
+                                                       in_process=True, max_tp=1,
+                                                       preflight=lambda spec: got.append(("preflight", spec))))
+    cfg = cfg_of("--rollout.engine", "spec_probe", "--sync.transport", "inproc", "--rollout.dtype", "bfloat16",
+                 "--seed", "5", "--output_dir", str(tmp_path))
+    preflight(cfg)
+    b = RunBuilder(cfg)
+    b.engines(None)
+    spec = b.engine_spec()
+    assert got == [("preflight", spec), ("build", spec)]
+    assert isinstance(spec, EngineSpec) and spec.rollout is cfg.rollout and spec.model is cfg.model
+    assert (spec.dtype, spec.seed, spec.run_dir, spec.transport) == ("bfloat16", 5, cfg.run_dir, "inproc")
+    with pytest.raises(AttributeError, match=r"EngineSpec has no attribute 'sync'.*fields: rollout, model, dtype"):
+        spec.sync

@@ -194,7 +194,7 @@ def evaluate(cfg, out_arg: str, out_dir: str) -> dict:
     b = RunBuilder(cfg)
     sets, _ = b.eval_sets(tok)
     rewards = RewardManager(cfg.rewards)
-    engine = build_engine(cfg, tok)
+    engine = build_engine(b.engine_spec(), tok)
     out: dict = {}
     try:
         ev = b.evaluator(None, sets, tok, rewards, stop_token_ids(tok, cfg.model.path))

@@ -79,7 +79,7 @@ def test_trained_model_tool_episodes_mask_the_results(run):
     import examples.tool_use.task  # noqa: F401  (registers the synthetic task)
 
     tok = load_tokenizer(cfg.model)
-    engine = EmbeddedEngine.from_config(cfg, tok, "cpu")
+    engine = EmbeddedEngine.from_spec(RunBuilder(cfg).engine_spec(), tok, "cpu")
     rows = PromptSource(cfg.data, tok, 1).next_batch(8)
     b = RunBuilder(cfg)
     samples = generate_samples(engine, rows, 2, b.sampling().params(stop_token_ids(tok)), 1, 1, 0, tok,
