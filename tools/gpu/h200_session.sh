@@ -63,6 +63,9 @@
 #   bash tools/gpu/h200_session.sh lora_test;  ... lora_merged;  ... lora_adapters
 #   (LORA_STEPS / LORA_SECONDS change the recipe's size; the two recipe stages print sync/bytes and time/sync)
 # The distillation teacher served by SGLang (issue 43 point 5), after install:  bash tools/gpu/h200_session.sh teacher_test
+# 2026-12-06 on an H100 80GB (code 7a18bf1; refused starts cost ~90-180 s each, 4 of them): parts 0.2 s, install 25 s,
+#   moe_replay_start + moe_replay_watch 471 s (both variants, torch spec: no TE kit carried), teacher_test 61 s (failed:
+#   max |diff| 0.254 at log-probs around -46, one bf16 step; the tolerance now counts it), lora_test 57 s (passed).
 # SGLang with its default Hopper attention (FA3; the kit drops it): bash tools/gpu/fa3_prepare.sh .fa3 here
 #   (/.fa3/ excluded), then after parts + install: one call per piece, carry .fa3/fa3-partK: fa3_part;
 #   then carry .fa3/fa3-small: fa3_install rollout_fa3; then rollout_triton (same flags) for the ratio.
@@ -328,7 +331,9 @@ for r in map(json.loads, sys.stdin):
       done ;;
     moe_replay)  # issue 37 point 4: the MoE recipe 3 steps without, 3 with routing replay (fresh run dirs), in one call
       # (or detached: moe_replay_start, then moe_replay_watch calls). SGLang's start with the MoE: ~2.5 min a variant
-      rdir=/tmp/mf-replay-$(date +%s); recipe_argv
+      # (the MoE recipe unless RECIPE names another: on 2026-12-06 the default dense recipe was taken and refused by
+      # the config, "the model ... has no mixture-of-experts layers")
+      rdir=/tmp/mf-replay-$(date +%s); RECIPE=${RECIPE:-configs/grpo_h200_colocated_moe.yaml} recipe_argv
       for variant in plain replay; do
         # plain: the engine's routing recorded and compared with the trainer's own (routing/replay_diff_frac), not replayed
         extra=(--rollout.return_routed_experts true --trainer.routing_replay $([ $variant = replay ] && echo true || echo false))
