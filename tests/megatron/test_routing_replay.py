@@ -88,7 +88,11 @@ def replay_data(tmp_path_factory):
 
 @pytest.mark.parametrize("layout,nprocs", [
     ({}, 1), ({"tp": 2, "sp": True}, 2), ({"pp": 2}, 2), ({"ep": 2}, 2),
-], ids=["tp1", "tp2_sp", "pp2", "ep2"])
+    # the rest of issue 37 point 1's layouts, on 4 ranks (slow: ~1-2 min each on 2 cores)
+    pytest.param({"ep": 2, "tp": 2, "sp": True}, 4, marks=pytest.mark.slow),
+    pytest.param({"ep": 2, "etp": 2}, 4, marks=pytest.mark.slow),
+    pytest.param({"ep": 2, "pp": 2}, 4, marks=pytest.mark.slow),
+], ids=["tp1", "tp2_sp", "pp2", "ep2", "ep2_tp2_sp", "ep2_etp2", "ep2_pp2"])
 def test_replay_uses_recorded_experts_on_every_layout(replay_data, layout, nprocs, tmp_path):
     path, batch_file = replay_data
     spec = {"model": path, "batch": batch_file, "layout": layout}
