@@ -1,0 +1,100 @@
+"""One rank of tests/megatron/test_megatron_lora.py (launched by mt_helpers.run_workers).
+
+    python lora_worker.py SCENARIO SPEC.json OUTDIR
+
+Scenarios (every trainer: the tiny Qwen2 ``model``, ``model.lora`` rank 4 / alpha 8 on all seven
+projections, the adapters of ``adapters`` (a torch file of full tensors by PEFT name) loaded):
+* ``layouts``: for every layout: logprobs, then one RL step (no clipping, plain optimizer) and the
+  reduced adapter gradients gathered by PEFT name; the base parameters before / after (bit-equal?),
+  which parameters megatron's DDP buffers and optimizer hold.
+* ``resume``: at ``layout1``, 3 straight steps; 2 steps, save, a fresh trainer loads and steps once;
+  a third trainer at ``layout2`` loads the 2-step checkpoint (logprobs, adapters) and steps once;
+  the PEFT folder and the merged HF weights of the 3-step trainer.
+Results go to OUTDIR/SCENARIO.rank{R}.pt.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from mt_helpers import make_batch, trainer_cfg, worker_main  # noqa: E402
+
+
+def lora_trainer(spec, layout, **trainer):
+    from megaforge.config.model import LoraConfig
+    from megaforge.trainer.megatron import MegatronTrainer
+
+    cfg = trainer_cfg(spec["model"], layout=layout, **trainer)
+    cfg.model.lora = LoraConfig(rank=4, alpha=8.0)
+    tr = MegatronTrainer(cfg)
+    tr.lora.load_peft_state(torch.load(spec["adapters"]))
+    tr.optimizer.reload_model_params()  # the optimizer's copies of the loaded adapters
+    return tr
+
+
+def base_params(tr) -> dict:
+    return {n: p.detach().clone() for n, p in tr.bm.model.named_parameters() if ".lora." not in n}
+
+
+def scenario_layouts(spec, res):
+    batch = make_batch()
+    for layout in spec["layouts"]:
+        key = "_".join(f"{k}{int(v)}" for k, v in sorted(layout.items())) or "dp2"
+        tr = lora_trainer(spec, dict(layout, dist_opt=False), grad_clip=0.0)
+        r = {"logprobs": tr.compute_logprobs(batch)}
+        adapters = {id(p) for p in tr.lora.parameters()}
+        r["requires_grad_are_adapters"] = {id(p) for p in tr.bm.model.parameters() if p.requires_grad} == adapters
+        r["ddp_holds_adapters"] = {id(p) for b in tr.ddp.buffers for p in b.params} == adapters
+        r["optimizer_holds_adapters"] = {id(p) for o in tr.inner_optimizers() for g in o.param_groups
+                                         for p in g["params"]} == adapters
+        before, a0 = base_params(tr), tr.lora.local_state()
+        r["metrics"] = tr.train_step(batch)
+        after, a1 = base_params(tr), tr.lora.local_state()
+        r["base_bit_equal"] = all(torch.equal(before[n], after[n]) for n in before)
+        r["adapters_moved"] = sum(int(not torch.equal(a0[n], a1[n])) for n in a0) / len(a0)
+        r["grads"] = tr.lora.peft_state(grads=True)
+        res[key] = r
+        tr.close()
+
+
+def scenario_resume(spec, res, outdir):
+    batch = make_batch()
+    l1, l2 = spec["layout1"], spec["layout2"]
+    a = lora_trainer(spec, l1)
+    for _ in range(3):
+        a.train_step(batch)
+    res["straight"] = a.lora.peft_state()
+    res["straight_logprobs"] = a.compute_logprobs(batch)
+    a.export_adapter(os.path.join(outdir, "adapter"))
+    res["merged"] = {n: t.clone() for bucket in a.iter_hf_buckets(1 << 16) for n, t in bucket}
+    a.close()
+
+    b = lora_trainer(spec, l1)
+    for _ in range(2):
+        b.train_step(batch)
+    b.save(os.path.join(outdir, "ck"))
+    res["at_save"] = b.lora.peft_state()
+    res["at_save_logprobs"] = b.compute_logprobs(batch)
+    b.close()
+
+    c = lora_trainer(spec, l1)
+    c.load(os.path.join(outdir, "ck"))
+    c.train_step(batch)
+    res["resumed"] = c.lora.peft_state()
+    c.close()
+
+    d = lora_trainer(spec, l2)
+    d.load(os.path.join(outdir, "ck"))
+    res["other_layout_loaded"] = d.lora.peft_state()
+    res["other_layout_logprobs"] = d.compute_logprobs(batch)
+    d.train_step(batch)
+    res["other_layout_stepped"] = d.lora.peft_state()
+    d.close()
+
+
+if __name__ == "__main__":
+    worker_main({"layouts": scenario_layouts, "resume": scenario_resume})
