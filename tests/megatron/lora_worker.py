@@ -45,7 +45,8 @@ def scenario_layouts(spec, res):
     for layout in spec["layouts"]:
         key = "_".join(f"{k}{int(v)}" for k, v in sorted(layout.items())) or "dp2"
         tr = lora_trainer(spec, dict(layout, dist_opt=False), grad_clip=0.0)
-        r = {"logprobs": tr.compute_logprobs(batch)}
+        r = {"logprobs": tr.compute_logprobs(batch), "adapter_numel": sum(p.numel() for p in tr.lora.parameters()),
+             "stage": tr._ps().get_pipeline_model_parallel_rank()}
         adapters = {id(p) for p in tr.lora.parameters()}
         r["requires_grad_are_adapters"] = {id(p) for p in tr.bm.model.parameters() if p.requires_grad} == adapters
         r["ddp_holds_adapters"] = {id(p) for b in tr.ddp.buffers for p in b.params} == adapters
