@@ -4,11 +4,11 @@
 
 Scenarios (every trainer: the tiny Qwen2 ``model``, ``model.lora`` rank 4 / alpha 8 on all seven
 projections, the adapters of ``adapters`` (a torch file of full tensors by PEFT name) loaded):
-* ``layouts``: for every layout: logprobs, then one RL step (no clipping, plain optimizer) and the
+* ``layouts``: for every (name, model, adapters, layout) of ``runs``: logprobs, then one RL step (no clipping, plain optimizer) and the
   reduced adapter gradients gathered by PEFT name; the base parameters before / after (bit-equal?),
   which parameters megatron's DDP buffers and optimizer hold.
 * ``resume``: at ``layout1``, 3 straight steps; 2 steps, save, a fresh trainer loads and steps once;
-  a third trainer at ``layout2`` loads the 2-step checkpoint (logprobs, adapters) and steps once;
+  trainers at ``layout2`` and ``layout3`` load the 2-step checkpoint (logprobs, adapters) and step once;
   the PEFT folder and the merged HF weights of the 3-step trainer.
 Results go to OUTDIR/SCENARIO.rank{R}.pt.
 """
@@ -42,9 +42,9 @@ def base_params(tr) -> dict:
 
 def scenario_layouts(spec, res):
     batch = make_batch()
-    for layout in spec["layouts"]:
-        key = "_".join(f"{k}{int(v)}" for k, v in sorted(layout.items())) or "dp2"
-        tr = lora_trainer(spec, dict(layout, dist_opt=False), grad_clip=0.0)
+    for name, model, adapters, layout in spec["runs"]:
+        key = (name, "_".join(f"{k}{int(v)}" for k, v in sorted(layout.items())) or "dp2")
+        tr = lora_trainer({"model": model, "adapters": adapters}, dict(layout, dist_opt=False), grad_clip=0.0)
         r = {"logprobs": tr.compute_logprobs(batch), "adapter_numel": sum(p.numel() for p in tr.lora.parameters()),
              "stage": tr._ps().get_pipeline_model_parallel_rank()}
         adapters = {id(p) for p in tr.lora.parameters()}
@@ -88,13 +88,14 @@ def scenario_resume(spec, res, outdir):
     res["resumed"] = c.lora.peft_state()
     c.close()
 
-    d = lora_trainer(spec, l2)
-    d.load(os.path.join(outdir, "ck"))
-    res["other_layout_loaded"] = d.lora.peft_state()
-    res["other_layout_logprobs"] = d.compute_logprobs(batch)
-    d.train_step(batch)
-    res["other_layout_stepped"] = d.lora.peft_state()
-    d.close()
+    for key, layout in (("other_layout", l2), ("third_layout", spec["layout3"])):
+        d = lora_trainer(spec, layout)
+        d.load(os.path.join(outdir, "ck"))
+        res[f"{key}_loaded"] = d.lora.peft_state()
+        res[f"{key}_logprobs"] = d.compute_logprobs(batch)
+        d.train_step(batch)
+        res[f"{key}_stepped"] = d.lora.peft_state()
+        d.close()
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def _torch_reference(model, full):
 
 
 def layout_of(key: str) -> dict:
-    return {"dp2": {}, "tp2": {"tp": 2}, "sp1_tp2": {"tp": 2, "sp": True}, "pp2": {"pp": 2}}[key]
+    return {"dp2": {}, "tp2": {"tp": 2}, "sp1_tp2": {"tp": 2, "sp": True}, "pp2": {"pp": 2}, "cp2": {"cp": 2}}[key]
 
 
 def _planned(model, layout, stage) -> int:
@@ -90,30 +90,34 @@ def _grad_diff(got: dict, want: dict) -> float:
 
 
 def test_lora_layouts_logprobs_gradients_and_frozen_base(tiny_models, tmp_path):
-    model = tiny_models["qwen2"]
-    full = _adapters(model, str(tmp_path / "adapters.pt"))
-    res = run_workers("layouts", 2, {"model": model, "adapters": str(tmp_path / "adapters.pt"), "layouts": LAYOUTS},
-                      tmp_path, worker=WORKER, timeout=240)
-    want_lp, want_g = _torch_reference(model, full)
+    """Qwen2 at TP1 (x DP2), TP2, TP2 + SP, PP2, CP2; the tied-embedding Llama at PP2 (the frozen shared
+    embedding of the first and last stage)."""
     from mt_helpers import hf_logprobs
 
-    assert float((hf_logprobs(model, make_batch(), 0.8) - want_lp).abs().max()) > 0.05  # the adapters matter
-    tp1 = res[0]["dp2"]["grads"]
-    assert float(max(t.abs().max() for t in tp1.values())) > 0
-    for key, r in res[0].items():
+    runs, refs = [], {}
+    for name, layouts in (("qwen2", LAYOUTS + [{"cp": 2}]), ("llama_tied", [{}, {"pp": 2}])):
+        model, adapters = tiny_models[name], str(tmp_path / f"{name}_adapters.pt")
+        full = _adapters(model, adapters)
+        runs += [(name, model, adapters, layout) for layout in layouts]
+        refs[name] = _torch_reference(model, full)
+        assert float((hf_logprobs(model, make_batch(), 0.8) - refs[name][0]).abs().max()) > 0.05  # adapters matter
+    res = run_workers("layouts", 2, {"runs": runs}, tmp_path, worker=WORKER, timeout=300)
+    for (name, key), r in res[0].items():
+        model, (want_lp, want_g), tp1 = tiny_models[name], refs[name], res[0][(name, "dp2")]["grads"]
+        assert float(max(t.abs().max() for t in tp1.values())) > 0
         d = float((r["logprobs"] - want_lp).abs().max())
         dg, dt = _grad_diff(r["grads"], tp1), _grad_diff(r["grads"], want_g)
-        print(f"{key}: |logprob - HF+PEFT| {d:.3g}; gradients vs TP1 {dg:.3g}, vs PEFT {dt:.3g} (relative)")
+        print(f"{name} {key}: |logprob - HF+PEFT| {d:.3g}; gradients vs TP1 {dg:.3g}, vs PEFT {dt:.3g} (relative)")
         assert d <= TOL, f"{key}: max |logprob - HF+PEFT| = {d:.3g}"
         assert dg <= GRAD_RTOL, f"{key}: adapter gradients differ from TP1's by {dg:.3g} (relative)"
         assert dt <= GRAD_RTOL, f"{key}: adapter gradients differ from the torch backend's (PEFT) by {dt:.3g}"
         for rank in res:
-            rr = rank[key]
+            rr = rank[(name, key)]
             assert rr["adapter_numel"] == _planned(model, layout_of(key), rr["stage"]), key  # the planner's count
             assert rr["requires_grad_are_adapters"] and rr["ddp_holds_adapters"] and rr["optimizer_holds_adapters"], key
             assert rr["base_bit_equal"], f"{key}: a base parameter changed"
             assert rr["adapters_moved"] == 1.0, f"{key}: only {rr['adapters_moved']:.0%} of the adapter tensors moved"
-        assert torch.equal(res[1][key]["logprobs"], r["logprobs"])
+        assert torch.equal(res[1][(name, key)]["logprobs"], r["logprobs"])
 
 
 def test_lora_resume_layout_change_peft_folder_and_merged_sync(tiny_models, tmp_path):
@@ -122,17 +126,21 @@ def test_lora_resume_layout_change_peft_folder_and_merged_sync(tiny_models, tmp_
 
     model = tiny_models["qwen2"]
     _adapters(model, str(tmp_path / "adapters.pt"))
-    spec = {"model": model, "adapters": str(tmp_path / "adapters.pt"), "layout1": {"tp": 2}, "layout2": {"pp": 2}}
+    spec = {"model": model, "adapters": str(tmp_path / "adapters.pt"), "layout1": {"tp": 2}, "layout2": {"pp": 2},
+            "layout3": {}}  # TP1 x DP2: the distributed optimizer's state split over two DP ranks
     r = run_workers("resume", 2, spec, tmp_path, worker=WORKER, timeout=240)[0]
     # 2 steps, save, load, 1 step == 3 straight steps: bit for bit
     assert set(r["resumed"]) == set(r["straight"])
     assert all(torch.equal(r["resumed"][n], r["straight"][n]) for n in r["straight"])
     assert any(not torch.equal(r["at_save"][n], r["straight"][n]) for n in r["straight"])  # step 3 moved them
-    # the TP2 checkpoint at PP2: the same adapters (exact), logprobs within float rounding, one more step
+    # the TP2 checkpoint at PP2 and at TP1 x DP2: the same adapters (exact), logprobs within float rounding, a step
     # close to TP2's third (Adam's first steps amplify float rounding, see test_megatron_parity.WEIGHT_TOL)
-    assert all(torch.equal(r["other_layout_loaded"][n], r["at_save"][n]) for n in r["at_save"])
-    assert float((r["other_layout_logprobs"] - r["at_save_logprobs"]).abs().max()) <= TOL
-    assert max(float((r["other_layout_stepped"][n] - r["straight"][n]).abs().max()) for n in r["straight"]) <= 3e-5
+    for key in ("other_layout", "third_layout"):
+        assert all(torch.equal(r[f"{key}_loaded"][n], r["at_save"][n]) for n in r["at_save"]), key
+        assert float((r[f"{key}_logprobs"] - r["at_save_logprobs"]).abs().max()) <= TOL, key
+        d = max(float((r[f"{key}_stepped"][n] - r["straight"][n]).abs().max()) for n in r["straight"])
+        print(f"{key}: |adapters after the third step - TP2's| {d:.3g}")
+        assert d <= 3e-5, f"{key}: the step after loading moved the adapters {d:.3g} away from TP2's third step"
     # the checkpoint holds adapters (+ optimizer state), not the base; its metadata names the base
     meta = json.load(open(tmp_path / "ck" / "megaforge_trainer.json"))
     assert meta["lora"]["base"] == os.path.abspath(model) and meta["lora"]["rank"] == 4 and meta["optimizer"]
