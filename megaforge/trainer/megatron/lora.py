@@ -243,8 +243,9 @@ class MegatronLora:
 
     def fresh(self) -> bool:
         """True while every B is zero on every rank (the adapted policy is the base). Collective."""
+        device = next(iter(self.params.values())).device  # NCCL reduces device tensors only
         nonzero = torch.tensor([float(any(bool(p.detach().any()) for n, p in self.params.items()
-                                          if n.endswith("lora_B")))])
+                                          if n.endswith("lora_B")))], device=device)
         if dist.is_initialized():
             dist.all_reduce(nonzero)
         return nonzero.item() == 0
