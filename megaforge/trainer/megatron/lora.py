@@ -113,7 +113,6 @@ class MegatronLora:
         self.rows = lora_names.stage_table(d.num_layers, pp, ps.get_pipeline_model_parallel_rank(),
                                            list(lcfg.target_modules))
         targets = set(lcfg.target_modules)
-        self.adapters: dict[str, Adapter] = {}  # HF module name -> adapter
         w = next(bm.model.parameters())
         for j, layer in enumerate(bm.model.decoder.layers):
             for lname, projs in LINEARS.items():
@@ -137,7 +136,6 @@ class MegatronLora:
                         elif sequence_parallel:  # a gradient of one sequence shard: summed over TP
                             param.sequence_parallel = True
                     linear.lora[proj] = ad
-                    self.adapters[lora_names.hf_module(j + bm.layer_offset, proj)] = ad
                 linear.register_forward_hook(self._hook)
         self.params = dict((n, p) for n, p in bm.model.named_parameters() if ".lora." in n)
         if {r.megatron for r in self.rows} != set(self.params):
@@ -177,20 +175,20 @@ class MegatronLora:
                  else m.reduce_from_tensor_model_parallel_region(z))
         return F.linear(z, ad.lora_B) * self.scale
 
-    def _fuse(self, linear, parts: dict, like: torch.Tensor, dim: int) -> torch.Tensor:
-        """The adapters' ``parts`` ({proj: tensor}) placed in ``linear``'s fused output along ``dim``
-        (zeros in the slots of projections not adapted); ``like``: a tensor of the output's shape."""
+    def _fuse(self, linear, parts: dict, dim: int) -> torch.Tensor:
+        """The adapters' ``parts`` ({proj: tensor}, at least one) placed in ``linear``'s fused output
+        along ``dim`` (zeros in the slots of projections not adapted)."""
         projs = linear.lora_slots
         if len(projs) == 1:
             return parts[projs[0]]
-        sizes = self._slot_sizes(projs)
+        some = next(iter(parts.values()))
         pieces = []
-        for proj, n in zip(projs, sizes):
+        for proj, n in zip(projs, self._slot_sizes(projs)):
             t = parts.get(proj)
             if t is None:
-                shape = list(like.shape)
+                shape = list(some.shape)
                 shape[dim] = n
-                t = like.new_zeros(shape)
+                t = some.new_zeros(shape)
             pieces.append(t.movedim(dim, 0))
         fused = fuse_qkv(*pieces, self.local_dims) if len(projs) == 3 else torch.cat(pieces, 0)
         return fused.movedim(0, dim)
@@ -207,7 +205,7 @@ class MegatronLora:
         out, bias = output
         x = args[0]
         parts = {proj: self._delta(ad, x) for proj, ad in linear.lora.items()}
-        return out + self._fuse(linear, parts, out, -1).to(out.dtype), bias
+        return out + self._fuse(linear, parts, -1).to(out.dtype), bias
 
     @contextlib.contextmanager
     def reference(self, state: Optional[dict]):
@@ -309,7 +307,7 @@ class MegatronLora:
         if linear is None:
             return weight
         deltas = {proj: ad.lora_B.detach().float() @ ad.lora_A.detach().float() for proj, ad in linear.lora.items()}
-        delta = self._fuse(linear, deltas, weight.float(), 0)
+        delta = self._fuse(linear, deltas, 0)
         return (weight.detach().float() + self.scale * delta).to(weight.dtype)
 
     def _linear_of(self, module_name: str):
