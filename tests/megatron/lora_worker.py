@@ -66,6 +66,11 @@ def scenario_resume(spec, res, outdir):
     batch = make_batch()
     l1, l2 = spec["layout1"], spec["layout2"]
     a = lora_trainer(spec, l1)
+    from megaforge.memory.state import megatron_parts
+
+    adapters = {id(p) for p in a.lora.parameters()}
+    res["dist_opt_holds_adapters"] = (a.cfg.trainer.distributed_optimizer and adapters == {
+        id(p) for o in megatron_parts(a.optimizer) for p in o.model_param_group_index_map})
     for _ in range(3):
         a.train_step(batch)
     res["straight"] = a.lora.peft_state()

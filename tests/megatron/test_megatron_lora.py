@@ -129,6 +129,7 @@ def test_lora_resume_layout_change_peft_folder_and_merged_sync(tiny_models, tmp_
     spec = {"model": model, "adapters": str(tmp_path / "adapters.pt"), "layout1": {"tp": 2}, "layout2": {"pp": 2},
             "layout3": {}}  # TP1 x DP2: the distributed optimizer's state split over two DP ranks
     r = run_workers("resume", 2, spec, tmp_path, worker=WORKER, timeout=240)[0]
+    assert r["dist_opt_holds_adapters"]  # megatron's distributed optimizer: the adapters alone
     # 2 steps, save, load, 1 step == 3 straight steps: bit for bit
     assert set(r["resumed"]) == set(r["straight"])
     assert all(torch.equal(r["resumed"][n], r["straight"][n]) for n in r["straight"])
@@ -152,6 +153,10 @@ def test_lora_resume_layout_change_peft_folder_and_merged_sync(tiny_models, tmp_
                                                           "optimizer.state.exp_avg_sq."}
     assert len(tensors) == 4 * 4 * 7 * 2  # layers x projections x (A, B), each with its Adam state
     assert not any("decoder." in k or "embedding" in k for k in keys)  # no base weight
+    from megaforge.trainer.megatron.convert import open_checkpoint
+
+    with pytest.raises(ValueError, match=r"is a LoRA checkpoint \(model.lora\): it holds the adapters of the base"):
+        open_checkpoint(str(tmp_path / "ck"))  # tools/convert_megatron_to_hf.py, a run source's export
     # the PEFT folder loads in peft and gives the trainer's logprobs
     folder = str(tmp_path / "adapter")
     assert sorted(os.listdir(folder)) == ["adapter_config.json", "adapter_model.safetensors"]
