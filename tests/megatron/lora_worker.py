@@ -24,13 +24,16 @@ import torch  # noqa: E402
 from mt_helpers import make_batch, trainer_cfg, worker_main  # noqa: E402
 
 
-def lora_trainer(spec, layout, **trainer):
+def lora_trainer(spec, layout, res=None, **trainer):
+    """The trainer with the test's adapters loaded; ``res``: record its initial adapters first."""
     from megaforge.config.model import LoraConfig
     from megaforge.trainer.megatron import MegatronTrainer
 
     cfg = trainer_cfg(spec["model"], layout=layout, **trainer)
     cfg.model.lora = LoraConfig(rank=4, alpha=8.0)
     tr = MegatronTrainer(cfg)
+    if res is not None:
+        res["init"], res["init_fresh"] = tr.lora.peft_state(), tr.lora.fresh()
     tr.lora.load_peft_state(torch.load(spec["adapters"]))
     tr.optimizer.reload_model_params()  # the optimizer's copies of the loaded adapters
     return tr
@@ -44,9 +47,10 @@ def scenario_layouts(spec, res):
     batch = make_batch()
     for name, model, adapters, layout in spec["runs"]:
         key = (name, "_".join(f"{k}{int(v)}" for k, v in sorted(layout.items())) or "dp2")
-        tr = lora_trainer({"model": model, "adapters": adapters}, dict(layout, dist_opt=False), grad_clip=0.0)
-        r = {"logprobs": tr.compute_logprobs(batch), "adapter_numel": sum(p.numel() for p in tr.lora.parameters()),
-             "stage": tr._ps().get_pipeline_model_parallel_rank()}
+        r = {}
+        tr = lora_trainer({"model": model, "adapters": adapters}, dict(layout, dist_opt=False), r, grad_clip=0.0)
+        r.update(logprobs=tr.compute_logprobs(batch), adapter_numel=sum(p.numel() for p in tr.lora.parameters()),
+                 stage=tr._ps().get_pipeline_model_parallel_rank())
         adapters = {id(p) for p in tr.lora.parameters()}
         r["requires_grad_are_adapters"] = {id(p) for p in tr.bm.model.parameters() if p.requires_grad} == adapters
         r["ddp_holds_adapters"] = {id(p) for b in tr.ddp.buffers for p in b.params} == adapters

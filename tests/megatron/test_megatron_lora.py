@@ -118,6 +118,17 @@ def test_lora_layouts_logprobs_gradients_and_frozen_base(tiny_models, tmp_path):
             assert rr["base_bit_equal"], f"{key}: a base parameter changed"
             assert rr["adapters_moved"] == 1.0, f"{key}: only {rr['adapters_moved']:.0%} of the adapter tensors moved"
         assert torch.equal(res[1][(name, key)]["logprobs"], r["logprobs"])
+        # the initial adapters: B = 0, A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's Kaiming) from a generator seeded
+        # per (seed, layer, projection), so every layout starts from the same adapters
+        init, first = r["init"], res[0][(name, "dp2")]["init"]
+        assert r["init_fresh"] and set(init) == set(first) == set(want_g)
+        assert all(torch.equal(init[n], first[n]) for n in init), f"{name} {key}: the initial adapters depend on the layout"
+        for n, t in init.items():
+            if ".lora_B." in n:
+                assert not t.any(), n
+            else:
+                bound = t.shape[1] ** -0.5
+                assert t.abs().max() <= bound and abs(float(t.std()) - bound / 3 ** 0.5) < 0.25 * bound, n
 
 
 def test_lora_resume_layout_change_peft_folder_and_merged_sync(tiny_models, tmp_path):
