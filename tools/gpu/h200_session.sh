@@ -63,7 +63,7 @@
 #   bash tools/gpu/h200_session.sh lora_test;  ... lora_merged;  ... lora_adapters
 #   (LORA_STEPS / LORA_SECONDS change the recipe's size; the two recipe stages print sync/bytes and time/sync)
 # The distillation teacher served by SGLang (issue 43 point 5), after install:  bash tools/gpu/h200_session.sh teacher_test
-# 2026-12-06 on an H100 80GB (code 7a18bf1; refused starts cost ~90-180 s each, 4 of them): parts 0.2 s, install 25 s,
+# 2026-12-06 on an H100 80GB (code 7a18bf1; 7 refused calls before it cost ~670 s of the 1,800): parts 0.2 s, install 25 s,
 #   moe_replay_start + moe_replay_watch 471 s (both variants, torch spec: no TE kit carried), teacher_test 61 s (failed:
 #   max |diff| 0.254 at log-probs around -46, one bf16 step; the tolerance now counts it), lora_test 57 s (passed).
 # SGLang with its default Hopper attention (FA3; the kit drops it): bash tools/gpu/fa3_prepare.sh .fa3 here
