@@ -106,16 +106,16 @@ def build_trainer(cfg, tokenizer=None, rl: bool = True):
     """The configured trainer (``trainer.backend``; the process group from torchrun's variables first,
     none for one process). ``rl``: set up as a run's RL phase starts (optimizer and schedule over
     ``max_steps``, the frozen reference when ``grpo.beta`` > 0); False: as built, for SFT."""
+    from megaforge.build import RunBuilder
     from megaforge.cluster import init_distributed  # lazy: torch
-    from megaforge.driver.steps import start_rl_trainer
     from megaforge.hf import resolve_device
-    from megaforge.trainer import build_trainer as build
 
     cfg = _config(cfg)
-    init_distributed(cfg, resolve_device(cfg.trainer.device).type)
-    trainer = build(cfg, tokenizer if tokenizer is not None else load_tokenizer(cfg))
+    init_distributed(cfg.launch, resolve_device(cfg.trainer.device).type)
+    b = RunBuilder(cfg)
+    trainer = b.trainer(tokenizer if tokenizer is not None else load_tokenizer(cfg))
     if rl:
-        start_rl_trainer(trainer, cfg)
+        b.start_rl_trainer(trainer)
     return trainer
 
 
@@ -123,23 +123,22 @@ def build_engine(cfg, tokenizer=None):
     """The configured rollout engine (``rollout.engine``: in-process, or engine servers this process
     starts); None on ranks other than the main one. Call ``engine.shutdown()`` when done. It serves the
     model's own weights until :func:`push_weights` gives it the trainer's."""
+    from megaforge.build import RunBuilder
     from megaforge.cluster import init_distributed  # lazy: torch
     from megaforge.hf import resolve_device
-    from megaforge.placement import build_engines
     from megaforge.rollout import preflight
 
     cfg = _config(cfg)
-    init_distributed(cfg, resolve_device(cfg.trainer.device).type)
+    init_distributed(cfg.launch, resolve_device(cfg.trainer.device).type)
     preflight(cfg)
-    return build_engines(cfg, tokenizer if tokenizer is not None else load_tokenizer(cfg))
+    return RunBuilder(cfg).engines(tokenizer if tokenizer is not None else load_tokenizer(cfg))
 
 
 def build_rewards(cfg):
     """The configured rewards (``rewards.functions``) in their worker processes; ``close()`` when done."""
-    from megaforge.rewards import RewardManager
+    from megaforge.build import RunBuilder
 
-    cfg = _config(cfg)
-    return RewardManager(cfg.rewards, cfg.algo.plugins)
+    return RunBuilder(_config(cfg)).rewards()
 
 
 def prompt_rows(tokenizer, prompts: Sequence, cfg, labels: Optional[Sequence] = None) -> list:
@@ -170,33 +169,37 @@ def generate(engine, tokenizer, prompts: Sequence, cfg, labels: Optional[Sequenc
     :class:`~megaforge.types.Sample` objects (prompt-major, one group id per prompt), with the run's
     sampling (``grpo.temperature``, ``rollout.*``) and seeds (``seed``, ``step``); multi-turn through
     ``rollout.generate_fn`` when it is set."""
-    from megaforge.rollout.manager import generate_samples, sampling_params, stop_token_ids
+    from megaforge.build import RunBuilder
+    from megaforge.rollout.manager import generate_samples, stop_token_ids
 
     cfg = _config(cfg)
+    b = RunBuilder(cfg)
     rows = prompt_rows(tokenizer, prompts, cfg, labels)
     stops = stop_ids if stop_ids is not None else stop_token_ids(tokenizer, cfg.model.path)
-    return generate_samples(engine, rows, n or cfg.grpo.n_samples, sampling_params(cfg, stops), cfg.seed, step, 0,
-                            tokenizer, cfg)
+    return generate_samples(engine, rows, n or cfg.grpo.n_samples, b.sampling().params(stops), cfg.seed, step, 0,
+                            tokenizer, b.generate_context())
 
 
 def _parts(cfg, trainer=None, engine=None, rewards=None):
+    from megaforge.build import RunBuilder
     from megaforge.driver.steps import StepParts
 
     cfg = _config(cfg)
     if cfg.loop.partial_rollouts:
         raise ConfigError("loop.partial_rollouts carries samples between a run's steps; the API's steps are yours: "
                           "set it false")
-    return StepParts(cfg, trainer, engine, None, rewards, None, [])
+    return StepParts(RunBuilder(cfg).step_settings(), trainer, engine, None, rewards, None, [])
 
 
 def score(samples: list, rewards, cfg) -> dict:
     """Each sample's ``reward`` set by ``rewards`` (plus DAPO's overlong shaping with
     ``algo.overlong_buffer``); returns the means ``reward/mean``, ``reward/<label>`` and the counts
     ``reward/errors``, ``reward/timeouts``."""
+    from megaforge.build import RunBuilder
     from megaforge.driver.steps import StepParts
 
     m: dict = {}
-    StepParts.score(_Scorer(_config(cfg), rewards), samples, m)
+    StepParts.score(_Scorer(RunBuilder(_config(cfg)).step_settings(), rewards), samples, m)
     n = max(len(samples), 1)
     out = {k: (v if k in ("reward/errors", "reward/timeouts") or k.startswith("time/") else v / n) for k, v in m.items()}
     out["reward/mean"] = sum(s.reward for s in samples) / n
@@ -206,8 +209,8 @@ def score(samples: list, rewards, cfg) -> dict:
 class _Scorer:
     """What :meth:`StepParts.score` reads of its object (no trainer or engine needed to score)."""
 
-    def __init__(self, cfg, rewards):
-        self.cfg, self.rewards = cfg, rewards
+    def __init__(self, settings, rewards):
+        self.settings, self.rewards = settings, rewards
 
 
 def train_step(trainer, samples: Optional[list], cfg, engine=None) -> dict:

@@ -230,14 +230,15 @@ class Job:
             self.watchdog = None
 
 
-def init_distributed(cfg, device_type: str, job: Optional[Job] = None) -> ProcessPlace:
+def init_distributed(la, device_type: str, job: Optional[Job] = None) -> ProcessPlace:
     """The default process group from torchrun's variables with ``launch.dist_timeout_s``, and, for
-    ``job`` (more than one process), its watchdog (one per job). Returns this process's place."""
+    ``job`` (more than one process), its watchdog (one per job: ``launch.heartbeat_s``,
+    ``launch.peer_timeout_s``, ``launch.abort_grace_s``). ``la``: the ``launch`` section. Returns this
+    process's place."""
     place = place_from_env()
-    collective.init_from_env(device_type, timeout_s=cfg.launch.dist_timeout_s)
+    collective.init_from_env(device_type, timeout_s=la.dist_timeout_s)
     if (job is not None and job.watchdog is None and collective.initialized() and collective.world() > 1
             and "MASTER_ADDR" in os.environ):
-        la = cfg.launch
         job.watchdog = Watchdog(_store_client(min(30.0, la.peer_timeout_s)), collective.rank(), collective.world(),
                                 la.heartbeat_s, la.peer_timeout_s, la.abort_grace_s).start()
     return place

@@ -27,8 +27,9 @@ class EngineKind:
     """What megaforge needs to know about one kind of rollout engine."""
 
     build: Code
-    """``build(cfg, tokenizer)``: start the engine(s) and return the :class:`megaforge.rollout.base.Engine`
-    rank 0 drives. Multi-node jobs call a kind that is not ``in_process`` on every node leader with
+    """``build(spec, tokenizer)``: start the engine(s) and return the :class:`megaforge.rollout.base.Engine`
+    rank 0 drives; ``spec``: a :class:`megaforge.specs.EngineSpec` (the ``rollout`` and ``model``
+    sections, the engines' dtype, seed, run directory, ``sync.transport``, ``sync.lora_adapters``). Multi-node jobs call a kind that is not ``in_process`` on every node leader with
     ``node=`` (a :class:`megaforge.placement.NodeEngines`: this node's engine ids and GPUs); it then
     returns None on node leaders other than rank 0."""
     in_process: bool = False
@@ -41,7 +42,7 @@ class EngineKind:
     max_tp: int = 0
     """The largest ``rollout.tensor_parallel`` it runs (0: any that divides the attention heads)."""
     preflight: Optional[Code] = None
-    """``preflight(cfg)``: checks that need no engine yet (run at start-up, before any SFT or run
+    """``preflight(spec)`` (an EngineSpec): checks that need no engine yet (run at start-up, before any SFT or run
     directory), raising ConfigError; e.g. sglang installed in the engine interpreter."""
     lora_adapters: Literal["", "tensors", "folder"] = ""
     """How it takes LoRA adapters alone (``sync.lora_adapters``): ``tensors``, A and B handed over in
@@ -76,7 +77,7 @@ def call(code: Code, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-ENGINE_KINDS.register("embedded", EngineKind(build="megaforge.rollout.embedded.engine:EmbeddedEngine.from_config",
+ENGINE_KINDS.register("embedded", EngineKind(build="megaforge.rollout.embedded.engine:EmbeddedEngine.from_spec",
                                              in_process=True, max_tp=1, lora_adapters="tensors"))
 ENGINE_KINDS.register("embedded_server", EngineKind(build="megaforge.rollout.http.embedded_server:build", max_tp=1))
 ENGINE_KINDS.register("sglang", EngineKind(build="megaforge.rollout.http.sglang:build", on_device=False,

@@ -34,27 +34,20 @@ from typing import Optional
 import torch
 
 from megaforge import checkpoint, collective, handoff_source, resume, startup
+from megaforge.build import RunBuilder
 from megaforge.cluster import Job, init_distributed
 from megaforge.config import Config, save_config
 from megaforge.configtree import ConfigError
 from megaforge.data.batch import sft_batch
-from megaforge.data.prompts import PromptSource
 from megaforge.driver.common import TENSOR_FILES, Driver, InputError, RunError, RunStopped, on_main, say
 from megaforge.driver.handoff import BatchHandOff
-from megaforge.driver.offpolicy import AsyncDriver, is_async
-from megaforge.driver.steps import StepParts, no_signal_warning, start_rl_trainer
-from megaforge.driver.sync import SyncDriver
-from megaforge.eval.runner import Evaluator, is_due
-from megaforge.eval.sets import load_eval_sets
+from megaforge.driver.steps import no_signal_warning
 from megaforge.handoff_source import is_run_source
 from megaforge.hf import load_tokenizer, resolve_device
-from megaforge.metrics import MetricsLogger, Progress, set_aside_bad_rows
-from megaforge.placement import build_engines
-from megaforge.rewards import RewardManager
+from megaforge.metrics import Progress, set_aside_bad_rows
 from megaforge.rollout import check_context, preflight
 from megaforge.rollout.manager import stop_token_ids
 from megaforge.rundir import RunDirError, claim
-from megaforge.trainer import build_trainer
 from megaforge.trainer.base import NonFiniteWeights
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -65,10 +58,11 @@ class Run:
 
     def __init__(self, cfg: Config, mode: str = "grpo", job: Optional[Job] = None):
         self.cfg, self.mode = cfg, mode
+        self.build = RunBuilder(cfg)  # the components, each from its own sections (megaforge.build)
         self.job = job if job is not None else Job()  # rank watchdog, node engines: the launcher's, else this run's
         self.run_dir = cfg.run_dir
         startup.resolve(cfg, mode)  # bad names fail here, before the run directory and any SFT
-        init_distributed(cfg, resolve_device(cfg.trainer.device).type, self.job)  # launch.dist_timeout_s, rank watchdog
+        init_distributed(cfg.launch, resolve_device(cfg.trainer.device).type, self.job)  # timeout, rank watchdog
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(cfg.seed)
@@ -79,9 +73,9 @@ class Run:
         self.tokenizer = load_tokenizer(cfg.model)
         self.eval_sets, self.held_out = [], frozenset()  # eval.sets (main rank) and the prompts they hold out
         if mode == "grpo" and cfg.eval.sets:
-            loaded = on_main(lambda: load_eval_sets(cfg, self.tokenizer), share=False)
+            loaded = on_main(lambda: self.build.eval_sets(self.tokenizer), share=False)
             self.eval_sets, self.held_out = loaded or ([], frozenset())
-        self.trainer = build_trainer(cfg, self.tokenizer)
+        self.trainer = self.build.trainer(self.tokenizer)
         self.state = {"sft_step": 0, "rl_step": 0, "data": None, "sft_data": None, "skipped_steps": 0,
                       "skipped_updates": 0}
         self.resumed_from = None
@@ -167,7 +161,8 @@ class Run:
         if err:
             raise RunError(err)
         self.cfg.model.path = out
-        check_context(self.cfg)  # the source's context, now that it is readable
+        c = self.cfg
+        check_context(c.model, c.data, c.rollout, c.eval)  # the source's context, now that it is readable
 
     def _resume(self) -> None:
         path, t0 = None, time.perf_counter()
@@ -200,7 +195,7 @@ class Run:
             say(f"--resume: the checkpoint's learning-rate schedule takes the config's {', '.join(changed)}")
 
     def _build_engine(self):
-        return build_engines(self.cfg, self.tokenizer, self.job)  # rank 0's engine; node leaders start their node's servers
+        return self.build.engines(self.tokenizer, self.job)  # rank 0's engine; node leaders start their node's servers
 
     def _save(self, step: int, phase: str = "rl", tensors: Optional[dict] = None) -> None:
         """A checkpoint (with ``tensors``: main rank, ``{file name: {name: tensor}}`` written beside the
@@ -221,16 +216,14 @@ class Run:
         total = cfg.sft.max_steps
         if self.state["sft_step"] >= total:
             return
-        data_cfg = cfg.sft.data or cfg.data
-        source = PromptSource(data_cfg, self.tokenizer, cfg.seed, want_response=True,
-                              exclude=self.held_out if data_cfg is cfg.data else frozenset()) if collective.is_main() else None
+        source = self.build.sft_prompts(self.tokenizer, self.held_out) if collective.is_main() else None
         if source is not None and self.state.get("sft_data"):
             source.load_state_dict(self.state["sft_data"])
         if self.state["sft_step"] == 0:  # a resumed SFT keeps the optimizer state it saved
             self.trainer.reset_optimizer(cfg.sft.lr, total, cfg.sft.warmup_steps, "constant")
-        logger = MetricsLogger(cfg, self.run_dir, "sft_metrics.jsonl",
-                               resume_step=self.state["sft_step"] if self.resumed_from else None,
-                               tb_subdir="tensorboard/sft") if collective.is_main() else None
+        logger = self.build.metrics_logger(self.run_dir, "sft_metrics.jsonl",
+                                           resume_step=self.state["sft_step"] if self.resumed_from else None,
+                                           tb_subdir="tensorboard/sft") if collective.is_main() else None
         bar = Progress(total, self.state["sft_step"], "sft", cfg.metrics.progress and collective.is_main())
         eos = self.tokenizer.eos_token_id
         handoff = BatchHandOff(*self.trainer.data_parallel(), cfg.trainer.mini_batches)
@@ -278,27 +271,29 @@ class Run:
         cfg = self.cfg
         self.trainer.reserve_offload()  # pins the offload's host buffers while the engines start
         self.engine = self._build_engine()
-        self.data = PromptSource(cfg.data, self.tokenizer, cfg.seed, exclude=self.held_out) if collective.is_main() else None
+        self.data = self.build.prompts(self.tokenizer, self.held_out) if collective.is_main() else None
         if self.data is not None and self.state.get("data"):
             self.data.load_state_dict(self.state["data"])
-        self.rewards = RewardManager(cfg.rewards, cfg.algo.plugins) if collective.is_main() else None
+        self.rewards = self.build.rewards() if collective.is_main() else None
         if self.state["rl_step"] == 0:
-            start_rl_trainer(self.trainer, cfg)
+            self.build.start_rl_trainer(self.trainer)
         if self.cfg.critic_enabled and self.trainer.critic is None:
             self.trainer.init_critic()  # a copy of the policy as it starts RL (after SFT)
         self.stop_ids = stop_token_ids(self.tokenizer, cfg.model.path) if collective.is_main() else []
-        self.evaluator = Evaluator(cfg, self.eval_sets, self.tokenizer, self.rewards, self.stop_ids,
-                                   os.path.join(self.run_dir, "eval")) if collective.is_main() else None
+        self.eval_settings = self.build.eval_settings()
+        self.evaluator = None
+        if collective.is_main():
+            self.evaluator = self.build.evaluator(self.eval_settings, self.eval_sets, self.tokenizer, self.rewards,
+                                                  self.stop_ids, os.path.join(self.run_dir, "eval"))
         self.start_driver()
 
     def start_driver(self) -> None:
         """The step primitives over the run's trainer, engine, data and rewards; the engine given the
         trainer's weights (after SFT or resume); the driver of the steps (``Run.driver``)."""
-        self.parts = StepParts(self.cfg, self.trainer, self.engine, self.data, self.rewards, self.tokenizer,
-                               self.stop_ids)
+        self.parts = self.build.step_parts(self.trainer, self.engine, self.data, self.rewards, self.tokenizer,
+                                           self.stop_ids)
         self.parts.push({})
-        self.driver = (AsyncDriver(self.parts, self.state, self.resumed_from) if is_async(self.cfg)
-                       else SyncDriver(self.parts, self.state.get("data")))
+        self.driver = self.build.driver(self.parts, self.state, self.resumed_from)
 
     def rl_step(self, step: int, bar: Progress) -> dict:
         """RL step ``step`` through the run's driver (benchmarks call it after :meth:`start_rl`)."""
@@ -312,7 +307,7 @@ class Run:
             self.start_rl()
             # a run resumed before its first RL step redoes the step-0 evaluation: its old row goes
             resume_step = (self.state["rl_step"] or -1) if self.resumed_from else None
-            logger = MetricsLogger(cfg, self.run_dir, resume_step=resume_step) if collective.is_main() else None
+            logger = self.build.metrics_logger(self.run_dir, resume_step=resume_step) if collective.is_main() else None
             bar = Progress(cfg.max_steps, self.state["rl_step"], "grpo", cfg.metrics.progress and collective.is_main())
             if self.state["rl_step"] == 0:
                 before = self._evaluate(0)  # eval.before_train: the starting policy, logged as step 0
@@ -333,19 +328,19 @@ class Run:
                 bad = bad + 1 if self._count_skips(m) else 0
                 quiet = quiet + 1 if m.get("advantages/nonzero_frac") == 0 else 0
                 if quiet and quiet == cfg.metrics.warn_no_signal_steps and collective.is_main():
-                    bar.write_err(no_signal_warning(cfg, quiet, step, m))
+                    bar.write_err(no_signal_warning(self.parts.settings, cfg.sft.max_steps, quiet, step, m))
                 self.state["rl_step"] = step
                 # a stop signal (preemption: its grace period is short) defers the step's evaluation to
                 # the resumed run, which evaluates the same weights first (_evaluate_pending)
                 stopping = step < cfg.max_steps and self._stop_requested()
-                if stopping and is_due(cfg, step):
+                if stopping and self.evaluates(step):
                     self.state["eval_pending"] = step
                     say(f"stop requested: the evaluation of step {step} runs first in the resumed run")
                 else:
                     evaluated = self._evaluate(step)  # eval/<set>/... when due: part of the step's row
                     if evaluated is None:  # a stop signal during the evaluation: deferred the same way
                         self.state["eval_pending"], stopping = step, True
-                    elif is_due(cfg, step) and step < cfg.max_steps:
+                    elif self.evaluates(step) and step < cfg.max_steps:
                         stopping = self._stop_requested()  # one during a finished evaluation: no next step
                     m.update(evaluated or {})
                 if logger is not None:
@@ -383,12 +378,17 @@ class Run:
         if self.engine is not None:
             self.engine.shutdown()
 
+    def evaluates(self, step: int) -> bool:
+        """Whether the run evaluates after RL step ``step`` (:meth:`megaforge.specs.EvalSettings.is_due`;
+        set up by :meth:`start_rl`)."""
+        return self.eval_settings.is_due(step)
+
     def _evaluate(self, step: int, force: bool = False) -> Optional[dict]:
         """Every rank: the ``eval/...`` metrics of the engine's weights when evaluation is due after
         ``step`` (0: before training) or ``force`` (with eval sets), else {} (the metrics stay on the
         main rank). None on every rank when a stop signal reached the main rank during the evaluation:
         it was abandoned between two engine calls (megaforge.eval.runner), nothing of it written."""
-        if not (is_due(self.cfg, step) or (force and self.cfg.eval.sets)):
+        if not (self.evaluates(step) or (force and self.cfg.eval.sets)):
             return {}
 
         def run():

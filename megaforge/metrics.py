@@ -17,7 +17,9 @@ import sys
 import time
 from typing import Optional
 
+from megaforge.config.run import MetricsConfig
 from megaforge.configtree import to_dict
+from megaforge.specs import expect
 
 REQUIRED_KEYS = (
     "step", "reward/mean", "loss", "kl", "entropy", "clip_frac", "response_len/mean",
@@ -131,11 +133,13 @@ def truncate_jsonl(path: str, keep_upto_step: float) -> int:
 
 
 class MetricsLogger:
-    """Writes step records to every configured sink (main rank only)."""
+    """Writes step records to every configured sink (main rank only). ``metrics``: the ``metrics``
+    section (a MetricsConfig); ``run_name`` and ``flat`` (the flattened config, :func:`flat_config`)
+    name and describe the wandb run."""
 
-    def __init__(self, cfg, run_dir: str, filename: str = "metrics.jsonl", resume_step: Optional[int] = None,
-                 tb_subdir: str = "tensorboard"):
-        self.cfg = cfg.metrics
+    def __init__(self, metrics, run_dir: str, filename: str = "metrics.jsonl", resume_step: Optional[int] = None,
+                 tb_subdir: str = "tensorboard", run_name: str = "run", flat: Optional[dict] = None):
+        self.cfg = expect(metrics, MetricsConfig, "MetricsLogger")
         self.path = os.path.join(run_dir, filename)
         # resumed: rows after the checkpoint's step go; a fresh start in an old directory (a --resume that
         # found no checkpoint): every row goes. Either way they are kept in superseded_path(self.path).
@@ -156,8 +160,8 @@ class MetricsLogger:
                 import wandb
             except ImportError as e:
                 raise RuntimeError("metrics.wandb is true but wandb is not installed: pip install wandb") from e
-            self.wandb = wandb.init(project=self.cfg.wandb_project, name=cfg.run_name, dir=run_dir,
-                                    mode=self.cfg.wandb_mode, config=_flat_config(cfg), resume="allow")
+            self.wandb = wandb.init(project=self.cfg.wandb_project, name=run_name, dir=run_dir,
+                                    mode=self.cfg.wandb_mode, config=flat or {}, resume="allow")
 
     def log(self, step: int, metrics: dict) -> None:
         rec = {"step": step, **{k: _clean(v) for k, v in metrics.items() if k != "step"}}
@@ -198,7 +202,8 @@ class MetricsLogger:
             self.wandb.finish()
 
 
-def _flat_config(cfg) -> dict:
+def flat_config(tree) -> dict:
+    """``{"section.key": value}`` of a config tree (what wandb shows as the run's config)."""
     out = {}
 
     def walk(d, prefix=""):
@@ -208,7 +213,7 @@ def _flat_config(cfg) -> dict:
             else:
                 out[prefix + k] = v
 
-    walk(to_dict(cfg))
+    walk(to_dict(tree))
     return out
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed
 
@@ -41,13 +41,15 @@ from megaforge.net import is_loopback
 from megaforge.planner.layout import Hardware, check_layout, placement
 from megaforge.planner.shapes import ShapeError, read_shape
 from megaforge.rollout.http.start import visible_gpus
+from megaforge.specs import EngineSpec, expect
 
 _WILDCARD = ("0.0.0.0", "::", "")
 
 
-def hardware(cfg, place: ProcessPlace):
-    """The planner's Hardware of this job: N nodes x (local ranks + rollout GPUs per node)."""
-    per_node = cfg.rollout.num_gpus // place.nodes if cfg.rollout.num_gpus else 0
+def hardware(num_gpus: int, place: ProcessPlace):
+    """The planner's Hardware of this job: N nodes x (local ranks + rollout GPUs per node);
+    ``num_gpus``: ``rollout.num_gpus``."""
+    per_node = num_gpus // place.nodes if num_gpus else 0
     return Hardware(place.nodes, place.local_world + per_node, "runtime", 0.0)
 
 
@@ -58,7 +60,7 @@ def engine_slots(cfg, place: ProcessPlace) -> dict[int, list[tuple[int, list[int
         shape = read_shape(cfg.model)
     except ShapeError as e:
         raise ConfigError(f"engine placement needs the model's shape: {e}") from None
-    hw = hardware(cfg, place)
+    hw = hardware(cfg.rollout.num_gpus, place)
     lay, errs, _ = check_layout(cfg, shape, hw, "grpo")
     if lay is None:
         raise ConfigError("engine placement over " + f"{hw.nodes} node(s) x {hw.gpus_per_node} GPUs: "
@@ -90,8 +92,8 @@ class NodeEngines:
     the ``build`` of the engine kind (megaforge.engine_kinds, ``node=``) on node leaders; every other
     rank makes the same two collective calls (:meth:`share`, :meth:`gather`) with nothing to add."""
 
-    def __init__(self, cfg, place: ProcessPlace, slots: dict):
-        self.cfg, self.place = cfg, place
+    def __init__(self, spec: EngineSpec, place: ProcessPlace, slots: dict):
+        self.spec, self.place = expect(spec, EngineSpec, "NodeEngines"), place
         mine = slots.get(place.node, []) if place.node_leader else []
         self.engine_ids = [k for k, _ in mine]
         visible = visible_gpus()
@@ -104,7 +106,7 @@ class NodeEngines:
         return collective.broadcast_object(api_key)
 
     def _url(self, server) -> str:
-        host = self.cfg.rollout.host
+        host = self.spec.rollout.host
         if host in _WILDCARD:
             addr = node_address()
             return f"http://[{addr}]:{server.port}" if ":" in addr else f"http://{addr}:{server.port}"
@@ -119,13 +121,13 @@ class NodeEngines:
         torch.distributed.all_gather_object(box, (self.place.node, socket.gethostname(), mine))
         main_host = box[0][1]
         urls = sorted((k, u, h, n) for n, h, part in box for k, u in part)
-        r = self.cfg
+        r = self.spec
         remote = sorted({h for _, _, h, _ in urls if h != main_host})
         if remote and r.rollout.host not in _WILDCARD and is_loopback(r.rollout.host):
             raise ConfigError(f"rollout.host {r.rollout.host} is a loopback address but engines run on other hosts "
                               f"({', '.join(remote)}): set rollout.host 0.0.0.0 so rank 0 reaches them")
-        if remote and r.sync.transport in ("auto", "shm", "ipc"):
-            raise ConfigError(f"sync.transport {r.sync.transport}: engines on other hosts ({', '.join(remote)}) cannot "
+        if remote and r.transport in ("auto", "shm", "ipc"):
+            raise ConfigError(f"sync.transport {r.transport}: engines on other hosts ({', '.join(remote)}) cannot "
                               f"map this host's memory; use sync.transport nccl (or disk on a shared file system)")
         if [k for k, *_ in urls] != list(range(r.rollout.num_engines)):
             raise ConfigError(f"engines started: {[k for k, *_ in urls]}, expected 0..{r.rollout.num_engines - 1}")
@@ -151,17 +153,24 @@ class NodeEngines:
         self.shutdown()
 
 
-def build_engines(cfg, tokenizer, job: Optional[Job] = None):
-    """Called on every rank by the loop: the engine rank 0 drives (None on other ranks). Node leaders
-    of a multi-node job start their node's engine servers (see the module docstring); ``job``
-    stops them when the run ends (:meth:`NodeEngines.end`; without one, the process's exit does)."""
-    place, kind, node = place_from_env(), engine_kind(cfg.rollout.engine), None
+def build_engines(spec: EngineSpec, tokenizer, job: Optional[Job] = None,
+                  slots: Optional[Callable[[ProcessPlace], dict]] = None):
+    """Called on every rank by the loop: the engine rank 0 drives (None on other ranks), built by the
+    kind of ``spec.rollout.engine`` from ``spec``. Node leaders of a multi-node job start their node's
+    engine servers (see the module docstring) on the GPUs ``slots(place)`` gives them
+    (:func:`engine_slots` through :meth:`megaforge.build.RunBuilder.engines`); ``job`` stops them when the
+    run ends (:meth:`NodeEngines.end`; without one, the process's exit does)."""
+    spec = expect(spec, EngineSpec, "build_engines")
+    place, kind, node = place_from_env(), engine_kind(spec.rollout.engine), None
     if place.nodes > 1 and not kind.in_process:
-        node = NodeEngines(cfg, place, engine_slots(cfg, place))
+        if slots is None:
+            raise ValueError("build_engines: a multi-node job needs slots (the planner's placement: "
+                             "megaforge.build.RunBuilder.engines passes it)")
+        node = NodeEngines(spec, place, slots(place))
         if job is not None:
             job.at_end(node.end)
     if collective.is_main() or (node is not None and place.node_leader and node.engine_ids):
-        return call(kind.build, cfg, tokenizer, **({} if node is None else {"node": node}))
+        return call(kind.build, spec, tokenizer, **({} if node is None else {"node": node}))
     if node is not None:  # a rank that starts no engine still takes part in the start's collective calls
         node.share("")
         node.gather([])

@@ -29,7 +29,7 @@ ALGO_COMPONENTS = {
     "algo.loss_agg": ("LOSS_AGGS", "fn(x [B, T], mask [B, T], num_tokens, num_seqs, norm) -> scalar", 5),
     "algo.kl_estimator": ("KL_ESTIMATORS", "fn(logprobs [B, T], ref_logprobs [B, T]) -> KL [B, T]", 2),
 }
-GENERATE_FN = "fn(engine, requests, rows, tokenizer, cfg, **rollout.generate_kwargs) -> list[Sample]"
+GENERATE_FN = "fn(engine, requests, rows, tokenizer, ctx: GenerateContext, **rollout.generate_kwargs) -> list[Sample]"
 REWARD_FN = "fn(prompt, response, target, **kwargs) -> float (a class: cls(**kwargs), then called so)"
 #: a synthetic data.path that names a file: these endings, or a path separator
 FILE_ENDINGS = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".arrow")

@@ -7,7 +7,7 @@ from megaforge.engine_kinds import ENGINE_KINDS, EngineKind
 DOUBLES: list = []
 
 
-def build(cfg, tokenizer, node=None):
+def build(spec, tokenizer, node=None):
     from sglang_double import SGLangDouble
 
     from megaforge.rollout.http.engine import HTTPEngine

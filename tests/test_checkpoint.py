@@ -71,11 +71,11 @@ def test_corrupt_checkpoints_never_count_and_the_newest_valid_one_stays(tmp_path
 
 def test_non_finite_weights_are_never_written(tmp_path, tiny_model_dir, tokenizer):
     from megaforge.config import config_from_dict
-    from megaforge.trainer import build_trainer
+    from megaforge.build import RunBuilder
     from megaforge.trainer.base import NonFiniteWeights
 
     cfg = config_from_dict({"model": {"path": tiny_model_dir}, "trainer": {"device": "cpu"}, "max_steps": 0})
-    tr = build_trainer(cfg, tokenizer)
+    tr = RunBuilder(cfg).trainer(tokenizer)
     tr.reset_optimizer(1e-3, 10, 0, "constant")
     d = str(tmp_path / "ckpt")
     checkpoint.save(d, 1, tr, {"rl_step": 1}, keep_last_n=2)

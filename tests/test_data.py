@@ -172,7 +172,10 @@ def test_jsonl_is_indexed_not_loaded_and_read_once_with_a_holdout(tmp_path, toke
     import tracemalloc
 
     from megaforge.config import load_config
-    from megaforge.eval.sets import load_eval_sets
+    from megaforge.build import RunBuilder
+
+    def load_eval_sets(cfg, tokenizer):
+        return RunBuilder(cfg).eval_sets(tokenizer)
 
     def cfg_for(path):
         return load_config(["--model.config", "configs/models/tiny-qwen2", "--model.tokenizer", "assets/tiny-tokenizer",

@@ -9,7 +9,8 @@ import torch
 
 from megaforge.algorithms import ADVANTAGES, AdvantageInputs, ObjectiveParams
 from megaforge.config import ConfigError, config_from_dict
-from megaforge.driver.steps import advantages_need_trainer, batch_advantages, needs_old_logprobs
+from megaforge.build import RunBuilder
+from megaforge.driver.steps import batch_advantages
 from megaforge.types import TrainBatch
 from tests.conftest import TOKENIZER
 from tests.run_helpers import run_in_process
@@ -58,7 +59,8 @@ def test_config_checks(tiny_model_dir):
     with pytest.raises(ConfigError, match="'teacher.kl_coef': and teacher.task_coef are both 0"):
         cfg_of({"student": tiny_model_dir, "teacher": tiny_model_dir}, teacher={"path": tiny_model_dir, "kl_coef": 0.0})
     cfg = cfg_of({"student": tiny_model_dir, "teacher": tiny_model_dir})
-    assert needs_old_logprobs(cfg) and advantages_need_trainer(cfg)
+    s = RunBuilder(cfg).step_settings()
+    assert s.needs_old_logprobs and s.advantages_need_trainer
 
 
 def test_teacher_equal_to_student_gives_zero_kl_advantage(tiny_model_dir, tokenizer):
@@ -78,14 +80,14 @@ def test_teacher_equal_to_student_gives_zero_kl_advantage(tiny_model_dir, tokeni
     batch.old_logprobs = tr.compute_logprobs(batch, "policy", positions="trained")
     teacher = tr.compute_logprobs(batch, "teacher", positions="trained")
     assert bool((batch.old_logprobs[mask > 0] < 0).all())  # real log-probs, not zeros
-    adv = batch_advantages(batch, cfg, teacher_logprobs=teacher)
+    adv = batch_advantages(batch, RunBuilder(cfg).step_settings(), teacher_logprobs=teacher)
     assert torch.equal(adv, torch.zeros_like(adv))  # same weights, same kernel: k_t = 0 exactly
     # a different teacher (the student after one SGD nudge) does give a nonzero advantage
     with torch.no_grad():
         for p in tr.teacher.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=g))
     teacher = tr.compute_logprobs(batch, "teacher", positions="trained")
-    assert float(batch_advantages(batch, cfg, teacher_logprobs=teacher).abs().sum()) > 0
+    assert float(batch_advantages(batch, RunBuilder(cfg).step_settings(), teacher_logprobs=teacher).abs().sum()) > 0
 
 
 def test_tokenizer_mismatch_refused_naming_both(tmp_path, tiny_model_dir):

@@ -10,7 +10,7 @@ from megaforge.metrics import MetricsLogger, superseded_path, truncate_jsonl
 def _cfg():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return load_config(["--config", os.path.join(root, "configs", "demo_cpu.yaml"), "--metrics.tensorboard", "false",
-                        "--metrics.wandb", "false"])
+                        "--metrics.wandb", "false"]).metrics
 
 
 def _rows(path):

@@ -24,6 +24,13 @@ from tests.run_helpers import run_in_process
 TOL = 2e-5
 
 
+def build_served_teacher(cfg, tokenizer=None):
+    """megaforge.trainer.served_teacher.build_served_teacher as the trainer calls it (the sections it reads)."""
+    from megaforge.trainer.served_teacher import build_served_teacher as build
+
+    return build(cfg.teacher, cfg.model, cfg.rollout, cfg.grpo.temperature, tokenizer)
+
+
 def cfg_of(student, teacher, _temperature=1.0, **teacher_kw):
     return config_from_dict({"model": {"path": student, "tokenizer": TOKENIZER},
                              "data": {"path": "arithmetic", "format": "synthetic"},
@@ -90,7 +97,6 @@ def test_embedded_engine_teacher_equals_the_trainers(tiny_model_dir, teacher_dir
 def test_sglang_teacher_equals_the_trainers(tiny_model_dir, teacher_dir, tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from megaforge.trainer.served_teacher import build_served_teacher
     from megaforge.trainer.torch_backend import TorchTrainer
 
     double = SGLangDouble(AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()).start()
@@ -112,7 +118,6 @@ def test_sglang_teacher_equals_the_trainers(tiny_model_dir, teacher_dir, tokeniz
 def test_tokenizer_check_stays_for_the_engine_teacher(tmp_path, tiny_model_dir, tokenizer):
     from transformers import AutoTokenizer
 
-    from megaforge.trainer.served_teacher import build_served_teacher
     from tests.conftest import make_tiny_model
 
     other = make_tiny_model(str(tmp_path / "teacher"))

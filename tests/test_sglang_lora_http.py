@@ -12,6 +12,7 @@ from sglang_double import SGLangDouble
 
 from megaforge.config import config_from_dict
 from megaforge.configtree import ConfigError
+from megaforge.build import RunBuilder
 
 
 def cfg_for(model_dir, tmp_path, engine="sglang", **sync):
@@ -43,23 +44,24 @@ def test_server_command_enables_lora_from_model_lora(tiny_model_dir, tmp_path):
     from megaforge.rollout.http.start import ServerStart
 
     cfg = cfg_for(tiny_model_dir, tmp_path)
-    c = command(cfg, ServerStart(tiny_model_dir, "", "", [], torch.device("cuda")), 30000, -1)
+    start = ServerStart(tiny_model_dir, "", "", [], torch.device("cuda"))
+    c = command(RunBuilder(cfg).engine_spec(), start, 30000, -1)
     i = c.index("--enable-lora")
     assert c[i:i + 10] == ["--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", "q_proj", "up_proj",
                            "v_proj", "--max-loras-per-batch", "3", "--enable-weights-cpu-backup"]  # colocated
     assert "--enable-memory-saver" in c
     cfg.sync.lora_adapters = False  # merged weights: a plain server
-    assert "--enable-lora" not in command(cfg, ServerStart(tiny_model_dir, "", "", [], torch.device("cuda")), 1, -1)
+    assert "--enable-lora" not in command(RunBuilder(cfg).engine_spec(), start, 1, -1)
 
 
 def test_targets_sglang_does_not_know_are_a_config_error(tiny_model_dir, tmp_path):
     from megaforge.rollout.http.lora import check_targets
 
     cfg = cfg_for(tiny_model_dir, tmp_path)
-    check_targets(cfg)
+    check_targets(RunBuilder(cfg).engine_spec())
     cfg.model.lora.target_modules = ["q_proj", "model.layers.0.mlp.act_fn"]
     with pytest.raises(ConfigError, match=r"'model.lora.target_modules': SGLang serves .* not \['act_fn'\]"):
-        check_targets(cfg)
+        check_targets(RunBuilder(cfg).engine_spec())
 
 
 def _trainer(cfg, tokenizer):

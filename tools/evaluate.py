@@ -182,8 +182,8 @@ def build_config(args, overrides: list[str], model_dir: str, run_dir: str | None
 
 
 def evaluate(cfg, out_arg: str, out_dir: str) -> dict:
-    from megaforge.eval.runner import Evaluator, write_jsonl
-    from megaforge.eval.sets import load_eval_sets
+    from megaforge.build import RunBuilder
+    from megaforge.eval.runner import write_jsonl
     from megaforge.hf import load_tokenizer
     from megaforge.rewards import RewardManager
     from megaforge.rollout import build_engine, preflight
@@ -191,12 +191,13 @@ def evaluate(cfg, out_arg: str, out_dir: str) -> dict:
 
     preflight(cfg)
     tok = load_tokenizer(cfg.model)
-    sets, _ = load_eval_sets(cfg, tok)
+    b = RunBuilder(cfg)
+    sets, _ = b.eval_sets(tok)
     rewards = RewardManager(cfg.rewards)
-    engine = build_engine(cfg, tok)
+    engine = build_engine(b.engine_spec(), tok)
     out: dict = {}
     try:
-        ev = Evaluator(cfg, sets, tok, rewards, stop_token_ids(tok, cfg.model.path))
+        ev = b.evaluator(None, sets, tok, rewards, stop_token_ids(tok, cfg.model.path))
         for s in sets:
             metrics, records = ev.evaluate_set(engine, s, step=0)
             out.update({f"eval/{s.name}/{k}": v for k, v in metrics.items()})

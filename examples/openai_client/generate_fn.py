@@ -16,7 +16,9 @@ from __future__ import annotations
 from megaforge.types import Sample
 
 
-def openai_rollout(engine, requests, rows, tokenizer, cfg, model: str = "default") -> list[Sample]:
+def openai_rollout(engine, requests, rows, tokenizer, ctx, model: str = "default") -> list[Sample]:
+    """``ctx``: the run's :class:`~megaforge.specs.GenerateContext` (unused: each request carries its
+    sampling); ``model``: the name sent to the server (a ``rollout.generate_kwargs`` key)."""
     import openai  # the optional dependency of this example
 
     if not hasattr(engine, "openai_base_urls"):

@@ -140,7 +140,7 @@ class ObjectiveParams:
         """Read the config; imports ``algo.plugins`` and checks that every named component exists,
         so a typo fails at start-up with the config key and the registered names."""
         a = cfg.algo
-        resolve_components(cfg)
+        resolve_components(a)
         values = {name: getattr(getattr(cfg, section), key)
                   for section, _, names in SOURCES for key, name in names.items()}
         values.update(loss_agg=resolve_loss_agg(a), loss_agg_norm=a.loss_agg_norm or float(cfg.rollout.max_new_tokens),
@@ -180,10 +180,10 @@ def load_plugins(modules) -> None:
                               f"{type(e).__name__}: {e}") from e
 
 
-def resolve_components(cfg) -> None:
-    """Import ``algo.plugins``, then look up every configured algorithm component; an unknown name
-    raises ConfigError (a ValueError) naming the config key and listing the registered names."""
-    a = cfg.algo
+def resolve_components(a) -> None:
+    """Import ``algo.plugins``, then look up every configured algorithm component (``a``: the ``algo``
+    section); an unknown name raises ConfigError (a ValueError) naming the config key and listing the
+    registered names."""
     load_plugins(a.plugins)
     for key, reg in (("algo.advantage", ADVANTAGES), ("algo.loss", POLICY_LOSSES),
                      ("algo.loss_agg", LOSS_AGGS), ("algo.kl_estimator", KL_ESTIMATORS)):

@@ -94,8 +94,9 @@ class RolloutConfig:
     folder under /dev/shm keeps it in RAM). With sync.transport disk the update's shards are the snapshot."""
     generate_fn: str = ""
     """Custom rollout function ``package.module:callable`` (multi-turn / agentic); empty: single turn.
-    Signature ``fn(engine, requests, rows, tokenizer, cfg) -> list[Sample]`` (megaforge.rollout.agent.multiturn);
-    ``megaforge.rollout.agent.multiturn:tool_rollout`` runs tool calls between turns."""
+    Signature ``fn(engine, requests, rows, tokenizer, ctx) -> list[Sample]``, ``ctx`` a GenerateContext
+    (megaforge.rollout.agent.multiturn); ``megaforge.rollout.agent.multiturn:tool_rollout`` runs tool calls
+    between turns."""
     generate_kwargs: dict = field(default_factory=dict)
     """Keyword arguments of rollout.generate_fn, e.g. ``{tools: [calculator, python]}`` for tool_rollout."""
     max_turns: int = 4

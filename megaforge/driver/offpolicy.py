@@ -1,10 +1,11 @@
 """The RL loop beyond one synchronous step: ``loop.mode: off_policy`` (rollout of step N+1 overlaps
 training of step N), ``loop.partial_rollouts`` and weight pushes every ``sync.interval`` steps.
 
-:func:`is_async` says when any of those is configured; ``Run.rl`` then runs its steps through an
-:class:`AsyncDriver` instead of the :class:`~megaforge.driver.sync.SyncDriver`. Both are made of the
-same :class:`~megaforge.driver.steps.StepParts`: rollouts are ``parts.rollout`` (DAPO dynamic
-sampling, the partial-rollout pool, rewards, metrics), training ``parts.train``, pushes ``parts.push``.
+:attr:`megaforge.specs.StepSettings.is_async` says when any of those is configured; ``Run.rl`` then
+runs its steps through an :class:`AsyncDriver` instead of the :class:`~megaforge.driver.sync.SyncDriver`.
+Both are made of the same :class:`~megaforge.driver.steps.StepParts`: rollouts are ``parts.rollout``
+(DAPO dynamic sampling, the partial-rollout pool, rewards, metrics), training ``parts.train``, pushes
+``parts.push``.
 
 Off-policy step s (main rank; the rollout thread drives the engine, which runs in its own process):
 
@@ -58,17 +59,11 @@ import torch
 
 from megaforge import collective
 from megaforge.checkpoint import CheckpointError, read_tensors
-from megaforge.config import Config
 from megaforge.data.batch import set_denominators
 from megaforge.driver.common import TENSOR_FILES, Driver, RunError, on_main, say, timed
 from megaforge.driver.steps import StepParts
 from megaforge.sync.check import dtype_name
 from megaforge.types import TrainBatch
-
-
-def is_async(cfg: Config) -> bool:
-    """The run's steps need an :class:`AsyncDriver`: overlap, partial rollouts or a sync interval."""
-    return cfg.loop.mode == "off_policy" or cfg.loop.partial_rollouts or cfg.sync.interval > 1
 
 
 #: the file of a checkpoint that holds the off-policy driver's in-flight batch (tensors)
@@ -135,11 +130,11 @@ class AsyncDriver(Driver):
     (the in-flight batch's tensors are there)."""
 
     def __init__(self, parts: StepParts, state: dict, ckpt: Optional[str] = None):
-        self.parts, self.cfg = parts, parts.cfg
-        cfg = self.cfg
-        self.overlap = cfg.loop.mode == "off_policy"
-        self.K, self.M, self.policy = cfg.loop.max_staleness, cfg.sync.interval, cfg.loop.stale_policy
-        self.updates = cfg.trainer.mini_batches * cfg.trainer.epochs
+        self.parts, self.settings = parts, parts.settings
+        s = self.settings
+        self.overlap = s.loop.mode == "off_policy"
+        self.K, self.M, self.policy = s.loop.max_staleness, s.sync_interval, s.loop.stale_policy
+        self.updates = s.updates
         self.main = collective.is_main()
         self.partial = parts.partial  # main rank, loop.partial_rollouts: the pool rollouts draw from
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="megaforge-rollout") if self.overlap and self.main else None
@@ -217,7 +212,7 @@ class AsyncDriver(Driver):
 
     # ---------------------------------------------------------------------------------------- step
     def step(self, step: int, bar) -> dict:
-        parts, cfg = self.parts, self.cfg
+        parts, cfg = self.parts, self.settings
         m: dict = {"sync/pushed": 0.0, "sync/forced": 0.0, "staleness/dropped_samples": 0.0}
         t0 = time.perf_counter()
         V = parts.trainer.version
@@ -312,7 +307,7 @@ class AsyncDriver(Driver):
                 pass
         if self.inflight is not None:
             try:
-                self.inflight.result(timeout=self.cfg.rollout.request_timeout_s)
+                self.inflight.result(timeout=self.settings.request_timeout_s)
             except Exception:  # noqa: BLE001
                 pass
             self.inflight = None

@@ -14,53 +14,57 @@ from typing import Optional
 import torch
 
 from megaforge import collective, memory
-from megaforge.algorithms import (ADVANTAGES, AdvantageInputs, ObjectiveParams, Share, first_groups, kl_reward_penalty,
+from megaforge.algorithms import (ADVANTAGES, AdvantageInputs, Share, first_groups, kl_reward_penalty,
                                   nonzero_variance_groups, overlong_penalty, value_targets,
                                   zero_variance_fraction)
-from megaforge.config import Config
 from megaforge.data.batch import per_token_bytes, samples_to_batch, set_denominators
 from megaforge.driver.common import timed
 from megaforge.driver.handoff import BatchHandOff
-from megaforge.rollout.manager import generate_samples, sampling_params, score
-from megaforge.rollout.routing import run_routing_shape
+from megaforge.rollout.manager import generate_samples, score
 from megaforge.rollout.partial import PartialPool
+from megaforge.specs import Schedule, StepSettings, expect
 from megaforge.sync import push_weights
 from megaforge.sync.adapters import push_adapters
 from megaforge.types import TrainBatch
 
 
 class StepParts:
-    """The pieces of an RL step over one run's trainer and engine. ``data`` (the PromptSource),
-    ``rewards`` (the RewardManager) and ``stop_ids`` are the main rank's (None / [] elsewhere); so is
-    the partial-rollout pool :attr:`partial` (``loop.partial_rollouts``; None otherwise).
+    """The pieces of an RL step over one run's trainer and engine, with the settings they read
+    (:class:`~megaforge.specs.StepSettings`, built by :meth:`megaforge.build.RunBuilder.step_settings`).
+    ``data`` (the PromptSource), ``rewards`` (the RewardManager) and ``stop_ids`` are the main rank's
+    (None / [] elsewhere); so is the partial-rollout pool :attr:`partial` (``loop.partial_rollouts``;
+    None otherwise). ``routing_shape``: the policy's (``rollout.return_routed_experts``; None: off).
     :meth:`rollout` runs on the main rank; :meth:`train` and :meth:`push` on every rank (collective);
     so does the constructor (the batch hand-off's :class:`~megaforge.driver.handoff.BatchHandOff`)."""
 
-    def __init__(self, cfg: Config, trainer, engine, data, rewards, tokenizer, stop_ids: list):
-        self.cfg, self.trainer, self.engine = cfg, trainer, engine
+    def __init__(self, settings: StepSettings, trainer, engine, data, rewards, tokenizer, stop_ids: list,
+                 routing_shape=None):
+        self.settings = expect(settings, StepSettings, "StepParts")
+        self.trainer, self.engine = trainer, engine
         self.data, self.rewards, self.tokenizer, self.stop_ids = data, rewards, tokenizer, stop_ids
-        self.handoff = BatchHandOff(*trainer.data_parallel(), cfg.trainer.mini_batches)
-        self.routing_shape = run_routing_shape(cfg)  # rollout.return_routed_experts (None: off)
+        self.handoff = BatchHandOff(*trainer.data_parallel(), settings.mini_batches) if trainer is not None else None
+        self.routing_shape = routing_shape
+        self.base = settings.sampling.params(stop_ids)  # each request adds its seed
         self.partial = None
-        if cfg.loop.partial_rollouts and collective.is_main():
-            self.partial = PartialPool(engine, data, tokenizer, cfg, self.score, sampling_params(cfg, stop_ids))
+        if settings.loop.partial_rollouts and collective.is_main():
+            self.partial = PartialPool(engine, data, tokenizer, settings.loop, settings.n_samples,
+                                       settings.max_new_tokens, settings.seed, self.score, self.base)
 
     # ------------------------------------------------------------------------------------ rollout
     def _generate(self, step: int, n_prompts: int, offset: int, m: dict) -> list:
         """``n_prompts`` prompts x grpo.n_samples scored samples (group ids from ``offset``), with DAPO's
         overlong shaping added to the rewards when ``algo.overlong_buffer`` > 0."""
-        cfg = self.cfg
+        s = self.settings
         if self.partial is not None:  # rounds that carry unfinished samples
             return self.partial.generate(step, n_prompts, offset, m)
-        per_call = cfg.rewards.stream_prompts or n_prompts  # rewards.stream_prompts: rewards overlap generation
+        per_call = s.stream_prompts or n_prompts  # rewards.stream_prompts: rewards overlap generation
         stream = self.rewards.stream() if per_call < n_prompts else None
         with timed(m, "time/rollout"):
             rows = self.data.next_batch(n_prompts)
             samples = []
             for a in range(0, len(rows), per_call):  # the same seeded requests whatever the split
-                part = generate_samples(self.engine, rows[a:a + per_call], cfg.grpo.n_samples,
-                                        sampling_params(cfg, self.stop_ids), cfg.seed, step, offset + a, self.tokenizer, cfg,
-                                        self.routing_shape)
+                part = generate_samples(self.engine, rows[a:a + per_call], s.n_samples, self.base, s.seed, step,
+                                        offset + a, self.tokenizer, s.generate, self.routing_shape)
                 if stream is not None:
                     stream.add_samples(part)  # scored in the reward workers while the next part generates
                 samples += part
@@ -69,15 +73,15 @@ class StepParts:
     def score(self, samples: list, m: dict, stream=None) -> list:
         """Rewards (plus DAPO's overlong shaping) of finished samples (already in ``stream`` when it is
         given); metrics added to ``m``."""
-        cfg = self.cfg
+        s = self.settings
         for k, v in score(samples, self.rewards, stream).items():  # counts and times add up, means average over rounds
             summed = k in ("reward/errors", "reward/timeouts") or k.startswith("time/")
             m[k] = m.get(k, 0.0) + (v if summed else v * len(samples))
-        if cfg.algo.overlong_buffer > 0:
-            pen = overlong_penalty(torch.tensor([len(s.response_ids) for s in samples]), cfg.rollout.max_new_tokens,
-                                   cfg.algo.overlong_buffer, cfg.algo.overlong_penalty)
-            for s, p in zip(samples, pen.tolist()):
-                s.reward += p
+        if s.overlong_buffer > 0:
+            pen = overlong_penalty(torch.tensor([len(x.response_ids) for x in samples]), s.max_new_tokens,
+                                   s.overlong_buffer, s.overlong_penalty)
+            for x, p in zip(samples, pen.tolist()):
+                x.reward += p
             m["reward/overlong_penalty"] = m.get("reward/overlong_penalty", 0.0) + float(pen.sum())
         return samples
 
@@ -88,17 +92,17 @@ class StepParts:
         more prompts sampled, up to ``algo.dynamic_sampling_max_rounds`` rounds, until
         ``rollout.batch_size`` groups are kept; then the first ``batch_size`` kept groups train. If no
         group survives, the last round's groups train (their advantages are 0)."""
-        cfg = self.cfg
-        target, n = cfg.rollout.batch_size, cfg.grpo.n_samples
+        st = self.settings
+        target, n = st.batch_size, st.n_samples
         self.engine.ensure_healthy()  # a dead or hung engine is restarted and re-synced (rollout.max_restarts)
         self.rewards.start_step()
-        if not cfg.algo.dynamic_sampling:
+        if not st.dynamic_sampling:
             generated = samples = self._generate(step, target, 0, m)
         else:
             generated, samples, rounds, last = [], [], 0, []
-            while len(samples) < target * n and rounds < cfg.algo.dynamic_sampling_max_rounds:
+            while len(samples) < target * n and rounds < st.dynamic_sampling_max_rounds:
                 want = target - len(samples) // n
-                last = self._generate(step, math.ceil(want * cfg.loop.oversample), len(generated) // n, m)
+                last = self._generate(step, math.ceil(want * st.loop.oversample), len(generated) // n, m)
                 generated += last
                 keep = nonzero_variance_groups(torch.tensor([s.reward for s in last]),
                                                torch.tensor([s.group_id for s in last]))
@@ -129,7 +133,7 @@ class StepParts:
             "data/skipped_rows": float(self.data.skipped), "data/epoch": float(self.data.epoch),
             **self.engine.health_metrics(),
         })
-        for s in generated[: cfg.metrics.log_samples]:
+        for s in generated[: st.log_samples]:
             bar.write(f"[step {step}] reward={s.reward:.2f} | {s.prompt_text!r} -> {s.response_text!r}")
         return samples_to_batch(samples, self.tokenizer.pad_token_id)
 
@@ -150,7 +154,7 @@ class StepParts:
             with timed(m, "time/onload"):
                 self.trainer.onload()
             with timed(m, "time/train"):
-                train_share(self.trainer, self.handoff, batch, self.cfg, m)
+                train_share(self.trainer, self.handoff, batch, self.settings, m)
             with timed(m, "time/offload"):
                 self.trainer.offload(["state"] if keep_weights else None)
 
@@ -166,12 +170,12 @@ class StepParts:
                 with timed(m, "time/resume"):
                     self.engine.resume_memory(["weights"])
             with timed(m, "time/sync"):
-                if self.cfg.sync.lora_adapters:  # the adapters alone; the engine merges (megaforge.sync.adapters)
-                    stats = push_adapters(self.trainer, self.engine, self.cfg.sync.bucket_mb << 20,
-                                          self.trainer.version)
+                s = self.settings
+                if s.lora_adapters:  # the adapters alone; the engine merges (megaforge.sync.adapters)
+                    stats = push_adapters(self.trainer, self.engine, s.bucket_mb << 20, self.trainer.version)
                 else:
-                    stats = push_weights(self.trainer, self.engine, self.cfg.sync.bucket_mb << 20,
-                                         self.trainer.version, check_equal=self.cfg.sync.check_equal)
+                    stats = push_weights(self.trainer, self.engine, s.bucket_mb << 20, self.trainer.version,
+                                         check_equal=s.check_equal)
             m["sync/bytes"] = float(stats["bytes"])
             with timed(m, "time/offload"):
                 self.trainer.offload(["weights"])
@@ -192,100 +196,75 @@ class StepParts:
         return m
 
 
-def start_rl_trainer(trainer, cfg: Config) -> None:
-    """The trainer as RL starts (after SFT): a fresh optimizer whose schedule spans ``max_steps`` x
-    ``trainer.mini_batches`` x ``trainer.epochs`` updates, and the frozen reference (:func:`needs_ref`)."""
-    total_updates = cfg.max_steps * cfg.trainer.mini_batches * cfg.trainer.epochs
-    trainer.reset_optimizer(cfg.trainer.lr, total_updates, cfg.trainer.warmup_steps, cfg.trainer.lr_schedule,
-                            cfg.trainer.min_lr)
-    if needs_ref(cfg):
+def start_rl_trainer(trainer, schedule: Schedule, reference: bool) -> None:
+    """The trainer as RL starts (after SFT): a fresh optimizer on ``schedule`` (its updates span
+    ``max_steps`` x ``trainer.mini_batches`` x ``trainer.epochs``), and the frozen reference when
+    ``reference`` (:attr:`megaforge.specs.StepSettings.needs_ref`: grpo.beta > 0)."""
+    s = expect(schedule, Schedule, "start_rl_trainer")
+    trainer.reset_optimizer(s.lr, s.total_updates, s.warmup_steps, s.lr_schedule, s.min_lr)
+    if reference:
         trainer.snapshot_reference()
 
 
-def needs_ref(cfg: Config) -> bool:
-    """The step computes the reference policy's log-probs (the KL term: ``grpo.beta`` > 0)."""
-    return cfg.grpo.beta > 0
-
-
-def kl_in_reward(cfg: Config) -> bool:
-    """The KL to the reference is a per-token reward penalty (``algo.kl_in_reward`` with beta > 0)."""
-    return cfg.algo.kl_in_reward and cfg.grpo.beta > 0
-
-
-def needs_teacher(cfg: Config) -> bool:
-    """The step computes the distillation teacher's log-probs of the sampled tokens (``algo.advantage: distill``)."""
-    return cfg.algo.advantage == "distill"
-
-
-def needs_old_logprobs(cfg: Config) -> bool:
-    """The trainer computes pi_old's log-probs before the update: several updates per batch (the ratio
-    needs a fixed pi_old), the KL penalty in the reward, or distillation (both are taken from them)."""
-    return cfg.trainer.mini_batches * cfg.trainer.epochs > 1 or kl_in_reward(cfg) or needs_teacher(cfg)
-
-
-def batch_advantages(batch: TrainBatch, cfg: Config,
+def batch_advantages(batch: TrainBatch, s: StepSettings,
                      whole: Optional[tuple[torch.Tensor, torch.Tensor, Share]] = None,
                      teacher_logprobs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``algo.advantage`` of ``batch``'s rows [n, T]: of a whole batch, or of one data-parallel share of
     it when ``whole`` = (the whole batch's rewards [B], its group ids [B], this rank's Share) is given
     (:meth:`~megaforge.driver.handoff.BatchHandOff.sequences`). Sets ``batch.returns`` (the critic's
-    targets) when the batch has critic values. With :func:`kl_in_reward` the token rewards are
+    targets) when the batch has critic values. With ``s.kl_in_reward`` the token rewards are
     :func:`~megaforge.algorithms.kl.kl_reward_penalty` of the trainer's old log-probs (as verl), not of
     the engine's rollout log-probs. ``teacher_logprobs`` [n, T]: the distillation teacher's, for
-    ``algo.advantage: distill`` (with the trainer's old log-probs as the student's)."""
+    ``algo.advantage: distill`` (with the trainer's old log-probs as the student's). The estimator gets
+    ``s.objective`` (an :class:`~megaforge.algorithms.params.ObjectiveParams`, what estimators are typed
+    to read), never a config section."""
+    s = expect(s, StepSettings, "batch_advantages")
     token_rewards = None
-    if kl_in_reward(cfg):
+    if s.kl_in_reward:
         if batch.old_logprobs is None or batch.ref_logprobs is None:
             raise RuntimeError("algo.kl_in_reward: the batch lacks the trainer's old or reference log-probs")
-        token_rewards = kl_reward_penalty(batch.old_logprobs, batch.ref_logprobs, batch.loss_mask, cfg.grpo.beta,
-                                          cfg.algo.kl_estimator)
+        token_rewards = kl_reward_penalty(batch.old_logprobs, batch.ref_logprobs, batch.loss_mask, s.beta,
+                                          s.kl_estimator)
     rewards, group_ids, share = whole if whole is not None else (batch.rewards, batch.group_ids, None)
     inp = AdvantageInputs(rewards=rewards, group_ids=group_ids, loss_mask=batch.loss_mask,
                           token_rewards=token_rewards, values=batch.values, share=share,
                           logprobs=batch.old_logprobs, teacher_logprobs=teacher_logprobs)
-    p = ObjectiveParams.from_config(cfg)  # what estimators are typed to read (cfg.algo lacks .of() and grpo.*)
+    p = s.objective
     if batch.values is not None:  # the critic's targets: lambda-returns
         batch.returns = value_targets(inp, p)
     adv = ADVANTAGES.get(p.advantage)(inp, p)
     if adv.shape != batch.loss_mask.shape:
-        raise ValueError(f"algo.advantage {cfg.algo.advantage!r} returned advantages of shape {tuple(adv.shape)} "
+        raise ValueError(f"algo.advantage {s.advantage!r} returned advantages of shape {tuple(adv.shape)} "
                          f"for rows of shape {tuple(batch.loss_mask.shape)} (the rows held: AdvantageInputs.loss_mask)")
     return adv
 
 
-def advantages_need_trainer(cfg: Config) -> bool:
-    """The advantages read per-token results of the trainer (the KL penalty in the reward, critic
-    values), so every rank computes them on its own share after the log-probs / values
-    (:func:`share_advantages`); otherwise the main rank computes them on the whole batch before the
-    hand-off."""
-    return kl_in_reward(cfg) or cfg.critic_enabled or needs_teacher(cfg)
-
-
-def train_share(trainer, handoff: BatchHandOff, batch: Optional[TrainBatch], cfg: Config, m: dict) -> TrainBatch:
+def train_share(trainer, handoff: BatchHandOff, batch: Optional[TrainBatch], s: StepSettings, m: dict) -> TrainBatch:
     """Every rank: the step's training on this rank's share of ``batch`` (whole on the main rank, None
     elsewhere), handed off by ``handoff``. The advantages: the main rank's on the whole batch before
     the hand-off, or every rank's on its share after the log-probs / values
-    (:func:`advantages_need_trainer`); every per-token result stays on its rank. Adds to ``m`` the
+    (``s.advantages_need_trainer``); every per-token result stays on its rank. Adds to ``m`` the
     trainer's metrics and the hand-off's (:func:`handoff_metrics`). Returns the share, with its
     per-token results."""
+    s = expect(s, StepSettings, "train_share")
     if batch is not None:
         set_denominators(batch)
-        if not advantages_need_trainer(cfg):
-            batch.advantages = batch_advantages(batch, cfg)
+        if not s.advantages_need_trainer:
+            batch.advantages = batch_advantages(batch, s)
     share = handoff.share(batch)
-    if needs_ref(cfg):
+    if s.needs_ref:
         share.ref_logprobs = trainer.compute_logprobs(share, "ref", positions="trained")
-    if needs_old_logprobs(cfg):
+    if s.needs_old_logprobs:
         share.old_logprobs = trainer.compute_logprobs(share, "policy", positions="trained")
-    if cfg.critic_enabled:
+    if s.critic:
         share.values = trainer.compute_values(share)
     teacher_lp = None
-    if needs_teacher(cfg):
+    if s.needs_teacher:
         teacher_lp = trainer.teacher_logprobs(share)  # on the trainer or from an engine (teacher.served_by)
         m.update(distill_metrics(share, teacher_lp))
-    if advantages_need_trainer(cfg):
-        share_advantages(handoff, share, batch, cfg, teacher_lp)
-    seen = batch if batch is not None and not advantages_need_trainer(cfg) else share  # main: the whole batch
+    if s.advantages_need_trainer:
+        share_advantages(handoff, share, batch, s, teacher_lp)
+    seen = batch if batch is not None and not s.advantages_need_trainer else share  # main: the whole batch
     if seen.advantages is not None:
         m["advantages/nonzero_frac"] = nonzero_advantage_fraction(seen)
     m.update(trainer.train_step(share))
@@ -305,21 +284,21 @@ def distill_metrics(share: TrainBatch, teacher_lp: torch.Tensor) -> dict:
     return {"distill/reverse_kl": float(sums[0]) / n, "distill/teacher_logprob": float(sums[1]) / n}
 
 
-def share_advantages(handoff: BatchHandOff, share: TrainBatch, batch: Optional[TrainBatch], cfg: Config,
+def share_advantages(handoff: BatchHandOff, share: TrainBatch, batch: Optional[TrainBatch], s: StepSettings,
                      teacher_logprobs: Optional[torch.Tensor] = None) -> None:
     """Every rank: :func:`batch_advantages` (and the critic's returns) of its own ``share``, with the
     whole batch's rewards and group ids and the sums over the DP ranks that the estimator needs
     (:meth:`~megaforge.driver.handoff.BatchHandOff.sequences`). ValueError on every rank, before any
     collective of the estimator, for an estimator that does not declare it works on a share
     (``ADVANTAGES.register(name, shares=True)``) when there are several DP ranks."""
-    name = cfg.algo.advantage
+    name = s.advantage
     if handoff.dp_size > 1 and not ADVANTAGES.declared(name).get("shares"):
         raise ValueError(
             f"algo.advantage {name!r}: with algo.kl_in_reward, the critic or a teacher every data-parallel rank computes "
             f"its share's advantages, and {name!r} does not declare that it can (register it with shares=True "
             "once its batch-wide statistics go through AdvantageInputs.batch_sum / batch_max and its rows "
             "through AdvantageInputs.held)")
-    share.advantages = batch_advantages(share, cfg, handoff.sequences(batch), teacher_logprobs)
+    share.advantages = batch_advantages(share, s, handoff.sequences(batch), teacher_logprobs)
 
 
 def nonzero_advantage_fraction(batch: TrainBatch) -> float:
@@ -330,18 +309,19 @@ def nonzero_advantage_fraction(batch: TrainBatch) -> float:
     return float((batch.advantages[trained] != 0).sum()) / n if n else 0.0
 
 
-def no_signal_warning(cfg: Config, steps: int, last: int, m: dict) -> str:
+def no_signal_warning(s: StepSettings, sft_steps: int, steps: int, last: int, m: dict) -> str:
     """The one line printed after ``steps`` consecutive RL steps (the last: ``last``, its metrics ``m``)
-    whose advantages were all 0 (``metrics.warn_no_signal_steps``): what it means and what to change."""
+    whose advantages were all 0 (``metrics.warn_no_signal_steps``): what it means and what to change
+    (``sft_steps``: ``sft.max_steps``)."""
     head = (f"megaforge: warning: RL steps {last - steps + 1}-{last}: every advantage was 0 (groups/zero_variance_frac "
             f"{m.get('groups/zero_variance_frac', float('nan')):.2f}, reward/mean {m.get('reward/mean', float('nan')):.3g}), "
             f"so the policy gets no gradient and this run cannot learn; ")
     if m.get("reward/std", 0.0) == 0.0:
         return head + (f"every response scored {m.get('reward/mean', 0.0):.3g}: warm start the model on the task "
-                       f"(sft.max_steps > 0, now {cfg.sft.max_steps}), give easier prompts (data.path) or a reward "
+                       f"(sft.max_steps > 0, now {sft_steps}), give easier prompts (data.path) or a reward "
                        f"with partial credit (rewards.functions)")
-    return head + (f"responses to the same prompt scored alike: raise grpo.n_samples (now {cfg.grpo.n_samples}) or "
-                   f"grpo.temperature (now {cfg.grpo.temperature:g})")
+    return head + (f"responses to the same prompt scored alike: raise grpo.n_samples (now {s.n_samples}) or "
+                   f"grpo.temperature (now {s.sampling.temperature:g})")
 
 
 def handoff_metrics(handoff: BatchHandOff, share: TrainBatch) -> dict:

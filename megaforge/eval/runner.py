@@ -26,44 +26,33 @@ import os
 import time
 from typing import Callable, Optional
 
-from megaforge.config.evaluation import correct_reward_label
 from megaforge.eval.sets import EvalSet
 from megaforge.eval.stats import SampleResult, summarize
 from megaforge.rollout.manager import generate_samples
+from megaforge.specs import EvalSettings, expect
 from megaforge.types import SamplingParams
 
 #: the ``step`` the evaluation's request seeds are derived from (training steps are >= 1)
 EVAL_SEED_STEP = -1
 
 
-def is_due(cfg, step: int) -> bool:
-    """Whether the run evaluates after RL step ``step`` (0: before the first step): eval.before_train
-    at 0, then every eval.interval steps and after the last step (cfg.max_steps)."""
-    e = cfg.eval
-    if not e.sets:
-        return False
-    if step == 0:
-        return e.before_train
-    return e.interval > 0 and (step % e.interval == 0 or step == cfg.max_steps)
-
-
 class Evaluator:
-    """Evaluates the configured sets with an engine (main rank). ``rewards``: the run's RewardManager;
-    ``out_dir``: where the per-sample files go (None: not written)."""
+    """Evaluates the configured sets with an engine (main rank). ``settings``: what it reads of the
+    configuration (:class:`~megaforge.specs.EvalSettings`, built by
+    :meth:`megaforge.build.RunBuilder.eval_settings`); ``rewards``: the run's RewardManager; ``out_dir``:
+    where the per-sample files go (None: not written)."""
 
-    def __init__(self, cfg, sets: list[EvalSet], tokenizer, rewards, stop_ids, out_dir: Optional[str] = None):
-        self.cfg, self.sets, self.tokenizer, self.rewards = cfg, sets, tokenizer, rewards
+    def __init__(self, settings: EvalSettings, sets: list[EvalSet], tokenizer, rewards, stop_ids,
+                 out_dir: Optional[str] = None):
+        self.settings = expect(settings, EvalSettings, "Evaluator")
+        self.sets, self.tokenizer, self.rewards = sets, tokenizer, rewards
         self.stop_ids = list(stop_ids)
-        self.out_dir = out_dir if cfg.eval.write_samples else None
+        self.out_dir = out_dir if settings.eval.write_samples else None
         # the component that decides correctness, by its label (RewardManager's key for it)
-        self.correct_name = correct_reward_label(cfg)
+        self.correct_name = settings.correct_name
 
     def _params(self, temperature: float) -> SamplingParams:
-        r, e = self.cfg.rollout, self.cfg.eval
-        greedy = temperature == 0
-        return SamplingParams(temperature=temperature, top_p=1.0 if greedy else r.top_p,
-                              top_k=-1 if greedy else r.top_k, max_new_tokens=e.max_new_tokens or r.max_new_tokens,
-                              stop_token_ids=list(self.stop_ids), stop=list(r.stop))
+        return self.settings.sampling.params(self.stop_ids, temperature, self.settings.eval.max_new_tokens)
 
     def run(self, engine, step: int, stop: Optional[Callable[[], bool]] = None) -> Optional[dict]:
         """Every set at the weights ``engine`` serves: ``eval/<set>/...`` metrics, ``eval/weight_version``
@@ -83,19 +72,20 @@ class Evaluator:
                      stop: Optional[Callable[[], bool]] = None) -> Optional[tuple[dict, list[dict]]]:
         """Metrics of one set (keys without the ``eval/<set>/`` prefix) and its per-response records; None
         when ``stop()`` said stop before one of its engine calls (nothing written)."""
-        e = self.cfg.eval
+        st = self.settings
+        e = st.eval
         modes = ([("greedy", 1, 0.0)] if e.greedy else []) + \
-                ([("sampled", e.n_samples, e.temperature or self.cfg.grpo.temperature)] if e.n_samples else [])
+                ([("sampled", e.n_samples, e.temperature or st.sampling.temperature)] if e.n_samples else [])
         results: list[SampleResult] = []
         records: list[dict] = []
         errors = 0.0
         for mode, n, temp in modes:
-            per_call = max(1, self.cfg.rollout.batch_size * self.cfg.grpo.n_samples // n)  # prompts per engine call
+            per_call = max(1, st.per_step_requests // n)  # prompts per engine call
             for first in range(0, len(s.rows), per_call):
                 if stop is not None and stop():
                     return None
                 samples = generate_samples(engine, s.rows[first:first + per_call], n, self._params(temp),
-                                           self.cfg.seed, EVAL_SEED_STEP, first, self.tokenizer, self.cfg)
+                                           st.seed, EVAL_SEED_STEP, first, self.tokenizer, st.generate)
                 errors += self._score(samples, s, step, mode, n, first, results, records)
         metrics = summarize(results, len(s.rows), e.ks, e.n_samples or None)
         metrics["reward_errors"] = errors
@@ -113,7 +103,7 @@ class Evaluator:
             c = {name: vals[k] for name, vals in comps.items()}
             reward = totals[k] + float(x.metadata.get("env_reward", 0.0))
             r = SampleResult(prompt_index=first + k // n, mode=mode, reward=reward, components=c,
-                             correct=c[self.correct_name] >= self.cfg.eval.correct_threshold,
+                             correct=c[self.correct_name] >= self.settings.eval.correct_threshold,
                              response_len=len(x.response_ids), finish_reason=x.finish_reason)
             results.append(r)
             row = s.rows[r.prompt_index]

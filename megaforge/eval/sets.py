@@ -50,36 +50,38 @@ class _Training:
     left_out: frozenset = frozenset()
 
 
-def load_eval_sets(cfg, tokenizer) -> tuple[list[EvalSet], frozenset]:
-    """The configured sets and the digests of the prompts held out of data.path (empty without a
-    holdout set; megaforge.data.prompts.row_keys). Raises DataError naming the set and row for a bad
-    row or a prompt shared with training. data.path is indexed and its prompts keyed once
+def load_eval_sets(eval_cfg, data_cfg, seed: int, tokenizer, sft_data=None) -> tuple[list[EvalSet], frozenset]:
+    """The sets of ``eval_cfg`` (the ``eval`` section) and the digests of the prompts held out of
+    data.path (``data_cfg``: the ``data`` section; empty without a holdout set;
+    megaforge.data.prompts.row_keys). ``sft_data``: the SFT data the run trains on (``sft.data`` when
+    ``sft.max_steps`` > 0), checked disjoint from the sets too. Raises DataError naming the set and row
+    for a bad row or a prompt shared with training. data.path is indexed and its prompts keyed once
     (megaforge.data.sources.row_table), for the split and the training data alike."""
-    if not cfg.eval.sets:
+    if not eval_cfg.sets:
         return [], frozenset()
     held = frozenset()
-    hold = next((s for s in cfg.eval.sets if not s.path), None)
+    hold = next((s for s in eval_cfg.sets if not s.path), None)
     data_rows, data_keys = None, None
-    if hold is not None or cfg.eval.check_disjoint:
-        data_rows = row_table(cfg.data, cfg.seed)
-        data_keys = row_keys(data_rows, cfg.data, tokenizer)
+    if hold is not None or eval_cfg.check_disjoint:
+        data_rows = row_table(data_cfg, seed)
+        data_keys = row_keys(data_rows, data_cfg, tokenizer)
     if hold is not None:
         try:
-            held = choose_held_out(data_keys, hold.holdout, cfg.seed)
+            held = choose_held_out(data_keys, hold.holdout, seed)
         except ValueError as e:
-            raise DataError(f"eval set {hold.name!r} (holdout {hold.holdout} of data.path {cfg.data.path!r}): "
+            raise DataError(f"eval set {hold.name!r} (holdout {hold.holdout} of data.path {data_cfg.path!r}): "
                             f"{e}") from None
     training = []
-    if cfg.eval.check_disjoint:
+    if eval_cfg.check_disjoint:
         training.append(_Training(data_rows, data_keys, held))
-        if cfg.sft.max_steps > 0 and cfg.sft.data is not None:
-            sft_rows = row_table(cfg.sft.data, cfg.seed)
-            training.append(_Training(sft_rows, row_keys(sft_rows, cfg.sft.data, tokenizer)))
+        if sft_data is not None:
+            sft_rows = row_table(sft_data, seed)
+            training.append(_Training(sft_rows, row_keys(sft_rows, sft_data, tokenizer)))
     sets = []
-    for s in cfg.eval.sets:
-        dcfg = set_data_config(cfg.data, s)
+    for s in eval_cfg.sets:
+        dcfg = set_data_config(data_cfg, s)
         if s.path:
-            raw = list(itertools.islice(read_rows(dcfg, cfg.seed), s.max_rows or None))
+            raw = list(itertools.islice(read_rows(dcfg, seed), s.max_rows or None))
         else:  # one row per held-out prompt, in data order (the first max_rows of them)
             seen: set[int] = set()
             raw = []
@@ -95,9 +97,9 @@ def load_eval_sets(cfg, tokenizer) -> tuple[list[EvalSet], frozenset]:
                 rows.append(parse_row(r, dcfg, tokenizer, want_response=False))
             except DataError as e:
                 raise DataError(f"eval set {s.name!r}: {e}") from None
-        if cfg.eval.check_disjoint:
+        if eval_cfg.check_disjoint:
             _check_disjoint(s.name, raw, row_keys(raw, dcfg, tokenizer), training)
-        sets.append(EvalSet(s.name, rows, dcfg.path if s.path else f"{hold.holdout} of {cfg.data.path}"))
+        sets.append(EvalSet(s.name, rows, dcfg.path if s.path else f"{hold.holdout} of {data_cfg.path}"))
     return sets, held
 
 

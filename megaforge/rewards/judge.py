@@ -40,7 +40,7 @@ import string
 import tempfile
 from typing import Sequence
 
-from megaforge.config import Config
+from megaforge.specs import EngineSpec, engine_dtype
 
 FIELDS = ("prompt", "response", "label")
 DEFAULT_PATTERNS = {"score": r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)", "pass_fail": r"(?i)verdict\s*[:=]\s*(pass|fail)\b"}
@@ -136,9 +136,9 @@ class LLMJudge:
             if at is not None:
                 self._around = (full[:at], full[at + len(bare):])
         self.stop_ids = stop_token_ids(self.tokenizer, judge.model.path)
-        run = Config(model=judge.model, rollout=judge.rollout, output_dir=tempfile.gettempdir(),
-                     run_name=f"megaforge-judge-{os.getpid()}")  # HTTP engines' logs: <tmp>/megaforge-judge-PID/logs
-        self.engine = build_engine(run, self.tokenizer)
+        spec = EngineSpec(rollout=judge.rollout, model=judge.model, dtype=engine_dtype(judge.rollout, judge.model),
+                          run_dir=os.path.join(tempfile.gettempdir(), f"megaforge-judge-{os.getpid()}"))
+        self.engine = build_engine(spec, self.tokenizer)  # HTTP engines' logs: <tmp>/megaforge-judge-PID/logs
 
     @classmethod
     def from_spec(cls, spec) -> "LLMJudge":

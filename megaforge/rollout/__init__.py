@@ -22,14 +22,18 @@ def preflight(cfg) -> None:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     kind = engine_kind(cfg.rollout.engine)
-    if kind.preflight is not None:
-        call(kind.preflight, cfg)  # e.g. sglang installed in the engine interpreter
-    check_context(cfg)
-    check_engine_gpus(cfg)
+    if kind.preflight is not None:  # e.g. sglang installed in the engine interpreter
+        from megaforge.specs import EngineSpec  # (megaforge.build.RunBuilder.engine_spec's; build sits above)
+
+        call(kind.preflight, EngineSpec(rollout=cfg.rollout, model=cfg.model, dtype=cfg.engine_dtype, seed=cfg.seed,
+                                        run_dir=cfg.run_dir, transport=cfg.sync.transport,
+                                        lora_adapters=cfg.sync.lora_adapters))
+    check_context(cfg.model, cfg.data, cfg.rollout, cfg.eval)
+    check_engine_gpus(cfg.rollout)
     if cfg.rollout.return_routed_experts:
         from megaforge.rollout.routing import run_routing_shape  # lazy: torch, see above
 
-        run_routing_shape(cfg)  # a dense model: ConfigError
+        run_routing_shape(True, cfg.model)  # a dense model: ConfigError
 
 
 def context_limit(hf_cfg) -> int:
@@ -41,37 +45,38 @@ def context_limit(hf_cfg) -> int:
     return limit
 
 
-def check_context(cfg) -> None:
-    """``data.max_prompt_len`` + ``rollout.max_new_tokens`` must fit the model's context (longer prompts
-    are already refused row by row against data.max_prompt_len)."""
+def check_context(model, data, rollout, eval_cfg) -> None:
+    """``data.max_prompt_len`` + ``rollout.max_new_tokens`` (and ``eval.max_new_tokens`` with eval sets)
+    must fit the model's context (longer prompts are already refused row by row against
+    data.max_prompt_len). ``model``, ``data``, ``rollout``, ``eval_cfg``: those sections."""
     from megaforge.hf import hf_config  # lazy: torch, see above
 
     try:
-        hf = hf_config(cfg.model)
+        hf = hf_config(model)
     except (OSError, ValueError):
         return  # an unreadable model is reported where it is loaded, with its own message
     limit = context_limit(hf)
-    if cfg.eval.sets and cfg.eval.max_new_tokens > cfg.rollout.max_new_tokens:
-        need = cfg.data.max_prompt_len + cfg.eval.max_new_tokens
+    if eval_cfg.sets and eval_cfg.max_new_tokens > rollout.max_new_tokens:
+        need = data.max_prompt_len + eval_cfg.max_new_tokens
         if limit and need > limit:
-            raise ConfigError(f"config keys 'data.max_prompt_len' ({cfg.data.max_prompt_len}) + 'eval.max_new_tokens' "
-                              f"({cfg.eval.max_new_tokens}) = {need} tokens exceed the model's context of {limit}; "
+            raise ConfigError(f"config keys 'data.max_prompt_len' ({data.max_prompt_len}) + 'eval.max_new_tokens' "
+                              f"({eval_cfg.max_new_tokens}) = {need} tokens exceed the model's context of {limit}; "
                               f"lower one of them")
-    need = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    need = data.max_prompt_len + rollout.max_new_tokens
     if limit and need > limit:
-        src = cfg.model.path or cfg.model.config
-        raise ConfigError(f"config keys 'data.max_prompt_len' ({cfg.data.max_prompt_len}) + 'rollout.max_new_tokens' "
-                          f"({cfg.rollout.max_new_tokens}) = {need} tokens exceed the model's context of {limit} "
+        src = model.path or model.config
+        raise ConfigError(f"config keys 'data.max_prompt_len' ({data.max_prompt_len}) + 'rollout.max_new_tokens' "
+                          f"({rollout.max_new_tokens}) = {need} tokens exceed the model's context of {limit} "
                           f"(max_position_embeddings of {src}): a prompt of the allowed length would not get a full "
                           f"response; lower one of them")
 
 
-def check_engine_gpus(cfg) -> None:
-    """The GPUs the engines are configured to use exist on this node (rollout.device, rollout.num_gpus,
-    rollout.num_engines x rollout.tensor_parallel); multi-node placement is checked by the planner."""
+def check_engine_gpus(r) -> None:
+    """The GPUs the engines are configured to use exist on this node (``r``: the ``rollout`` section;
+    rollout.device, rollout.num_gpus, rollout.num_engines x rollout.tensor_parallel); multi-node
+    placement is checked by the planner."""
     from megaforge.hf import DeviceError, resolve_device  # lazy: torch, see above
 
-    r = cfg.rollout
     kind = engine_kind(r.engine)
     if kind.on_device:
         try:
@@ -96,8 +101,12 @@ def check_engine_gpus(cfg) -> None:
                           f"{e}") from None
 
 
-def build_engine(cfg, tokenizer):
-    """The configured engine (``rollout.engine``, its kind's ``build``), built on the rank that feeds
-    engines; every engine of a kind not in-process on this node (multi-node jobs:
+def build_engine(spec, tokenizer):
+    """The engine of ``spec`` (a :class:`megaforge.specs.EngineSpec`, from
+    :meth:`megaforge.build.RunBuilder.engine_spec`: ``rollout.engine``, its kind's ``build``), built on the
+    rank that feeds engines; every engine of a kind not in-process on this node (multi-node jobs:
     :func:`megaforge.placement.build_engines`)."""
-    return call(engine_kind(cfg.rollout.engine).build, cfg, tokenizer)
+    from megaforge.specs import EngineSpec, expect
+
+    spec = expect(spec, EngineSpec, "build_engine")
+    return call(engine_kind(spec.rollout.engine).build, spec, tokenizer)

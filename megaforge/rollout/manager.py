@@ -6,10 +6,11 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Optional, Sequence
+from typing import Optional
 
 from megaforge.rollout import routing
 from megaforge.rollout.agent.multiturn import call_generate_fn
+from megaforge.specs import GenerateContext
 from megaforge.types import GenerateRequest, Sample, SamplingParams
 
 
@@ -35,12 +36,6 @@ def stop_token_ids(tokenizer, model_dir: str = "") -> list[int]:
 def request_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
     h = hashlib.blake2b(f"{seed}/{step}/{prompt_index}/{sample_index}".encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little") & 0x7FFF_FFFF
-
-
-def sampling_params(cfg, stop_ids: Sequence[int]) -> SamplingParams:
-    r = cfg.rollout
-    return SamplingParams(temperature=cfg.grpo.temperature, top_p=r.top_p, top_k=r.top_k,
-                          max_new_tokens=r.max_new_tokens, stop_token_ids=list(stop_ids), stop=list(r.stop))
 
 
 def make_requests(rows, n: int, base: SamplingParams, seed: int, step: int, group_offset: int = 0,
@@ -77,16 +72,18 @@ def completions_to_samples(rows, n: int, completions, tokenizer, group_offset: i
 
 
 def generate_samples(engine, rows, n: int, base: SamplingParams, seed: int, step: int, group_offset: int,
-                     tokenizer, cfg, routing_shape: Optional[routing.RoutingShape] = None) -> list[Sample]:
+                     tokenizer, ctx: Optional[GenerateContext] = None,
+                     routing_shape: Optional[routing.RoutingShape] = None) -> list[Sample]:
     """``len(rows) * n`` unscored samples, row-major (sample k is the ``k % n``-th of row ``k // n``,
-    group ``group_offset + k // n``). With ``cfg.rollout.generate_fn`` set, that function builds them
-    from the same seeded first-turn requests (see :func:`megaforge.rollout.agent.multiturn.load_generate_fn`).
+    group ``group_offset + k // n``). With ``ctx`` (a :class:`~megaforge.specs.GenerateContext`:
+    ``rollout.generate_fn`` is set), that function builds them from the same seeded first-turn requests
+    (see :func:`megaforge.rollout.agent.multiturn.call_generate_fn`).
     ``routing_shape`` (rollout.return_routed_experts): the engine also reports each token's routed experts,
     kept on the samples (single-turn only: the config refuses them with rollout.generate_fn)."""
     reqs = make_requests(rows, n, base, seed, step, group_offset, routed_experts=routing_shape is not None)
-    if not cfg.rollout.generate_fn:
+    if ctx is None:
         return completions_to_samples(rows, n, engine.generate(reqs), tokenizer, group_offset, routing_shape)
-    return call_generate_fn(cfg, engine, reqs, rows, n, tokenizer, group_offset)
+    return call_generate_fn(ctx, engine, reqs, rows, n, tokenizer, group_offset)
 
 
 def score(samples: list[Sample], reward_manager, stream=None) -> dict:

@@ -75,16 +75,19 @@ def segment_seed(seed: int, gid: int, j: int, start: int) -> int:
 
 
 class PartialPool:
-    """Unfinished and finished-but-unreturned groups, and the rounds that advance them (main rank)."""
+    """Unfinished and finished-but-unreturned groups, and the rounds that advance them (main rank).
+    ``loop``: the LoopConfig section (``partial_budget_tokens``, ``max_staleness``, ``partial_old_tokens``);
+    ``n_samples``: ``grpo.n_samples``; ``max_new_tokens``: ``rollout.max_new_tokens``; ``seed``: the run's."""
 
-    def __init__(self, engine, data, tokenizer, cfg, score_fn: Callable[[list, dict], list], base: SamplingParams):
-        self.engine, self.data, self.tokenizer, self.cfg = engine, data, tokenizer, cfg
+    def __init__(self, engine, data, tokenizer, loop, n_samples: int, max_new_tokens: int, seed: int,
+                 score_fn: Callable[[list, dict], list], base: SamplingParams):
+        self.engine, self.data, self.tokenizer, self.seed = engine, data, tokenizer, seed
         self.score_fn, self.base = score_fn, base
-        self.n = cfg.grpo.n_samples
-        self.max_new = cfg.rollout.max_new_tokens
-        self.budget = cfg.loop.partial_budget_tokens or max(1, self.max_new // 2)
+        self.n = n_samples
+        self.max_new = max_new_tokens
+        self.budget = loop.partial_budget_tokens or max(1, self.max_new // 2)
         self.max_rounds = math.ceil(self.max_new / self.budget)
-        self.K, self.mode = cfg.loop.max_staleness, cfg.loop.partial_old_tokens
+        self.K, self.mode = loop.max_staleness, loop.partial_old_tokens
         self.inflight: list[Group] = []  # groups with an unfinished episode, oldest first
         self.ready: list[Group] = []  # finished groups not returned yet, oldest first
         self.next_gid = 0
@@ -157,7 +160,7 @@ class PartialPool:
         for g, e in todo:
             start = len(e.response_ids)
             sp = SamplingParams(**{**self.base.__dict__, "max_new_tokens": min(self.budget, self.max_new - start),
-                                   "seed": segment_seed(self.cfg.seed, g.gid, e.j, start)})
+                                   "seed": segment_seed(self.seed, g.gid, e.j, start)})
             reqs.append(GenerateRequest(g.prompt_ids + e.response_ids, sp, rid=f"p{g.gid}-n{e.j}-t{start}"))
         comps = self.engine.generate(reqs) if reqs else []
         cont = 0

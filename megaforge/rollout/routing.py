@@ -112,20 +112,20 @@ def check(table, n_tokens: int, shape: RoutingShape, where: str) -> torch.Tensor
     return table.to(DTYPE)
 
 
-def run_routing_shape(cfg) -> Optional[RoutingShape]:
+def run_routing_shape(return_routed_experts: bool, model) -> Optional[RoutingShape]:
     """The policy's routing shape when ``rollout.return_routed_experts`` is on (None: off); a
-    ConfigError naming the key for a dense model."""
-    if not cfg.rollout.return_routed_experts:
+    ConfigError naming the key for a dense model. ``model``: the ``model`` section."""
+    if not return_routed_experts:
         return None
     from megaforge.hf import hf_config  # lazy: transformers, for callers that never turn routing on
 
-    hf = hf_config(cfg.model)
+    hf = hf_config(model)
     try:
         shape = routing_shape(hf)
     except RoutingError as e:
         raise ConfigError(f"config key 'rollout.return_routed_experts': {e}") from None
     if shape is None:
-        raise ConfigError(f"config key 'rollout.return_routed_experts': the model ({cfg.model.path or cfg.model.config}, "
+        raise ConfigError(f"config key 'rollout.return_routed_experts': the model ({model.path or model.config}, "
                           f"model_type {getattr(hf, 'model_type', '?')!r}) has no mixture-of-experts layers: there is "
                           "no routing to return")
     return shape

@@ -124,7 +124,8 @@ class Trainer(ABC):
         self.teacher = None  # the frozen distillation teacher (teacher.path; megaforge.trainer.teacher)
         self.served_teacher = None  # or the engine serving it (teacher.served_by engine; megaforge.trainer.served_teacher)
         if cfg.teacher.path and cfg.teacher.served_by == "engine":
-            self.served_teacher = build_served_teacher(cfg, tokenizer)
+            self.served_teacher = build_served_teacher(cfg.teacher, cfg.model, cfg.rollout, cfg.grpo.temperature,
+                                                       tokenizer)
         self.critic: Critic | None = None  # the PPO critic (init_critic)
         self.version = 0
         self.sched: dict = {}

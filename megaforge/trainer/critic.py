@@ -47,13 +47,13 @@ class ValueModel(torch.nn.Module):
         return out * valid_positions(lengths, T)
 
 
-def _backbone(cfg, policy: torch.nn.Module, device) -> torch.nn.Module:
-    if cfg.critic.path:
+def _backbone(critic, model, policy: torch.nn.Module, device) -> torch.nn.Module:
+    if critic.path:
         from transformers import AutoModel
 
-        return AutoModel.from_pretrained(cfg.critic.path, dtype=DTYPES[cfg.model.dtype],
-                                         attn_implementation=cfg.model.attn_implementation,
-                                         trust_remote_code=cfg.model.trust_remote_code).to(device)
+        return AutoModel.from_pretrained(critic.path, dtype=DTYPES[model.dtype],
+                                         attn_implementation=model.attn_implementation,
+                                         trust_remote_code=model.trust_remote_code).to(device)
     base = getattr(policy, "base_model", None)
     if base is None or base is policy:
         raise ValueError("critic: cannot find the policy's backbone (model.base_model); set critic.path")
@@ -61,15 +61,19 @@ def _backbone(cfg, policy: torch.nn.Module, device) -> torch.nn.Module:
 
 
 class TorchCritic(Critic):
-    def __init__(self, cfg, policy: torch.nn.Module, device: torch.device):
-        self.cfg, self.device = cfg, device
-        backbone = _backbone(cfg, policy, device)
+    """The torch backend's critic. Reads the ``critic`` section (``path``, ``lr``, ``value_clip``), the
+    ``model`` section (loading a ``critic.path`` backbone) and the ``trainer`` section (micro-batches,
+    gradient checkpointing, the optimizer's settings, ``grad_clip``)."""
+
+    def __init__(self, critic, model, trainer, policy: torch.nn.Module, device: torch.device):
+        self.critic_cfg, self.trainer_cfg, self.device = critic, trainer, device
+        backbone = _backbone(critic, model, policy, device)
         hidden = backbone.config.hidden_size
         self.net = ValueModel(backbone, hidden).to(device)
-        if cfg.trainer.gradient_checkpointing and hasattr(backbone, "gradient_checkpointing_enable"):
+        if trainer.gradient_checkpointing and hasattr(backbone, "gradient_checkpointing_enable"):
             backbone.gradient_checkpointing_enable()
         self.module = torch_ddp.wrap(self.net, device)
-        self.opt = torch_ddp.adamw(self.net.parameters(), cfg.critic.lr, cfg.trainer)
+        self.opt = torch_ddp.adamw(self.net.parameters(), critic.lr, trainer)
         self.steps = 0
 
     @torch.no_grad()
@@ -78,25 +82,25 @@ class TorchCritic(Critic):
         in the batch's order; computed in length-ordered micro-batches)."""
         self.net.eval()
         local = torch_ddp.rows_to_compute(batch)
-        local_v = torch_ddp.per_row_results(local, self.cfg.trainer.micro_batch_size, batch.tokens.shape[1],
+        local_v = torch_ddp.per_row_results(local, self.trainer_cfg.micro_batch_size, batch.tokens.shape[1],
                                             lambda mb: self.net(mb.tokens.to(self.device), mb.lengths.to(self.device)),
-                                            self.cfg.trainer.micro_batch_tokens)
+                                            self.trainer_cfg.micro_batch_tokens)
         return torch_ddp.whole_or_share(local_v, batch)
 
     def forward_backward(self, mini: TrainBatch):
         self.net.train()
-        clip = self.cfg.critic.value_clip
+        clip = self.critic_cfg.value_clip
 
         def loss_fn(mb: TrainBatch):
             mb = mb.to(self.device)
             v = self.module(mb.tokens, mb.lengths)
             return value_objective(v, mb.values, mb.returns, mb.loss_mask, mb.num_tokens, clip)
 
-        return torch_ddp.accumulate(self.module, mini, self.cfg.trainer.micro_batch_size, loss_fn,
-                                    self.cfg.trainer.micro_batch_tokens)
+        return torch_ddp.accumulate(self.module, mini, self.trainer_cfg.micro_batch_size, loss_fn,
+                                    self.trainer_cfg.micro_batch_tokens)
 
     def step(self) -> dict[str, tuple[float, str]]:
-        norm, stepped = torch_ddp.clipped_step(self.net.named_parameters(), self.opt, self.cfg.trainer.grad_clip)
+        norm, stepped = torch_ddp.clipped_step(self.net.named_parameters(), self.opt, self.trainer_cfg.grad_clip)
         self.steps += int(stepped)
         return {"critic/grad_norm": (norm, MEAN)}
 

@@ -58,21 +58,24 @@ class ServedTeacher:
         return out * (batch.loss_mask > 0)
 
 
-def build_served_teacher(cfg, tokenizer=None) -> ServedTeacher:
-    """The engine of ``teacher.served_by: engine`` (see the module docstring)."""
+def build_served_teacher(teacher, model, rollout, temperature: float, tokenizer=None) -> ServedTeacher:
+    """The engine of ``teacher.served_by: engine`` (see the module docstring). Reads the ``teacher``
+    section, the student's ``model`` section (the vocabulary check, an HF teacher's loading options),
+    ``rollout.device`` and ``rollout.engine_batch_size`` (``rollout``: the section) and
+    ``grpo.temperature`` (``temperature``)."""
     from megaforge.trainer.teacher import check_vocabulary, load_torch_teacher, locate
 
-    if cfg.teacher.url:
-        check_vocabulary(cfg, locate(cfg), tokenizer)
-        return ServedTeacher(lambda rows: sglang_prompt_logprobs(cfg.teacher.url, rows), f"SGLang {cfg.teacher.url}")
+    if teacher.url:
+        url = teacher.url
+        check_vocabulary(model, locate(teacher, model), tokenizer)
+        return ServedTeacher(lambda rows: sglang_prompt_logprobs(url, rows), f"SGLang {url}")
     from megaforge.rollout.embedded.engine import EmbeddedEngine
     from megaforge.hf import resolve_device
 
-    model = load_torch_teacher(cfg, resolve_device(cfg.rollout.device), tokenizer)
-    engine = EmbeddedEngine(model, tokenizer, max_batch=cfg.rollout.engine_batch_size, fast="off")
-    temperature = cfg.grpo.temperature
+    net = load_torch_teacher(teacher, model, resolve_device(rollout.device), tokenizer)
+    engine = EmbeddedEngine(net, tokenizer, max_batch=rollout.engine_batch_size, fast="off")
     return ServedTeacher(lambda rows: engine.prompt_logprobs(rows, temperature),
-                         f"embedded engine ({cfg.teacher.path})", engine)
+                         f"embedded engine ({teacher.path})", engine)
 
 
 def sglang_request(rows: list[list[int]]) -> dict:

@@ -40,8 +40,9 @@ class TeacherSource:
     what: str
 
 
-def teacher_dtype(cfg) -> str:
-    return cfg.model.dtype if cfg.teacher.dtype == "auto" else cfg.teacher.dtype
+def teacher_dtype(teacher, model) -> str:
+    """``teacher.dtype``, the student's ``model.dtype`` when it is auto (``teacher``, ``model``: the sections)."""
+    return model.dtype if teacher.dtype == "auto" else teacher.dtype
 
 
 def _newest_export(run_dir: str) -> Optional[str]:
@@ -56,15 +57,17 @@ def _newest_export(run_dir: str) -> Optional[str]:
     return max(found)[1] if found else None
 
 
-def locate(cfg) -> TeacherSource:
-    """The teacher named by ``cfg.teacher.path`` (see :class:`~megaforge.config.teacher.TeacherConfig`);
+def locate(teacher, model) -> TeacherSource:
+    """The teacher named by ``teacher.path`` (``teacher``: the :class:`~megaforge.config.teacher.TeacherConfig`
+    section; ``model``: the student's ``model`` section, whose loading options an HF teacher folder takes);
     ConfigError naming ``teacher.path`` when it is none of the accepted forms."""
     from megaforge import checkpoint
 
-    path, dtype = cfg.teacher.path, teacher_dtype(cfg)
+    path, dtype = teacher.path, teacher_dtype(teacher, model)
+    student = model
 
     def hf_dir(d: str, what: str) -> TeacherSource:
-        model = dataclasses.replace(cfg.model, path=d, config="", tokenizer=d, dtype=dtype, trust_remote_code=False)
+        model = dataclasses.replace(student, path=d, config="", tokenizer=d, dtype=dtype, trust_remote_code=False)
         return TeacherSource(model, None, what)
 
     if not os.path.isdir(path):
@@ -92,10 +95,10 @@ def locate(cfg) -> TeacherSource:
     else:
         raise ConfigError(f"config key 'teacher.path': {path} is neither an HF model folder (config.json) nor a "
                           "megaforge run folder (checkpoints/, hf/) nor a run checkpoint (trainer/)")
-    return _from_checkpoint(cfg, ckpt, dtype)
+    return _from_checkpoint(ckpt, dtype)
 
 
-def _from_checkpoint(cfg, ckpt: str, dtype: str) -> TeacherSource:
+def _from_checkpoint(ckpt: str, dtype: str) -> TeacherSource:
     """A torch-backend run checkpoint: the run's ``model:`` section (architecture, tokenizer) from its
     config.yaml and the policy weights of ``trainer/trainer.pt``."""
     from megaforge import checkpoint
@@ -121,17 +124,17 @@ def _tokenizer_name(tok, fallback: str) -> str:
     return getattr(tok, "name_or_path", "") or fallback
 
 
-def check_vocabulary(cfg, source: TeacherSource, student_tokenizer=None):
+def check_vocabulary(model, source: TeacherSource, student_tokenizer=None):
     """ConfigError naming both tokenizers when the teacher's tokenizer maps tokens to ids otherwise
-    than the student's, or when the two models' vocabulary sizes (embedding rows) differ: the
-    teacher scores the student's token ids, which only mean the same tokens under one vocabulary.
-    Returns the teacher's HF config."""
-    student = student_tokenizer if student_tokenizer is not None else load_tokenizer(cfg.model)
+    than the student's (``model``: the student's ``model`` section), or when the two models' vocabulary
+    sizes (embedding rows) differ: the teacher scores the student's token ids, which only mean the same
+    tokens under one vocabulary. Returns the teacher's HF config."""
+    student = student_tokenizer if student_tokenizer is not None else load_tokenizer(model)
     try:
         teacher = load_tokenizer(source.model)
     except OSError as e:
         raise ConfigError(f"config key 'teacher.path': the teacher ({source.what}) has no loadable tokenizer: {e}") from e
-    s_name = _tokenizer_name(student, cfg.model.tokenizer or cfg.model.path)
+    s_name = _tokenizer_name(student, model.tokenizer or model.path)
     t_name = _tokenizer_name(teacher, source.model.tokenizer or source.model.path)
     sv, tv = student.get_vocab(), teacher.get_vocab()
     if sv != tv:
@@ -141,7 +144,7 @@ def check_vocabulary(cfg, source: TeacherSource, student_tokenizer=None):
             f"config key 'teacher.path': the teacher's tokenizer {t_name} ({len(tv)} tokens) differs from the "
             f"student's {s_name} ({len(sv)} tokens), e.g. {example}; on-policy distillation scores the student's "
             "token ids with the teacher, so both must use the same tokenizer")
-    s_cfg, t_cfg = hf_config(cfg.model), hf_config(source.model)
+    s_cfg, t_cfg = hf_config(model), hf_config(source.model)
     if s_cfg.vocab_size != t_cfg.vocab_size:
         raise ConfigError(
             f"config key 'teacher.path': the teacher's vocabulary has {t_cfg.vocab_size} rows, the student's "
@@ -156,11 +159,12 @@ def _freeze(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def load_torch_teacher(cfg, device: torch.device, student_tokenizer=None) -> torch.nn.Module:
-    """The teacher as a frozen Hugging Face CausalLM on ``device`` (torch backend)."""
-    source = locate(cfg)
-    check_vocabulary(cfg, source, student_tokenizer)
-    dtype = DTYPES[teacher_dtype(cfg)]
+def load_torch_teacher(teacher, model, device: torch.device, student_tokenizer=None) -> torch.nn.Module:
+    """The teacher as a frozen Hugging Face CausalLM on ``device`` (torch backend); ``teacher``, ``model``:
+    the ``teacher`` and (the student's) ``model`` sections."""
+    source = locate(teacher, model)
+    check_vocabulary(model, source, student_tokenizer)
+    dtype = DTYPES[teacher_dtype(teacher, model)]
     model = load_hf_model(source.model, torch.device("cpu") if source.state_dict is not None else device, dtype)
     if source.state_dict is not None:
         try:
@@ -180,15 +184,15 @@ def build_megatron_teacher(trainer) -> torch.nn.Module:
     from megaforge.trainer.megatron import model as mmodel
 
     cfg = trainer.cfg
-    source = locate(cfg)
-    t_hf = check_vocabulary(cfg, source, trainer.tokenizer)
+    source = locate(cfg.teacher, cfg.model)
+    t_hf = check_vocabulary(cfg.model, source, trainer.tokenizer)
     family = families.family_of(t_hf)
     desc = family.describe(t_hf)
     pp = cfg.trainer.pipeline_parallel
     if desc.num_layers % pp:
         raise ConfigError(f"config key 'teacher.path': the teacher has {desc.num_layers} layers, which "
                           f"trainer.pipeline_parallel {pp} does not divide (it is split like the student)")
-    dtype = DTYPES[teacher_dtype(cfg)]
+    dtype = DTYPES[teacher_dtype(cfg.teacher, cfg.model)]
     tconfig = mmodel.config_without_hooks(
         mmodel.transformer_config(desc, cfg.trainer, dtype, trainer.device.type == "cpu", trainer.spec))
     bm = mmodel.build_model(desc, family, tconfig, trainer.spec, trainer.device)

@@ -59,7 +59,7 @@ class TorchTrainer(Trainer):
         self.opt = torch_ddp.adamw([p for p in self.model.parameters() if p.requires_grad], t.lr, t)
         self.reset_optimizer(t.lr, cfg.max_steps * t.mini_batches * t.epochs, t.warmup_steps, t.lr_schedule, t.min_lr)
         if cfg.teacher.path and cfg.teacher.served_by == "trainer":  # distillation: frozen, on the trainer's device
-            self.teacher = load_torch_teacher(cfg, self.device, tokenizer)
+            self.teacher = load_torch_teacher(cfg.teacher, cfg.model, self.device, tokenizer)
             if t.autocast != "off":
                 precision.float32_head(self.teacher)
         # memory.offload: pinned host buffers / torch_memory_saver (megaforge.memory); None: resident
@@ -128,7 +128,8 @@ class TorchTrainer(Trainer):
     @onloaded
     def init_critic(self) -> None:
         """A fresh critic (PPO / gae): copy of the current policy backbone (or critic.path), zero head."""
-        self.critic = TorchCritic(self.cfg, self.model, self.device)
+        c = self.cfg
+        self.critic = TorchCritic(c.critic, c.model, c.trainer, self.model, self.device)
 
     @onloaded
     def snapshot_reference(self) -> None:

@@ -58,7 +58,9 @@ def _fake_run(reward_rounds, batch_size=3, n=2, oversample=1.0, max_rounds=4):
         m["reward/math"] = m.get("reward/math", 0.0) + sum(s.reward for s in out)
         return out
 
-    fake = SimpleNamespace(cfg=cfg, _generate=generate, data=SimpleNamespace(skipped=0, epoch=0),
+    from megaforge.build import RunBuilder
+
+    fake = SimpleNamespace(settings=RunBuilder(cfg).step_settings(), _generate=generate, data=SimpleNamespace(skipped=0, epoch=0),
                            rewards=SimpleNamespace(last_error="", step_errors={}, start_step=lambda: None,
                                                    check_step=lambda step: None), tokenizer=SimpleNamespace(pad_token_id=0),
                            # generation is scripted above; the engine's health hooks are the base no-ops

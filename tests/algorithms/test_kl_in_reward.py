@@ -5,11 +5,16 @@ import math
 import torch
 
 from megaforge.config import config_from_dict
-from megaforge.driver.steps import batch_advantages, needs_old_logprobs
+from megaforge.build import RunBuilder
+from megaforge.driver.steps import batch_advantages
 from megaforge.types import TrainBatch
 
 
 MODEL = {"model": {"config": "configs/models/tiny-qwen2"}, "data": {"path": "arithmetic", "format": "synthetic"}}
+
+
+def needs_old_logprobs(cfg) -> bool:
+    return RunBuilder(cfg).step_settings().needs_old_logprobs
 
 
 def cfg_of(**sections):
@@ -35,7 +40,7 @@ def batch():
 def test_kl_penalty_comes_from_the_trainers_old_logprobs(in_root):
     cfg = kl_cfg()
     b = batch()
-    adv = batch_advantages(b, cfg)
+    adv = batch_advantages(b, RunBuilder(cfg).step_settings())
     # reference: r_t = -beta * (old_t - ref_t) on trained tokens, + R at each row's last trained token,
     # G_t = sum_{s >= t} r_s (gamma 1), whitened over the 3 trained tokens (population std)
     beta = 0.5

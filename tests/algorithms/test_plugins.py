@@ -34,7 +34,7 @@ def _cfg(*argv):
                                        ("algo.loss", "no_such_module_xyz:fn"), ("algo.plugins", "[no_such_module_xyz]")])
 def test_config_errors_name_the_key(key, value):
     with pytest.raises(ConfigError, match=f"config key '{key}'"):
-        resolve_components(_cfg(f"--{key}", value))
+        resolve_components(_cfg(f"--{key}", value).algo)
 
 
 def test_seed_custom_loss_by_path_and_by_name():
@@ -45,7 +45,7 @@ def test_seed_custom_loss_by_path_and_by_name():
     loss, st = fn(lp, old, A, torch.ones_like(A), params(seed_custom_clip_range=0.2))
     assert torch.allclose(loss, torch.tensor([[-1.2, 0.8]], dtype=torch.float64))
     assert st["clip_frac"].tolist() == [[1.0, 1.0]]
-    resolve_components(_cfg("--algo.plugins", "[examples.custom_loss.seed_loss]", "--algo.loss", "seed_custom"))
+    resolve_components(_cfg("--algo.plugins", "[examples.custom_loss.seed_loss]", "--algo.loss", "seed_custom").algo)
     assert POLICY_LOSSES.get("seed_custom") is fn
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megaforge.config import config_from_dict
-from megaforge.trainer import build_trainer
+from megaforge.build import RunBuilder
 from megaforge.types import TrainBatch
 
 
@@ -31,7 +31,7 @@ def cfg(tiny_model_dir):
 
 
 def test_reset_optimizer_keeps_the_optimizer_and_makes_it_fresh(cfg, tokenizer):
-    a, b = build_trainer(cfg, tokenizer), build_trainer(cfg, tokenizer)
+    a, b = RunBuilder(cfg).trainer(tokenizer), RunBuilder(cfg).trainer(tokenizer)
     opt, batch = a.opt, _batch()
     a.train_step(batch)  # two optimizer steps: Adam moments and step counts
     assert a.opt.state and a.version == 2 and a.sched["step"] == 2
@@ -46,7 +46,7 @@ def test_reset_optimizer_keeps_the_optimizer_and_makes_it_fresh(cfg, tokenizer):
 
 
 def test_empty_mini_batch_takes_no_step_and_reference_is_chosen_by_name(cfg, tokenizer):
-    tr = build_trainer(cfg, tokenizer)
+    tr = RunBuilder(cfg).trainer(tokenizer)
     batch = _batch()
     batch.loss_mask[:2] = 0.0  # the first mini-batch (rows 0-1) has no trained token
     before = [p.detach().clone() for p in tr.model.parameters()]

@@ -9,7 +9,7 @@ from megaforge.config import load_config
 from megaforge.data.holdout import choose_held_out, key_digest, prompt_key
 from megaforge.data.prompts import PromptSource, prompt_renderer
 from megaforge.data.sources import DataError
-from megaforge.eval.sets import load_eval_sets
+from megaforge.build import RunBuilder
 
 
 def write(path, rows):
@@ -17,6 +17,11 @@ def write(path, rows):
         for r in rows:
             f.write(json.dumps(r) + "\n")
     return str(path)
+
+
+def load_eval_sets(cfg, tokenizer):
+    """The run's eval sets, as the build step reads them from the tree."""
+    return RunBuilder(cfg).eval_sets(tokenizer)
 
 
 def cfg_for(train, *extra):
@@ -173,9 +178,11 @@ def test_eval_response_limit_must_fit_the_context():
 
     # tiny-qwen2 serves 512 positions: 64 prompt tokens + 448 response tokens fit, 449 do not
     args = ["--data.max_prompt_len", "64", "--eval.sets", "[{name: a, holdout: 0.1}]", "--eval.interval", "1"]
-    check_context(cfg_for("x.jsonl", *args, "--eval.max_new_tokens", "448"))
+    cfg = cfg_for("x.jsonl", *args, "--eval.max_new_tokens", "448")
+    check_context(cfg.model, cfg.data, cfg.rollout, cfg.eval)
     with pytest.raises(ConfigError, match=r"'eval.max_new_tokens' \(449\) = 513 tokens exceed the model's context of 512"):
-        check_context(cfg_for("x.jsonl", *args, "--eval.max_new_tokens", "449"))
+        cfg = cfg_for("x.jsonl", *args, "--eval.max_new_tokens", "449")
+        check_context(cfg.model, cfg.data, cfg.rollout, cfg.eval)
 
 
 @pytest.mark.parametrize("given,label", [("", "r"), ("pkg.mod:fn", "mine"), ("fn", "mine"), ("mine", "mine"),

@@ -61,12 +61,12 @@ def _samples(empty):
 
 def _trainer(model_dir, tokenizer, **algo):
     from megaforge.config import config_from_dict
-    from megaforge.trainer import build_trainer
+    from megaforge.build import RunBuilder
 
     cfg = config_from_dict({"model": {"path": model_dir}, "trainer": {"device": "cpu", "micro_batch_size": 2},
                             "algo": algo, "max_steps": 0, "seed": 0})
     torch.manual_seed(0)
-    tr = build_trainer(cfg, tokenizer)
+    tr = RunBuilder(cfg).trainer(tokenizer)
     tr.reset_optimizer(1e-3, 10, 0, "constant")
     return tr
 

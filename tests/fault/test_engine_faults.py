@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rollout"))
 from engine_helpers import buckets_of, engine_config, http, perturbed_state  # noqa: E402
+from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(400)
 VERSION = 3
@@ -28,7 +29,7 @@ about 1.2 s: the 1 s delay and 12 tokens of a tiny model; the SIGSTOP test waits
 
     cfg = engine_config(tmp_path_factory.mktemp("run"), tiny_model_dir, num_engines=2, max_restarts=2,
                         request_timeout_s=6.0, health_timeout_s=3.0, extra_args=["--generate-delay", "1.0"])
-    eng = build_engine(cfg, tokenizer)
+    eng = build_engine(RunBuilder(cfg).engine_spec(), tokenizer)
     _, named = perturbed_state(tiny_model_dir, seed=VERSION)
     eng.update_weights(buckets_of(named, 3), VERSION)
     yield eng

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_helpers import buckets_of, engine_config, perturbed_state  # noqa: E402
 from test_engine_faults import _generate_in_thread, _info, _requests, _when_running  # noqa: E402
+from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -28,7 +29,7 @@ def engine(tiny_model_dir, tmp_path_factory, tokenizer):
     cfg = engine_config(tmp_path_factory.mktemp("run"), tiny_model_dir, num_engines=2, max_restarts=2,
                         request_timeout_s=30.0, health_timeout_s=10.0, extra_args=["--generate-delay", "1.0"])
     cfg.sync.transport = "nccl"
-    eng = build_engine(cfg, tokenizer)
+    eng = build_engine(RunBuilder(cfg).engine_spec(), tokenizer)
     yield eng
     eng.shutdown()
     assert not any(p.alive() for p in eng.processes)

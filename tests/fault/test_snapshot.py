@@ -13,6 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rollout"))
 from engine_helpers import TOKENIZER, buckets_of, perturbed_state  # noqa: E402
+from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,7 +63,7 @@ def test_disk_transport_restart_loads_the_update_shards(tiny_model_dir, tmp_path
     cfg = config_from_dict({"output_dir": str(tmp_path), "run_name": "d", "max_steps": 0, "sync": {"transport": "disk"},
                             "model": {"path": tiny_model_dir, "tokenizer": TOKENIZER, "dtype": "float32"},
                             "rollout": {"engine": "embedded_server", "device": "cpu", "startup_timeout_s": 180.0}})
-    eng = build_engine(cfg, tokenizer)
+    eng = build_engine(RunBuilder(cfg).engine_spec(), tokenizer)
     try:
         _, named = perturbed_state(tiny_model_dir, seed=5)
         eng.update_weights(buckets_of(named, 2), 5)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+from megaforge.build import RunBuilder
+
 
 def sglang_env() -> dict:
     """The environment variables ``MEGAFORGE_SGLANG_ENV_SH`` sets or changes ({} when unset)."""
@@ -26,6 +28,6 @@ def sglang_version() -> str | None:
                             "rollout": {"engine": "sglang", "engine_env": sglang_env(),
                                         "engine_python": sglang_python()}})
     try:
-        return require_sglang(cfg)
+        return require_sglang(RunBuilder(cfg).engine_spec())
     except ConfigError:
         return None

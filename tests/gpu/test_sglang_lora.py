@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from gpu_helpers import sglang_env, sglang_python
+from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(900)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,7 +74,7 @@ def engine(cfg):
     from megaforge.hf import load_tokenizer
     from megaforge.rollout import build_engine
 
-    eng = build_engine(cfg, load_tokenizer(cfg.model))
+    eng = build_engine(RunBuilder(cfg).engine_spec(), load_tokenizer(cfg.model))
     yield eng
     eng.shutdown()
 

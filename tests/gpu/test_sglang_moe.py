@@ -25,6 +25,7 @@ import torch
 
 from gpu_helpers import sglang_env, sglang_python
 from test_sglang_server import LP_MAX_DIFF, PROMPTS, SERVER_ARGS, TOKENIZER, _batch, _lp_diff, _report, _requests
+from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -69,7 +70,7 @@ def moe_engine(moe_cfg):
     from megaforge.rollout import build_engine
 
     t = time.perf_counter()
-    eng = build_engine(moe_cfg, load_tokenizer(moe_cfg.model))
+    eng = build_engine(RunBuilder(moe_cfg).engine_spec(), load_tokenizer(moe_cfg.model))
     _report("moe_server_start_s", round(time.perf_counter() - t, 1))
     yield eng
     eng.shutdown()

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from gpu_helpers import sglang_env, sglang_python, sglang_version
+from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(1500)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -87,7 +88,7 @@ def engine(cfg):
     from megaforge.rollout import build_engine
 
     t = time.perf_counter()
-    eng = build_engine(cfg, load_tokenizer(cfg.model))
+    eng = build_engine(RunBuilder(cfg).engine_spec(), load_tokenizer(cfg.model))
     _report("server_start_s", round(time.perf_counter() - t, 1))
     yield eng
     eng.shutdown()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from gpu_helpers import sglang_env, sglang_python
+from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(900)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,6 +30,13 @@ LP_MAX_DIFF = 0.05
 def bf16_spacing(x: torch.Tensor) -> torch.Tensor:
     """The distance between neighbouring bf16 numbers at |x|: 2^(floor(log2 |x|) - 7) (8 significant bits)."""
     return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(2.0 ** -126))) - 7)
+
+
+def build_served_teacher(cfg, tokenizer=None):
+    """megaforge.trainer.served_teacher.build_served_teacher as the trainer calls it (the sections it reads)."""
+    from megaforge.trainer.served_teacher import build_served_teacher as build
+
+    return build(cfg.teacher, cfg.model, cfg.rollout, cfg.grpo.temperature, tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +72,11 @@ def _cfg(tmp, student, teacher, **teacher_kw):
 def test_sglang_prompt_logprobs_are_the_teachers(teacher_dir, tmp_path):
     from megaforge.hf import load_tokenizer
     from megaforge.rollout import build_engine
-    from megaforge.trainer.served_teacher import build_served_teacher
     from megaforge.trainer.torch_backend import TorchTrainer
     from megaforge.types import TrainBatch
 
     server_cfg = _cfg(tmp_path, teacher_dir, "")  # a server holding the teacher's weights
-    engine = build_engine(server_cfg, load_tokenizer(server_cfg.model))
+    engine = build_engine(RunBuilder(server_cfg).engine_spec(), load_tokenizer(server_cfg.model))
     try:
         url = engine.clients[0].url
         served = build_served_teacher(_cfg(tmp_path, teacher_dir, teacher_dir, served_by="engine", url=url))

@@ -15,6 +15,7 @@ from megaforge import collective
 from megaforge.config import config_from_dict
 from megaforge.data.batch import per_token_bytes, share_rows
 from megaforge.driver.handoff import BatchHandOff
+from megaforge.build import RunBuilder
 from megaforge.driver.steps import train_share
 from megaforge.trainer.torch_backend import TorchTrainer
 from megaforge.types import Sample
@@ -66,7 +67,8 @@ def main() -> None:
                 tr.critic.net.head.weight.normal_(0.0, 0.5)
         handoff = BatchHandOff(*tr.data_parallel(), cfg.trainer.mini_batches)
         m: dict = {}
-        share = train_share(tr, handoff, whole_batch() if collective.is_main() else None, cfg, m)
+        share = train_share(tr, handoff, whole_batch() if collective.is_main() else None,
+                            RunBuilder(cfg).step_settings(), m)
         res[name] = {
             "received": handoff.received, "sent": handoff.sent, "per_token_bytes": per_token_bytes(share),
             "shape": tuple(share.tokens.shape), "metrics": m,

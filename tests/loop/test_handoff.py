@@ -132,7 +132,9 @@ def whole_batch_reference(model, name, ranks):
     from megaforge.data.batch import set_denominators
     from megaforge.driver.steps import batch_advantages
 
-    cfg = config(model, CONFIGS[name])
+    from megaforge.build import RunBuilder
+
+    cfg = RunBuilder(config(model, CONFIGS[name])).step_settings()
     whole = set_denominators(whole_batch())
     for field in ("old_logprobs", "ref_logprobs", "values"):
         if ranks[0][name][field] is not None:
@@ -225,6 +227,7 @@ def test_an_estimator_not_declared_for_shares_is_refused_on_several_ranks(model)
     """A plug-in estimator (``package.module:callable``: no declarations) may reduce over the rows it
     is given, which on a share would be the share's statistics: with several DP ranks and advantages
     computed on the shares, the step stops naming it, before any collective (one process here)."""
+    from megaforge.build import RunBuilder
     from megaforge.driver.handoff import BatchHandOff
     from megaforge.driver.steps import share_advantages
 
@@ -232,4 +235,4 @@ def test_an_estimator_not_declared_for_shares_is_refused_on_several_ranks(model)
         "advantage": "megaforge.algorithms.advantages:reinforce_pp_advantage", "kl_in_reward": True}})
     share = whole_batch()
     with pytest.raises(ValueError, match="reinforce_pp_advantage' does not declare that it can .*shares=True"):
-        share_advantages(BatchHandOff(0, 2, MINI_BATCHES), share, None, cfg)
+        share_advantages(BatchHandOff(0, 2, MINI_BATCHES), share, None, RunBuilder(cfg).step_settings())

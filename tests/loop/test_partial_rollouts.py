@@ -12,7 +12,8 @@ from megaforge.data.prompts import PromptSource
 from megaforge.hf import load_hf_model, load_tokenizer
 from megaforge.rewards import RewardManager
 from megaforge.rollout.embedded import EmbeddedEngine
-from megaforge.rollout.manager import sampling_params, score, stop_token_ids
+from megaforge.build import RunBuilder
+from megaforge.rollout.manager import score, stop_token_ids
 from megaforge.rollout.partial import PartialPool
 
 
@@ -31,7 +32,8 @@ def make_pool(*overrides, engine=None):
         return samples
 
     data = PromptSource(cfg.data, tok, cfg.seed)
-    pool = PartialPool(engine, data, tok, cfg, score_fn, sampling_params(cfg, stop_token_ids(tok)))
+    pool = PartialPool(engine, data, tok, cfg.loop, cfg.grpo.n_samples, cfg.rollout.max_new_tokens, cfg.seed, score_fn,
+                       RunBuilder(cfg).sampling().params(stop_token_ids(tok)))
     return pool, engine, cfg
 
 

@@ -26,7 +26,7 @@ class StandInServer:
         self.stopped = True
 
 
-def build(cfg, tokenizer, node=None):
+def build(spec, tokenizer, node=None):
     key = node.share(f"key-of-rank-{dist.get_rank()}")
     servers = [StandInServer(k) for k in node.engine_ids]
     SERVERS.extend(servers)
@@ -41,12 +41,12 @@ def main(out: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     from megaforge.cluster import Job
     from megaforge.config import load_config
-    from megaforge.placement import build_engines
+    from megaforge.build import RunBuilder
 
     cfg = load_config(["--config", os.path.join(ROOT, "configs", "demo_cpu.yaml"), "--rollout.engine", "toy_remote",
                        "--rollout.num_engines", "2", "--rollout.num_gpus", "2"])
     job = Job()
-    got = build_engines(cfg, None, job)
+    got = RunBuilder(cfg).engines(None, job)  # the planner's placement over the 2 nodes, the toy kind's build
     job.end(together=True)
     with open(out, "w") as f:
         json.dump({"engine": got, "calls": CALLS, "stopped": [s.stopped for s in SERVERS]}, f)

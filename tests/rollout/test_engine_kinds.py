@@ -10,6 +10,7 @@ from megaforge.config import Config, load_config
 from megaforge.configtree import ConfigError
 from megaforge.engine_kinds import ENGINE_KINDS, engine_kind
 from tests.run_helpers import run_in_process
+from megaforge.build import RunBuilder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = ["--config", os.path.join(ROOT, "configs", "demo_cpu.yaml")]
@@ -30,7 +31,7 @@ def test_an_unknown_engine_kind_is_one_config_error_with_the_nearest_kind():
     from megaforge.rollout import build_engine
 
     with pytest.raises(ConfigError, match="config key 'rollout.engine': .*did you mean 'embedded'"):
-        build_engine(cfg, None)
+        build_engine(RunBuilder(cfg).engine_spec(), None)
 
 
 def test_the_toy_kind_is_accepted_checked_and_placed_like_a_built_in_one():

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from megaforge.rollout import routing  # noqa: E402
 from megaforge.rollout.routing import RoutingError, RoutingShape  # noqa: E402
+from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = [[5, 17, 33, 9], [100, 101], [7, 8, 9, 10, 11, 12, 13]]
@@ -118,7 +119,7 @@ def test_embedded_server_sends_routing_in_sglang_format_through_the_http_client(
     from megaforge.rollout import build_engine
     from megaforge.rollout.manager import completions_to_samples
 
-    eng = build_engine(engine_config(tmp_path, moe_dir), tokenizer)
+    eng = build_engine(RunBuilder(engine_config(tmp_path, moe_dir)).engine_spec(), tokenizer)
     try:
         comps = eng.generate(_requests())
         model = transformers.AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)

@@ -8,13 +8,14 @@ from megaforge.engine_kinds import ENGINE_KINDS, EngineKind
 COUNTS = {"built": 0, "generated": 0}
 
 
-def preflight(cfg) -> None:
-    if cfg.rollout.top_k != -1:
+def preflight(spec) -> None:
+    """``spec``: the run's EngineSpec (megaforge.specs): its ``rollout`` and ``model`` sections and more."""
+    if spec.rollout.top_k != -1:
         raise ConfigError(f"config key 'rollout.top_k': the toy engine samples from the whole vocabulary "
-                          f"(-1), got {cfg.rollout.top_k}")
+                          f"(-1), got {spec.rollout.top_k}")
 
 
-def build(cfg, tokenizer):
+def build(spec, tokenizer):
     from megaforge.rollout.embedded import EmbeddedEngine  # lazy: torch
 
     class ToyEngine(EmbeddedEngine):
@@ -24,7 +25,7 @@ def build(cfg, tokenizer):
             return out
 
     COUNTS["built"] += 1
-    return ToyEngine.from_config(cfg, tokenizer)
+    return ToyEngine.from_spec(spec, tokenizer)
 
 
 ENGINE_KINDS.register("toy", EngineKind(build=build, in_process=True, max_tp=1, preflight=preflight))

@@ -18,6 +18,7 @@ from mem_helpers import make_batch, torch_trainer_cfg  # noqa: E402
 from megaforge.sync import wire  # noqa: E402
 from megaforge.sync import WeightMismatchError, check_engine_weights, push_weights  # noqa: E402
 from megaforge.types import GenerateRequest, SamplingParams, TrainBatch  # noqa: E402
+from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(400)
 PROMPTS = [[5, 17, 33, 9], [100, 101], [7, 8, 9, 10, 11], [40, 41, 42]]
@@ -62,7 +63,7 @@ def engines(tiny_model_dir, tmp_path_factory, tokenizer):
         "output_dir": str(tmp_path_factory.mktemp("run")), "run_name": "sync", "max_steps": 0,
         "model": {"path": tiny_model_dir, "dtype": "float32"}, "sync": {"transport": "shm"},
         "rollout": {"engine": "embedded_server", "device": "cpu", "startup_timeout_s": 180.0, "max_restarts": 0}})
-    shm = build_engine(cfg, tokenizer)
+    shm = build_engine(RunBuilder(cfg).engine_spec(), tokenizer)
     disk = HTTPEngine([c.url for c in shm.clients], transport="disk", model_dir=tiny_model_dir)
     yield shm, disk
     disk.shutdown()

@@ -7,6 +7,7 @@ import sys
 import torch
 import yaml
 
+from megaforge.build import RunBuilder
 from megaforge.config import load_config
 from megaforge.rollout.http import embedded_server, sglang
 from megaforge.rollout.http.start import ServerStart
@@ -22,7 +23,7 @@ KIT_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "
 def run_config(tmp_path, tree: dict):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(tree))
-    return load_config(["--config", str(path)])
+    return RunBuilder(load_config(["--config", str(path)])).engine_spec()  # what a run gives its engine kind
 
 
 def test_sglang_server_is_the_one_a_run_starts(tmp_path):

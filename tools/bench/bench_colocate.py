@@ -210,6 +210,7 @@ def phase_tms(a, run, res, dev):
 
 def phase_nccl(a, run, res, model_dir, out, dev):
     from megaforge import memory
+    from megaforge.build import RunBuilder
     from megaforge.rollout import build_engine
 
     if dev.type == "cuda" and torch.cuda.device_count() < 2:
@@ -218,7 +219,7 @@ def phase_nccl(a, run, res, model_dir, out, dev):
     cfg = build_config(a, out, model_dir, "cpu" if dev.type == "cpu" else "cuda", "nccl", "nccl",
                        num_gpus=0 if dev.type == "cpu" else 1)
     say("nccl: starting an engine server on the second GPU")
-    eng = build_engine(cfg, run.tokenizer)
+    eng = build_engine(RunBuilder(cfg).engine_spec(), run.tokenizer)
     try:
         before = memory.outside_torch_gib(dev)
         run.trainer.onload(["weights"])

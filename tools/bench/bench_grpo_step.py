@@ -72,13 +72,12 @@ def estimate_limit(cfg, batch, dev, world: int, gpu: str = ""):
     hw = hardware(gpu or device_name(dev))
     if hw is None:
         return None
-    from megaforge.driver.steps import needs_ref
     from megaforge.hf import hf_config
 
     start = (batch.loss_mask > 0).float().argmax(1)
     prompts, lengths = start.tolist(), batch.lengths.tolist()
     return step_limit(hf_config(cfg.model), prompts, [n - p for n, p in zip(lengths, prompts)],
-                      cfg.grpo.n_samples, 1 + int(needs_ref(cfg)), *hw)
+                      cfg.grpo.n_samples, 1 + int(cfg.grpo.beta > 0), *hw)  # the reference: grpo.beta > 0
 
 
 def recorded(obj, name: str, calls: list):
@@ -109,7 +108,6 @@ def main(argv=None) -> int:
     out_dir = tempfile.mkdtemp(prefix="bench-grpo-step-")
     cfg = load_config(["--config", a.config, *over, "--output_dir", out_dir, "--run_name", "bench",
                        "--max_steps", str(max(a.steps, 2)), "--checkpoint.interval", "0", "--metrics.progress", "false"])
-    from megaforge.driver.steps import needs_ref
     from megaforge.loop import Run
 
     res = {"bench": "grpo_step", "config": os.path.relpath(a.config, ROOT), "overrides": over, "steps": []}
@@ -156,7 +154,7 @@ def main(argv=None) -> int:
         run.trainer.onload()
         again = copy.deepcopy(batch)
         with Stopwatch(dev) as ref:
-            if needs_ref(run.cfg):
+            if run.parts.settings.needs_ref:
                 again.ref_logprobs = run.trainer.compute_logprobs(again, "ref", positions="trained")  # as the loop
         with Stopwatch(dev) as train:
             run.trainer.train_step(again)

@@ -257,7 +257,8 @@ def server_launch(model_dir: str, args):
     bench's; colocated (``rollout.num_gpus 0``: SGLang's memory saver, which the release of its memory
     before the fast engine's runs needs), TP 1 on 127.0.0.1, seed 0, ``rollout.engine_batch_size`` 4096
     (the embedded server), no training steps (``max_steps 0``: no data), no API key, the tokenizer saved
-    beside the weights. Returns (servers, cfg, start)."""
+    beside the weights. Returns (servers, spec, start): ``spec`` the EngineSpec a run gives its engine kind."""
+    from megaforge.build import RunBuilder
     from megaforge.config import config_from_dict
     from megaforge.rollout.http import embedded_server, sglang
     from megaforge.rollout.http.start import ServerStart
@@ -269,7 +270,8 @@ def server_launch(model_dir: str, args):
         "num_gpus": 0, "tensor_parallel": 1, "mem_fraction": args.sglang_mem, "engine_python": args.sglang_python,
         "engine_env": env_from_script(args.sglang_env_sh) if args.sglang_env_sh and real else {},
         "extra_args": args.sglang_args.split() if real else [], "engine_batch_size": 4096}})
-    return (sglang if real else embedded_server).SERVERS, cfg, ServerStart(model_dir, "", "", [], torch.device(args.device))
+    return ((sglang if real else embedded_server).SERVERS, RunBuilder(cfg).engine_spec(),
+            ServerStart(model_dir, "", "", [], torch.device(args.device)))
 
 
 class SGLangServer:

@@ -203,9 +203,10 @@ def main(argv=None) -> int:
         with PeakMemory(tr.device, across_ranks=True) as pk:
             engine = None
             if rank == 0:
+                from megaforge.build import RunBuilder
                 from megaforge.rollout.embedded import EmbeddedEngine
 
-                engine = EmbeddedEngine.from_config(cfg, None, device=str(tr.device))
+                engine = EmbeddedEngine.from_spec(RunBuilder(cfg).engine_spec(), None, device=str(tr.device))
                 comps = engine.generate(rollout_requests(cfg, vocab))
                 assert all(len(c.output_ids) == cfg.rollout.max_new_tokens for c in comps)
                 engine.release_memory(["weights", "kv_cache"])

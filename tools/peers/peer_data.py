@@ -53,9 +53,9 @@ def ordered_rows(cfg, tokenizer, steps: int) -> list[dict]:
     ``{messages, label, step, where, prompt_text}``."""
     from megaforge.data.prompts import PromptSource
     from megaforge.data.sources import DataError
-    from megaforge.eval.sets import load_eval_sets
+    from megaforge.build import RunBuilder
 
-    _, held = load_eval_sets(cfg, tokenizer) if cfg.eval.sets else ([], frozenset())
+    _, held = RunBuilder(cfg).eval_sets(tokenizer) if cfg.eval.sets else ([], frozenset())
     source = PromptSource(cfg.data, tokenizer, cfg.seed, exclude=held)
     raw = _raw_by_where(cfg.data, cfg.seed)
     out = []
@@ -77,8 +77,10 @@ def ordered_rows(cfg, tokenizer, steps: int) -> list[dict]:
 
 def eval_rows(cfg, tokenizer) -> list[dict]:
     """The eval sets' rows in file order, as :func:`ordered_rows` gives them (step 0)."""
-    from megaforge.eval.sets import load_eval_sets, set_data_config
-    sets, _ = load_eval_sets(cfg, tokenizer)
+    from megaforge.build import RunBuilder
+    from megaforge.eval.sets import set_data_config
+
+    sets, _ = RunBuilder(cfg).eval_sets(tokenizer)
     out = []
     for spec, es in zip(cfg.eval.sets, sets):
         dcfg = set_data_config(cfg.data, spec)

@@ -2,11 +2,18 @@
 
 The interface. ``rollout.generate_fn: package.module:callable`` names a function
 
-    fn(engine, requests, rows, tokenizer, cfg, **rollout.generate_kwargs) -> list[Sample]
+    fn(engine, requests, rows, tokenizer, ctx, **rollout.generate_kwargs) -> list[Sample]
 
 * ``requests[k]`` is the first turn of sample k (prompt ids, seeded SamplingParams with
   ``max_new_tokens = rollout.max_new_tokens`` and the stop ids, rid); sample k belongs to
-  ``rows[k // grpo.n_samples]`` (a PromptRow: ``prompt_ids``, ``prompt_text``, ``label``).
+  ``rows[k // ctx.n_samples]`` (a PromptRow: ``prompt_ids``, ``prompt_text``, ``label``).
+* ``ctx`` is a :class:`~megaforge.specs.GenerateContext`, not the whole configuration: its fields are
+  ``generate_fn``, ``max_new_tokens`` (``rollout.max_new_tokens``), ``max_turns`` (``rollout.max_turns``),
+  ``max_tool_tokens`` (``rollout.max_tool_tokens``), ``n_samples`` (``grpo.n_samples``), ``temperature``
+  (``grpo.temperature``), ``seed``, ``model_path`` (``model.path``) and ``generate_kwargs``. Anything
+  else the function needs comes through ``rollout.generate_kwargs``; reading another attribute
+  (``ctx.data``, ``ctx.rollout``: the whole configuration older versions passed) raises AttributeError
+  listing the fields.
 * It returns one :class:`Sample` per request, in order: ``prompt_ids`` = the row's prompt,
   ``response_ids`` = everything after it (model turns and environment tokens, at most
   rollout.max_new_tokens), ``rollout_logprobs`` (0.0 on environment tokens), ``response_mask`` (1 on
@@ -43,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
 from megaforge.registry import import_callable
+from megaforge.specs import GenerateContext, expect
 from megaforge.rollout.agent.tools import build_tools, parse_call
 from megaforge.types import GenerateRequest, Sample, SamplingParams
 
@@ -160,23 +168,26 @@ def run_episodes(engine, requests: Sequence[GenerateRequest], envs: Sequence, to
     return out
 
 
-def tool_rollout(engine, requests, rows, tokenizer, cfg, tools=("calculator",), open_tag: str = "<tool>",
-                 close_tag: str = "</tool>", result_format: str = "<result>{}</result>",
+def tool_rollout(engine, requests, rows, tokenizer, ctx: GenerateContext, tools=("calculator",),
+                 open_tag: str = "<tool>", close_tag: str = "</tool>", result_format: str = "<result>{}</result>",
                  max_turn_tokens: int = 0) -> list[Sample]:
     """The built-in tool-use rollout function (see the module docstring); ``tools``: names,
     ``package.module:callable`` paths or ``{name, kwargs}`` (:func:`megaforge.rollout.agent.tools.build_tools`)."""
     table = build_tools(tools)
     envs = [ToolEnv(table, open_tag, close_tag, result_format) for _ in requests]
-    r = cfg.rollout
-    return run_episodes(engine, requests, envs, tokenizer, r.max_new_tokens, r.max_turns, r.max_tool_tokens,
+    ctx = expect(ctx, GenerateContext, "tool_rollout (a rollout.generate_fn)")
+    return run_episodes(engine, requests, envs, tokenizer, ctx.max_new_tokens, ctx.max_turns, ctx.max_tool_tokens,
                         max_turn_tokens)
 
 
-def call_generate_fn(cfg, engine, requests, rows, n: int, tokenizer, group_offset: int) -> list[Sample]:
-    """Call ``rollout.generate_fn`` and check its answer against the interface (errors name the key). The
-    function is looked up at each call: its module is imported once (``sys.modules``), so no cache here."""
-    path = cfg.rollout.generate_fn
-    samples = import_callable(path, "rollout.generate_fn")(engine, list(requests), list(rows), tokenizer, cfg, **dict(cfg.rollout.generate_kwargs))
+def call_generate_fn(ctx: GenerateContext, engine, requests, rows, n: int, tokenizer, group_offset: int) -> list[Sample]:
+    """Call ``rollout.generate_fn`` (``ctx.generate_fn``, with ``ctx`` and ``generate_kwargs``) and check its
+    answer against the interface (errors name the key). The function is looked up at each call: its module
+    is imported once (``sys.modules``), so no cache here."""
+    ctx = expect(ctx, GenerateContext, "call_generate_fn")
+    path = ctx.generate_fn
+    samples = import_callable(path, "rollout.generate_fn")(engine, list(requests), list(rows), tokenizer, ctx,
+                                                           **dict(ctx.generate_kwargs))
     if not isinstance(samples, list) or len(samples) != len(requests) or not all(isinstance(s, Sample) for s in samples):
         raise ValueError(f"rollout.generate_fn {path!r} must return a list of {len(requests)} Samples (one per "
                          f"request), got {type(samples).__name__} of {len(samples) if hasattr(samples, '__len__') else '?'}")
@@ -186,9 +197,9 @@ def call_generate_fn(cfg, engine, requests, rows, n: int, tokenizer, group_offse
             raise ValueError(f"rollout.generate_fn {path!r}: sample {k} changed the prompt ids (put every turn in response_ids)")
         if any(v not in (0, 1) for v in s.response_mask):
             raise ValueError(f"rollout.generate_fn {path!r}: sample {k}: response_mask must hold 0/1")
-        if len(s.response_ids) > cfg.rollout.max_new_tokens:
+        if len(s.response_ids) > ctx.max_new_tokens:
             raise ValueError(f"rollout.generate_fn {path!r}: sample {k} has {len(s.response_ids)} response tokens > "
-                             f"rollout.max_new_tokens {cfg.rollout.max_new_tokens}")
+                             f"rollout.max_new_tokens {ctx.max_new_tokens}")
         s.group_id, s.label = group_offset + k // n, row.label
         s.prompt_text = s.prompt_text or row.prompt_text
     return samples

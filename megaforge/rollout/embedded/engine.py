@@ -28,6 +28,7 @@ from megaforge.memory.offload import Entry, PinnedOffloader
 from megaforge.rollout.base import MEMORY_TAGS, Engine, EngineStateError, check_tags
 from megaforge.rollout.embedded.fast import FastDecoder, unsupported_reason
 from megaforge.rollout.embedded.sampling import sample_tokens
+from megaforge.specs import EngineSpec, expect
 from megaforge.sync.adapters import adapter_pairs, merge_lora
 from megaforge.types import Completion, GenerateRequest
 
@@ -168,11 +169,15 @@ class EmbeddedEngine(Engine):
 
     # ------------------------------------------------------------------------------- construction
     @classmethod
-    def from_config(cls, cfg, tokenizer=None, device: Optional[str] = None) -> "EmbeddedEngine":
-        dev = resolve_device(device or cfg.rollout.device)
-        model = load_hf_model(cfg.model, dev, dtype=DTYPES[cfg.engine_dtype])
-        return cls(model, tokenizer, max_batch=cfg.rollout.engine_batch_size, fast=cfg.rollout.fast,
-                   fast_options=fast_options(cfg.rollout.fast_compile, cfg.rollout.fast_attention, dev))
+    def from_spec(cls, spec: EngineSpec, tokenizer=None, device: Optional[str] = None) -> "EmbeddedEngine":
+        """The engine of an :class:`~megaforge.specs.EngineSpec` (``rollout.engine: embedded``'s build):
+        ``model`` loaded on ``rollout.device`` (or ``device``) in the engines' dtype,
+        ``rollout.engine_batch_size``, ``rollout.fast`` / ``fast_compile`` / ``fast_attention``."""
+        r = expect(spec, EngineSpec, "EmbeddedEngine.from_spec").rollout
+        dev = resolve_device(device or r.device)
+        model = load_hf_model(spec.model, dev, dtype=DTYPES[spec.dtype])
+        return cls(model, tokenizer, max_batch=r.engine_batch_size, fast=r.fast,
+                   fast_options=fast_options(r.fast_compile, r.fast_attention, dev))
 
     # ----------------------------------------------------------------------------------- generate
     @property

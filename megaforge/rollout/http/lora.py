@@ -51,14 +51,14 @@ SGLANG_TARGETS = frozenset({
     "qkvr", "wo_ud"})
 
 
-def check_targets(cfg) -> None:
+def check_targets(spec) -> None:
     """ConfigError naming ``model.lora.target_modules`` when sync.lora_adapters would start SGLang with a
     target it does not know (its argument parser would refuse the server's command line)."""
     from megaforge.configtree import ConfigError
 
-    if not cfg.sync.lora_adapters or cfg.model.lora is None:
+    if not spec.lora_adapters or spec.model.lora is None:
         return
-    bad = sorted({t.split(".")[-1] for t in cfg.model.lora.target_modules} - SGLANG_TARGETS)
+    bad = sorted({t.split(".")[-1] for t in spec.model.lora.target_modules} - SGLANG_TARGETS)
     if bad:
         raise ConfigError(f"config key 'model.lora.target_modules': SGLang serves adapters on {sorted(SGLANG_TARGETS)} "
                           f"only, not {bad}: drop them or set sync.lora_adapters false (merged weights)")

@@ -5,37 +5,39 @@ from __future__ import annotations
 
 from megaforge.rollout.http.lora import check_targets, lora_flags
 from megaforge.rollout.http.start import Servers, ServerStart, build_http_engine, engine_env, engine_python, require_sglang
+from megaforge.specs import EngineSpec, expect
 
 
-def preflight(cfg) -> None:
+def preflight(spec: EngineSpec) -> None:
     """sglang (and sglang-router with ``rollout.router`` over several engines) installed in the engine
     interpreter, in a release megaforge supports."""
-    require_sglang(cfg, router=cfg.rollout.router and cfg.rollout.num_engines > 1)
-    check_targets(cfg)  # sync.lora_adapters: model.lora's targets among SGLang's
+    expect(spec, EngineSpec, "sglang preflight")
+    require_sglang(spec, router=spec.rollout.router and spec.rollout.num_engines > 1)
+    check_targets(spec)  # sync.lora_adapters: model.lora's targets among SGLang's
 
 
-def command(cfg, s: ServerStart, port: int, fd: int) -> list[str]:
+def command(spec, s: ServerStart, port: int, fd: int) -> list[str]:
     """One server's command line (``fd`` unused: SGLang binds ``port`` itself)."""
-    r = cfg.rollout
-    c = [engine_python(cfg), "-m", "sglang.launch_server", "--model-path", s.model_dir, "--host", r.host,
+    r = spec.rollout
+    c = [engine_python(spec), "-m", "sglang.launch_server", "--model-path", s.model_dir, "--host", r.host,
          "--port", str(port), "--tp-size", str(r.tensor_parallel), "--mem-fraction-static", str(r.mem_fraction),
-         "--dtype", cfg.engine_dtype, "--weight-version", "0", "--random-seed", str(cfg.seed)]
+         "--dtype", spec.dtype, "--weight-version", "0", "--random-seed", str(spec.seed)]
     c += ["--tokenizer-path", s.tok_dir] if s.tok_dir else []
     c += ["--enable-memory-saver"] if r.num_gpus == 0 else []
     c += ["--api-key", s.api_key] if s.api_key else []
     c += ["--enable-return-routed-experts"] if r.return_routed_experts else []  # routing replay
-    c += lora_flags(cfg.model.lora, r.num_gpus == 0) if cfg.sync.lora_adapters else []  # megaforge.rollout.http.lora
+    c += lora_flags(spec.model.lora, r.num_gpus == 0) if spec.lora_adapters else []  # megaforge.rollout.http.lora
     return c + list(r.extra_args)
 
 
-def env(cfg, s: ServerStart, gpus) -> dict:
-    return engine_env(cfg, gpus)
+def env(spec, s: ServerStart, gpus) -> dict:
+    return engine_env(spec, gpus)
 
 
 SERVERS = Servers(command, env)
 
 
-def build(cfg, tokenizer, node=None):
+def build(spec: EngineSpec, tokenizer, node=None):
     """The HTTPEngine over ``rollout.num_engines`` SGLang servers (checked by :func:`preflight` first)."""
-    preflight(cfg)
-    return build_http_engine(cfg, tokenizer, SERVERS, node=node)
+    preflight(spec)
+    return build_http_engine(spec, tokenizer, SERVERS, node=node)

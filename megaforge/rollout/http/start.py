@@ -22,6 +22,7 @@ from megaforge.planner.layout import engine_gpus
 from megaforge.rollout.http.auth import engine_api_key
 from megaforge.rollout.http.engine import HTTPEngine
 from megaforge.rollout.http.processes import ServerProcess, start_all
+from megaforge.specs import EngineSpec, expect
 from megaforge.supervise import child_env
 from megaforge.rollout.http.versions import TESTED as SGLANG_TESTED  # noqa: F401  (release -> how it was tested)
 from megaforge.rollout.http.versions import UnsupportedServer, caps_for_release
@@ -33,22 +34,22 @@ _VERSION_PROBE = ("import importlib.metadata as m, sys\n"
                   "    except m.PackageNotFoundError: print(p, '-')\n")
 
 
-def engine_python(cfg) -> str:
-    return cfg.rollout.engine_python or sys.executable
+def engine_python(spec) -> str:
+    return spec.rollout.engine_python or sys.executable
 
 
-def engine_env(cfg, gpus: Optional[list[int]] = None, extra: Optional[dict] = None, repo_on_path: bool = False) -> dict:
+def engine_env(spec, gpus: Optional[list[int]] = None, extra: Optional[dict] = None, repo_on_path: bool = False) -> dict:
     """Environment of an engine server or router: this process's without torchrun's rendezvous
     variables, ``rollout.engine_env`` on top (then ``extra``)."""
-    return child_env(gpus, {**cfg.rollout.engine_env, **(extra or {})}, repo_on_path=repo_on_path)
+    return child_env(gpus, {**spec.rollout.engine_env, **(extra or {})}, repo_on_path=repo_on_path)
 
 
-def installed_versions(cfg, packages: tuple[str, ...]) -> dict[str, Optional[str]]:
+def installed_versions(spec, packages: tuple[str, ...]) -> dict[str, Optional[str]]:
     """{package: version or None} as the engine interpreter (``rollout.engine_python`` with
     ``rollout.engine_env``) sees them."""
-    py = engine_python(cfg)
+    py = engine_python(spec)
     try:
-        out = subprocess.run([py, "-c", _VERSION_PROBE, *packages], env=engine_env(cfg), capture_output=True,
+        out = subprocess.run([py, "-c", _VERSION_PROBE, *packages], env=engine_env(spec), capture_output=True,
                              text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise ConfigError(f"config key 'rollout.engine_python': cannot run {py!r}: {e}") from None
@@ -59,12 +60,12 @@ def installed_versions(cfg, packages: tuple[str, ...]) -> dict[str, Optional[str
     return {p: (None if found.get(p, "-") == "-" else found[p]) for p in packages}
 
 
-def require_sglang(cfg, router: bool = False) -> str:
+def require_sglang(spec, router: bool = False) -> str:
     """The sglang release the engine interpreter runs; fails early, naming what to install, when
     sglang (or the router) is missing there or older than megaforge supports."""
     pkgs = ("sglang",) + (("sglang-router",) if router else ())
-    found = installed_versions(cfg, pkgs)
-    where = f"the engine interpreter {engine_python(cfg)}" + (" with rollout.engine_env" if cfg.rollout.engine_env else "")
+    found = installed_versions(spec, pkgs)
+    where = f"the engine interpreter {engine_python(spec)}" + (" with rollout.engine_env" if spec.rollout.engine_env else "")
     missing = [p for p, v in found.items() if v is None]
     if missing:
         tested = ", ".join(f"sglang=={v}" for v in SGLANG_TESTED) + (f", sglang-router=={ROUTER_TESTED}" if router else "")
@@ -109,15 +110,15 @@ def visible_gpus() -> Optional[list[int]]:
     return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else None
 
 
-def _model_dir(cfg) -> tuple[str, list[str]]:
+def _model_dir(spec) -> tuple[str, list[str]]:
     """The policy's initial weights as a folder the servers can load (a random init is written out)."""
-    if cfg.model.path:
-        return cfg.model.path, []
+    if spec.model.path:
+        return spec.model.path, []
     d = tempfile.mkdtemp(prefix="megaforge-engine-init-")
     # a seeded random init made on the GPU where there is one (seconds, not minutes, for a 2B model); the
     # loop overwrites the engines' weights with the trainer's before the first rollout anyway
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    model = load_hf_model(cfg.model, dev)
+    model = load_hf_model(spec.model, dev)
     model.should_save_on_this_rank = lambda is_main_process: True  # transformers writes on dist rank 0 only; every node leader needs its copy
     model.save_pretrained(d)
     del model
@@ -126,13 +127,13 @@ def _model_dir(cfg) -> tuple[str, list[str]]:
     return d, [d]
 
 
-def weight_roots(cfg) -> list[str]:
+def weight_roots(spec) -> list[str]:
     """``--weight-root`` directories of an embedded server bound beyond loopback: ``rollout.weight_roots``
     plus where megaforge itself writes weights for ``/update_weights_from_disk`` (``rollout.snapshot_dir``,
     else the temporary folder that holds default snapshots and the disk transport's shards)."""
-    r = cfg.rollout
+    r = spec.rollout
     own = [r.snapshot_dir] if r.snapshot_dir else []
-    if cfg.sync.transport == "disk" or (r.max_restarts > 0 and not r.snapshot_dir):
+    if spec.transport == "disk" or (r.max_restarts > 0 and not r.snapshot_dir):
         own.append(tempfile.gettempdir())
     return [os.path.abspath(d) for d in list(r.weight_roots) + own]
 
@@ -152,8 +153,8 @@ class ServerStart:
 @dataclass(frozen=True)
 class Servers:
     """The servers of one HTTP engine kind (its module's, e.g. megaforge.rollout.http.sglang):
-    ``command(cfg, start, port, fd)`` a server's command line (``start``: :class:`ServerStart`),
-    ``env(cfg, start, gpus)`` its environment; ``hold_socket``: the server takes its listening socket
+    ``command(spec, start, port, fd)`` a server's command line (``start``: :class:`ServerStart`),
+    ``env(spec, start, gpus)`` its environment; ``hold_socket``: the server takes its listening socket
     ``fd`` from this process (else it binds ``port`` itself)."""
 
     command: Callable[..., list[str]]
@@ -161,32 +162,32 @@ class Servers:
     hold_socket: bool = False
 
 
-def build_http_engine(cfg, tokenizer, kind: Servers, node=None) -> Optional[HTTPEngine]:
+def build_http_engine(spec: EngineSpec, tokenizer, kind: Servers, node=None) -> Optional[HTTPEngine]:
     """Start ``rollout.num_engines`` servers of ``kind``, wait until they are ready, optionally put the
     router in front; logs in ``<run dir>/logs/engine_K.log``. The engines run on ``rollout.device`` for
     kinds that run there (megaforge.engine_kinds ``on_device``), else on CUDA GPUs, placed by
     :func:`gpu_assignment`. ``node`` (:class:`megaforge.placement.NodeEngines`, multi-node jobs): start
     only this node's engines (``node.engine_ids`` on ``node.gpus``); the URLs of all nodes' engines are
     gathered and rank 0 gets the engine, other node leaders None (``node`` keeps their servers)."""
-    r = cfg.rollout
+    r = expect(spec, EngineSpec, "build_http_engine").rollout
     api_key = engine_api_key(r.api_key, r.host)
     if node is not None:
         api_key = node.share(api_key)  # rank 0's key on every node
-    model_dir, cleanup = _model_dir(cfg)
-    tok_dir = cfg.model.tokenizer or cfg.model.path or ""
+    model_dir, cleanup = _model_dir(spec)
+    tok_dir = spec.model.tokenizer or spec.model.path or ""
     local = lambda p: os.path.abspath(p) if p and os.path.exists(p) else p  # noqa: E731  (hub ids stay)
     model_dir, tok_dir = local(model_dir), local(tok_dir)
-    logs = os.path.join(cfg.run_dir, "logs")
+    logs = os.path.join(spec.run_dir, "logs")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     device = resolve_device(r.device) if engine_kind(r.engine).on_device else torch.device("cuda")
     ids = list(range(r.num_engines)) if node is None else node.engine_ids
     gpus = (gpu_assignment(r.num_engines, r.tensor_parallel, r.num_gpus, local_world, visible_gpus()) if node is None
             else node.gpus) if device.type == "cuda" else [None] * len(ids)
     gpus = dict(zip(ids, gpus))
-    start = ServerStart(model_dir, tok_dir, api_key, [] if is_loopback(r.host) else weight_roots(cfg),
+    start = ServerStart(model_dir, tok_dir, api_key, [] if is_loopback(r.host) else weight_roots(spec),
                         device)
-    servers = [ServerProcess(f"engine_{k}", functools.partial(kind.command, cfg, start),
-                             os.path.join(logs, f"engine_{k}.log"), host=r.host, env=kind.env(cfg, start, gpus[k]),
+    servers = [ServerProcess(f"engine_{k}", functools.partial(kind.command, spec, start),
+                             os.path.join(logs, f"engine_{k}.log"), host=r.host, env=kind.env(spec, start, gpus[k]),
                              hold_socket=kind.hold_socket, api_key=api_key) for k in ids]
     try:
         start_all(servers, r.startup_timeout_s)
@@ -196,9 +197,9 @@ def build_http_engine(cfg, tokenizer, kind: Servers, node=None) -> Optional[HTTP
         router_url = None
         if r.router and r.num_engines > 1:
             router = ServerProcess("router", lambda port, fd: [
-                engine_python(cfg), "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", "127.0.0.1",
+                engine_python(spec), "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", "127.0.0.1",
                 "--port", str(port)] + (["--api-key", api_key] if api_key else []),
-                os.path.join(logs, "router.log"), env=engine_env(cfg), api_key=api_key, probe="/health")
+                os.path.join(logs, "router.log"), env=engine_env(spec), api_key=api_key, probe="/health")
             router.start_ready(r.startup_timeout_s)
             servers.append(router)
             router_url = router.url
@@ -208,7 +209,7 @@ def build_http_engine(cfg, tokenizer, kind: Servers, node=None) -> Optional[HTTP
         for d in cleanup:
             shutil.rmtree(d, ignore_errors=True)
         raise
-    return HTTPEngine(urls, api_key, router_url, r.request_timeout_s, cfg.sync.transport,
+    return HTTPEngine(urls, api_key, router_url, r.request_timeout_s, spec.transport,
                       [r.tensor_parallel] * len(urls), servers, model_dir, cleanup, max_restarts=r.max_restarts,
                       snapshot_dir=r.snapshot_dir, health_timeout_s=r.health_timeout_s,
                       startup_timeout_s=r.startup_timeout_s)

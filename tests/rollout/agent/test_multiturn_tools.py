@@ -9,7 +9,8 @@ from megaforge.config import load_config
 from megaforge.data.batch import samples_to_batch
 from megaforge.hf import load_hf_model, load_tokenizer
 from megaforge.rollout.embedded import EmbeddedEngine
-from megaforge.rollout.manager import make_requests, sampling_params, score, stop_token_ids
+from megaforge.build import RunBuilder
+from megaforge.rollout.manager import make_requests, score, stop_token_ids
 from megaforge.rollout.agent.multiturn import ToolEnv, call_generate_fn, run_episodes
 from megaforge.rollout.agent.tools import Calculator, build_tools, parse_call
 
@@ -46,7 +47,7 @@ def episodes(cfg, tok, engine, n_rows=3, n=2, max_tool_tokens=5):
     from megaforge.data.prompts import PromptSource
 
     rows = PromptSource(cfg.data, tok, 0).next_batch(n_rows)
-    reqs = make_requests(rows, n, sampling_params(cfg, stop_token_ids(tok)), 0, 1)
+    reqs = make_requests(rows, n, RunBuilder(cfg).sampling().params(stop_token_ids(tok)), 0, 1)
     envs = [Feedback() for _ in reqs]
     return rows, run_episodes(engine, reqs, envs, tok, 40, max_turns=4, max_tool_tokens=max_tool_tokens,
                               max_turn_tokens=6)
@@ -147,7 +148,7 @@ def test_tool_env_runs_the_named_tool_and_reports_errors():
     assert env.metrics() == {"tool_calls": 2.0, "tool_errors": 1.0, "used_tool": 1.0}
 
 
-def bad_count(engine, requests, rows, tokenizer, cfg):
+def bad_count(engine, requests, rows, tokenizer, ctx):
     return []
 
 
@@ -156,10 +157,10 @@ def test_generate_fn_answer_is_checked(setup):
     from megaforge.data.prompts import PromptSource
 
     rows = PromptSource(cfg.data, tok, 0).next_batch(1)
-    reqs = make_requests(rows, 2, sampling_params(cfg, stop_token_ids(tok)), 0, 1)
+    reqs = make_requests(rows, 2, RunBuilder(cfg).sampling().params(stop_token_ids(tok)), 0, 1)
     cfg2 = load_config(["--config", DEMO, "--rollout.generate_fn", f"{__name__}:bad_count"])
     with pytest.raises(ValueError, match="rollout.generate_fn .* must return a list of 2 Samples"):
-        call_generate_fn(cfg2, engine, reqs, rows, 2, tok, 0)
+        call_generate_fn(RunBuilder(cfg2).generate_context(), engine, reqs, rows, 2, tok, 0)
 
 
 def test_generate_fn_that_does_not_import_fails_at_startup_naming_where_it_moved():

@@ -70,7 +70,8 @@ def test_trained_model_tool_episodes_mask_the_results(run):
     from megaforge.data.prompts import PromptSource
     from megaforge.hf import load_tokenizer
     from megaforge.rollout.embedded import EmbeddedEngine
-    from megaforge.rollout.manager import generate_samples, sampling_params, stop_token_ids
+    from megaforge.build import RunBuilder
+    from megaforge.rollout.manager import generate_samples, stop_token_ids
     from megaforge.rollout.agent.tools import Calculator, parse_call
 
     run_dir, _ = run
@@ -78,9 +79,11 @@ def test_trained_model_tool_episodes_mask_the_results(run):
     import examples.tool_use.task  # noqa: F401  (registers the synthetic task)
 
     tok = load_tokenizer(cfg.model)
-    engine = EmbeddedEngine.from_config(cfg, tok, "cpu")
+    engine = EmbeddedEngine.from_spec(RunBuilder(cfg).engine_spec(), tok, "cpu")
     rows = PromptSource(cfg.data, tok, 1).next_batch(8)
-    samples = generate_samples(engine, rows, 2, sampling_params(cfg, stop_token_ids(tok)), 1, 1, 0, tok, cfg)
+    b = RunBuilder(cfg)
+    samples = generate_samples(engine, rows, 2, b.sampling().params(stop_token_ids(tok)), 1, 1, 0, tok,
+                               b.generate_context())
     called = [s for s in samples if s.metadata["episode"]["tool_calls"] > 0]
     # the trained model calls the tool (test_reward_and_tool_use_rise checks the rate); one call
     # episode is enough to check the masking on

@@ -426,7 +426,9 @@ def test_selection_and_config(models, tmp_path):
     cfg = config_from_dict({**base, "model": {"path": "", "config": os.path.join(ROOT, "configs", "models", "tiny-qwen2")},
                             "rollout": {"dtype": "bfloat16", "device": "cpu", "fast": "on", "fast_compile": "off"}})
     assert cfg.engine_dtype == "bfloat16" and cfg.model.dtype == "float32"
-    eng = EmbeddedEngine.from_config(cfg)
+    from megaforge.build import RunBuilder
+
+    eng = EmbeddedEngine.from_spec(RunBuilder(cfg).engine_spec())
     assert next(eng.model.parameters()).dtype == torch.bfloat16 and eng.fast.fwd.compiled is None
 
 

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from engine_helpers import ROOT, engine_config, http
+from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -231,9 +232,9 @@ def test_weight_roots_of_a_non_loopback_launch(tmp_path, tiny_model_dir):
     from megaforge.rollout.http.start import weight_roots
 
     cfg = engine_config(tmp_path, tiny_model_dir, host="0.0.0.0", weight_roots=[str(tmp_path / "mine")])
-    assert weight_roots(cfg) == [str(tmp_path / "mine"), tempfile.gettempdir()]  # + default snapshots' folder
+    assert weight_roots(RunBuilder(cfg).engine_spec()) == [str(tmp_path / "mine"), tempfile.gettempdir()]  # + default snapshots' folder
     cfg = engine_config(tmp_path, tiny_model_dir, host="0.0.0.0", snapshot_dir=str(tmp_path / "snap"))
-    assert weight_roots(cfg) == [str(tmp_path / "snap")]
+    assert weight_roots(RunBuilder(cfg).engine_spec()) == [str(tmp_path / "snap")]
 
 
 def test_gpu_assignment():
@@ -256,7 +257,7 @@ def test_sglang_engine_without_sglang_names_the_extra(tmp_path, tokenizer, tiny_
     from megaforge.rollout import build_engine, preflight
 
     cfg = engine_config(tmp_path, tiny_model_dir, engine="sglang")
-    for fn in (lambda: preflight(cfg), lambda: build_engine(cfg, tokenizer)):
+    for fn in (lambda: preflight(cfg), lambda: build_engine(RunBuilder(cfg).engine_spec(), tokenizer)):
         with pytest.raises(ConfigError, match=r"pip install 'megaforge\[sglang\]'.*sglang==0\.5\.23"):
             fn()
     assert not os.path.exists(os.path.join(cfg.run_dir, "logs", "engine_0.log"))  # nothing was launched

@@ -15,6 +15,7 @@ import torch
 
 from engine_helpers import (BUILD_ON_CLASS, BYTEARRAY8, BYTEARRAY_CALL, buckets_of, engine_config, hf_output_logprobs,
                             http, perturbed_state)
+from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,7 +26,7 @@ PROMPTS = [[5, 17, 33, 9], [100, 101], [7, 8, 9, 10, 11, 12, 13]]
 def engine(long_model_dir, tmp_path_factory, tokenizer):
     from megaforge.rollout import build_engine
 
-    eng = build_engine(engine_config(tmp_path_factory.mktemp("run"), long_model_dir), tokenizer)
+    eng = build_engine(RunBuilder(engine_config(tmp_path_factory.mktemp("run"), long_model_dir)).engine_spec(), tokenizer)
     yield eng
     eng.shutdown()
     assert not any(p.alive() for p in eng.processes)
@@ -138,7 +139,7 @@ def test_fast_path_server_follows_every_update_route(long_model_dir, tmp_path, t
     from megaforge.rollout import build_engine
     from megaforge.rollout.http.engine import HTTPEngine
 
-    eng = build_engine(engine_config(tmp_path / "run", long_model_dir, fast="on", fast_compile="off"), tokenizer)
+    eng = build_engine(RunBuilder(engine_config(tmp_path / "run", long_model_dir, fast="on", fast_compile="off")).engine_spec(), tokenizer)
     try:
         with open(eng.processes[0].log_path) as f:
             assert "--fast on" in f.read()
@@ -448,7 +449,7 @@ def test_cuda_engine_server_takes_ipc_updates_after_malicious_payloads(long_mode
     from megaforge.rollout import build_engine
     from megaforge.types import GenerateRequest, SamplingParams
 
-    eng = build_engine(engine_config(tmp_path, long_model_dir, device="cuda"), tokenizer)
+    eng = build_engine(RunBuilder(engine_config(tmp_path, long_model_dir, device="cuda")).engine_spec(), tokenizer)
     try:
         url = eng.clients[0].url
         assert http(url, "POST", "/begin_weight_update", {})[0] == 200

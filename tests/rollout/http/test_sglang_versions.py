@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from engine_helpers import engine_config, hf_output_logprobs, http, perturbed_state
+from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,7 +50,7 @@ def test_weight_update_speaks_each_release(api, long_model_dir, tmp_path, tokeni
     from megaforge.rollout import build_engine
     from megaforge.types import GenerateRequest, SamplingParams
 
-    eng = build_engine(engine_config(tmp_path, long_model_dir, extra_args=["--sglang-api", api]), tokenizer)
+    eng = build_engine(RunBuilder(engine_config(tmp_path, long_model_dir, extra_args=["--sglang-api", api])).engine_spec(), tokenizer)
     try:
         url = eng.clients[0].url
         assert eng.caps[0].weight_update_session is (api == "0.5.23")
@@ -107,16 +108,16 @@ def test_engine_python_and_env_select_the_sglang_that_is_checked(tmp_path, long_
 
     cfg = engine_config(tmp_path, long_model_dir, engine="sglang")
     cfg.rollout.engine_env = {"PYTHONPATH": _fake_dist(tmp_path / "new", "sglang", "0.5.16")}
-    assert require_sglang(cfg) == "0.5.16"
-    assert installed_versions(cfg, ("sglang", "sglang-router")) == {"sglang": "0.5.16", "sglang-router": None}
+    assert require_sglang(RunBuilder(cfg).engine_spec()) == "0.5.16"
+    assert installed_versions(RunBuilder(cfg).engine_spec(), ("sglang", "sglang-router")) == {"sglang": "0.5.16", "sglang-router": None}
     with pytest.raises(ConfigError, match="needs sglang-router.*rollout.engine_python"):
-        require_sglang(cfg, router=True)
+        require_sglang(RunBuilder(cfg).engine_spec(), router=True)
     cfg.rollout.engine_env = {"PYTHONPATH": _fake_dist(tmp_path / "old", "sglang", "0.5.10")}
     with pytest.raises(ConfigError, match="sglang 0.5.10.*older than the oldest release"):
-        require_sglang(cfg)
+        require_sglang(RunBuilder(cfg).engine_spec())
     cfg.rollout.engine_python = str(tmp_path / "no-such-python")
     with pytest.raises(ConfigError, match="rollout.engine_python.*cannot run"):
-        require_sglang(cfg)
+        require_sglang(RunBuilder(cfg).engine_spec())
     # an interpreter that exists: a virtualenv's python is found the same way
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -124,5 +125,5 @@ def test_engine_python_and_env_select_the_sglang_that_is_checked(tmp_path, long_
                           capture_output=True, text=True, check=True).stdout.strip()
     _fake_dist(type(tmp_path)(site), "sglang", "0.5.23")
     cfg.rollout.engine_python, cfg.rollout.engine_env = str(venv / "bin" / "python"), {}
-    assert require_sglang(cfg) == "0.5.23"
+    assert require_sglang(RunBuilder(cfg).engine_spec()) == "0.5.23"
     assert os.path.exists(cfg.rollout.engine_python)

@@ -1,0 +1,192 @@
+"""The build step: :class:`RunBuilder` is the one place that reads the whole configuration tree and
+turns it into a run's components (trainer, engines, rewards, prompt data, evaluation, step driver),
+each given only its own section(s) or a spec of :mod:`megaforge.specs` (issue 42).
+
+    b = RunBuilder(cfg)
+    trainer = b.trainer(tokenizer)                  # trainer.backend (the backends still read the tree)
+    engine  = b.engines(tokenizer, job)             # rollout.engine, placed over the job's GPUs
+    rewards = b.rewards()                           # rewards, algo.plugins
+    data    = b.prompts(tokenizer, exclude)         # data, seed
+    parts   = b.step_parts(trainer, engine, data, rewards, tokenizer, stop_ids)   # StepSettings
+    driver  = b.driver(parts, state, resumed_from)  # loop.mode, loop.partial_rollouts, sync.interval
+
+The components below it take sections and specs, and :func:`megaforge.specs.expect` guards the specs'
+entry points; ``tests/test_config_ownership.py`` counts the functions that still take the whole tree.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from megaforge.config import Config
+from megaforge.specs import EngineSpec, EvalSettings, GenerateContext, Sampling, Schedule, StepSettings, expect
+
+
+class RunBuilder:
+    """Builds a run's components from ``cfg`` (a checked :class:`~megaforge.config.Config`). Each method
+    reads the keys its docstring names and nothing else reaches the component."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = expect(cfg, Config, "RunBuilder")
+
+    # ------------------------------------------------------------------------------------ specs
+    def sampling(self) -> Sampling:
+        """grpo.temperature, rollout.top_p / top_k / max_new_tokens / stop."""
+        r = self.cfg.rollout
+        return Sampling(temperature=self.cfg.grpo.temperature, top_p=r.top_p, top_k=r.top_k,
+                        max_new_tokens=r.max_new_tokens, stop=tuple(r.stop))
+
+    def generate_context(self) -> Optional[GenerateContext]:
+        """What ``rollout.generate_fn`` is given (None when it is not set)."""
+        c, r = self.cfg, self.cfg.rollout
+        if not r.generate_fn:
+            return None
+        return GenerateContext(generate_fn=r.generate_fn, max_new_tokens=r.max_new_tokens, max_turns=r.max_turns,
+                               max_tool_tokens=r.max_tool_tokens, n_samples=c.grpo.n_samples,
+                               temperature=c.grpo.temperature, seed=c.seed, model_path=c.model.path,
+                               generate_kwargs=dict(r.generate_kwargs))
+
+    def engine_spec(self) -> EngineSpec:
+        """What the engine kinds build from: the ``rollout`` and ``model`` sections, the engines' dtype,
+        ``seed``, the run directory, ``sync.transport``, ``sync.lora_adapters``."""
+        c = self.cfg
+        return EngineSpec(rollout=c.rollout, model=c.model, dtype=c.engine_dtype, seed=c.seed, run_dir=c.run_dir,
+                          transport=c.sync.transport, lora_adapters=c.sync.lora_adapters)
+
+    def objective(self):
+        """The objective's parameters (algo.*, grpo.*, teacher.*; algo.plugins imported)."""
+        from megaforge.algorithms import ObjectiveParams  # lazy: torch
+
+        return ObjectiveParams.from_config(self.cfg)
+
+    def step_settings(self) -> StepSettings:
+        """What the step primitives and the drivers read (:class:`~megaforge.specs.StepSettings`)."""
+        c = self.cfg
+        t, a = c.trainer, c.algo
+        return StepSettings(
+            objective=self.objective(), sampling=self.sampling(), loop=c.loop, generate=self.generate_context(),
+            mini_batches=t.mini_batches, epochs=t.epochs, beta=c.grpo.beta, n_samples=c.grpo.n_samples,
+            advantage=a.advantage, kl_in_reward_key=a.kl_in_reward, kl_estimator=a.kl_estimator,
+            critic=c.critic_enabled, dynamic_sampling=a.dynamic_sampling,
+            dynamic_sampling_max_rounds=a.dynamic_sampling_max_rounds, overlong_buffer=a.overlong_buffer,
+            overlong_penalty=a.overlong_penalty, batch_size=c.rollout.batch_size,
+            max_new_tokens=c.rollout.max_new_tokens, request_timeout_s=c.rollout.request_timeout_s,
+            stream_prompts=c.rewards.stream_prompts, sync_interval=c.sync.interval, bucket_mb=c.sync.bucket_mb,
+            check_equal=c.sync.check_equal, lora_adapters=c.sync.lora_adapters, log_samples=c.metrics.log_samples,
+            seed=c.seed, max_steps=c.max_steps)
+
+    def eval_settings(self) -> EvalSettings:
+        """What the evaluator and its schedule read (:class:`~megaforge.specs.EvalSettings`)."""
+        from megaforge.config.evaluation import correct_reward_label
+
+        c = self.cfg
+        return EvalSettings(eval=c.eval, sampling=self.sampling(), generate=self.generate_context(),
+                            max_steps=c.max_steps, per_step_requests=c.rollout.batch_size * c.grpo.n_samples,
+                            seed=c.seed, correct_name=correct_reward_label(c))
+
+    def schedule(self) -> Schedule:
+        """The RL phase's schedule: trainer.lr / min_lr / warmup_steps / lr_schedule over max_steps x
+        trainer.mini_batches x trainer.epochs updates."""
+        c, t = self.cfg, self.cfg.trainer
+        return Schedule(lr=t.lr, total_updates=c.max_steps * t.mini_batches * t.epochs, warmup_steps=t.warmup_steps,
+                        lr_schedule=t.lr_schedule, min_lr=t.min_lr)
+
+    # ------------------------------------------------------------------------------- components
+    def trainer(self, tokenizer=None):
+        """The configured backend (``trainer.backend``), constructed on every rank."""
+        backend = self.cfg.trainer.backend
+        if backend == "torch":
+            from megaforge.trainer.torch_backend import TorchTrainer  # lazy: the chosen backend only
+
+            return TorchTrainer(self.cfg, tokenizer)
+        if backend == "megatron":
+            try:
+                from megaforge.trainer.megatron import MegatronTrainer  # lazy: megatron-core is optional
+            except ImportError as e:
+                raise RuntimeError(
+                    f"trainer.backend: megatron needs megatron-core (pip install 'megaforge[megatron]'): {e}") from e
+            return MegatronTrainer(self.cfg, tokenizer)
+        raise ValueError(f"unknown trainer.backend {backend!r}; valid: torch, megatron")
+
+    def start_rl_trainer(self, trainer) -> None:
+        """The trainer as RL starts: :func:`megaforge.driver.steps.start_rl_trainer` with :meth:`schedule`
+        and the reference when grpo.beta > 0."""
+        from megaforge.driver.steps import start_rl_trainer
+
+        start_rl_trainer(trainer, self.schedule(), reference=self.cfg.grpo.beta > 0)
+
+    def engines(self, tokenizer, job=None):
+        """The rollout engine(s) (``rollout.engine``; rank 0's, None elsewhere; node leaders start their
+        node's servers), built by the kind from :meth:`engine_spec`; a multi-node job's engine GPUs come
+        from the planner's placement, which reads the tree (:func:`megaforge.placement.engine_slots`)."""
+        from megaforge.placement import build_engines, engine_slots  # lazy: torch
+
+        return build_engines(self.engine_spec(), tokenizer, job, slots=lambda place: engine_slots(self.cfg, place))
+
+    def rewards(self):
+        """The reward manager: the ``rewards`` section and ``algo.plugins`` (plug-in rewards)."""
+        from megaforge.rewards import RewardManager
+
+        return RewardManager(self.cfg.rewards, self.cfg.algo.plugins)
+
+    def prompts(self, tokenizer, exclude=frozenset()):
+        """The RL prompts: the ``data`` section, ``seed``; ``exclude``: the eval sets' held-out prompts."""
+        from megaforge.data.prompts import PromptSource  # lazy: torch
+
+        return PromptSource(self.cfg.data, tokenizer, self.cfg.seed, exclude=exclude)
+
+    def sft_prompts(self, tokenizer, exclude=frozenset()):
+        """The SFT rows: ``sft.data`` (else ``data``; the held-out prompts excluded from the latter), ``seed``."""
+        from megaforge.data.prompts import PromptSource  # lazy: torch
+
+        c = self.cfg
+        data = c.sft.data or c.data
+        return PromptSource(data, tokenizer, c.seed, want_response=True,
+                            exclude=exclude if data is c.data else frozenset())
+
+    def eval_sets(self, tokenizer):
+        """(sets, held-out prompts) of ``eval.sets``: reads the ``eval`` and ``data`` sections, ``seed``,
+        ``sft.data`` when ``sft.max_steps`` > 0 (checked disjoint from the sets)."""
+        from megaforge.eval.sets import load_eval_sets  # lazy: torch
+
+        c = self.cfg
+        return load_eval_sets(c.eval, c.data, c.seed, tokenizer, c.sft.data if c.sft.max_steps > 0 else None)
+
+    def evaluator(self, settings: Optional[EvalSettings], sets, tokenizer, rewards, stop_ids,
+                  out_dir: Optional[str] = None):
+        """The evaluator of ``sets`` with ``settings`` (None: :meth:`eval_settings`)."""
+        from megaforge.eval.runner import Evaluator  # lazy: torch
+
+        return Evaluator(settings or self.eval_settings(), sets, tokenizer, rewards, stop_ids, out_dir)
+
+    def routing_shape(self):
+        """The policy's routing shape with ``rollout.return_routed_experts`` (None: off); reads ``model``."""
+        from megaforge.rollout.routing import run_routing_shape  # lazy: torch
+
+        return run_routing_shape(self.cfg.rollout.return_routed_experts, self.cfg.model)
+
+    def step_parts(self, trainer, engine, data, rewards, tokenizer, stop_ids):
+        """The step primitives over the run's parts (:class:`~megaforge.driver.steps.StepParts`), with
+        :meth:`step_settings`, the routing shape and (``loop.partial_rollouts``) the partial-rollout pool."""
+        from megaforge.driver.steps import StepParts  # lazy: torch
+
+        return StepParts(self.step_settings(), trainer, engine, data, rewards, tokenizer, stop_ids,
+                         routing_shape=self.routing_shape())
+
+    def driver(self, parts, state: dict, resumed_from: Optional[str] = None):
+        """:class:`~megaforge.driver.offpolicy.AsyncDriver` when the settings need it, else
+        :class:`~megaforge.driver.sync.SyncDriver`."""
+        from megaforge.driver.offpolicy import AsyncDriver  # lazy: torch
+        from megaforge.driver.sync import SyncDriver
+
+        if parts.settings.is_async:
+            return AsyncDriver(parts, state, resumed_from)
+        return SyncDriver(parts, state.get("data"))
+
+    def metrics_logger(self, run_dir: str, filename: str = "metrics.jsonl", resume_step: Optional[int] = None,
+                       tb_subdir: str = "tensorboard"):
+        """The metric sinks: the ``metrics`` section; ``run_name`` and the flattened tree for wandb's run."""
+        from megaforge.metrics import MetricsLogger, flat_config
+
+        c = self.cfg
+        return MetricsLogger(c.metrics, run_dir, filename, resume_step, tb_subdir, run_name=c.run_name,
+                             flat=flat_config(c) if c.metrics.wandb else None)
