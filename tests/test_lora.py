@@ -91,8 +91,13 @@ def test_config_keys_and_refusals():
         load_config(["--config", DEMO, "--model.lora.rank", "0"])
     with pytest.raises(ConfigError, match="did you mean 'model.lora.rank'"):
         load_config(["--config", DEMO, "--model.lora.rnk", "4"])
-    with pytest.raises(ConfigError, match="'model.lora': LoRA is implemented on the torch backend"):
-        load_config(["--config", DEMO, "--model.lora.rank", "4", "--trainer.backend", "megatron"])
+    # the megatron backend takes it (megaforge.trainer.megatron.lora) with the torch layer spec and no FP8
+    assert load_config(["--config", DEMO, "--model.lora.rank", "4", "--trainer.backend", "megatron"]).model.lora.rank == 4
+    with pytest.raises(ConfigError, match="'model.lora': with trainer.backend megatron needs trainer.layer_spec torch"):
+        load_config(["--config", DEMO, "--model.lora.rank", "4", "--trainer.backend", "megatron",
+                     "--trainer.layer_spec", "te"])
+    with pytest.raises(ConfigError, match="'model.lora': with trainer.backend megatron has no FP8 path"):
+        load_config(["--config", DEMO, "--model.lora.rank", "4", "--trainer.backend", "megatron", "--trainer.fp8", "hybrid"])
     with pytest.raises(ConfigError, match="'model.lora': the PPO critic"):
         load_config(["--config", DEMO, "--model.lora.rank", "4", "--algo.advantage", "gae"])
 

@@ -30,7 +30,9 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                "gate_proj", "up_proj", "down_proj"])
     """Linear layers that get adapters, by the last part of their module name (``q_proj`` matches every
-    layer's ``self_attn.q_proj``), or a full dotted name. Each entry must match at least one module."""
+    layer's ``self_attn.q_proj``), or a full dotted name (torch backend). Each entry must match at least
+    one module. The megatron backend takes the HF projection names q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj (adapting their slices of megatron's fused qkv / gate-up linears)."""
 
 
 @dataclass
@@ -51,8 +53,9 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Passed to transformers; only enable for model code you trust."""
     lora: Optional[LoraConfig] = None
-    """Low-rank adapters (``{rank, alpha, dropout, target_modules}``); null: full fine-tuning. Torch
-    backend only (megatron refuses it)."""
+    """Low-rank adapters (``{rank, alpha, dropout, target_modules}``); null: full fine-tuning. Torch backend:
+    PEFT; megatron backend: tensor-parallel adapters on megatron's linears (torch layer spec, no FP8, HF
+    projection names as targets, MoE experts not targeted; megaforge.trainer.megatron.lora)."""
 
 
 @dataclass

@@ -224,9 +224,12 @@ class Config:
         self._validate_launch(need)
         self.eval.validate_with(self, need)
         if self.model.lora is not None:
-            need(self.trainer.backend == "torch", "model.lora",
-                 "LoRA is implemented on the torch backend (PEFT); trainer.backend megatron has no LoRA adapters: "
-                 "set trainer.backend: torch or model.lora: null")
+            if self.trainer.backend == "megatron":  # megaforge.trainer.megatron.lora: megatron's own parallel linears
+                need(self.trainer.layer_spec != "te", "model.lora",
+                     "with trainer.backend megatron needs trainer.layer_spec torch (or auto): the adapters wrap "
+                     "megatron's own parallel linears, not Transformer Engine's (trainer.layer_spec te)")
+                need(not self.trainer.fp8, "model.lora",
+                     f"with trainer.backend megatron has no FP8 path: set trainer.fp8 null (got {self.trainer.fp8!r})")
             need(not self.critic_enabled, "model.lora", "the PPO critic (critic.enabled / algo.advantage gae) "
                  "copies the policy's backbone, which LoRA does not train: use a critic-free advantage (grpo, rloo, ...)")
             need(len(self.model.lora.target_modules) > 0, "model.lora.target_modules", "must name at least one module")

@@ -8,6 +8,8 @@
 * :mod:`~megaforge.convert.hf_writer`: HF safetensors directories (sharded + index) written
   atomically; shared by both trainer backends and the tools.
 * :mod:`~megaforge.convert.ranks`: conversion layouts and the CLIs' ranks (spawned, or under torchrun).
+* :mod:`~megaforge.convert.lora_names`: the Megatron backend's LoRA adapter names per layout <-> PEFT
+  names, and their TP shards.
 
 The Megatron side (live bucket iterator, offline conversion) is in
 :mod:`megaforge.trainer.megatron.hf_export` and :mod:`megaforge.trainer.megatron.convert`.

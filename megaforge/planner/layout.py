@@ -143,6 +143,11 @@ def check_layout(cfg, shape: ModelShape, hw: Hardware, mode: str) -> tuple[Optio
                          "(megatron splits whole key/value groups over TP)"))
     if shape.ffn % tp and len(shape.moe_layers) < shape.layers:
         err.append(Issue("trainer.tensor_parallel", f"={tp} does not divide intermediate_size={shape.ffn}"))
+    lora_mlp = [m for m in (cfg.model.lora.target_modules if cfg.model.lora is not None else [])
+                if m in ("gate_proj", "up_proj", "down_proj")]
+    if megatron and lora_mlp and shape.moe_layers:  # megaforge.trainer.megatron.lora.check_lora, before the run
+        err.append(Issue("model.lora.target_modules", f"{lora_mlp} would target the mixture-of-experts layers' experts, "
+                         "which the megatron backend's LoRA does not adapt: target the attention projections only"))
     if shape.layers % pp:
         err.append(Issue("trainer.pipeline_parallel", f"={pp} does not divide num_hidden_layers={shape.layers}"))
     if ep > 1 and not shape.is_moe:

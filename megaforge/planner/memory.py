@@ -11,7 +11,9 @@ torch backend: weights, gradients, two AdamW moments in the parameter dtype (``4
 DDP bucket copy of the gradients (``p*P``) with more than one rank. The frozen reference (``grpo.beta
 > 0``, ``trainer.ref_device: same``) adds ``p*P``. With ``model.lora`` (torch backend) gradients,
 AdamW moments and buckets count the adapters' ``P_a`` (:meth:`ModelShape.lora_params`) instead of ``P``,
-the weights ``p*(P + P_a)``, and the reference is the base with the adapters off (no second copy).
+the weights ``p*(P + P_a)``, and the reference is the base with the adapters off (no second copy); on the
+megatron backend the fp32 main gradients and Adam state are those of the rank's adapter shards
+(:func:`megatron_lora_params`) and the base's weights ``p*P`` stay.
 
 Activations: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models", per layer ``s*b*h*(34 + 5*a*s/h)`` with LayerNorm, GeLU and dropout) adapted to what
@@ -127,6 +129,10 @@ def trainer_state(cfg, shape, lay, stage: int) -> list[Item]:
     p = dtype_bytes(cfg.model.dtype)
     if lay.backend == "megatron":
         sp = shape.stage_params(lay.tp, lay.pp, stage, lay.ep, lay.etp)
+        if cfg.model.lora is not None:  # the frozen base; fp32 main grads and Adam for this rank's adapters alone
+            n, na = sum(sp.values()), megatron_lora_params(shape, cfg.model.lora, lay.tp, lay.pp, stage)
+            return [Item("trainer weights", p * n, "trainer", f"{n / 1e9:.3f} B params x {p} B (frozen base)"),
+                    *_megatron_state(cfg, lay, p, na, 0, "LoRA adapters ")]
         items = _megatron_state(cfg, lay, p, sp["dense"] + sp["embedding"] + sp["output"], sp["expert"], "")
         if cfg.critic_enabled and cfg.max_steps > 0:  # a second GPTModel, the output layer replaced by a value head
             head = (shape.hidden + 1) if stage == lay.pp - 1 else 0
@@ -150,6 +156,28 @@ def trainer_state(cfg, shape, lay, stage: int) -> list[Item]:
         nc = n - (0 if shape.tied else shape.vocab * shape.hidden) + shape.hidden + 1
         items.append(Item("critic (weights+grads+AdamW)", 4.0 * p * nc, "trainer", "4 x p B/param of the backbone"))
     return items
+
+
+def megatron_lora_params(shape, lora, tp: int, pp: int, stage: int) -> int:
+    """The megatron backend's adapter parameters on one rank of stage ``stage``
+    (megaforge.trainer.megatron.lora): per adapted projection of the stage's dense layers, r * (in + out/t)
+    for column-parallel ones (q, k, v, gate, up: A replicated, B sharded) and r * (in/t + out) for
+    row-parallel ones (o, down: A sharded, B replicated); MoE layers' MLPs are never adapted."""
+    h, f, r = shape.hidden, shape.ffn, lora.rank
+    col = {"q_proj": (h, shape.qd), "k_proj": (h, shape.kvd), "v_proj": (h, shape.kvd), "gate_proj": (h, f),
+           "up_proj": (h, f)}
+    row = {"o_proj": (shape.qd, h), "down_proj": (f, h)}
+    per = shape.layers // pp
+    n = 0
+    for i in range(stage * per, (stage + 1) * per):
+        for t in lora.target_modules:
+            if t in ("gate_proj", "up_proj", "down_proj") and i in shape.moe_layers:
+                continue
+            if t in col:
+                n += r * (col[t][0] + col[t][1] // tp)
+            elif t in row:
+                n += r * (row[t][0] // tp + row[t][1])
+    return n
 
 
 def _megatron_state(cfg, lay, p: int, dense: float, expert: float, prefix: str) -> list[Item]:

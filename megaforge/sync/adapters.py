@@ -27,6 +27,21 @@ def merge_lora(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: fl
     return (weight.detach().float() + scale * (b.detach().float() @ a.detach().float())).to(weight.dtype)
 
 
+def pair_buckets(pairs, max_bytes: int):
+    """``[(M.lora_A.weight, A), (M.lora_B.weight, B), ...]`` buckets of at most ``max_bytes`` (an A/B
+    pair is never split; a pair larger than that is a bucket of its own) from ``(M, A, B)``."""
+    bucket, size = [], 0
+    for mod, a, b in pairs:
+        nbytes = a.numel() * a.element_size() + b.numel() * b.element_size()
+        if bucket and size + nbytes > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket += [(mod + LORA_A, a), (mod + LORA_B, b)]
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
 def adapter_pairs(buckets):
     """(module name, A, B) from buckets of ``(name, tensor)`` holding ``M.lora_A.weight`` and
     ``M.lora_B.weight`` (a pair may span buckets); a name of another form, or a pair left incomplete,

@@ -18,6 +18,7 @@ the trainer keeps training ``lm`` (the HF CausalLM, whose targeted linears are n
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator, Optional
 
 import torch
@@ -52,6 +53,31 @@ def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
                               f"{', '.join(linear_names(model))}")
 
 
+def peft_config(lcfg, base_path: str = ""):
+    """PEFT's ``LoraConfig`` of ``model.lora`` (what both backends' adapter folders declare)."""
+    try:
+        import peft  # lazy: only LoRA runs need it
+    except ImportError as e:
+        raise ConfigError(f"model.lora needs peft (pip install 'megaforge[lora]', tested peft==0.21.2): {e}") from e
+    pcfg = peft.LoraConfig(r=lcfg.rank, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
+                           target_modules=list(lcfg.target_modules), bias="none", task_type="CAUSAL_LM")
+    if base_path:
+        pcfg.base_model_name_or_path = base_path
+    return pcfg
+
+
+def write_adapter_folder(path: str, tensors: dict[str, torch.Tensor], lcfg, base_path: str = "") -> None:
+    """A PEFT adapter folder from full adapter tensors named as PEFT saves them
+    (``base_model.model.<HF module>.lora_A.weight`` [r, in], ``...lora_B.weight`` [out, r]):
+    ``adapter_config.json`` (PEFT's own writer) and ``adapter_model.safetensors`` (the format
+    ``PeftModel.save_pretrained`` writes). For backends that hold the adapters outside PEFT (megatron)."""
+    from safetensors.torch import save_file
+
+    peft_config(lcfg, base_path).save_pretrained(path)
+    save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items()},
+              os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
 class LoraPolicy:
     """The policy ``lm`` with PEFT LoRA adapters injected in place (base parameters frozen:
     ``requires_grad`` False; the adapters' A and B the only trainable parameters)."""
@@ -63,10 +89,8 @@ class LoraPolicy:
             raise ConfigError(f"model.lora needs peft (pip install 'megaforge[lora]', tested peft==0.21.2): {e}") from e
 
         check_targets(lm, list(lcfg.target_modules))
-        pcfg = peft.LoraConfig(r=lcfg.rank, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
-                               target_modules=list(lcfg.target_modules), bias="none", task_type="CAUSAL_LM")
         # the A init draws from the global RNG: seeded by the run's seed (Run sets torch.manual_seed)
-        self.peft = peft.get_peft_model(lm, pcfg)
+        self.peft = peft.get_peft_model(lm, peft_config(lcfg))
         if base_path:
             self.peft.peft_config[ADAPTER].base_model_name_or_path = base_path
         self.lm = lm  # the same module object, adapted in place

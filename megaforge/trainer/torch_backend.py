@@ -30,6 +30,7 @@ from megaforge.trainer.base import HFBucket, Objective, Trainer, modules_weights
 from megaforge.trainer.causal_lm import POSITIONS, CausalLMLogprobs, check_split_head
 from megaforge.trainer.critic import TorchCritic
 from megaforge.trainer.logprobs import trained_positions
+from megaforge.sync.adapters import pair_buckets
 from megaforge.trainer.lora import LoraPolicy
 from megaforge.trainer.teacher import load_torch_teacher
 from megaforge.types import TrainBatch
@@ -197,17 +198,7 @@ class TorchTrainer(Trainer):
         ``max_bytes`` (an A/B pair never split), for :func:`megaforge.sync.adapters.push_adapters`."""
         if not self.is_engine_feeder or self.lora is None:
             return
-        bucket: HFBucket = []
-        size = 0
-        for mod, a, b in self.lora.adapter_tensors():
-            nbytes = (a.numel() + b.numel()) * a.element_size()
-            if bucket and size + nbytes > max_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket += [(mod + ".lora_A.weight", a), (mod + ".lora_B.weight", b)]
-            size += nbytes
-        if bucket:
-            yield bucket
+        yield from pair_buckets(self.lora.adapter_tensors(), max_bytes)
 
     # ------------------------------------------------------------------------------ checkpoint
     def named_weights(self):

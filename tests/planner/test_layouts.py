@@ -61,6 +61,8 @@ def test_impossible_layouts_name_the_constraint(overrides, opts, expected):
     (["--trainer.expert_parallel", "16"], "(CP x DP) % EP == 0, here CP x DP = 8"),  # 32 GPUs / (TP 2 x PP 2)
     (["--rollout.tensor_parallel", "6", "--rollout.num_engines", "4"], "rollout.tensor_parallel=6 neither divides nor is a multiple of num_key_value_heads=4"),
     (["--trainer.layer_spec", "torch", "--trainer.moe_experts", "grouped"], "trainer.moe_experts=grouped needs trainer.layer_spec te"),
+    (["--trainer.layer_spec", "torch", "--model.lora.rank", "8"],
+     "model.lora.target_modules: ['gate_proj', 'up_proj', 'down_proj'] would target the mixture-of-experts layers' experts"),
 ])
 def test_impossible_moe_layouts(overrides, expected):
     p = plan(GSPO, *overrides, model_config=MOE, nodes=4, gpus_per_node=8, gpu="H100")

@@ -354,3 +354,24 @@ def test_lora_plan_counts_adapters_for_gradients_and_adamw_and_no_reference_copy
     assert abs(a["optimizer (AdamW)"] - 2 * a["LoRA adapters"]) < 2e-3 < b["optimizer (AdamW)"] / 10
     assert a["trainer weights"] == b["trainer weights"]
     assert "reference model" in b and "reference model" not in a
+
+
+def test_megatron_lora_plan_counts_the_rank_s_adapters_for_grads_and_adam():
+    """trainer.backend megatron with model.lora: the frozen base's weights stay, the fp32 main gradients
+    and Adam state are the rank's adapter shards' (M.megatron_lora_params, checked against the trainer's
+    parameters in tests/megatron/test_megatron_lora.py), and no reference copy."""
+    args = ("configs/demo_cpu.yaml", "--trainer.backend", "megatron", "--trainer.tensor_parallel", "2",
+            "--trainer.layer_spec", "torch")
+    base = plan(*args, model_config=QWEN3, gpus_per_node=2, gpu="H200")
+    lora = plan(*args, "--model.lora", "{rank: 16}", model_config=QWEN3, gpus_per_node=2, gpu="H200")
+    b, a = base["phases"]["train"]["items"], lora["phases"]["train"]["items"]
+    shape = shape_from_dict(json.load(open(os.path.join(QWEN3, "config.json"))))
+    from megaforge.config.model import LoraConfig
+
+    lora_cfg = LoraConfig(rank=16)  # the seven projections
+    na = M.megatron_lora_params(shape, lora_cfg, 2, 1, 0)
+    assert 0 < na < shape.lora_params(lora_cfg.rank, lora_cfg.target_modules)  # B (column) / A (row) halved at TP 2
+    assert abs(a["LoRA adapters gradients (fp32 main grad)"] - 4 * na / 2**30) < 2e-3
+    assert a["LoRA adapters optimizer (Adam)"] < b["optimizer (Adam)"] / 10
+    assert a["trainer weights"] == b["trainer weights"]
+    assert "reference model" in b and "reference model" not in a

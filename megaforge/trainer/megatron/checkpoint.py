@@ -154,9 +154,7 @@ def _sharded(tr, with_optimizer: bool, with_ref: bool, loading: bool, saved_spec
     sd = {"model": model_sd}
 
     def optimizer_sd(optimizer, model_part: dict) -> dict:
-        _ensure_adam_state(optimizer)
-        with _lean_fully_reshardable_save(loading):
-            return optimizer.sharded_state_dict(model_part, is_loading=loading, metadata=md)
+        return optimizer_sharded(optimizer, model_part, md, loading)
 
     if with_optimizer:
         sd["optimizer"] = optimizer_sd(tr.optimizer, model_sd)
@@ -168,6 +166,21 @@ def _sharded(tr, with_optimizer: bool, with_ref: bool, loading: bool, saved_spec
         if with_optimizer:
             sd["critic_optimizer"] = optimizer_sd(tr.critic.optimizer, critic_sd)
     return sd
+
+
+def optimizer_sharded(optimizer, model_sd: dict, md: dict, loading: bool) -> dict:
+    """The optimizer's sharded state for the parameters of ``model_sd`` (megatron's, in the
+    ``fully_reshardable`` format of metadata ``md`` for a distributed optimizer)."""
+    _ensure_adam_state(optimizer)
+    with _lean_fully_reshardable_save(loading):
+        return optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=md)
+
+
+def load_optimizer(optimizer, state: dict) -> None:
+    """Load what :func:`optimizer_sharded` described (with the megatron-core 0.16.1 work-arounds)."""
+    with _step_tolerant_reshardable_load():
+        optimizer.load_state_dict(state)
+    _unshare_adam_steps(optimizer)
 
 
 def layout_of() -> dict:
@@ -312,6 +325,9 @@ def load(tr, path: str) -> None:
     from megatron.core import dist_checkpointing
 
     meta = read_meta(path)
+    if meta.get("lora") is not None:
+        raise RuntimeError(f"{path}: the checkpoint holds LoRA adapters but model.lora is null: resume with the "
+                           "model.lora of the run that wrote it")
     if meta["family"] != tr.family.name:
         raise ValueError(f"{path}: checkpoint of family {meta['family']!r}, trainer is {tr.family.name!r}")
     saved_spec = meta.get("layer_spec", tr.spec)

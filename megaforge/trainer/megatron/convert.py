@@ -207,6 +207,10 @@ def open_checkpoint(ckpt: str, hf_config_dir: Optional[str] = None, layout: Opti
     pickles other than tensors / checkpoint metadata (:func:`megaforge.checkpoint.check_loadable`:
     megatron-core reads ``common.pt`` without ``weights_only``)."""
     meta = mckpt.read_meta(ckpt)
+    if meta.get("lora") is not None:
+        raise ValueError(f"{ckpt} is a LoRA checkpoint (model.lora): it holds the adapters of the base "
+                         f"{meta['lora']['base'] or '(model.path)'} and their optimizer state, not a model; use the run's "
+                         "PEFT adapter folder (<run>/adapter/step_N) on that base, or its merged export (--export_hf_every)")
     check_loadable(ckpt)
     hf_config, cfg_dir = resolve_hf_config(ckpt, hf_config_dir)
     family = families.family_of(hf_config)

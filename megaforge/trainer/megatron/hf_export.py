@@ -25,7 +25,7 @@ participants.
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -79,16 +79,20 @@ def row_owners(bm) -> tuple[list, dict]:
     return rows, owners
 
 
-def iter_hf_buckets(bm, max_bytes: int, values: Optional[dict] = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def iter_hf_buckets(bm, max_bytes: int, values: Optional[dict] = None,
+                    merge: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None
+                    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of at most ``max_bytes`` (a bigger tensor is a bucket of its own); see module doc.
     ``values``: {this rank's parameter name: tensor of that parameter's shape and dtype} streamed
     instead of the weights, through the same gathers and conversion (e.g. the reduced gradients,
-    whose layout is the parameters')."""
+    whose layout is the parameters'). ``merge(name, shard) -> shard``: applied to each local shard
+    before the gather, one row at a time (LoRA: W + s B A, megaforge.trainer.megatron.lora); LoRA
+    adapter parameters themselves are never streamed."""
     from megatron.core import parallel_state as ps
 
     rows, owners = row_owners(bm)
     tp, etp = ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
-    params = dict(bm.model.named_parameters())
+    params = {n: p for n, p in bm.model.named_parameters() if ".lora." not in n}
     if values is not None:
         for name, p in params.items():
             v = values[name]
@@ -112,6 +116,8 @@ def iter_hf_buckets(bm, max_bytes: int, values: Optional[dict] = None) -> Iterat
             group, first = _groups(pm)
             if first:
                 shard = params[local[pm.megatron]].detach()
+                if merge is not None:
+                    shard = merge(local[pm.megatron], shard)
                 if n > 1:
                     parts = [torch.empty_like(shard) for _ in range(n)]
                     dist.all_gather(parts, shard.contiguous(), group=group)
@@ -145,15 +151,17 @@ def iter_hf_buckets(bm, max_bytes: int, values: Optional[dict] = None) -> Iterat
 
 def export_hf(bm, hf_config, path: str, tokenizer=None, model_path: str = "",
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, bucket_bytes: int = 512 << 20,
-              dtype: Optional[torch.dtype] = None, overwrite: bool = True) -> None:
+              dtype: Optional[torch.dtype] = None, overwrite: bool = True,
+              merge: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None) -> None:
     """Write a transformers-loadable directory (safetensors shards + index, config, generation
     config, tokenizer) from :func:`iter_hf_buckets` through :class:`HFWriter` on rank 0: atomic
     (temporary folder next to ``path``, renamed at the end, removed on error). Device memory on rank
-    0 is bounded by ``bucket_bytes``, host memory by ``max_shard_bytes``. Collective."""
+    0 is bounded by ``bucket_bytes``, host memory by ``max_shard_bytes``; ``merge``: as in
+    :func:`iter_hf_buckets` (LoRA: the merged weights). Collective."""
     feeder = dist.get_rank() == 0
     writer = HFWriter(path, max_shard_bytes, dtype, overwrite) if feeder else None
     try:
-        for bucket in iter_hf_buckets(bm, bucket_bytes):
+        for bucket in iter_hf_buckets(bm, bucket_bytes, merge=merge):
             if feeder:
                 writer.add_bucket(bucket)
         if feeder:

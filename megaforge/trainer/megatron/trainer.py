@@ -54,12 +54,13 @@ from megaforge.hf import DTYPES
 from megaforge.memory import build_offloader, onloaded
 from megaforge.memory.state import ddp_entries, megatron_parts, on_device, param_entries
 from megaforge.trainer.base import HFBucket, Objective, Trainer, modules_weights
-from megaforge.trainer.megatron import cpu_compat, parallel, routing_replay
+from megaforge.trainer.megatron import cpu_compat, lora_checkpoint, parallel, routing_replay
 from megaforge.trainer.megatron import model as mmodel
 from megaforge.trainer.megatron.checkpoint import load, save
 from megaforge.trainer.megatron.critic import MegatronCritic
 from megaforge.trainer.megatron.hf_export import export_hf, iter_hf_buckets
 from megaforge.trainer.megatron.logprobs import vocab_parallel_argmax, vocab_parallel_logprobs
+from megaforge.trainer.megatron.lora import MegatronLora, check_lora
 from megaforge.trainer.megatron.optim import (adam_optimizer, clipped_step, finalize_grads, set_lr_and_decay,
                                               state_resetter, wrap_ddp)
 from megaforge.trainer.megatron.packing import Packed, pack, padded_lengths, to_device
@@ -114,10 +115,17 @@ class MegatronTrainer(Trainer):
             raise ValueError("a mixture-of-experts model with trainer.tensor_parallel > 1 needs trainer.sequence_parallel: "
                              "true (megatron-core refuses to train MoE layers under TP without it)")
         self._routes_set = False  # a recorded routing was ever set on routers (later passes without one clear it)
-        self.spec = mmodel.resolve_spec(t.layer_spec)
+        # LoRA wraps megatron's own linears: layer_spec auto means torch there (te is refused: check_lora)
+        self.spec = mmodel.resolve_spec("torch" if cfg.model.lora is not None and t.layer_spec == "auto" else t.layer_spec)
+        if cfg.model.lora is not None:
+            check_lora(cfg.model.lora, t, self.spec, self.desc)
         self.tconfig = mmodel.transformer_config(self.desc, t, self.dtype, self.device.type == "cpu", self.spec)
         self.bm = mmodel.build_model(self.desc, self.family, self.tconfig, self.spec, self.device)
         mmodel.load_weights(self.bm, source)
+        # model.lora: adapters on the frozen base (megaforge.trainer.megatron.lora); the reference is the
+        # base with the adapters off, or with the adapters of a LoRA warm start (_ref_adapters)
+        self.lora = MegatronLora(self.bm, cfg.model.lora, cfg.seed, t.sequence_parallel) if cfg.model.lora else None
+        self._lora_ref, self._ref_adapters = False, None
         self.ddp = wrap_ddp(self.tconfig, self.bm.model, t.distributed_optimizer)
         self.tconfig.no_sync_func = self.ddp.no_sync
         self.tconfig.finalize_model_grads_func = finalize_grads
@@ -323,13 +331,15 @@ class MegatronTrainer(Trainer):
         """Token-aligned [B, T] tensors on every rank, CPU (a share: its [n, T] rows): ``logprobs``
         (float32, temperature applied) and/or ``argmax`` (long: the model's most likely token at t given
         tokens[:t]). 0 at t = 0 and on padding."""
-        module = self._select_model(model, self.ddp)
+        lora_ref = model == "ref" and self._lora_ref
+        module = self.ddp if lora_ref else self._select_model(model, self.ddp)
         unknown = set(fields) - {"logprobs", "argmax"}
         if unknown:
             raise ValueError(f"forward_rows: unknown fields {sorted(unknown)}; valid: logprobs, argmax")
         B, T = batch.tokens.shape
         module.eval()
-        with self._ref_on_device(module):
+        with self._ref_on_device(module), (self.lora.reference(self._ref_adapters) if lora_ref
+                                           else contextlib.nullcontext()):
             local = self.dp_rows(batch)
             mbs = self.micro_batches(local)
 
@@ -364,7 +374,12 @@ class MegatronTrainer(Trainer):
     @onloaded
     def snapshot_reference(self) -> None:
         """Frozen copy of the current policy weights (same layout, no optimizer); on the CPU when
-        ``trainer.ref_device: cpu`` (moved to the device only while it computes)."""
+        ``trainer.ref_device: cpu`` (moved to the device only while it computes). With LoRA: the base with
+        the adapters off (no copy), or with a copy of the adapters when they are not zero (warm start)."""
+        if self.lora is not None:
+            self._lora_ref = True
+            self._ref_adapters = None if self.lora.fresh() else self.lora.local_state()
+            return
         if self.ref is None:
             self.ref = mmodel.build_model(self.desc, self.family, mmodel.config_without_hooks(self.tconfig),
                                           self.spec, self.device).model
@@ -435,11 +450,21 @@ class MegatronTrainer(Trainer):
 
     # ------------------------------------------------------------------- weights and state
     def iter_hf_buckets(self, max_bytes: int) -> Iterator[HFBucket]:
-        return iter_hf_buckets(self.bm, max_bytes)
+        return iter_hf_buckets(self.bm, max_bytes, merge=self.lora.merged if self.lora is not None else None)
+
+    def iter_adapter_buckets(self, max_bytes: int) -> Iterator[HFBucket]:
+        return lora_checkpoint.adapter_buckets(self, max_bytes)
 
     @onloaded
     def export_hf(self, path: str) -> None:
-        export_hf(self.bm, self.hf_config, path, self.tokenizer, self.cfg.model.path)
+        export_hf(self.bm, self.hf_config, path, self.tokenizer, self.cfg.model.path,
+                  merge=self.lora.merged if self.lora is not None else None)
+
+    @onloaded
+    def export_adapter(self, path: str) -> None:
+        if self.lora is None:
+            raise RuntimeError("export_adapter: model.lora is null (no adapters)")
+        lora_checkpoint.export_adapter(self, path)
 
     def named_weights(self):
         critic = self.critic.bm.model if self.critic is not None else None
@@ -448,11 +473,11 @@ class MegatronTrainer(Trainer):
     @onloaded
     def save(self, path: str) -> None:
         self.check_finite()
-        save(self, path)
+        (lora_checkpoint.save if self.lora is not None else save)(self, path)
 
     @onloaded
     def load(self, path: str) -> None:
-        load(self, path)
+        (lora_checkpoint.load if self.lora is not None else load)(self, path)
         self._set_lr()
 
     def close(self) -> None:
