@@ -4,6 +4,7 @@ command line and environment of megaforge.rollout.http.sglang (embedded_server f
 import os
 import sys
 
+import pytest
 import torch
 import yaml
 
@@ -62,3 +63,25 @@ def test_embedded_stand_in_is_the_embedded_server_a_run_starts(tmp_path):
     assert servers.env(cfg, start, None) == embedded_server.env(run, run_start, None)
     assert servers.hold_socket is True and cmd[cmd.index("--sock-fd") + 1] == "9"
     assert cmd[cmd.index("--max-batch") + 1] == "4096" and "--attention-backend" not in cmd  # SGLang's flags stay SGLang's
+
+
+def test_sglang_attention_backends_each_get_a_server_with_that_backend_only(tmp_path):
+    # issue 38 point 4: FA3 (SGLang's Hopper default) beside triton in one run, one server each
+    args, _, _, _ = bench_rollout.parse_args(["--sglang", "--device", "cuda", "--sglang_attention", "fa3,triton"])
+    assert args.sglang_attention == ["fa3", "triton"]
+    for attn in args.sglang_attention:
+        servers, cfg, start = bench_rollout.server_launch("/models/shape", args, attn)
+        cmd = servers.command(cfg, start, 30125, None)
+        assert cmd.count("--attention-backend") == 1 and cmd[cmd.index("--attention-backend") + 1] == attn
+        assert cmd[cmd.index("--sampling-backend") + 1] == "pytorch"  # the kit's other flags kept
+        assert "--cuda-graph-backend-prefill" in cmd
+    assert bench_rollout.with_attention("--attention-backend=triton --x 1", "fa3") == ["--x", "1", "--attention-backend", "fa3"]
+    assert bench_rollout.with_attention("--x 1", None) == ["--x", "1"]
+
+
+@pytest.mark.parametrize("argv", [["--sglang", "--sglang_server", "embedded", "--tiny", "--sglang_attention", "fa3"],
+                                  ["--sglang_attention", "fa3"], ["--sglang", "--sglang_attention", "fa3,fa3"]])
+def test_sglang_attention_is_refused_where_no_sglang_server_runs_or_twice(argv, capsys):
+    with pytest.raises(SystemExit):
+        bench_rollout.parse_args(argv)
+    assert "--sglang_attention" in capsys.readouterr().err

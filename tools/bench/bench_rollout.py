@@ -247,7 +247,24 @@ def extra_rows(shape, model, args, dev) -> dict:
 
 
 # ------------------------------------------------------------------------------------- real SGLang
-def server_launch(model_dir: str, args):
+def with_attention(server_args: str, attention: str | None) -> list[str]:
+    """``server_args`` split, with ``--attention-backend`` set to ``attention`` (replaced where the args
+    name one, appended where not); None leaves them as they are."""
+    argv = server_args.split()
+    if attention is None:
+        return argv
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--attention-backend":
+            skip = True
+        elif not a.startswith("--attention-backend="):
+            out.append(a)
+    return out + ["--attention-backend", attention]
+
+
+def server_launch(model_dir: str, args, attention: str | None = None):
     """The server this bench starts, built as a run builds its engines' servers: the engine kind's
     :class:`~megaforge.rollout.http.start.Servers` (megaforge.rollout.http.sglang, or embedded_server
     for ``--sglang_server embedded``), a run config with the bench's settings and the
@@ -269,7 +286,7 @@ def server_launch(model_dir: str, args):
         "engine": "sglang" if real else "embedded_server", "device": args.device, "host": "127.0.0.1",
         "num_gpus": 0, "tensor_parallel": 1, "mem_fraction": args.sglang_mem, "engine_python": args.sglang_python,
         "engine_env": env_from_script(args.sglang_env_sh) if args.sglang_env_sh and real else {},
-        "extra_args": args.sglang_args.split() if real else [], "engine_batch_size": 4096}})
+        "extra_args": with_attention(args.sglang_args, attention) if real else [], "engine_batch_size": 4096}})
     return ((sglang if real else embedded_server).SERVERS, RunBuilder(cfg).engine_spec(),
             ServerStart(model_dir, "", "", [], torch.device(args.device)))
 
@@ -279,14 +296,14 @@ class SGLangServer:
     embedded server speaking the same protocol (``embedded``: the CPU check of this code path), started
     with the command line and environment a run gives its engine (:func:`server_launch`)."""
 
-    def __init__(self, model_dir: str, args, log_path: str):
+    def __init__(self, model_dir: str, args, log_path: str, attention: str | None = None):
         import asyncio
         import functools
 
         from megaforge.rollout.http.client import SGLangClient
         from megaforge.rollout.http.processes import ServerProcess
 
-        servers, cfg, start = server_launch(model_dir, args)
+        servers, cfg, start = server_launch(model_dir, args, attention)
         proc = ServerProcess(args.sglang_server, functools.partial(servers.command, cfg, start), log_path,
                              host=cfg.rollout.host, env=servers.env(cfg, start, None), hold_socket=servers.hold_socket)
         with Stopwatch() as w:
@@ -363,31 +380,48 @@ def sglang_rows(shape: str, model, args, dev, tmp: str) -> dict:
     V = model.config.vocab_size
     prompts = {B: torch.randint(3, V, (B, args.prompt), generator=torch.Generator().manual_seed(B)).to(dev)
                for B in args.batches}
-    say(f"{shape}: starting the {args.sglang_server} server")
-    srv = SGLangServer(d, args, os.path.join(tmp, f"{shape}-server.log"))
     rows = {str(B): {} for B in args.batches}
-    out = {"server_start_s": round(srv.start_s, 1), "server_version": srv.info.get("version"),
-           "cuda_graph_max_bs": srv.info.get("cuda_graph_max_bs"), "attention_backend": srv.info.get("attention_backend")}
-    try:
-        for B in args.batches:
-            say(f"{shape} B={B}: {args.sglang_server}")
-            rows[str(B)]["sglang"] = variant(lambda: measure_sglang(srv, prompts[B], args.new, args.repeats), dev)
-            say(f"  sglang: {rows[str(B)]['sglang'].get('tok_s')} tok/s")
-        srv.call(srv.client.release_memory_occupation(["kv_cache", "weights"]))
-        for B in args.batches:
-            for name, opts in fast_variants(args):
-                say(f"{shape} B={B}: {name} {opts}")
-                row = variant(lambda: measure_fast(model, requests(prompts[B], args.new), B, args.cap, dev,
-                                                   args.repeats, **opts), dev)
-                row.pop("_comps", None)
-                rows[str(B)][name] = row
-                say(f"  {name}: {row.get('tok_s')} tok/s")
-                if "tok_s" in row and "tok_s" in rows[str(B)]["sglang"]:
-                    rows[str(B)]["ratio" + name[4:]] = round(row["tok_s"] / rows[str(B)]["sglang"]["tok_s"], 3)
-    finally:
-        srv.stop()
+    out = {}
+    backends = args.sglang_attention or [None]
+    for i, attn in enumerate(backends):  # one server per attention backend, each stopped before the next starts
+        key = "sglang" if attn is None else f"sglang_{attn}"
+        say(f"{shape}: starting the {args.sglang_server} server" + (f" (--attention-backend {attn})" if attn else ""))
+        srv = SGLangServer(d, args, os.path.join(tmp, f"{shape}-{key}-server.log"), attention=attn)
+        info = {"server_start_s": round(srv.start_s, 1), "server_version": srv.info.get("version"),
+                "cuda_graph_max_bs": srv.info.get("cuda_graph_max_bs"), "attention_backend": srv.info.get("attention_backend")}
+        out.update(info) if attn is None else out.setdefault("servers", {}).update({attn: info})
+        last = i == len(backends) - 1
+        try:
+            for B in args.batches:
+                say(f"{shape} B={B}: {key}")
+                rows[str(B)][key] = variant(lambda: measure_sglang(srv, prompts[B], args.new, args.repeats), dev)
+                say(f"  {key}: {rows[str(B)][key].get('tok_s')} tok/s")
+            if last:  # the fast engine runs while the last server's memory is released
+                srv.call(srv.client.release_memory_occupation(["kv_cache", "weights"]))
+                fast_rows(model, prompts, rows, args, dev, shape)
+        finally:
+            srv.stop()
+    for B in args.batches:  # ratio<variant>[_<backend>] = fast variant / that SGLang
+        r = rows[str(B)]
+        for name, _ in fast_variants(args):
+            for attn in backends:
+                key = "sglang" if attn is None else f"sglang_{attn}"
+                if "tok_s" in r.get(name, {}) and "tok_s" in r.get(key, {}):
+                    r["ratio" + name[4:] + ("" if attn is None else f"_{attn}")] = round(r[name]["tok_s"] / r[key]["tok_s"], 3)
     out["batches"] = rows
     return out
+
+
+def fast_rows(model, prompts: dict, rows: dict, args, dev, shape: str) -> None:
+    """The fast engine's variants on the same requests, at every batch size, into ``rows[B][variant]``."""
+    for B in args.batches:
+        for name, opts in fast_variants(args):
+            say(f"{shape} B={B}: {name} {opts}")
+            row = variant(lambda: measure_fast(model, requests(prompts[B], args.new), B, args.cap, dev,
+                                               args.repeats, **opts), dev)
+            row.pop("_comps", None)
+            rows[str(B)][name] = row
+            say(f"  {name}: {row.get('tok_s')} tok/s")
 
 
 def parse_args(argv=None):
@@ -420,12 +454,22 @@ def parse_args(argv=None):
     ap.add_argument("--sglang_mem", type=float, default=0.5, help="--mem-fraction-static of the server")
     ap.add_argument("--sglang_args", default="--attention-backend triton --sampling-backend pytorch "
                     "--cuda-graph-backend-prefill disabled", help="more server flags (the ones that work on the H200 kit)")
+    ap.add_argument("--sglang_attention", default=None,
+                    help="with --sglang: comma-separated SGLang attention backends (e.g. fa3,triton), one server each "
+                         "on the same requests in this run (rows sglang_<backend>, ratios ratio<variant>_<backend>); "
+                         "default: the one --sglang_args names (rows sglang, ratio<variant>)")
     ap.add_argument("--variants", default=None,
                     help="with --sglang: comma-separated fast-engine variants to run (fast, fast_compiled, "
                          "fast_compiled_matmul, or fast_default: rollout.fast_compile / fast_attention auto, what "
                          "a user gets; default the first three)")
     args = ap.parse_args(argv)
     args.repeats = args.repeats or (3 if args.sglang else 1)
+    if args.sglang_attention is not None:
+        if not args.sglang or args.sglang_server != "sglang":
+            ap.error("--sglang_attention needs --sglang with the real SGLang server (--sglang_server sglang)")
+        args.sglang_attention = [a for a in args.sglang_attention.split(",") if a]
+        if not args.sglang_attention or len(set(args.sglang_attention)) != len(args.sglang_attention):
+            ap.error(f"--sglang_attention: distinct backend names wanted, got {args.sglang_attention!r}")
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     dev = torch.device(args.device)
@@ -489,7 +533,8 @@ def main_sglang(shapes, args, dev, dtype) -> int:
 
     out = {"bench": "rollout_vs_sglang", "device": device_name(dev),
            "torch": torch.__version__, "dtype": args.dtype_name, "prompt_tokens": args.prompt, "sampled_tokens": args.new,
-           "server": args.sglang_server, "server_args": args.sglang_args, "repeats": args.repeats, "shapes": {}}
+           "server": args.sglang_server, "server_args": args.sglang_args, "sglang_attention": args.sglang_attention,
+           "repeats": args.repeats, "shapes": {}}
     tmp = tempfile.mkdtemp(prefix="bench-rollout-sglang-")
     for shape in shapes:
         say(f"{shape}: building random {dtype} model on {dev}")
@@ -503,9 +548,11 @@ def main_sglang(shapes, args, dev, dtype) -> int:
         del model
         free(dev)
     for name, _ in fast_variants(args):
-        out[f"{name}_not_slower_at_B<=256"] = {
-            shape: all(r.get("ratio" + name[4:], 0) >= 1.0 for b, r in v.get("batches", {}).items() if int(b) <= 256)
-            for shape, v in out["shapes"].items()}
+        for attn in args.sglang_attention or [None]:
+            sfx = "" if attn is None else f"_{attn}"
+            out[f"{name}_not_slower{sfx}_at_B<=256"] = {
+                shape: all(r.get("ratio" + name[4:] + sfx, 0) >= 1.0 for b, r in v.get("batches", {}).items() if int(b) <= 256)
+                for shape, v in out["shapes"].items()}
     out["total_s"] = round(time.time() - T0, 1)
     emit(out, dev)
     return 0

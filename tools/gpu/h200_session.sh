@@ -68,7 +68,8 @@
 #   max |diff| 0.254 at log-probs around -46, one bf16 step; the tolerance now counts it), lora_test 57 s (passed).
 # SGLang with its default Hopper attention (FA3; the kit drops it): bash tools/gpu/fa3_prepare.sh .fa3 here
 #   (/.fa3/ excluded), then after parts + install: one call per piece, carry .fa3/fa3-partK: fa3_part;
-#   then carry .fa3/fa3-small: fa3_install rollout_fa3; then rollout_triton (same flags) for the ratio.
+#   then carry .fa3/fa3-small: fa3_install rollout_fa3; then rollout_triton (same flags) for the ratio; or both
+#   backends in one run: fa3_install rollout_attn (ROLLOUT_FLAGS="--shapes qwen2-0.5b" to fit one call).
 # The tools import megaforge from the checkout (PYTHONPATH below). The machine's copy of the tree has no
 # .git, so their JSON lines say "commit": "unknown" unless the call's command names it:
 #   MEGAFORGE_COMMIT=<sha from git rev-parse HEAD here> bash tools/gpu/h200_session.sh ...
@@ -197,6 +198,13 @@ for stage in "$@"; do
         ${ROLLOUT_FLAGS:-} > "$OUT/bench_rollout_$attn.log" 2>&1
       echo "exit $?"; grep "^\[bench" "$OUT/bench_rollout_$attn.log" | tail -30
       grep '^{"bench"' "$OUT/bench_rollout_$attn.log" > "$OUT/bench_rollout_sglang_$attn.json" ;;
+    rollout_attn)  # issue 38 point 4 in one run: SGLang with FA3 (its Hopper default) and with triton, one server each
+      # (after fa3_install), then the fast engine, on the same requests; ROLLOUT_FLAGS e.g. "--shapes qwen2-0.5b"
+      timeout -k 30 ${ROLLOUT_TIMEOUT:-560} python3 tools/bench/bench_rollout.py --sglang --sglang_env_sh /tmp/sgl/env.sh \
+        --budget ${ROLLOUT_BUDGET:-480} --sglang_attention fa3,triton --variants ${ROLLOUT_VARIANTS:-fast_default} \
+        ${ROLLOUT_FLAGS:-} > "$OUT/bench_rollout_attn.log" 2>&1
+      echo "exit $?"; grep "^\[bench" "$OUT/bench_rollout_attn.log" | tail -40
+      grep '^{"bench"' "$OUT/bench_rollout_attn.log" > "$OUT/bench_rollout_sglang_attn.json" ;;
     te[1-6]) mkdir -p /tmp/te && cat .tep/te-part${stage#te}/* >> /tmp/te/core.part && ls -l /tmp/te ;;
     te_build)
       ext=""; [ -d .tep/te-ext ] && ext=$PWD/.tep/te-ext  # a build brought back by an earlier call ($OUT/te_ext.tgz.*)
