@@ -223,15 +223,18 @@ def measure(args, shape: dict, hf, tr) -> dict:
         raw_flops = flops(hf, [s] * (b * n_micro * dp))
         t_ours = time_per_call(lambda: tr.train_step(batch), args.warmup, args.steps, dev)
         ours_flops = flops(hf, batch.lengths.tolist())
+    timed = {"layer_spec": tr.spec, "tokens_per_step": int(batch.lengths.sum()),
+             "ours_tflops_per_gpu": ours_flops / t_ours / world / 1e12, "raw_tflops_per_gpu": raw_flops / t_raw / world / 1e12,
+             "ours_step_s": t_ours, "raw_step_s": t_raw, "ratio": (ours_flops / t_ours) / (raw_flops / t_raw),
+             "peak_mem_gib": peak.gib, "device": device_name(dev)}
+    if dist.get_rank() == 0:  # the figures before the profiled steps: a run stopped while profiling keeps them
+        emit({"timed": args.shape, **timed}, dev, file=sys.stderr)
     both = {"raw": lambda: raw_step(tr, s, b, data), "ours": lambda: tr.train_step(batch)}
     if args.profile:
         profile_steps(args.profile, both, dev)
     if args.trace:
         trace_steps(args.trace, both, dev)
-    return {"layer_spec": tr.spec, "tokens_per_step": int(batch.lengths.sum()),
-            "ours_tflops_per_gpu": ours_flops / t_ours / world / 1e12, "raw_tflops_per_gpu": raw_flops / t_raw / world / 1e12,
-            "ours_step_s": t_ours, "raw_step_s": t_raw, "ratio": (ours_flops / t_ours) / (raw_flops / t_raw),
-            "peak_mem_gib": peak.gib, "device": device_name(dev)}
+    return timed
 
 
 def main(argv=None) -> int:

@@ -283,10 +283,12 @@ for stage in "$@"; do
       grep -v -i warn "$OUT/bench_train_moe.log" | grep "^{\|Error\|error" | tail -6
       grep '^{' "$OUT/bench_train_moe.log" > "$OUT/bench_train_moe.json" ;;
     train_bench)  # issue 38 point 1: the RL train step beside raw megatron-core at the recipes' shapes (0.5B, 1.7B), one
-      # step of each profiled and traced (kernel tables, host waits, idle gaps under $OUT/prof_<shape>); after mfsite
+      # step of each profiled and traced (kernel tables, host waits, idle gaps under $OUT/prof_<shape>; BENCH_PROFILE=0:
+      # traced only, the stack-recording profile skipped); after mfsite
       for shape in ${BENCH_SHAPES:-q05b q17b}; do
         timeout -k 20 ${BENCH_TIMEOUT:-240} $TORCHRUN tools/bench/bench_train.py --shape $shape --layer_spec ${BENCH_SPEC:-torch} \
-          --profile "$OUT/prof_$shape" --trace "$OUT/prof_$shape" ${BENCH_FLAGS:-} > "$OUT/bench_train_$shape.log" 2>&1
+          $([ "${BENCH_PROFILE:-1}" = 1 ] && echo --profile "$OUT/prof_$shape") --trace "$OUT/prof_$shape" ${BENCH_FLAGS:-} \
+          > "$OUT/bench_train_$shape.log" 2>&1
         echo "exit $?"; grep '^{' "$OUT/bench_train_$shape.log" | cut -c1-1500
         grep -v -i warn "$OUT/bench_train_$shape.log" | grep -i "error" | tail -3
         rm -f "$OUT"/prof_$shape/*_trace.json.gz
