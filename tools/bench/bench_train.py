@@ -168,7 +168,9 @@ def profile_steps(out_dir: str, steps: dict, device, top: int = 12) -> None:
     for name, prof, wall in _profiled(steps, device, with_stack=True, experimental_config=verbose):
         attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         avg = prof.key_averages()
-        ev = [e for e in avg if device.type != "cuda" or e.device_type.name == "CUDA"]
+        # kernels only: a record_function range (megaforge.forward, ...) also has a CUDA-side event
+        # spanning its kernels, which would count them twice
+        ev = [e for e in avg if device.type != "cuda" or (e.device_type.name == "CUDA" and not e.key.startswith("megaforge."))]
         ev.sort(key=lambda e: -getattr(e, attr))
         busy = sum(getattr(e, attr) for e in ev) / 1e6
         host = sorted(avg, key=lambda e: -e.self_cpu_time_total)  # syncs show here
@@ -228,7 +230,7 @@ def measure(args, shape: dict, hf, tr) -> dict:
              "ours_step_s": t_ours, "raw_step_s": t_raw, "ratio": (ours_flops / t_ours) / (raw_flops / t_raw),
              "peak_mem_gib": peak.gib, "device": device_name(dev)}
     if dist.get_rank() == 0:  # the figures before the profiled steps: a run stopped while profiling keeps them
-        emit({"timed": args.shape, **timed}, dev, file=sys.stderr)
+        print(f"[bench_train] timed {json.dumps({'shape': args.shape, **timed})}", file=sys.stderr, flush=True)
     both = {"raw": lambda: raw_step(tr, s, b, data), "ours": lambda: tr.train_step(batch)}
     if args.profile:
         profile_steps(args.profile, both, dev)

@@ -47,13 +47,17 @@ def flops(hf, doc_lengths) -> float:
 
 def raw_microbatches(vocab: int, seq: int, rows: int, n_micro: int, device, seed: int = 1) -> list:
     """``n_micro`` micro-batches of ``rows`` full rows of ``seq`` random tokens: (tokens, positions,
-    labels = the tokens shifted by one), each [rows, seq] on ``device``."""
+    labels = the tokens shifted by one, each [rows, seq] on ``device``; the token count, an int32
+    scalar on ``device``, made once here: a ``torch.tensor(n, device=cuda)`` in the loss function is
+    a host-to-device copy that waits for the device, once per micro-batch, which megatron's
+    pretraining loss (a device-side count) does not do)."""
     g = torch.Generator().manual_seed(seed)
+    count = torch.tensor(rows * seq, device=device, dtype=torch.int)
     data = []
     for _ in range(n_micro):
         tok = torch.randint(0, vocab, (rows, seq + 1), generator=g)
         data.append((tok[:, :-1].to(device), torch.arange(seq, device=device)[None].expand(rows, seq).contiguous(),
-                     tok[:, 1:].to(device)))
+                     tok[:, 1:].to(device), count))
     return data
 
 
@@ -64,12 +68,12 @@ def raw_step(tr, seq: int, rows: int, data: list) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(it, model):
-        tokens, pos, labels = next(it)
+        tokens, pos, labels, count = next(it)
         per_token = model(tokens, pos, None, labels=labels)  # [b, s] cross entropy
 
         def loss_func(x):
             loss = x.float().sum()
-            return loss, torch.tensor(x.numel(), device=x.device, dtype=torch.int), {"lm loss": loss.detach()}
+            return loss, count, {"lm loss": loss.detach()}
         return per_token, loss_func
 
     tr.ddp.train()

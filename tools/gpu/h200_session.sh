@@ -289,7 +289,7 @@ for stage in "$@"; do
         timeout -k 20 ${BENCH_TIMEOUT:-240} $TORCHRUN tools/bench/bench_train.py --shape $shape --layer_spec ${BENCH_SPEC:-torch} \
           $([ "${BENCH_PROFILE:-1}" = 1 ] && echo --profile "$OUT/prof_$shape") --trace "$OUT/prof_$shape" ${BENCH_FLAGS:-} \
           > "$OUT/bench_train_$shape.log" 2>&1
-        echo "exit $?"; grep '^{' "$OUT/bench_train_$shape.log" | cut -c1-1500
+        echo "exit $?"; grep '^{\|^\[bench_train\] timed' "$OUT/bench_train_$shape.log" | cut -c1-1500
         grep -v -i warn "$OUT/bench_train_$shape.log" | grep -i "error" | tail -3
         rm -f "$OUT"/prof_$shape/*_trace.json.gz
       done ;;
