@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Optional
 
 from megaforge.config import Config
-from megaforge.specs import EngineSpec, EvalSettings, GenerateContext, Sampling, Schedule, StepSettings, expect
+from megaforge.specs import (EngineSpec, EvalSettings, GenerateContext, PlanInput, Sampling, Schedule, StepSettings,
+                             expect)
 
 
 class RunBuilder:
@@ -51,6 +52,27 @@ class RunBuilder:
         c = self.cfg
         return EngineSpec(rollout=c.rollout, model=c.model, dtype=c.engine_dtype, seed=c.seed, run_dir=c.run_dir,
                           transport=c.sync.transport, lora_adapters=c.sync.lora_adapters)
+
+    def plan_input(self) -> PlanInput:
+        """What the dry-run planner and the engine placement read (:class:`~megaforge.specs.PlanInput`);
+        its ``vary`` rebuilds it from this tree with dotted overrides (checked as a loaded config is)."""
+        c = self.cfg
+
+        def vary(overrides: dict) -> Optional[PlanInput]:
+            from megaforge import configtree
+
+            tree = configtree.to_dict(c)
+            for k, v in overrides.items():
+                configtree.set_dotted(tree, k, v)
+            try:
+                alt = configtree.build(Config, tree)
+            except configtree.ConfigError:
+                return None
+            return RunBuilder(alt).plan_input()
+
+        return PlanInput(model=c.model, trainer=c.trainer, rollout=c.rollout, data=c.data, sft=c.sft, grpo=c.grpo,
+                         algo=c.algo, loop=c.loop, memory=c.memory, sync=c.sync, max_steps=c.max_steps,
+                         critic_enabled=c.critic_enabled, engine_dtype=c.engine_dtype, vary=vary)
 
     def objective(self):
         """The objective's parameters (algo.*, grpo.*, teacher.*; algo.plugins imported)."""
@@ -117,10 +139,10 @@ class RunBuilder:
     def engines(self, tokenizer, job=None):
         """The rollout engine(s) (``rollout.engine``; rank 0's, None elsewhere; node leaders start their
         node's servers), built by the kind from :meth:`engine_spec`; a multi-node job's engine GPUs come
-        from the planner's placement, which reads the tree (:func:`megaforge.placement.engine_slots`)."""
+        from the planner's placement of :meth:`plan_input` (:func:`megaforge.placement.engine_slots`)."""
         from megaforge.placement import build_engines, engine_slots  # lazy: torch
 
-        return build_engines(self.engine_spec(), tokenizer, job, slots=lambda place: engine_slots(self.cfg, place))
+        return build_engines(self.engine_spec(), tokenizer, job, slots=lambda place: engine_slots(self.plan_input(), place))
 
     def rewards(self):
         """The reward manager: the ``rewards`` section and ``algo.plugins`` (plug-in rewards)."""

@@ -13,7 +13,7 @@ This module is light (no torch): the launcher and the planner import it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
     from megaforge.algorithms.params import ObjectiveParams
@@ -256,3 +256,37 @@ class Schedule:
     warmup_steps: int = 0
     lr_schedule: str = "constant"
     min_lr: float = 0.0
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """What the dry-run planner (:mod:`megaforge.planner`) and the multi-node engine placement
+    (:func:`megaforge.placement.engine_slots`) read, built once by
+    :meth:`megaforge.build.RunBuilder.plan_input`.
+
+    Reads: the ``model``, ``trainer``, ``rollout``, ``data``, ``sft``, ``grpo``, ``algo``, ``loop``,
+    ``memory`` and ``sync`` sections, ``max_steps``, ``critic.enabled`` with ``algo.advantage``
+    (``critic_enabled``), ``rollout.dtype`` with ``model.dtype`` (``engine_dtype``). ``vary``: the same
+    input with dotted config overrides applied and checked as the configuration checks them (None when
+    they make it invalid): the planner's knobs try one change at a time through it."""
+
+    model: Any
+    trainer: Any
+    rollout: Any
+    data: Any
+    sft: Any
+    grpo: Any
+    algo: Any
+    loop: Any
+    memory: Any
+    sync: Any
+    max_steps: int = 0
+    critic_enabled: bool = False
+    engine_dtype: str = "float32"
+    vary: Optional[Callable[[dict], Optional["PlanInput"]]] = field(default=None, compare=False, repr=False)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"PlanInput has no attribute {name!r}: the planner receives a PlanInput (fields: "
+                             f"{_names(PlanInput)}), not the whole configuration (megaforge.build.RunBuilder.plan_input)")

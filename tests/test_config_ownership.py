@@ -182,10 +182,9 @@ ALLOWED: set[str] = {
     'megaforge.api:build_engine', 'megaforge.api:build_rewards', 'megaforge.api:build_trainer',
     'megaforge.api:generate', 'megaforge.api:prompt_rows', 'megaforge.api:push_weights', 'megaforge.api:train_step',
     'megaforge.api:_parts',
-    # the launchers' start-up checks of the tree (before any work) and the dry-run planner's entry
+    # the launchers' start-up checks of the tree (before any work)
     'megaforge.startup:resolve', 'megaforge.startup:resolve_algo', 'megaforge.startup:resolve_generate_fn',
     'megaforge.startup:resolve_rewards', 'megaforge.model_source:check_config', 'megaforge.model_source:model_keys',
-    'megaforge.planner.report:dry_run', 'megaforge.planner.report:make_plan',
     # the SLURM launcher
     'megaforge.slurm:executor_for', 'megaforge.slurm:procs_per_node', 'megaforge.slurm:sbatch_script',
     'megaforge.slurm:slurm_parameters',
@@ -198,19 +197,6 @@ ALLOWED: set[str] = {
 
 #: not yet converted (issue 42): each should take its sections or a spec of megaforge.specs
 PENDING: set[str] = {
-    # megaforge.planner.memory: 9
-    'megaforge.planner.memory:_megatron_state', 'megaforge.planner.memory:activations',
-    'megaforge.planner.memory:engine_items', 'megaforge.planner.memory:head_positions',
-    'megaforge.planner.memory:loss_bytes', 'megaforge.planner.memory:micro_batches',
-    'megaforge.planner.memory:reference', 'megaforge.planner.memory:trainer_state',
-    'megaforge.planner.memory:work_items',
-    # megaforge.planner.layout: 3
-    'megaforge.planner.layout:_sequences', 'megaforge.planner.layout:check_layout',
-    'megaforge.planner.layout:default_gpus',
-    # megaforge.planner.phases: 3
-    'megaforge.planner.phases:_candidates', 'megaforge.planner.phases:estimate', 'megaforge.planner.phases:knobs',
-    # megaforge.placement: 1
-    'megaforge.placement:engine_slots',
     # megaforge.rollout: 1
     'megaforge.rollout:preflight',
     # megaforge.trainer.base: 1
