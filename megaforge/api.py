@@ -126,12 +126,11 @@ def build_engine(cfg, tokenizer=None):
     from megaforge.build import RunBuilder
     from megaforge.cluster import init_distributed  # lazy: torch
     from megaforge.hf import resolve_device
-    from megaforge.rollout import preflight
-
     cfg = _config(cfg)
     init_distributed(cfg.launch, resolve_device(cfg.trainer.device).type)
-    preflight(cfg)
-    return RunBuilder(cfg).engines(tokenizer if tokenizer is not None else load_tokenizer(cfg))
+    b = RunBuilder(cfg)
+    b.preflight()
+    return b.engines(tokenizer if tokenizer is not None else load_tokenizer(cfg))
 
 
 def build_rewards(cfg):

@@ -74,6 +74,13 @@ class RunBuilder:
                          algo=c.algo, loop=c.loop, memory=c.memory, sync=c.sync, max_steps=c.max_steps,
                          critic_enabled=c.critic_enabled, engine_dtype=c.engine_dtype, vary=vary)
 
+    def preflight(self) -> None:
+        """The engines' start-up checks (:func:`megaforge.rollout.preflight`) with :meth:`engine_spec` and the
+        ``data`` / ``eval`` sections."""
+        from megaforge.rollout import preflight
+
+        preflight(self.engine_spec(), self.cfg.data, self.cfg.eval)
+
     def objective(self):
         """The objective's parameters (algo.*, grpo.*, teacher.*; algo.plugins imported)."""
         from megaforge.algorithms import ObjectiveParams  # lazy: torch
@@ -103,7 +110,7 @@ class RunBuilder:
         c = self.cfg
         return EvalSettings(eval=c.eval, sampling=self.sampling(), generate=self.generate_context(),
                             max_steps=c.max_steps, per_step_requests=c.rollout.batch_size * c.grpo.n_samples,
-                            seed=c.seed, correct_name=correct_reward_label(c))
+                            seed=c.seed, correct_name=correct_reward_label(c.eval, c.rewards))
 
     def schedule(self) -> Schedule:
         """The RL phase's schedule: trainer.lr / min_lr / warmup_steps / lr_schedule over max_steps x

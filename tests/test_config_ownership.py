@@ -183,22 +183,15 @@ ALLOWED: set[str] = {
     'megaforge.api:generate', 'megaforge.api:prompt_rows', 'megaforge.api:push_weights', 'megaforge.api:train_step',
     'megaforge.api:_parts',
     # the launchers' start-up checks of the tree (before any work)
-    'megaforge.startup:resolve', 'megaforge.startup:resolve_algo', 'megaforge.startup:resolve_generate_fn',
-    'megaforge.startup:resolve_rewards', 'megaforge.model_source:check_config', 'megaforge.model_source:model_keys',
-    # the SLURM launcher
-    'megaforge.slurm:executor_for', 'megaforge.slurm:procs_per_node', 'megaforge.slurm:sbatch_script',
-    'megaforge.slurm:slurm_parameters',
-    # the tree itself: its cross-section checks, persistence, the --resume comparison
+    'megaforge.startup:resolve',
+    # the tree itself: its cross-section checks, persistence
     'megaforge.config:save_config', 'megaforge.config.evaluation:EvalConfig.validate_with',
-    'megaforge.config.evaluation:correct_reward_label', 'megaforge.resume:check_config',
     # a spec built from the tree (the objective's parameters span algo, grpo, teacher, rollout)
     'megaforge.algorithms.params:ObjectiveParams.from_config',
 }
 
 #: not yet converted (issue 42): each should take its sections or a spec of megaforge.specs
 PENDING: set[str] = {
-    # megaforge.rollout: 1
-    'megaforge.rollout:preflight',
     # megaforge.trainer.base: 1
     'megaforge.trainer.base:Trainer.__init__',
     # megaforge.trainer.megatron.trainer: 1

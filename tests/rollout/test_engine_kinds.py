@@ -45,14 +45,13 @@ def test_the_toy_kind_is_accepted_checked_and_placed_like_a_built_in_one():
     with pytest.raises(ConfigError, match="loop.mode off_policy"):
         load_config([*DEMO, *TOY, "--loop.mode", "off_policy"])
     # its preflight runs with the others
-    from megaforge.rollout import preflight
+    from megaforge.build import RunBuilder
 
-    preflight(cfg)
+    RunBuilder(cfg).preflight()
     cfg.rollout.top_k = 5
     with pytest.raises(ConfigError, match="config key 'rollout.top_k': the toy engine"):
-        preflight(cfg)
+        RunBuilder(cfg).preflight()
     # the planner places it where in-process engines live: rank 0's process, GPU 0 of node 0
-    from megaforge.build import RunBuilder
     from megaforge.planner import make_plan
 
     p = make_plan(RunBuilder(load_config([*DEMO, *TOY, "--rollout.num_gpus", "1"])).plan_input(), "grpo", dict(gpus_per_node=2))

@@ -167,9 +167,9 @@ def test_generate_fn_that_does_not_import_fails_at_startup_naming_where_it_moved
     # rollout.generate_fn is checked before any work (preflight), and a megaforge module that moved
     # into a folder (multiturn went to rollout/agent/) is named at its new place.
     from megaforge.configtree import ConfigError
-    from megaforge.rollout import preflight
+    from megaforge.build import RunBuilder
 
     cfg = load_config(["--config", DEMO, "--rollout.generate_fn", "megaforge.rollout.multiturn:tool_rollout"])
     with pytest.raises(ConfigError, match=r"rollout\.generate_fn .*did you mean 'megaforge\.rollout\.agent\.multiturn'"):
-        preflight(cfg)
-    preflight(load_config(["--config", DEMO, "--rollout.generate_fn", "megaforge.rollout.agent.multiturn:tool_rollout"]))
+        RunBuilder(cfg).preflight()
+    RunBuilder(load_config(["--config", DEMO, "--rollout.generate_fn", "megaforge.rollout.agent.multiturn:tool_rollout"])).preflight()
