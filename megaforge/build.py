@@ -3,15 +3,17 @@ turns it into a run's components (trainer, engines, rewards, prompt data, evalua
 each given only its own section(s) or a spec of :mod:`megaforge.specs` (issue 42).
 
     b = RunBuilder(cfg)
-    trainer = b.trainer(tokenizer)                  # trainer.backend (the backends still read the tree)
+    trainer = b.trainer(tokenizer)                  # trainer.backend, built from b.trainer_spec()
     engine  = b.engines(tokenizer, job)             # rollout.engine, placed over the job's GPUs
     rewards = b.rewards()                           # rewards, algo.plugins
     data    = b.prompts(tokenizer, exclude)         # data, seed
     parts   = b.step_parts(trainer, engine, data, rewards, tokenizer, stop_ids)   # StepSettings
     driver  = b.driver(parts, state, resumed_from)  # loop.mode, loop.partial_rollouts, sync.interval
+    plan    = b.plan_input()                        # what the dry-run planner and the engine placement read
 
-The components below it take sections and specs, and :func:`megaforge.specs.expect` guards the specs'
-entry points; ``tests/test_config_ownership.py`` counts the functions that still take the whole tree.
+The launcher (megaforge.launch) builds the dry run's :meth:`plan_input` here. The components below it
+take sections and specs, and :func:`megaforge.specs.expect` guards the specs' entry points;
+``tests/test_config_ownership.py`` counts the functions that still take the whole tree.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Optional
 
 from megaforge.config import Config
 from megaforge.specs import (EngineSpec, EvalSettings, GenerateContext, PlanInput, Sampling, Schedule, StepSettings,
-                             expect)
+                             TrainerSpec, expect)
 
 
 class RunBuilder:
@@ -85,7 +87,8 @@ class RunBuilder:
         """The objective's parameters (algo.*, grpo.*, teacher.*; algo.plugins imported)."""
         from megaforge.algorithms import ObjectiveParams  # lazy: torch
 
-        return ObjectiveParams.from_config(self.cfg)
+        c = self.cfg
+        return ObjectiveParams.from_sections(c.algo, c.grpo, c.teacher, c.rollout.max_new_tokens)
 
     def step_settings(self) -> StepSettings:
         """What the step primitives and the drivers read (:class:`~megaforge.specs.StepSettings`)."""
@@ -112,6 +115,15 @@ class RunBuilder:
                             max_steps=c.max_steps, per_step_requests=c.rollout.batch_size * c.grpo.n_samples,
                             seed=c.seed, correct_name=correct_reward_label(c.eval, c.rewards))
 
+    def trainer_spec(self) -> TrainerSpec:
+        """What the trainer backends build from (:class:`~megaforge.specs.TrainerSpec`): the ``trainer``,
+        ``model``, ``teacher``, ``critic``, ``checkpoint``, ``memory``, ``sft``, ``grpo``, ``rollout``
+        sections, ``max_steps``, ``seed`` and :meth:`objective`."""
+        c = self.cfg
+        return TrainerSpec(trainer=c.trainer, model=c.model, teacher=c.teacher, critic=c.critic,
+                           checkpoint=c.checkpoint, memory=c.memory, sft=c.sft, grpo=c.grpo, rollout=c.rollout,
+                           objective=self.objective(), max_steps=c.max_steps, seed=c.seed)
+
     def schedule(self) -> Schedule:
         """The RL phase's schedule: trainer.lr / min_lr / warmup_steps / lr_schedule over max_steps x
         trainer.mini_batches x trainer.epochs updates."""
@@ -126,14 +138,14 @@ class RunBuilder:
         if backend == "torch":
             from megaforge.trainer.torch_backend import TorchTrainer  # lazy: the chosen backend only
 
-            return TorchTrainer(self.cfg, tokenizer)
+            return TorchTrainer(self.trainer_spec(), tokenizer)
         if backend == "megatron":
             try:
                 from megaforge.trainer.megatron import MegatronTrainer  # lazy: megatron-core is optional
             except ImportError as e:
                 raise RuntimeError(
                     f"trainer.backend: megatron needs megatron-core (pip install 'megaforge[megatron]'): {e}") from e
-            return MegatronTrainer(self.cfg, tokenizer)
+            return MegatronTrainer(self.trainer_spec(), tokenizer)
         raise ValueError(f"unknown trainer.backend {backend!r}; valid: torch, megatron")
 
     def start_rl_trainer(self, trainer) -> None:

@@ -290,3 +290,36 @@ class PlanInput:
             raise AttributeError(name)
         raise AttributeError(f"PlanInput has no attribute {name!r}: the planner receives a PlanInput (fields: "
                              f"{_names(PlanInput)}), not the whole configuration (megaforge.build.RunBuilder.plan_input)")
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """What a trainer backend (:class:`megaforge.trainer.base.Trainer`: the torch and megatron backends)
+    is built from and reads for the rest of the run (it keeps it as ``trainer.cfg``), built by
+    :meth:`megaforge.build.RunBuilder.trainer_spec`. The sections are the run's own objects (a change to
+    one, e.g. a test's ``trainer.cfg.trainer.micro_batch_size = 1``, is seen by both).
+
+    Reads: the ``trainer``, ``model``, ``teacher``, ``critic``, ``checkpoint``, ``memory``, ``sft``,
+    ``grpo`` and ``rollout`` sections (``rollout``: a teacher served by the engine, the engine kind's
+    adapter hand-off), ``max_steps`` (the RL schedule's length), ``seed``; ``objective``: the
+    :class:`~megaforge.algorithms.params.ObjectiveParams` (``algo.*``, ``grpo.*``, ``teacher.*``)."""
+
+    trainer: Any
+    model: Any
+    teacher: Any
+    critic: Any
+    checkpoint: Any
+    memory: Any
+    sft: Any
+    grpo: Any
+    rollout: Any
+    objective: "ObjectiveParams"
+    max_steps: int = 0
+    seed: int = 0
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"TrainerSpec has no attribute {name!r}: a trainer receives a TrainerSpec (fields: "
+                             f"{_names(TrainerSpec)}), not the whole configuration "
+                             f"(megaforge.build.RunBuilder.trainer_spec)")

@@ -175,7 +175,7 @@ def main(argv=None) -> int:
 
     cfg = build_config(a, device)
     progress(f"building the megatron trainer ({a.model_config}, tp={a.tp} pp={a.pp} cp={a.cp})")
-    tr = MegatronTrainer(cfg)  # joins torchrun's group (or a one-process one)
+    tr = MegatronTrainer(RunBuilder(cfg).trainer_spec())  # joins torchrun's group (or a one-process one)
     world, rank = dist.get_world_size(), dist.get_rank()
     if device == "cuda":
         gpu, mem_gib = device_name(tr.device), torch.cuda.get_device_properties(tr.device).total_memory / 2**30

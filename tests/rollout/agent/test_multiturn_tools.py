@@ -54,7 +54,7 @@ def episodes(cfg, tok, engine, n_rows=3, n=2, max_tool_tokens=5):
 
 
 def test_env_tokens_are_masked_on_the_batch_and_get_zero_gradient(setup):
-    from megaforge.algorithms import ObjectiveParams as LossParams, policy_objective
+    from megaforge.algorithms import policy_objective
     from megaforge.trainer.logprobs import token_logprobs
 
     cfg, tok, engine = setup
@@ -95,7 +95,7 @@ def test_env_tokens_are_masked_on_the_batch_and_get_zero_gradient(setup):
     logits = model(input_ids=batch.tokens, attention_mask=attn, use_cache=False).logits
     lp, _ = token_logprobs(logits, batch.tokens, batch.lengths, cfg.grpo.temperature, False)
     lp.retain_grad()
-    params = LossParams.from_config(cfg)
+    params = RunBuilder(cfg).objective()
     loss, _ = policy_objective(lp, batch, params)
     loss.backward()
     assert torch.all(lp.grad[env_pos] == 0)
