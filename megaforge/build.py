@@ -11,9 +11,11 @@ each given only its own section(s) or a spec of :mod:`megaforge.specs` (issue 42
     driver  = b.driver(parts, state, resumed_from)  # loop.mode, loop.partial_rollouts, sync.interval
     plan    = b.plan_input()                        # what the dry-run planner and the engine placement read
 
-The launcher (megaforge.launch) builds the dry run's :meth:`plan_input` here. The components below it
-take sections and specs, and :func:`megaforge.specs.expect` guards the specs' entry points;
-``tests/test_config_ownership.py`` counts the functions that still take the whole tree.
+The launcher (megaforge.launch) builds the dry run's :meth:`plan_input` here, and the library API's
+public functions (megaforge.api) are thin calls into ``library_*``, :meth:`generate` and the others.
+The components below it take sections and specs, and :func:`megaforge.specs.expect` guards the specs'
+entry points; ``tests/test_config_ownership.py`` counts the functions that still take the whole tree
+(at most 10 apart from megaforge.api's public ones).
 """
 from __future__ import annotations
 
@@ -132,6 +134,20 @@ class RunBuilder:
                         lr_schedule=t.lr_schedule, min_lr=t.min_lr)
 
     # ------------------------------------------------------------------------------- components
+    def distributed(self, job=None) -> None:
+        """This process in the job's process group (torchrun's variables; none for one process):
+        ``launch.*``, the device of ``trainer.device``; ``job``: the rank watchdog's (megaforge.cluster)."""
+        from megaforge.cluster import init_distributed  # lazy: torch
+        from megaforge.hf import resolve_device
+
+        init_distributed(self.cfg.launch, resolve_device(self.cfg.trainer.device).type, job)
+
+    def load_tokenizer(self):
+        """The policy's tokenizer (``model.tokenizer``, else ``model.path``)."""
+        from megaforge.hf import load_tokenizer  # lazy: transformers
+
+        return load_tokenizer(self.cfg.model)
+
     def trainer(self, tokenizer=None):
         """The configured backend (``trainer.backend``), constructed on every rank."""
         backend = self.cfg.trainer.backend
@@ -147,6 +163,51 @@ class RunBuilder:
                     f"trainer.backend: megatron needs megatron-core (pip install 'megaforge[megatron]'): {e}") from e
             return MegatronTrainer(self.trainer_spec(), tokenizer)
         raise ValueError(f"unknown trainer.backend {backend!r}; valid: torch, megatron")
+
+    def library_trainer(self, tokenizer=None, rl: bool = True):
+        """:func:`megaforge.api.build_trainer`: the process group, :meth:`trainer` (the tokenizer loaded
+        when not given), then (``rl``) :meth:`start_rl_trainer`."""
+        self.distributed()
+        trainer = self.trainer(tokenizer if tokenizer is not None else self.load_tokenizer())
+        if rl:
+            self.start_rl_trainer(trainer)
+        return trainer
+
+    def library_engine(self, tokenizer=None):
+        """:func:`megaforge.api.build_engine`: the process group, :meth:`preflight`, :meth:`engines`."""
+        self.distributed()
+        self.preflight()
+        return self.engines(tokenizer if tokenizer is not None else self.load_tokenizer())
+
+    def library_parts(self, trainer=None, engine=None, rewards=None):
+        """The step primitives :func:`megaforge.api.train_step` / :func:`~megaforge.api.push_weights` call:
+        :class:`~megaforge.driver.steps.StepParts` with :meth:`step_settings` and no data (the API's
+        steps are the caller's, so ``loop.partial_rollouts`` is refused)."""
+        from megaforge.configtree import ConfigError
+        from megaforge.driver.steps import StepParts  # lazy: torch
+
+        if self.cfg.loop.partial_rollouts:
+            raise ConfigError("loop.partial_rollouts carries samples between a run's steps; the API's steps are "
+                              "yours: set it false")
+        return StepParts(self.step_settings(), trainer, engine, None, rewards, None, [])
+
+    def prompt_rows(self, tokenizer, prompts, labels=None) -> list:
+        """Prompt rows of ``prompts`` through the ``data`` section's chat template
+        (:func:`megaforge.data.prompts.rows_from_prompts`)."""
+        from megaforge.data.prompts import rows_from_prompts  # lazy: torch
+
+        return rows_from_prompts(tokenizer, prompts, self.cfg.data, labels)
+
+    def generate(self, engine, tokenizer, rows, step: int = 1, n: Optional[int] = None, stop_ids=None) -> list:
+        """``n`` (default ``grpo.n_samples``) samples of each row with :meth:`sampling`, seeded by ``seed``
+        and ``step``, through :meth:`generate_context` (``rollout.generate_fn``) when it is set; the stop
+        tokens of ``model.path``'s chat template unless ``stop_ids`` are given."""
+        from megaforge.rollout.manager import generate_samples, stop_token_ids  # lazy: torch
+
+        c = self.cfg
+        stops = stop_ids if stop_ids is not None else stop_token_ids(tokenizer, c.model.path)
+        return generate_samples(engine, rows, n or c.grpo.n_samples, self.sampling().params(stops), c.seed, step, 0,
+                                tokenizer, self.generate_context())
 
     def start_rl_trainer(self, trainer) -> None:
         """The trainer as RL starts: :func:`megaforge.driver.steps.start_rl_trainer` with :meth:`schedule`

@@ -206,10 +206,9 @@ ALLOWED: set[str] = {
     # the run's top level
     'megaforge.loop:Run.__init__', 'megaforge.loop:run_grpo', 'megaforge.loop:run_sft',
     # the library API (megaforge.api): its public functions take a Config, as the launchers do (entry points)
-    'megaforge.api:run_grpo', 'megaforge.api:run_sft', 'megaforge.api:score',
+    'megaforge.api:run_grpo', 'megaforge.api:run_sft', 'megaforge.api:score', 'megaforge.api:load_tokenizer',
     'megaforge.api:build_engine', 'megaforge.api:build_rewards', 'megaforge.api:build_trainer',
     'megaforge.api:generate', 'megaforge.api:prompt_rows', 'megaforge.api:push_weights', 'megaforge.api:train_step',
-    'megaforge.api:_parts',
     # the launchers' start-up checks of the tree (before any work)
     'megaforge.startup:resolve',
     # the tree itself: its cross-section checks, persistence
