@@ -22,6 +22,7 @@ from typing import Optional
 
 from megaforge.engine_kinds import ENGINE_KINDS, engine_kind, engine_kind_names
 from megaforge.planner.shapes import ModelShape
+from megaforge.specs import PlanInput
 
 #: total memory of known GPUs in GiB (nvidia-smi totals: H100 81559 MiB, H200 143771 MiB, ...)
 GPU_MEMORY_GIB = {
@@ -97,7 +98,7 @@ def resolve_spec(setting: str, backend: str) -> tuple[str, str]:
     return ("te" if te else "torch"), f"trainer.layer_spec auto -> {'te' if te else 'torch'} (transformer_engine {'importable' if te else 'not importable'} here)"
 
 
-def default_gpus(pin) -> int:
+def default_gpus(pin: PlanInput) -> int:
     """GPUs of one node when none are given: the smallest that holds one trainer replica and the
     disaggregated rollout GPUs."""
     t = pin.trainer
@@ -106,7 +107,7 @@ def default_gpus(pin) -> int:
     return t.tensor_parallel * t.pipeline_parallel * t.context_parallel + pin.rollout.num_gpus
 
 
-def check_layout(pin, shape: ModelShape, hw: Hardware, mode: str) -> tuple[Optional[Layout], list[Issue], list[str]]:
+def check_layout(pin: PlanInput, shape: ModelShape, hw: Hardware, mode: str) -> tuple[Optional[Layout], list[Issue], list[str]]:
     """(layout or None, errors, warnings). Every error names the config key and the constraint."""
     t, r = pin.trainer, pin.rollout
     err: list[Issue] = []
@@ -228,7 +229,7 @@ def check_layout(pin, shape: ModelShape, hw: Hardware, mode: str) -> tuple[Optio
     return (None if err else lay), err, warn
 
 
-def _sequences(pin, mode: str) -> int:
+def _sequences(pin: PlanInput, mode: str) -> int:
     if mode == "sft":
         return pin.sft.batch_size
     return pin.rollout.batch_size * pin.grpo.n_samples

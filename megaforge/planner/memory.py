@@ -75,6 +75,7 @@ import math
 from dataclasses import dataclass, field
 
 from megaforge.engine_kinds import engine_kind
+from megaforge.specs import PlanInput
 
 GiB = float(1 << 30)
 ENGINE_RESERVE_GIB = 1.0
@@ -125,7 +126,7 @@ def _extra_arg(args: list, flag: str, default):
 
 
 # ---------------------------------------------------------------------------------- trainer state
-def trainer_state(pin, shape, lay, stage: int) -> list[Item]:
+def trainer_state(pin: PlanInput, shape, lay, stage: int) -> list[Item]:
     p = dtype_bytes(pin.model.dtype)
     if lay.backend == "megatron":
         sp = shape.stage_params(lay.tp, lay.pp, stage, lay.ep, lay.etp)
@@ -180,7 +181,7 @@ def megatron_lora_params(shape, lora, tp: int, pp: int, stage: int) -> int:
     return n
 
 
-def _megatron_state(pin, lay, p: int, dense: float, expert: float, prefix: str) -> list[Item]:
+def _megatron_state(pin: PlanInput, lay, p: int, dense: float, expert: float, prefix: str) -> list[Item]:
     """Weights, fp32 main gradients and Adam state (12 B/param with bf16 weights: fp32 main
     copy + 2 moments; 8 B with fp32) of ``dense`` + ``expert`` parameters on one rank."""
     n = dense + expert
@@ -195,7 +196,7 @@ def _megatron_state(pin, lay, p: int, dense: float, expert: float, prefix: str) 
             Item(prefix + "optimizer (Adam)", opt, "trainer", how)]
 
 
-def reference(pin, shape, lay, stage: int, mode: str) -> list[Item]:
+def reference(pin: PlanInput, shape, lay, stage: int, mode: str) -> list[Item]:
     if mode != "grpo" or pin.max_steps == 0 or pin.grpo.beta <= 0 or pin.trainer.ref_device == "cpu":
         return []
     if pin.model.lora is not None:  # the reference is the base with the adapters off: no second copy
@@ -236,7 +237,7 @@ def layer_bytes(shape, p: int, spec: str, tp: int, sp: bool, recompute: str, moe
     return saved, full
 
 
-def activations(pin, shape, lay, stage: int, seq: int, rows: int, n_micro: int, loss_b: int,
+def activations(pin: PlanInput, shape, lay, stage: int, seq: int, rows: int, n_micro: int, loss_b: int,
                 head_tokens: float | None = None) -> list[Item]:
     """Activation and loss items of one pipeline stage for micro-batches of ``rows`` rows of ``seq``
     tokens (forward + backward peak); ``head_tokens``: the positions of a micro-batch whose logits are
@@ -280,7 +281,7 @@ def activations(pin, shape, lay, stage: int, seq: int, rows: int, n_micro: int, 
     return items
 
 
-def work_items(pin, shape, lay, stage: int, mode: str) -> list[Item]:
+def work_items(pin: PlanInput, shape, lay, stage: int, mode: str) -> list[Item]:
     """Activations and loss buffers of a train (``grpo``) or SFT step, plus the optimizer step's
     temporary where it exceeds them (see module docstring)."""
     seq, rows, nm = micro_batches(pin, lay, mode)
@@ -302,7 +303,7 @@ def work_items(pin, shape, lay, stage: int, mode: str) -> list[Item]:
     return items
 
 
-def head_positions(pin, lay, mode: str, seq: int, rows: int) -> float | None:
+def head_positions(pin: PlanInput, lay, mode: str, seq: int, rows: int) -> float | None:
     """Positions of a micro-batch whose logits the torch backend's RL step computes with
     ``trainer.head_positions: trained`` (at most ``rows * min(seq, rollout.max_new_tokens)``); None
     where every position's are (SFT, "all", megatron)."""
@@ -311,7 +312,7 @@ def head_positions(pin, lay, mode: str, seq: int, rows: int) -> float | None:
     return float(rows * min(seq, pin.rollout.max_new_tokens))
 
 
-def loss_bytes(pin, mode: str, backend: str = "torch") -> int:
+def loss_bytes(pin: PlanInput, mode: str, backend: str = "torch") -> int:
     """Bytes per token and local vocabulary column of the loss (see module docstring)."""
     if backend == "megatron" and pin.trainer.fused_logprobs is not False:  # the planner plans GPUs: null = on
         p = dtype_bytes(pin.model.dtype)
@@ -319,7 +320,7 @@ def loss_bytes(pin, mode: str, backend: str = "torch") -> int:
     return LOSS_BYTES_ENTROPY if mode == "grpo" and pin.algo.entropy_coef != 0 else LOSS_BYTES_FWD
 
 
-def micro_batches(pin, lay, mode: str) -> tuple[int, int, int]:
+def micro_batches(pin: PlanInput, lay, mode: str) -> tuple[int, int, int]:
     """(sequence length, rows per micro-batch, micro-batches per DP rank per optimizer step). Rows are
     planned at full length; with trainer.micro_batch_tokens, ceil(budget / length) of them (the budget
     rounded up to whole rows: never below what a micro-batch of that budget holds)."""
@@ -336,7 +337,7 @@ def micro_batches(pin, lay, mode: str) -> tuple[int, int, int]:
 
 
 # ----------------------------------------------------------------------------------------- engines
-def engine_items(pin, shape, lay, memory: float) -> tuple[list[Item], list[Item], dict]:
+def engine_items(pin: PlanInput, shape, lay, memory: float) -> tuple[list[Item], list[Item], dict]:
     """(rollout items, items left during training, KV facts) of one GPU holding an engine rank."""
     r = pin.rollout
     p = dtype_bytes(pin.engine_dtype)

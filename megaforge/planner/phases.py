@@ -20,6 +20,7 @@ from __future__ import annotations
 from megaforge.engine_kinds import engine_kind
 from megaforge.planner import memory as M
 from megaforge.planner.layout import check_layout
+from megaforge.specs import PlanInput
 
 FIT, TIGHT, NOFIT = "fits", "tight", "does not fit"
 
@@ -28,7 +29,7 @@ def _rename(items, suffix):
     return [M.Item(i.name + suffix, i.bytes, i.owner, i.note) for i in items]
 
 
-def estimate(pin, shape, lay, hw, mode: str, reserve_gib: float) -> tuple[list, dict]:
+def estimate(pin: PlanInput, shape, lay, hw, mode: str, reserve_gib: float) -> tuple[list, dict]:
     """(phases, KV facts). Each phase is the worst GPU's :class:`memory.Phase`."""
     mem = hw.memory_gib * M.GiB
     tres = reserve_gib * M.GiB
@@ -87,7 +88,7 @@ def verdict(ph, mem: float) -> str:
 
 
 # ------------------------------------------------------------------------------------------ knobs
-def _candidates(pin, lay, phase: str) -> list[tuple[str, dict]]:
+def _candidates(pin: PlanInput, lay, phase: str) -> list[tuple[str, dict]]:
     t, r = pin.trainer, pin.rollout
     out = []
     if phase in ("rollout", "sync"):
@@ -148,7 +149,7 @@ def _candidates(pin, lay, phase: str) -> list[tuple[str, dict]]:
     return out
 
 
-def knobs(pin, shape, hw, mode: str, phase, reserve_gib: float, limit: int = 4) -> list[dict]:
+def knobs(pin: PlanInput, shape, hw, mode: str, phase, reserve_gib: float, limit: int = 4) -> list[dict]:
     """Single config changes after which ``phase`` fits (and the layout is still valid), best
     first in the order tried; at most ``limit``. Each: {change, overrides, gib}."""
     found, seen_keys = [], set()
