@@ -95,11 +95,13 @@ def run_sft(cfg):
 
 
 # ------------------------------------------------------------------------------------- the pieces
+# Each function below is a thin call into the build step (megaforge.build.RunBuilder), which reads the
+# configuration and hands each piece only its own sections.
 def load_tokenizer(cfg):
     """The policy's tokenizer (``model.tokenizer``, else ``model.path``)."""
-    from megaforge.hf import load_tokenizer as load
+    from megaforge.build import RunBuilder
 
-    return load(_config(cfg).model)
+    return RunBuilder(_config(cfg)).load_tokenizer()
 
 
 def build_trainer(cfg, tokenizer=None, rl: bool = True):
@@ -107,16 +109,8 @@ def build_trainer(cfg, tokenizer=None, rl: bool = True):
     none for one process). ``rl``: set up as a run's RL phase starts (optimizer and schedule over
     ``max_steps``, the frozen reference when ``grpo.beta`` > 0); False: as built, for SFT."""
     from megaforge.build import RunBuilder
-    from megaforge.cluster import init_distributed  # lazy: torch
-    from megaforge.hf import resolve_device
 
-    cfg = _config(cfg)
-    init_distributed(cfg.launch, resolve_device(cfg.trainer.device).type)
-    b = RunBuilder(cfg)
-    trainer = b.trainer(tokenizer if tokenizer is not None else load_tokenizer(cfg))
-    if rl:
-        b.start_rl_trainer(trainer)
-    return trainer
+    return RunBuilder(_config(cfg)).library_trainer(tokenizer, rl)
 
 
 def build_engine(cfg, tokenizer=None):
@@ -124,14 +118,8 @@ def build_engine(cfg, tokenizer=None):
     starts); None on ranks other than the main one. Call ``engine.shutdown()`` when done. It serves the
     model's own weights until :func:`push_weights` gives it the trainer's."""
     from megaforge.build import RunBuilder
-    from megaforge.cluster import init_distributed  # lazy: torch
-    from megaforge.hf import resolve_device
-    from megaforge.rollout import preflight
 
-    cfg = _config(cfg)
-    init_distributed(cfg.launch, resolve_device(cfg.trainer.device).type)
-    preflight(cfg)
-    return RunBuilder(cfg).engines(tokenizer if tokenizer is not None else load_tokenizer(cfg))
+    return RunBuilder(_config(cfg)).library_engine(tokenizer)
 
 
 def build_rewards(cfg):
@@ -145,22 +133,9 @@ def prompt_rows(tokenizer, prompts: Sequence, cfg, labels: Optional[Sequence] = 
     """Prompt rows (:class:`megaforge.data.prompts.PromptRow`) from prompt texts or chat message lists,
     through the chat template as a run's data (``data.apply_chat_template``, ``data.system_prompt``);
     ``labels``: each prompt's reference answer for the rewards. Rows given as PromptRow pass through."""
-    from megaforge.data.prompts import PromptRow, chat_prompt
+    from megaforge.build import RunBuilder
 
-    if isinstance(prompts, (str, dict)):
-        raise TypeError("prompts must be a list (of texts, of chat message lists or of PromptRow), not one prompt")
-    if labels is not None and len(labels) != len(prompts):
-        raise ValueError(f"{len(labels)} labels for {len(prompts)} prompts")
-    rows = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, PromptRow):
-            rows.append(p)
-            continue
-        if not isinstance(p, (str, list)):
-            raise TypeError(f"prompts[{i}]: expected a text or a list of chat messages, not {type(p).__name__}")
-        text, ids = chat_prompt(tokenizer, p, cfg.data)
-        rows.append(PromptRow(ids, text, None if labels is None else labels[i], f"prompts[{i}]"))
-    return rows
+    return RunBuilder(_config(cfg)).prompt_rows(tokenizer, prompts, labels)
 
 
 def generate(engine, tokenizer, prompts: Sequence, cfg, labels: Optional[Sequence] = None, step: int = 1,
@@ -170,25 +145,9 @@ def generate(engine, tokenizer, prompts: Sequence, cfg, labels: Optional[Sequenc
     sampling (``grpo.temperature``, ``rollout.*``) and seeds (``seed``, ``step``); multi-turn through
     ``rollout.generate_fn`` when it is set."""
     from megaforge.build import RunBuilder
-    from megaforge.rollout.manager import generate_samples, stop_token_ids
 
-    cfg = _config(cfg)
-    b = RunBuilder(cfg)
-    rows = prompt_rows(tokenizer, prompts, cfg, labels)
-    stops = stop_ids if stop_ids is not None else stop_token_ids(tokenizer, cfg.model.path)
-    return generate_samples(engine, rows, n or cfg.grpo.n_samples, b.sampling().params(stops), cfg.seed, step, 0,
-                            tokenizer, b.generate_context())
-
-
-def _parts(cfg, trainer=None, engine=None, rewards=None):
-    from megaforge.build import RunBuilder
-    from megaforge.driver.steps import StepParts
-
-    cfg = _config(cfg)
-    if cfg.loop.partial_rollouts:
-        raise ConfigError("loop.partial_rollouts carries samples between a run's steps; the API's steps are yours: "
-                          "set it false")
-    return StepParts(RunBuilder(cfg).step_settings(), trainer, engine, None, rewards, None, [])
+    b = RunBuilder(_config(cfg))
+    return b.generate(engine, tokenizer, b.prompt_rows(tokenizer, prompts, labels), step, n, stop_ids)
 
 
 def score(samples: list, rewards, cfg) -> dict:
@@ -219,9 +178,10 @@ def train_step(trainer, samples: Optional[list], cfg, engine=None) -> dict:
     log-probs where the objective needs them, ``trainer.mini_batches`` x ``trainer.epochs`` optimizer
     steps. With ``engine`` its memory is released for the update (colocated GPUs). Returns the step's
     metrics (``loss``, ``grad_norm``, ``advantages/nonzero_frac``, ...)."""
+    from megaforge.build import RunBuilder
     from megaforge.data.batch import samples_to_batch
 
-    parts = _parts(cfg, trainer, engine)
+    parts = RunBuilder(_config(cfg)).library_parts(trainer, engine)
     batch = None
     if samples is not None:
         if not samples:
@@ -237,8 +197,10 @@ def push_weights(trainer, engine, cfg) -> dict:
     """The trainer's weights into ``engine`` (every rank calls it; None on ranks without the engine):
     ``sync.transport``, ``sync.bucket_mb``, ``sync.check_equal``; the engine then serves weight version
     ``trainer.version``. Returns the sync's timings and peak-memory metrics."""
+    from megaforge.build import RunBuilder
+
     m: dict = {}
-    _parts(cfg, trainer, engine).push(m)
+    RunBuilder(_config(cfg)).library_parts(trainer, engine).push(m)
     return m
 
 

@@ -3,22 +3,27 @@ turns it into a run's components (trainer, engines, rewards, prompt data, evalua
 each given only its own section(s) or a spec of :mod:`megaforge.specs` (issue 42).
 
     b = RunBuilder(cfg)
-    trainer = b.trainer(tokenizer)                  # trainer.backend (the backends still read the tree)
+    trainer = b.trainer(tokenizer)                  # trainer.backend, built from b.trainer_spec()
     engine  = b.engines(tokenizer, job)             # rollout.engine, placed over the job's GPUs
     rewards = b.rewards()                           # rewards, algo.plugins
     data    = b.prompts(tokenizer, exclude)         # data, seed
     parts   = b.step_parts(trainer, engine, data, rewards, tokenizer, stop_ids)   # StepSettings
     driver  = b.driver(parts, state, resumed_from)  # loop.mode, loop.partial_rollouts, sync.interval
+    plan    = b.plan_input()                        # what the dry-run planner and the engine placement read
 
+The launcher (megaforge.launch) builds the dry run's :meth:`plan_input` here, and the library API's
+public functions (megaforge.api) are thin calls into ``library_*``, :meth:`generate` and the others.
 The components below it take sections and specs, and :func:`megaforge.specs.expect` guards the specs'
-entry points; ``tests/test_config_ownership.py`` counts the functions that still take the whole tree.
+entry points; ``tests/test_config_ownership.py`` counts the functions that still take the whole tree
+(at most 10 apart from megaforge.api's public ones).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 from megaforge.config import Config
-from megaforge.specs import EngineSpec, EvalSettings, GenerateContext, Sampling, Schedule, StepSettings, expect
+from megaforge.specs import (EngineSpec, EvalSettings, GenerateContext, PlanInput, Sampling, Schedule, StepSettings,
+                             TrainerSpec, expect)
 
 
 class RunBuilder:
@@ -52,11 +57,40 @@ class RunBuilder:
         return EngineSpec(rollout=c.rollout, model=c.model, dtype=c.engine_dtype, seed=c.seed, run_dir=c.run_dir,
                           transport=c.sync.transport, lora_adapters=c.sync.lora_adapters)
 
+    def plan_input(self) -> PlanInput:
+        """What the dry-run planner and the engine placement read (:class:`~megaforge.specs.PlanInput`);
+        its ``vary`` rebuilds it from this tree with dotted overrides (checked as a loaded config is)."""
+        c = self.cfg
+
+        def vary(overrides: dict) -> Optional[PlanInput]:
+            from megaforge import configtree
+
+            tree = configtree.to_dict(c)
+            for k, v in overrides.items():
+                configtree.set_dotted(tree, k, v)
+            try:
+                alt = configtree.build(Config, tree)
+            except configtree.ConfigError:
+                return None
+            return RunBuilder(alt).plan_input()
+
+        return PlanInput(model=c.model, trainer=c.trainer, rollout=c.rollout, data=c.data, sft=c.sft, grpo=c.grpo,
+                         algo=c.algo, loop=c.loop, memory=c.memory, sync=c.sync, max_steps=c.max_steps,
+                         critic_enabled=c.critic_enabled, engine_dtype=c.engine_dtype, vary=vary)
+
+    def preflight(self) -> None:
+        """The engines' start-up checks (:func:`megaforge.rollout.preflight`) with :meth:`engine_spec` and the
+        ``data`` / ``eval`` sections."""
+        from megaforge.rollout import preflight
+
+        preflight(self.engine_spec(), self.cfg.data, self.cfg.eval)
+
     def objective(self):
         """The objective's parameters (algo.*, grpo.*, teacher.*; algo.plugins imported)."""
         from megaforge.algorithms import ObjectiveParams  # lazy: torch
 
-        return ObjectiveParams.from_config(self.cfg)
+        c = self.cfg
+        return ObjectiveParams.from_sections(c.algo, c.grpo, c.teacher, c.rollout.max_new_tokens)
 
     def step_settings(self) -> StepSettings:
         """What the step primitives and the drivers read (:class:`~megaforge.specs.StepSettings`)."""
@@ -81,7 +115,16 @@ class RunBuilder:
         c = self.cfg
         return EvalSettings(eval=c.eval, sampling=self.sampling(), generate=self.generate_context(),
                             max_steps=c.max_steps, per_step_requests=c.rollout.batch_size * c.grpo.n_samples,
-                            seed=c.seed, correct_name=correct_reward_label(c))
+                            seed=c.seed, correct_name=correct_reward_label(c.eval, c.rewards))
+
+    def trainer_spec(self) -> TrainerSpec:
+        """What the trainer backends build from (:class:`~megaforge.specs.TrainerSpec`): the ``trainer``,
+        ``model``, ``teacher``, ``critic``, ``checkpoint``, ``memory``, ``sft``, ``grpo``, ``rollout``
+        sections, ``max_steps``, ``seed`` and :meth:`objective`."""
+        c = self.cfg
+        return TrainerSpec(trainer=c.trainer, model=c.model, teacher=c.teacher, critic=c.critic,
+                           checkpoint=c.checkpoint, memory=c.memory, sft=c.sft, grpo=c.grpo, rollout=c.rollout,
+                           objective=self.objective(), max_steps=c.max_steps, seed=c.seed)
 
     def schedule(self) -> Schedule:
         """The RL phase's schedule: trainer.lr / min_lr / warmup_steps / lr_schedule over max_steps x
@@ -91,21 +134,80 @@ class RunBuilder:
                         lr_schedule=t.lr_schedule, min_lr=t.min_lr)
 
     # ------------------------------------------------------------------------------- components
+    def distributed(self, job=None) -> None:
+        """This process in the job's process group (torchrun's variables; none for one process):
+        ``launch.*``, the device of ``trainer.device``; ``job``: the rank watchdog's (megaforge.cluster)."""
+        from megaforge.cluster import init_distributed  # lazy: torch
+        from megaforge.hf import resolve_device
+
+        init_distributed(self.cfg.launch, resolve_device(self.cfg.trainer.device).type, job)
+
+    def load_tokenizer(self):
+        """The policy's tokenizer (``model.tokenizer``, else ``model.path``)."""
+        from megaforge.hf import load_tokenizer  # lazy: transformers
+
+        return load_tokenizer(self.cfg.model)
+
     def trainer(self, tokenizer=None):
         """The configured backend (``trainer.backend``), constructed on every rank."""
         backend = self.cfg.trainer.backend
         if backend == "torch":
             from megaforge.trainer.torch_backend import TorchTrainer  # lazy: the chosen backend only
 
-            return TorchTrainer(self.cfg, tokenizer)
+            return TorchTrainer(self.trainer_spec(), tokenizer)
         if backend == "megatron":
             try:
                 from megaforge.trainer.megatron import MegatronTrainer  # lazy: megatron-core is optional
             except ImportError as e:
                 raise RuntimeError(
                     f"trainer.backend: megatron needs megatron-core (pip install 'megaforge[megatron]'): {e}") from e
-            return MegatronTrainer(self.cfg, tokenizer)
+            return MegatronTrainer(self.trainer_spec(), tokenizer)
         raise ValueError(f"unknown trainer.backend {backend!r}; valid: torch, megatron")
+
+    def library_trainer(self, tokenizer=None, rl: bool = True):
+        """:func:`megaforge.api.build_trainer`: the process group, :meth:`trainer` (the tokenizer loaded
+        when not given), then (``rl``) :meth:`start_rl_trainer`."""
+        self.distributed()
+        trainer = self.trainer(tokenizer if tokenizer is not None else self.load_tokenizer())
+        if rl:
+            self.start_rl_trainer(trainer)
+        return trainer
+
+    def library_engine(self, tokenizer=None):
+        """:func:`megaforge.api.build_engine`: the process group, :meth:`preflight`, :meth:`engines`."""
+        self.distributed()
+        self.preflight()
+        return self.engines(tokenizer if tokenizer is not None else self.load_tokenizer())
+
+    def library_parts(self, trainer=None, engine=None, rewards=None):
+        """The step primitives :func:`megaforge.api.train_step` / :func:`~megaforge.api.push_weights` call:
+        :class:`~megaforge.driver.steps.StepParts` with :meth:`step_settings` and no data (the API's
+        steps are the caller's, so ``loop.partial_rollouts`` is refused)."""
+        from megaforge.configtree import ConfigError
+        from megaforge.driver.steps import StepParts  # lazy: torch
+
+        if self.cfg.loop.partial_rollouts:
+            raise ConfigError("loop.partial_rollouts carries samples between a run's steps; the API's steps are "
+                              "yours: set it false")
+        return StepParts(self.step_settings(), trainer, engine, None, rewards, None, [])
+
+    def prompt_rows(self, tokenizer, prompts, labels=None) -> list:
+        """Prompt rows of ``prompts`` through the ``data`` section's chat template
+        (:func:`megaforge.data.prompts.rows_from_prompts`)."""
+        from megaforge.data.prompts import rows_from_prompts  # lazy: torch
+
+        return rows_from_prompts(tokenizer, prompts, self.cfg.data, labels)
+
+    def generate(self, engine, tokenizer, rows, step: int = 1, n: Optional[int] = None, stop_ids=None) -> list:
+        """``n`` (default ``grpo.n_samples``) samples of each row with :meth:`sampling`, seeded by ``seed``
+        and ``step``, through :meth:`generate_context` (``rollout.generate_fn``) when it is set; the stop
+        tokens of ``model.path``'s chat template unless ``stop_ids`` are given."""
+        from megaforge.rollout.manager import generate_samples, stop_token_ids  # lazy: torch
+
+        c = self.cfg
+        stops = stop_ids if stop_ids is not None else stop_token_ids(tokenizer, c.model.path)
+        return generate_samples(engine, rows, n or c.grpo.n_samples, self.sampling().params(stops), c.seed, step, 0,
+                                tokenizer, self.generate_context())
 
     def start_rl_trainer(self, trainer) -> None:
         """The trainer as RL starts: :func:`megaforge.driver.steps.start_rl_trainer` with :meth:`schedule`
@@ -117,10 +219,10 @@ class RunBuilder:
     def engines(self, tokenizer, job=None):
         """The rollout engine(s) (``rollout.engine``; rank 0's, None elsewhere; node leaders start their
         node's servers), built by the kind from :meth:`engine_spec`; a multi-node job's engine GPUs come
-        from the planner's placement, which reads the tree (:func:`megaforge.placement.engine_slots`)."""
+        from the planner's placement of :meth:`plan_input` (:func:`megaforge.placement.engine_slots`)."""
         from megaforge.placement import build_engines, engine_slots  # lazy: torch
 
-        return build_engines(self.engine_spec(), tokenizer, job, slots=lambda place: engine_slots(self.cfg, place))
+        return build_engines(self.engine_spec(), tokenizer, job, slots=lambda place: engine_slots(self.plan_input(), place))
 
     def rewards(self):
         """The reward manager: the ``rewards`` section and ``algo.plugins`` (plug-in rewards)."""

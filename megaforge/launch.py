@@ -9,6 +9,7 @@ import signal
 import sys
 
 from megaforge import planner, startup
+from megaforge.build import RunBuilder
 from megaforge.config import load_config
 from megaforge.configtree import ConfigError
 from megaforge.data.sources import DataError
@@ -51,7 +52,7 @@ def main(mode: str, argv=None) -> None:
         raise SystemExit(2)
     if plan_opts.get("dry_run"):
         path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), "")
-        raise SystemExit(dry_run(cfg, mode, plan_opts, path))
+        raise SystemExit(dry_run(RunBuilder(cfg).plan_input(), mode, plan_opts, path))
     # lazy: these import torch and the trainer (seconds); --help and --dry_run answer before them
     import torch.distributed  # lazy: as above
     from megaforge import cluster, collective  # lazy: as above

@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from megaforge import checkpoint, collective, handoff_source, resume, startup
+from megaforge import checkpoint, collective, configtree, handoff_source, resume, startup
 from megaforge.build import RunBuilder
 from megaforge.cluster import Job, init_distributed
 from megaforge.config import Config, save_config
@@ -45,7 +45,7 @@ from megaforge.driver.steps import no_signal_warning
 from megaforge.handoff_source import is_run_source
 from megaforge.hf import load_tokenizer, resolve_device
 from megaforge.metrics import Progress, set_aside_bad_rows
-from megaforge.rollout import check_context, preflight
+from megaforge.rollout import check_context
 from megaforge.rollout.manager import stop_token_ids
 from megaforge.rundir import RunDirError, claim
 from megaforge.trainer.base import NonFiniteWeights
@@ -67,7 +67,7 @@ class Run:
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(cfg.seed)
         if mode == "grpo" and cfg.max_steps > 0:
-            preflight(cfg)  # e.g. rollout.engine sglang without sglang installed: fail before SFT
+            self.build.preflight()  # e.g. rollout.engine sglang without sglang installed: fail before SFT
         self._prepare_run_dir()
         self._model_from_run()
         self.tokenizer = load_tokenizer(cfg.model)
@@ -123,7 +123,8 @@ class Run:
             refused = []
 
             def write_config(path: str) -> None:  # a --resume compares first (megaforge.resume)
-                why = resume.check_config(path, self.cfg, say) if self.cfg.resume else None
+                why = (resume.check_config(path, configtree.to_dict(self.cfg), self.cfg.resume_allow_changes, say)
+                       if self.cfg.resume else None)
                 if why:
                     refused.append(why)
                 else:

@@ -55,11 +55,12 @@ def problem(key: str, source: str, cache: bool = True) -> Optional[str]:
     return None
 
 
-def model_keys(cfg) -> list[tuple[str, str, bool]]:
-    """(config key, value, hub id allowed) of every model source of ``cfg``."""
-    out = [("model.path", cfg.model.path, True), ("model.tokenizer", cfg.model.tokenizer, True),
-           ("model.config", cfg.model.config, False), ("critic.path", cfg.critic.path, True)]
-    for i, f in enumerate(cfg.rewards.functions):
+def model_keys(model, critic, rewards) -> list[tuple[str, str, bool]]:
+    """(config key, value, hub id allowed) of every model source of the ``model``, ``critic`` and
+    ``rewards`` sections (reward models, judges)."""
+    out = [("model.path", model.path, True), ("model.tokenizer", model.tokenizer, True),
+           ("model.config", model.config, False), ("critic.path", critic.path, True)]
+    for i, f in enumerate(rewards.functions):
         k = f"rewards.functions[{i}]"
         if f.name == "reward_model":
             out += [(f"{k}.reward_model.path", f.reward_model.path, True),
@@ -69,10 +70,10 @@ def model_keys(cfg) -> list[tuple[str, str, bool]]:
     return out
 
 
-def check_config(cfg, cache: bool = True) -> Optional[str]:
-    """The first model source of ``cfg`` that cannot be loaded (a one-line message), or None (``cache``:
-    as in :func:`problem`)."""
-    for key, value, hub in model_keys(cfg):
+def check_config(model, critic, rewards, cache: bool = True) -> Optional[str]:
+    """The first model source of the ``model``, ``critic`` and ``rewards`` sections (:func:`model_keys`)
+    that cannot be loaded (a one-line message), or None (``cache``: as in :func:`problem`)."""
+    for key, value, hub in model_keys(model, critic, rewards):
         if value and not hub and not os.path.exists(os.path.expanduser(value)):
             return f"config key '{key}': {value!r}: no such file or folder (relative paths are read from {os.getcwd()})"
         why = problem(key, value, cache) if hub else None

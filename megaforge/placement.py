@@ -41,7 +41,7 @@ from megaforge.net import is_loopback
 from megaforge.planner.layout import Hardware, check_layout, placement
 from megaforge.planner.shapes import ShapeError, read_shape
 from megaforge.rollout.http.start import visible_gpus
-from megaforge.specs import EngineSpec, expect
+from megaforge.specs import EngineSpec, PlanInput, expect
 
 _WILDCARD = ("0.0.0.0", "::", "")
 
@@ -53,21 +53,23 @@ def hardware(num_gpus: int, place: ProcessPlace):
     return Hardware(place.nodes, place.local_world + per_node, "runtime", 0.0)
 
 
-def engine_slots(cfg, place: ProcessPlace) -> dict[int, list[tuple[int, list[int]]]]:
-    """{node: [(engine id, node-local GPU indices in TP-rank order), ...]} from the planner's placement.
-    Raises ConfigError with the planner's messages when the layout cannot work."""
+def engine_slots(pin: PlanInput, place: ProcessPlace) -> dict[int, list[tuple[int, list[int]]]]:
+    """{node: [(engine id, node-local GPU indices in TP-rank order), ...]} from the planner's placement of
+    ``pin`` (:meth:`megaforge.build.RunBuilder.plan_input`). Raises ConfigError with the planner's messages
+    when the layout cannot work."""
+    expect(pin, PlanInput, "engine_slots")
     try:
-        shape = read_shape(cfg.model)
+        shape = read_shape(pin.model)
     except ShapeError as e:
         raise ConfigError(f"engine placement needs the model's shape: {e}") from None
-    hw = hardware(cfg.rollout.num_gpus, place)
-    lay, errs, _ = check_layout(cfg, shape, hw, "grpo")
+    hw = hardware(pin.rollout.num_gpus, place)
+    lay, errs, _ = check_layout(pin, shape, hw, "grpo")
     if lay is None:
         raise ConfigError("engine placement over " + f"{hw.nodes} node(s) x {hw.gpus_per_node} GPUs: "
                           + "; ".join(str(e) for e in errs))
     if lay.world != place.world:
         raise ConfigError(f"the layout has {lay.world} trainer ranks but torchrun started {place.world}: "
-                          f"rollout.num_gpus={cfg.rollout.num_gpus} over {place.nodes} node(s)")
+                          f"rollout.num_gpus={pin.rollout.num_gpus} over {place.nodes} node(s)")
     slots: dict[int, dict[int, list[tuple[int, int]]]] = {}
     for row in placement(lay, hw):
         e = row.get("engine")

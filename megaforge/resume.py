@@ -22,7 +22,6 @@ from typing import Any, Optional
 
 import yaml
 
-from megaforge.configtree import to_dict
 
 #: keys (or sections, ending in ".") whose change keeps the resumed run's steps those of the run continued
 #: unchanged: its length, evaluation (except which sets: a holdout set changes the training data),
@@ -75,10 +74,12 @@ def _short(v: Any) -> str:
     return s if len(s) <= 120 else s[:117] + "..."
 
 
-def check_config(path: str, cfg, say) -> Optional[str]:
-    """Compare the saved configuration at ``path`` with ``cfg`` (see the module doc); ``say`` prints each
-    change. Returns the refusal (one line naming the keys and the way to allow them), else None; on
-    None the caller writes ``cfg`` to ``path`` (the old file already kept when anything changed)."""
+def check_config(path: str, tree: dict, allow_changes, say) -> Optional[str]:
+    """Compare the saved configuration at ``path`` with ``tree`` (the new configuration as a nested dict:
+    ``configtree.to_dict``; see the module doc), allowing the changes ``allow_changes``
+    (``resume_allow_changes``); ``say`` prints each change. Returns the refusal (one line naming the keys
+    and the way to allow them), else None; on None the caller writes the new configuration to ``path``
+    (the old file already kept when anything changed)."""
     if not os.path.exists(path):
         say(f"--resume: {path} does not exist; nothing to compare the configuration with")
         return None
@@ -90,8 +91,8 @@ def check_config(path: str, cfg, say) -> Optional[str]:
                 f"({str(e).splitlines()[0]}): move it aside to resume without the comparison")
     if not isinstance(old, dict):
         return f"--resume: {path} is not a mapping of config keys: move it aside to resume without the comparison"
-    changes = config_changes(old, to_dict(cfg))
-    allow = allowed_changes(cfg.resume_allow_changes)
+    changes = config_changes(old, tree)
+    allow = allowed_changes(allow_changes)
     refused = []
     for key, was, now in changes:
         if was is ABSENT or now is ABSENT:

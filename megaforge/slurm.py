@@ -104,15 +104,15 @@ def time_minutes(spec: str) -> int:
     raise LaunchError(f"slurm.time {spec!r}: expected [D-]HH:MM:SS, HH:MM or minutes")
 
 
-def procs_per_node(cfg) -> int:
-    """Trainer processes per node: the node's GPUs minus its share of the disaggregated rollout GPUs."""
-    s, r = cfg.slurm, cfg.rollout
-    if r.num_gpus % s.nodes:
-        raise LaunchError(f"rollout.num_gpus={r.num_gpus} is not divisible by slurm.nodes={s.nodes}")
-    p = s.gpus_per_node - r.num_gpus // s.nodes
+def procs_per_node(s, rollout_gpus: int) -> int:
+    """Trainer processes per node: the node's GPUs (of the ``slurm`` section ``s``) minus its share of the
+    disaggregated rollout GPUs (``rollout.num_gpus``)."""
+    if rollout_gpus % s.nodes:
+        raise LaunchError(f"rollout.num_gpus={rollout_gpus} is not divisible by slurm.nodes={s.nodes}")
+    p = s.gpus_per_node - rollout_gpus // s.nodes
     if p < 1:
         raise LaunchError(f"slurm.gpus_per_node={s.gpus_per_node} leaves no trainer GPU after rollout.num_gpus / nodes "
-                          f"= {r.num_gpus // s.nodes}")
+                          f"= {rollout_gpus // s.nodes}")
     return p
 
 
@@ -261,13 +261,13 @@ class TrainJob(submitit.helpers.Checkpointable):
 
 
 # ---------------------------------------------------------------------------------- submission
-def slurm_parameters(cfg) -> dict:
-    """submitit SlurmExecutor parameters (= sbatch options) from the ``slurm:`` section."""
-    s = cfg.slurm
+def slurm_parameters(s, run_name: str) -> dict:
+    """submitit SlurmExecutor parameters (= sbatch options) from the ``slurm:`` section ``s`` (the job's
+    default name from ``run_name``)."""
     minutes = time_minutes(s.time)
     if s.signal_delay_s >= minutes * 60:
         raise LaunchError(f"slurm.signal_delay_s={s.signal_delay_s} is not shorter than slurm.time={s.time}")
-    params = dict(job_name=s.job_name or f"megaforge-{cfg.run_name}", time=minutes, nodes=s.nodes, ntasks_per_node=1,
+    params = dict(job_name=s.job_name or f"megaforge-{run_name}", time=minutes, nodes=s.nodes, ntasks_per_node=1,
                   gpus_per_node=s.gpus_per_node, signal_delay_s=s.signal_delay_s, setup=list(s.setup),
                   additional_parameters={"requeue": True, **s.sbatch})
     for key, val in (("partition", s.partition), ("account", s.account), ("qos", s.qos), ("constraint", s.constraint),
@@ -277,17 +277,16 @@ def slurm_parameters(cfg) -> dict:
     return params
 
 
-def sbatch_script(cfg, folder: str) -> str:
-    """The sbatch script submitit writes for this job (no SLURM needed)."""
+def sbatch_script(s, run_name: str, folder: str) -> str:
+    """The sbatch script submitit writes for this job (no SLURM needed): :func:`slurm_parameters`."""
     from submitit.slurm.slurm import _make_sbatch_string
 
     command = f"{sys.executable} -u -m submitit.core._submit {folder}"
-    return _make_sbatch_string(command=command, folder=folder, **slurm_parameters(cfg))
+    return _make_sbatch_string(command=command, folder=folder, **slurm_parameters(s, run_name))
 
 
-def executor_for(cfg, folder: str):
-    """A submitit executor with the ``slurm:`` section applied (LocalExecutor for cluster local)."""
-    s = cfg.slurm
+def executor_for(s, run_name: str, folder: str):
+    """A submitit executor with the ``slurm:`` section ``s`` applied (LocalExecutor for cluster local)."""
     if s.cluster == "local":
         minutes = time_minutes(s.time)
         if s.nodes != 1:
@@ -298,7 +297,7 @@ def executor_for(cfg, folder: str):
         ex.update_parameters(timeout_min=minutes, tasks_per_node=1, nodes=1, signal_delay_s=s.signal_delay_s,
                              setup=list(s.setup), stderr_to_stdout=False)
         return ex
-    params = slurm_parameters(cfg)
+    params = slurm_parameters(s, run_name)
     try:
         ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=s.max_requeues)
     except RuntimeError as e:  # no srun here
@@ -316,7 +315,7 @@ def submit(argv: list[str]):
     """Parse, check and submit; returns (job, options, config). ``--print_sbatch``: (None, ...)."""
     own, cfg_argv = split_flags(argv)
     cfg = load_config(cfg_argv)
-    nproc = procs_per_node(cfg)
+    nproc = procs_per_node(cfg.slurm, cfg.rollout.num_gpus)
     run_dir = os.path.abspath(cfg.run_dir)
     if _holds_run(run_dir) and not cfg.resume:
         raise LaunchError(f"run directory {run_dir} already holds a run: pass --resume to continue it, or choose "
@@ -327,9 +326,9 @@ def submit(argv: list[str]):
     if own.get("print_sbatch"):
         if cfg.slurm.cluster != "slurm":
             raise LaunchError("--print_sbatch shows the sbatch script of --cluster slurm")
-        print(sbatch_script(cfg, folder))
+        print(sbatch_script(cfg.slurm, cfg.run_name, folder))
         return None, own, cfg
-    ex = executor_for(cfg, folder)
+    ex = executor_for(cfg.slurm, cfg.run_name, folder)
     os.makedirs(folder, exist_ok=True)
     os.environ["PYTHONPATH"] = ROOT + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
     return ex.submit(job), own, cfg
@@ -349,7 +348,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     folder = os.path.join(os.path.abspath(cfg.run_dir), "slurm")
     print(f"[megaforge] submitted job {job.job_id} ({cfg.slurm.cluster}, {cfg.slurm.nodes} node(s) x "
-          f"{procs_per_node(cfg)} rank(s)); output in {folder}", flush=True)
+          f"{procs_per_node(cfg.slurm, cfg.rollout.num_gpus)} rank(s)); output in {folder}", flush=True)
     if own.get("wait") or cfg.slurm.cluster == "local":
         try:
             print(f"[megaforge] job {job.job_id} finished: {job.result()}", flush=True)

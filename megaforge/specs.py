@@ -13,7 +13,7 @@ This module is light (no torch): the launcher and the planner import it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
     from megaforge.algorithms.params import ObjectiveParams
@@ -256,3 +256,70 @@ class Schedule:
     warmup_steps: int = 0
     lr_schedule: str = "constant"
     min_lr: float = 0.0
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """What the dry-run planner (:mod:`megaforge.planner`) and the multi-node engine placement
+    (:func:`megaforge.placement.engine_slots`) read, built once by
+    :meth:`megaforge.build.RunBuilder.plan_input`.
+
+    Reads: the ``model``, ``trainer``, ``rollout``, ``data``, ``sft``, ``grpo``, ``algo``, ``loop``,
+    ``memory`` and ``sync`` sections, ``max_steps``, ``critic.enabled`` with ``algo.advantage``
+    (``critic_enabled``), ``rollout.dtype`` with ``model.dtype`` (``engine_dtype``). ``vary``: the same
+    input with dotted config overrides applied and checked as the configuration checks them (None when
+    they make it invalid): the planner's knobs try one change at a time through it."""
+
+    model: Any
+    trainer: Any
+    rollout: Any
+    data: Any
+    sft: Any
+    grpo: Any
+    algo: Any
+    loop: Any
+    memory: Any
+    sync: Any
+    max_steps: int = 0
+    critic_enabled: bool = False
+    engine_dtype: str = "float32"
+    vary: Optional[Callable[[dict], Optional["PlanInput"]]] = field(default=None, compare=False, repr=False)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"PlanInput has no attribute {name!r}: the planner receives a PlanInput (fields: "
+                             f"{_names(PlanInput)}), not the whole configuration (megaforge.build.RunBuilder.plan_input)")
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """What a trainer backend (:class:`megaforge.trainer.base.Trainer`: the torch and megatron backends)
+    is built from and reads for the rest of the run (it keeps it as ``trainer.cfg``), built by
+    :meth:`megaforge.build.RunBuilder.trainer_spec`. The sections are the run's own objects (a change to
+    one, e.g. a test's ``trainer.cfg.trainer.micro_batch_size = 1``, is seen by both).
+
+    Reads: the ``trainer``, ``model``, ``teacher``, ``critic``, ``checkpoint``, ``memory``, ``sft``,
+    ``grpo`` and ``rollout`` sections (``rollout``: a teacher served by the engine, the engine kind's
+    adapter hand-off), ``max_steps`` (the RL schedule's length), ``seed``; ``objective``: the
+    :class:`~megaforge.algorithms.params.ObjectiveParams` (``algo.*``, ``grpo.*``, ``teacher.*``)."""
+
+    trainer: Any
+    model: Any
+    teacher: Any
+    critic: Any
+    checkpoint: Any
+    memory: Any
+    sft: Any
+    grpo: Any
+    rollout: Any
+    objective: "ObjectiveParams"
+    max_steps: int = 0
+    seed: int = 0
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"TrainerSpec has no attribute {name!r}: a trainer receives a TrainerSpec (fields: "
+                             f"{_names(TrainerSpec)}), not the whole configuration "
+                             f"(megaforge.build.RunBuilder.trainer_spec)")

@@ -54,14 +54,15 @@ def _refuse_shape(key: str, name: str, obj, expected: str, nargs: int, kwargs: d
         raise ConfigError(f"config key '{key}': {name!r}{sig} cannot be called as {expected} ({e})") from None
 
 
-def resolve_algo(cfg) -> None:
-    """``algo.plugins`` imported, then each algorithm component looked up and its shape checked."""
+def resolve_algo(algo) -> None:
+    """``algo.plugins`` imported, then each algorithm component of the ``algo`` section looked up and its
+    shape checked."""
     from megaforge.algorithms import core  # lazy: torch (config building imports it too)
     from megaforge.algorithms.params import load_plugins, resolve_loss_agg
 
-    load_plugins(cfg.algo.plugins)
+    load_plugins(algo.plugins)
     for key, (reg_name, expected, nargs) in ALGO_COMPONENTS.items():
-        name = getattr(cfg.algo, key.split(".")[1])
+        name = getattr(algo, key.split(".")[1])
         if name is None:  # algo.loss_agg null: the loss's own
             continue
         try:
@@ -69,15 +70,15 @@ def resolve_algo(cfg) -> None:
         except ValueError as e:
             raise ConfigError(f"config key '{key}': {e}") from None
         _refuse_shape(key, name, obj, expected, nargs)
-    resolve_loss_agg(cfg.algo)
+    resolve_loss_agg(algo)
 
 
-def resolve_rewards(cfg) -> None:
+def resolve_rewards(rewards) -> None:
     """Each ``rewards.functions`` entry's reward found (registered by megaforge or an ``algo.plugins``
     module, or ``package.module:callable`` imported) and its ``kwargs`` taken by it."""
     from megaforge.rewards import REWARDS  # lazy: light, but only runs that reward need it
 
-    for i, spec in enumerate(cfg.rewards.functions):
+    for i, spec in enumerate(rewards.functions):
         key = f"rewards.functions[{i}]"
         try:
             obj = REWARDS.get(spec.name)
@@ -98,8 +99,9 @@ def resolve_rewards(cfg) -> None:
                               f"a reward is {REWARD_FN}") from None
 
 
-def resolve_generate_fn(cfg) -> None:
-    path = cfg.rollout.generate_fn
+def resolve_generate_fn(rollout) -> None:
+    """``rollout.generate_fn`` imported and its shape checked against ``rollout.generate_kwargs``."""
+    path = rollout.generate_fn
     if not path:
         return
     from megaforge.registry import import_callable
@@ -108,7 +110,7 @@ def resolve_generate_fn(cfg) -> None:
         obj = import_callable(path, "rollout.generate_fn")
     except ValueError as e:
         raise ConfigError(f"config key 'rollout.generate_fn': {e}") from None
-    _refuse_shape("rollout.generate_fn", path, obj, GENERATE_FN, 5, dict(cfg.rollout.generate_kwargs))
+    _refuse_shape("rollout.generate_fn", path, obj, GENERATE_FN, 5, dict(rollout.generate_kwargs))
 
 
 def check_synthetic(data_cfg, key: str) -> None:
@@ -138,7 +140,7 @@ def resolve(cfg, mode: str = "grpo", dry_run: bool = False) -> None:
     """Everything above for a run of ``mode`` (grpo: all of it; sft: the data and the plug-ins), and the
     model sources (megaforge.model_source). A dry run leaves those to the planner: it plans for another
     machine (where /data/model exists, or with --model_config) and reads no weights."""
-    why = None if dry_run else model_source.check_config(cfg)
+    why = None if dry_run else model_source.check_config(cfg.model, cfg.critic, cfg.rewards)
     if why:
         raise ConfigError(why)
     check_synthetic(cfg.sft.data if cfg.sft.data is not None else cfg.data, "sft.data" if cfg.sft.data else "data")
@@ -149,6 +151,6 @@ def resolve(cfg, mode: str = "grpo", dry_run: bool = False) -> None:
 
         load_plugins(cfg.algo.plugins)
         return
-    resolve_algo(cfg)
-    resolve_rewards(cfg)
-    resolve_generate_fn(cfg)
+    resolve_algo(cfg.algo)
+    resolve_rewards(cfg.rewards)
+    resolve_generate_fn(cfg.rollout)

@@ -67,7 +67,7 @@ def test_teacher_equal_to_student_gives_zero_kl_advantage(tiny_model_dir, tokeni
     from megaforge.trainer.torch_backend import TorchTrainer
 
     cfg = cfg_of({"student": tiny_model_dir, "teacher": tiny_model_dir})
-    tr = TorchTrainer(cfg, tokenizer)
+    tr = TorchTrainer(RunBuilder(cfg).trainer_spec(), tokenizer)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(3, 500, (6, 10), generator=g)
     lengths = torch.tensor([10, 9, 7, 10, 5, 8])

@@ -8,6 +8,7 @@ import pytest
 import torch
 from run_helpers import run_in_process
 
+from megaforge.build import RunBuilder
 from megaforge.config import config_from_dict, load_config
 from megaforge.configtree import ConfigError
 
@@ -50,7 +51,7 @@ def trainer_for(model_dir, tmp_path, tokenizer, **lora):
     from megaforge.trainer.torch_backend import TorchTrainer
 
     torch.manual_seed(0)
-    t = TorchTrainer(cfg_for(model_dir, tmp_path, **lora), tokenizer)
+    t = TorchTrainer(RunBuilder(cfg_for(model_dir, tmp_path, **lora)).trainer_spec(), tokenizer)
     t.reset_optimizer(1e-2, 10)
     return t
 
@@ -183,7 +184,7 @@ def test_checkpoint_holds_adapters_and_resumes_bit_exactly(tiny_model_dir, token
 
     cfg = cfg_for(tiny_model_dir, tmp_path)
     cfg.model.lora = None
-    full = TorchTrainer(cfg, tokenizer)
+    full = TorchTrainer(RunBuilder(cfg).trainer_spec(), tokenizer)
     full.reset_optimizer(1e-2, 10)
     full.snapshot_reference()
     train(full, batch)

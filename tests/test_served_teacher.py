@@ -10,6 +10,7 @@ import pytest
 import torch
 from sglang_double import SGLangDouble
 
+from megaforge.build import RunBuilder
 from megaforge.config import ConfigError, config_from_dict
 from megaforge.types import TrainBatch
 from tests.conftest import TOKENIZER
@@ -82,8 +83,8 @@ def test_embedded_engine_teacher_equals_the_trainers(tiny_model_dir, teacher_dir
     from megaforge.trainer.torch_backend import TorchTrainer
 
     batch = batch_of()
-    on_trainer = TorchTrainer(cfg_of(tiny_model_dir, teacher_dir, _temperature=temperature), tokenizer)
-    served = TorchTrainer(cfg_of(tiny_model_dir, teacher_dir, served_by="engine", _temperature=temperature), tokenizer)
+    on_trainer = TorchTrainer(RunBuilder(cfg_of(tiny_model_dir, teacher_dir, _temperature=temperature)).trainer_spec(), tokenizer)
+    served = TorchTrainer(RunBuilder(cfg_of(tiny_model_dir, teacher_dir, served_by="engine", _temperature=temperature)).trainer_spec(), tokenizer)
     assert served.teacher is None and served.served_teacher is not None  # no copy on the trainer
     want = on_trainer.teacher_logprobs(batch)
     got = served.teacher_logprobs(batch)
@@ -109,7 +110,7 @@ def test_sglang_teacher_equals_the_trainers(tiny_model_dir, teacher_dir, tokeniz
         assert endpoint == "/generate" and body["logprob_start_len"] == 0 and body["return_logprob"] is True
         assert body["sampling_params"] == [{"max_new_tokens": 0}] * 6
         assert body["input_ids"] == [batch.tokens[b, :n].tolist() for b, n in enumerate(batch.lengths.tolist())]
-        want = TorchTrainer(cfg_of(tiny_model_dir, teacher_dir), tokenizer).teacher_logprobs(batch)
+        want = TorchTrainer(RunBuilder(cfg_of(tiny_model_dir, teacher_dir)).trainer_spec(), tokenizer).teacher_logprobs(batch)
         assert float((got - want).abs().max()) < TOL
     finally:
         double.stop()

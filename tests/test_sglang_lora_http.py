@@ -68,7 +68,7 @@ def _trainer(cfg, tokenizer):
     from megaforge.trainer.torch_backend import TorchTrainer
 
     torch.manual_seed(0)
-    t = TorchTrainer(cfg, tokenizer)
+    t = TorchTrainer(RunBuilder(cfg).trainer_spec(), tokenizer)
     with torch.no_grad():  # adapters away from B = 0, so the folder's tensors say something
         for _, p in t.lora.adapter_parameters():
             p.add_(torch.randn_like(p) * 0.1)

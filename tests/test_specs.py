@@ -154,10 +154,9 @@ def test_specs_stay_light():
 
 
 def test_an_engine_kind_gets_the_engine_spec_at_preflight_and_build(tmp_path):
-    """A kind's preflight and build receive the EngineSpec the builder makes (the same at both: preflight
-    builds its own, below megaforge.build); reading a key it lacks (``spec.sync``) names its fields."""
+    """A kind's preflight and build receive the EngineSpec the builder makes (the same at both:
+    RunBuilder.preflight hands megaforge.rollout.preflight the builder's spec); reading a key it lacks (``spec.sync``) names its fields."""
     from megaforge.engine_kinds import ENGINE_KINDS, EngineKind
-    from megaforge.rollout import preflight
 
     got = []
     if "spec_probe" not in ENGINE_KINDS:
@@ -166,7 +165,7 @@ def test_an_engine_kind_gets_the_engine_spec_at_preflight_and_build(tmp_path):
                                                        preflight=lambda spec: got.append(("preflight", spec))))
     cfg = cfg_of("--rollout.engine", "spec_probe", "--sync.transport", "inproc", "--rollout.dtype", "bfloat16",
                  "--seed", "5", "--output_dir", str(tmp_path))
-    preflight(cfg)
+    RunBuilder(cfg).preflight()
     b = RunBuilder(cfg)
     b.engines(None)
     spec = b.engine_spec()

@@ -70,6 +70,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from megaforge.config import config_from_dict
+    from megaforge.build import RunBuilder
     from megaforge.trainer.megatron import MegatronTrainer
 
     cfg = config_from_dict({
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
                     "layer_spec": args.layer_spec, "micro_batch_size": args.batch},
         "grpo": {"temperature": 1.0}, "max_steps": 0, "seed": args.seed,
     })
-    tr = MegatronTrainer(cfg)
+    tr = MegatronTrainer(RunBuilder(cfg).trainer_spec())
     batch = random_batch(tr.desc.vocab, args.batch, args.seq, args.seed)
     mg = tr.forward_rows(batch, "policy", ("logprobs", "argmax"))
     ok = True

@@ -186,12 +186,12 @@ def evaluate(cfg, out_arg: str, out_dir: str) -> dict:
     from megaforge.eval.runner import write_jsonl
     from megaforge.hf import load_tokenizer
     from megaforge.rewards import RewardManager
-    from megaforge.rollout import build_engine, preflight
+    from megaforge.rollout import build_engine
     from megaforge.rollout.manager import stop_token_ids
 
-    preflight(cfg)
-    tok = load_tokenizer(cfg.model)
     b = RunBuilder(cfg)
+    b.preflight()
+    tok = load_tokenizer(cfg.model)
     sets, _ = b.eval_sets(tok)
     rewards = RewardManager(cfg.rewards)
     engine = build_engine(b.engine_spec(), tok)

@@ -119,6 +119,7 @@ def point_argv(spec: dict, p: dict, runs: str) -> list[str]:
 
 def plan_point(spec: dict, p: dict, argv: list[str]) -> dict:
     """The dry run's plan of the point (megaforge.planner), in process."""
+    from megaforge.build import RunBuilder
     from megaforge.config import load_config
     from megaforge.configtree import ConfigError
     from megaforge.planner import make_plan
@@ -131,7 +132,7 @@ def plan_point(spec: dict, p: dict, argv: list[str]) -> dict:
     opts = {"nodes": nodes, "gpus_per_node": gpn, "model_config": spec.get("model_config", "")}
     if spec.get("gpu"):
         opts["gpu"] = spec["gpu"]
-    plan = make_plan(cfg, spec["launcher"], opts)
+    plan = make_plan(RunBuilder(cfg).plan_input(), spec["launcher"], opts)
     plan["_cfg"] = cfg
     return plan
 

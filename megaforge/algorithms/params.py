@@ -1,6 +1,7 @@
 """The objective's parameters: one frozen object that advantages, losses, KL terms and aggregations read.
 
-:class:`ObjectiveParams` is built once from the config (:meth:`ObjectiveParams.from_config`). It
+:class:`ObjectiveParams` is built once from the config (:meth:`ObjectiveParams.from_sections`, which
+:meth:`megaforge.build.RunBuilder.objective` calls). It
 declares none of its keys: its fields are copied (name, type, default, range) from the config sections
 that declare them (:data:`SOURCES`): every key of the ``algo:`` section's own but those the loop reads
 (:data:`LOOP_KEYS`), ``grpo.clip_low`` / ``clip_high`` / ``beta``, and ``teacher.kl_coef`` /
@@ -117,7 +118,7 @@ class ObjectiveParams:
     ``algo.tis_cap``, ``p.clip_low`` ``grpo.clip_low``, ``p.distill_kl_coef`` ``teacher.kl_coef``),
     with the config's types, defaults and ranges. Two are resolved: ``loss_agg`` null becomes the
     loss's own aggregation on construction (the registry entry's declared one, else token_mean; so
-    ``p.loss_agg`` is never null), and :meth:`from_config` also refuses an explicit one that contradicts
+    ``p.loss_agg`` is never null), and :meth:`from_sections` also refuses an explicit one that contradicts
     the loss's (:func:`resolve_loss_agg`) and turns ``loss_agg_norm`` 0 into ``rollout.max_new_tokens``."""
 
     components: dict = field(default_factory=default_components)
@@ -136,14 +137,17 @@ class ObjectiveParams:
         return self.components[cls]
 
     @classmethod
-    def from_config(cls, cfg) -> "ObjectiveParams":
-        """Read the config; imports ``algo.plugins`` and checks that every named component exists,
-        so a typo fails at start-up with the config key and the registered names."""
-        a = cfg.algo
+    def from_sections(cls, algo, grpo, teacher, max_new_tokens: int) -> "ObjectiveParams":
+        """Read the ``algo``, ``grpo`` and ``teacher`` sections (:data:`SOURCES`) and
+        ``rollout.max_new_tokens`` (the default ``loss_agg_norm``); imports ``algo.plugins`` and checks
+        that every named component exists, so a typo fails at start-up with the config key and the
+        registered names."""
+        a = algo
         resolve_components(a)
-        values = {name: getattr(getattr(cfg, section), key)
+        sections = {"algo": algo, "grpo": grpo, "teacher": teacher}
+        values = {name: getattr(sections[section], key)
                   for section, _, names in SOURCES for key, name in names.items()}
-        values.update(loss_agg=resolve_loss_agg(a), loss_agg_norm=a.loss_agg_norm or float(cfg.rollout.max_new_tokens),
+        values.update(loss_agg=resolve_loss_agg(a), loss_agg_norm=a.loss_agg_norm or float(max_new_tokens),
                       plugin_kwargs=dict(a.plugin_kwargs))
         return cls(**values, components={type(v): v for v in a.components.values()})
 
@@ -151,7 +155,7 @@ class ObjectiveParams:
     def of_values(cls, **values) -> "ObjectiveParams":
         """From flat values named like the config keys (``clip_low=0.2``, ``sapo_tau_pos=1.0``), the rest
         at their defaults, each type- and range-checked as in the config. For code that calls a loss or
-        an estimator directly (tests, tools); a run uses :meth:`from_config`."""
+        an estimator directly (tests, tools); a run uses :meth:`from_sections`."""
         classes = component_classes()
         flat = {p + f.name: (p, f.name) for p, c in classes.items() for f in dataclasses.fields(c)}
         own = {f.name for f in dataclasses.fields(cls)} - {"components"}

@@ -94,7 +94,7 @@ class EvalConfig:
         need(self.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0")
         need(not self.sets or self.interval > 0 or self.before_train, "eval.sets",
              "are never evaluated: set eval.interval and/or eval.before_train")
-        need(not self.correct_reward or correct_reward_label(cfg) is not None, "eval.correct_reward",
+        need(not self.correct_reward or correct_reward_label(self, cfg.rewards) is not None, "eval.correct_reward",
              f"{self.correct_reward!r} is not in rewards.functions (names "
              f"{', '.join(f.name for f in cfg.rewards.functions)}; labels "
              f"{', '.join(reward_label(f) for f in cfg.rewards.functions)})")
@@ -105,12 +105,13 @@ class EvalConfig:
         return list(self.pass_k) if self.pass_k else sorted({1, self.n_samples}) if self.n_samples else []
 
 
-def correct_reward_label(cfg) -> Optional[str]:
+def correct_reward_label(eval_cfg, rewards) -> Optional[str]:
     """The label (its key in a sample's reward components) of the reward that decides correctness:
-    eval.correct_reward matched against each function's name, the name's last part or its label;
-    empty: the first function's. None when nothing matches."""
-    want = cfg.eval.correct_reward
-    for f in cfg.rewards.functions:
+    ``eval.correct_reward`` (of the ``eval`` section ``eval_cfg``) matched against each of
+    ``rewards.functions``' name, the name's last part or its label; empty: the first function's. None
+    when nothing matches."""
+    want = eval_cfg.correct_reward
+    for f in rewards.functions:
         if not want or want in (f.name, f.name.rsplit(":", 1)[-1], reward_label(f)):
             return reward_label(f)
     return None

@@ -53,6 +53,26 @@ def chat_prompt(tokenizer, content, cfg) -> tuple[str, list[int]]:
     return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def rows_from_prompts(tokenizer, prompts: Sequence, data, labels: Optional[Sequence] = None) -> list:
+    """Prompt rows from prompt texts or chat message lists through the chat template of the ``data``
+    section (``data.apply_chat_template``, ``data.system_prompt``); ``labels``: each prompt's reference
+    answer for the rewards. Rows given as PromptRow pass through (megaforge.api.prompt_rows)."""
+    if isinstance(prompts, (str, dict)):
+        raise TypeError("prompts must be a list (of texts, of chat message lists or of PromptRow), not one prompt")
+    if labels is not None and len(labels) != len(prompts):
+        raise ValueError(f"{len(labels)} labels for {len(prompts)} prompts")
+    rows = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, PromptRow):
+            rows.append(p)
+            continue
+        if not isinstance(p, (str, list)):
+            raise TypeError(f"prompts[{i}]: expected a text or a list of chat messages, not {type(p).__name__}")
+        text, ids = chat_prompt(tokenizer, p, data)
+        rows.append(PromptRow(ids, text, None if labels is None else labels[i], f"prompts[{i}]"))
+    return rows
+
+
 def prompt_renderer(tokenizer, cfg) -> Callable[[list[dict]], Optional[str]]:
     """``render`` for :func:`megaforge.data.holdout.prompt_key`: the text the model sees for messages
     under data config ``cfg``; None when they cannot be rendered (the row fails in :func:`parse_row`)."""

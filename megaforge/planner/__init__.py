@@ -6,6 +6,9 @@ parallel layout divides the model and the GPUs, and prints the placement (which 
 which engine on which GPU of which node) and a per-GPU memory estimate of every phase against the
 GPU's memory, with a verdict and the knobs that make a phase fit.
 
+The planner reads a :class:`megaforge.specs.PlanInput` (the sections it needs, built by
+:meth:`megaforge.build.RunBuilder.plan_input`), not the whole configuration.
+
 Parts: :mod:`.shapes` (model shapes, parameter counts), :mod:`.layout` (checks, placement),
 :mod:`.memory` (the per-item formulas), :mod:`.phases` (phases, verdicts, knobs),
 :mod:`.report` (text, JSON, exit status).

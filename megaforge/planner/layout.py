@@ -22,6 +22,7 @@ from typing import Optional
 
 from megaforge.engine_kinds import ENGINE_KINDS, engine_kind, engine_kind_names
 from megaforge.planner.shapes import ModelShape
+from megaforge.specs import PlanInput
 
 #: total memory of known GPUs in GiB (nvidia-smi totals: H100 81559 MiB, H200 143771 MiB, ...)
 GPU_MEMORY_GIB = {
@@ -97,18 +98,18 @@ def resolve_spec(setting: str, backend: str) -> tuple[str, str]:
     return ("te" if te else "torch"), f"trainer.layer_spec auto -> {'te' if te else 'torch'} (transformer_engine {'importable' if te else 'not importable'} here)"
 
 
-def default_gpus(cfg) -> int:
+def default_gpus(pin: PlanInput) -> int:
     """GPUs of one node when none are given: the smallest that holds one trainer replica and the
     disaggregated rollout GPUs."""
-    t = cfg.trainer
+    t = pin.trainer
     if t.backend != "megatron":
-        return 1 + cfg.rollout.num_gpus
-    return t.tensor_parallel * t.pipeline_parallel * t.context_parallel + cfg.rollout.num_gpus
+        return 1 + pin.rollout.num_gpus
+    return t.tensor_parallel * t.pipeline_parallel * t.context_parallel + pin.rollout.num_gpus
 
 
-def check_layout(cfg, shape: ModelShape, hw: Hardware, mode: str) -> tuple[Optional[Layout], list[Issue], list[str]]:
+def check_layout(pin: PlanInput, shape: ModelShape, hw: Hardware, mode: str) -> tuple[Optional[Layout], list[Issue], list[str]]:
     """(layout or None, errors, warnings). Every error names the config key and the constraint."""
-    t, r = cfg.trainer, cfg.rollout
+    t, r = pin.trainer, pin.rollout
     err: list[Issue] = []
     warn: list[str] = []
     megatron = t.backend == "megatron"
@@ -123,7 +124,7 @@ def check_layout(cfg, shape: ModelShape, hw: Hardware, mode: str) -> tuple[Optio
     spec, note = resolve_spec(t.layer_spec, t.backend)
     if note:
         warn.append(note)
-    rl = mode == "grpo" and cfg.max_steps > 0
+    rl = mode == "grpo" and pin.max_steps > 0
     colocated = r.num_gpus == 0
     rollout_gpus = r.num_gpus if rl else 0
     if rollout_gpus and rollout_gpus % hw.nodes:
@@ -143,7 +144,7 @@ def check_layout(cfg, shape: ModelShape, hw: Hardware, mode: str) -> tuple[Optio
                          "(megatron splits whole key/value groups over TP)"))
     if shape.ffn % tp and len(shape.moe_layers) < shape.layers:
         err.append(Issue("trainer.tensor_parallel", f"={tp} does not divide intermediate_size={shape.ffn}"))
-    lora_mlp = [m for m in (cfg.model.lora.target_modules if cfg.model.lora is not None else [])
+    lora_mlp = [m for m in (pin.model.lora.target_modules if pin.model.lora is not None else [])
                 if m in ("gate_proj", "up_proj", "down_proj")]
     if megatron and lora_mlp and shape.moe_layers:  # megaforge.trainer.megatron.lora.check_lora, before the run
         err.append(Issue("model.lora.target_modules", f"{lora_mlp} would target the mixture-of-experts layers' experts, "
@@ -175,17 +176,17 @@ def check_layout(cfg, shape: ModelShape, hw: Hardware, mode: str) -> tuple[Optio
     edp = max(1, world // (etp * ep * pp))
     if tp > hw.gpus_per_node:
         warn.append(f"trainer.tensor_parallel={tp} spans nodes (gpus_per_node={hw.gpus_per_node}): TP traffic crosses the network")
-    seq = cfg.sft.max_len if mode == "sft" else cfg.data.max_prompt_len + r.max_new_tokens
+    seq = pin.sft.max_len if mode == "sft" else pin.data.max_prompt_len + r.max_new_tokens
     if megatron and cp > 1 and seq % (2 * cp):
         warn.append(f"trainer.context_parallel={cp}: sequences of up to {seq} tokens are padded to multiples of "
                     f"2 x context_parallel = {2 * cp} by megaforge's packing (load-balanced CP chunks)")
     if megatron and t.fp8 and spec != "te":
         err.append(Issue("trainer.fp8", f"={t.fp8} needs the te layer spec (trainer.layer_spec resolves to {spec})"))
     # ---- batch vs data parallelism
-    seqs = _sequences(cfg, mode)
-    if megatron and seqs < dp * (cfg.trainer.mini_batches if mode == "grpo" else 1):
+    seqs = _sequences(pin, mode)
+    if megatron and seqs < dp * (pin.trainer.mini_batches if mode == "grpo" else 1):
         key = "rollout.batch_size" if mode == "grpo" else "sft.batch_size"
-        err.append(Issue(key, f"a mini-batch of {seqs // max(1, cfg.trainer.mini_batches if mode == 'grpo' else 1)} "
+        err.append(Issue(key, f"a mini-batch of {seqs // max(1, pin.trainer.mini_batches if mode == 'grpo' else 1)} "
                          f"sequences cannot feed {dp} data-parallel ranks"))
     # ---- rollout engines
     engine, etp_r, n_eng = r.engine, r.tensor_parallel, r.num_engines
@@ -228,10 +229,10 @@ def check_layout(cfg, shape: ModelShape, hw: Hardware, mode: str) -> tuple[Optio
     return (None if err else lay), err, warn
 
 
-def _sequences(cfg, mode: str) -> int:
+def _sequences(pin: PlanInput, mode: str) -> int:
     if mode == "sft":
-        return cfg.sft.batch_size
-    return cfg.rollout.batch_size * cfg.grpo.n_samples
+        return pin.sft.batch_size
+    return pin.rollout.batch_size * pin.grpo.n_samples
 
 
 def engine_gpus(num_engines: int, engine_tp: int, rollout_gpus: int, nodes: int, gpus_per_node: int) -> list[list[tuple[int, int]]]:

@@ -75,6 +75,7 @@ import math
 from dataclasses import dataclass, field
 
 from megaforge.engine_kinds import engine_kind
+from megaforge.specs import PlanInput
 
 GiB = float(1 << 30)
 ENGINE_RESERVE_GIB = 1.0
@@ -125,21 +126,21 @@ def _extra_arg(args: list, flag: str, default):
 
 
 # ---------------------------------------------------------------------------------- trainer state
-def trainer_state(cfg, shape, lay, stage: int) -> list[Item]:
-    p = dtype_bytes(cfg.model.dtype)
+def trainer_state(pin: PlanInput, shape, lay, stage: int) -> list[Item]:
+    p = dtype_bytes(pin.model.dtype)
     if lay.backend == "megatron":
         sp = shape.stage_params(lay.tp, lay.pp, stage, lay.ep, lay.etp)
-        if cfg.model.lora is not None:  # the frozen base; fp32 main grads and Adam for this rank's adapters alone
-            n, na = sum(sp.values()), megatron_lora_params(shape, cfg.model.lora, lay.tp, lay.pp, stage)
+        if pin.model.lora is not None:  # the frozen base; fp32 main grads and Adam for this rank's adapters alone
+            n, na = sum(sp.values()), megatron_lora_params(shape, pin.model.lora, lay.tp, lay.pp, stage)
             return [Item("trainer weights", p * n, "trainer", f"{n / 1e9:.3f} B params x {p} B (frozen base)"),
-                    *_megatron_state(cfg, lay, p, na, 0, "LoRA adapters ")]
-        items = _megatron_state(cfg, lay, p, sp["dense"] + sp["embedding"] + sp["output"], sp["expert"], "")
-        if cfg.critic_enabled and cfg.max_steps > 0:  # a second GPTModel, the output layer replaced by a value head
+                    *_megatron_state(pin, lay, p, na, 0, "LoRA adapters ")]
+        items = _megatron_state(pin, lay, p, sp["dense"] + sp["embedding"] + sp["output"], sp["expert"], "")
+        if pin.critic_enabled and pin.max_steps > 0:  # a second GPTModel, the output layer replaced by a value head
             head = (shape.hidden + 1) if stage == lay.pp - 1 else 0
-            items += _megatron_state(cfg, lay, p, sp["dense"] + sp["embedding"] + head, sp["expert"], "critic ")
+            items += _megatron_state(pin, lay, p, sp["dense"] + sp["embedding"] + head, sp["expert"], "critic ")
         return items
     n = shape.hf_params()
-    lora = cfg.model.lora
+    lora = pin.model.lora
     if lora is not None:  # model.lora: the frozen base, and gradients / AdamW for the adapters alone
         na = shape.lora_params(lora.rank, lora.target_modules)
         items = [Item("trainer weights", p * n, "trainer", f"{n / 1e9:.3f} B params x {p} B (frozen base)"),
@@ -152,7 +153,7 @@ def trainer_state(cfg, shape, lay, stage: int) -> list[Item]:
     if lay.world > 1:
         items.append(Item("DDP gradient buckets", p * n, "trainer", f"{p} B/param"))
     items.append(Item("optimizer (AdamW)", 2.0 * p * n, "trainer", f"2 moments x {p} B/param"))
-    if cfg.critic_enabled and cfg.max_steps > 0:
+    if pin.critic_enabled and pin.max_steps > 0:
         nc = n - (0 if shape.tied else shape.vocab * shape.hidden) + shape.hidden + 1
         items.append(Item("critic (weights+grads+AdamW)", 4.0 * p * nc, "trainer", "4 x p B/param of the backbone"))
     return items
@@ -180,12 +181,12 @@ def megatron_lora_params(shape, lora, tp: int, pp: int, stage: int) -> int:
     return n
 
 
-def _megatron_state(cfg, lay, p: int, dense: float, expert: float, prefix: str) -> list[Item]:
+def _megatron_state(pin: PlanInput, lay, p: int, dense: float, expert: float, prefix: str) -> list[Item]:
     """Weights, fp32 main gradients and Adam state (12 B/param with bf16 weights: fp32 main
     copy + 2 moments; 8 B with fp32) of ``dense`` + ``expert`` parameters on one rank."""
     n = dense + expert
     per = 12 if p == 2 else 8
-    if cfg.trainer.distributed_optimizer:
+    if pin.trainer.distributed_optimizer:
         opt = per * (dense / (lay.dp * lay.cp) + expert / lay.edp)
         how = f"{per} B/param over DP*CP={lay.dp * lay.cp}" + (f", experts over EDP={lay.edp}" if expert else "")
     else:
@@ -195,12 +196,12 @@ def _megatron_state(cfg, lay, p: int, dense: float, expert: float, prefix: str) 
             Item(prefix + "optimizer (Adam)", opt, "trainer", how)]
 
 
-def reference(cfg, shape, lay, stage: int, mode: str) -> list[Item]:
-    if mode != "grpo" or cfg.max_steps == 0 or cfg.grpo.beta <= 0 or cfg.trainer.ref_device == "cpu":
+def reference(pin: PlanInput, shape, lay, stage: int, mode: str) -> list[Item]:
+    if mode != "grpo" or pin.max_steps == 0 or pin.grpo.beta <= 0 or pin.trainer.ref_device == "cpu":
         return []
-    if cfg.model.lora is not None:  # the reference is the base with the adapters off: no second copy
+    if pin.model.lora is not None:  # the reference is the base with the adapters off: no second copy
         return []
-    p = dtype_bytes(cfg.model.dtype)
+    p = dtype_bytes(pin.model.dtype)
     if lay.backend == "megatron":
         sp = shape.stage_params(lay.tp, lay.pp, stage, lay.ep, lay.etp)
         n = sum(sp.values())
@@ -236,17 +237,17 @@ def layer_bytes(shape, p: int, spec: str, tp: int, sp: bool, recompute: str, moe
     return saved, full
 
 
-def activations(cfg, shape, lay, stage: int, seq: int, rows: int, n_micro: int, loss_b: int,
+def activations(pin: PlanInput, shape, lay, stage: int, seq: int, rows: int, n_micro: int, loss_b: int,
                 head_tokens: float | None = None) -> list[Item]:
     """Activation and loss items of one pipeline stage for micro-batches of ``rows`` rows of ``seq``
     tokens (forward + backward peak); ``head_tokens``: the positions of a micro-batch whose logits are
     computed when not all of them (:func:`head_positions`)."""
-    p = dtype_bytes(cfg.model.dtype)
+    p = dtype_bytes(pin.model.dtype)
     c = lay.cp
     seq_pad = math.ceil(seq / (2 * c)) * 2 * c if c > 1 else seq
     s = rows * seq_pad / c  # tokens of one micro-batch on this rank
     spec = lay.spec
-    recompute = cfg.trainer.recompute if lay.backend == "megatron" else ("full" if cfg.trainer.gradient_checkpointing else "none")
+    recompute = pin.trainer.recompute if lay.backend == "megatron" else ("full" if pin.trainer.gradient_checkpointing else "none")
     per_stage = shape.layers // lay.pp
     layers = range(stage * per_stage, (stage + 1) * per_stage)
     saved = full_max = 0.0
@@ -280,21 +281,21 @@ def activations(cfg, shape, lay, stage: int, seq: int, rows: int, n_micro: int, 
     return items
 
 
-def work_items(cfg, shape, lay, stage: int, mode: str) -> list[Item]:
+def work_items(pin: PlanInput, shape, lay, stage: int, mode: str) -> list[Item]:
     """Activations and loss buffers of a train (``grpo``) or SFT step, plus the optimizer step's
     temporary where it exceeds them (see module docstring)."""
-    seq, rows, nm = micro_batches(cfg, lay, mode)
-    items = activations(cfg, shape, lay, stage, seq, rows, nm, loss_bytes(cfg, mode, lay.backend),
-                        head_positions(cfg, lay, mode, seq, rows))
+    seq, rows, nm = micro_batches(pin, lay, mode)
+    items = activations(pin, shape, lay, stage, seq, rows, nm, loss_bytes(pin, mode, lay.backend),
+                        head_positions(pin, lay, mode, seq, rows))
     if lay.backend == "megatron":
         if lay.spec == "te" or importlib.util.find_spec("transformer_engine") is not None:
             return items  # TE's fused Adam: no temporaries
         sp = shape.stage_params(lay.tp, lay.pp, stage, lay.ep, lay.etp)
         dense = sp["dense"] + sp["embedding"] + sp["output"]
-        n = dense / (lay.dp * lay.cp) + sp["expert"] / lay.edp if cfg.trainer.distributed_optimizer else dense + sp["expert"]
+        n = dense / (lay.dp * lay.cp) + sp["expert"] / lay.edp if pin.trainer.distributed_optimizer else dense + sp["expert"]
         step = 4.0 * n
     else:
-        step = float(dtype_bytes(cfg.model.dtype) * shape.hf_params())
+        step = float(dtype_bytes(pin.model.dtype) * shape.hf_params())
     extra = step - sum(i.bytes for i in items)
     if extra > 0:
         items.append(Item("optimizer step temporaries (beyond the activations)", extra, "trainer",
@@ -302,32 +303,32 @@ def work_items(cfg, shape, lay, stage: int, mode: str) -> list[Item]:
     return items
 
 
-def head_positions(cfg, lay, mode: str, seq: int, rows: int) -> float | None:
+def head_positions(pin: PlanInput, lay, mode: str, seq: int, rows: int) -> float | None:
     """Positions of a micro-batch whose logits the torch backend's RL step computes with
     ``trainer.head_positions: trained`` (at most ``rows * min(seq, rollout.max_new_tokens)``); None
     where every position's are (SFT, "all", megatron)."""
-    if lay.backend != "torch" or mode != "grpo" or cfg.trainer.head_positions != "trained":
+    if lay.backend != "torch" or mode != "grpo" or pin.trainer.head_positions != "trained":
         return None
-    return float(rows * min(seq, cfg.rollout.max_new_tokens))
+    return float(rows * min(seq, pin.rollout.max_new_tokens))
 
 
-def loss_bytes(cfg, mode: str, backend: str = "torch") -> int:
+def loss_bytes(pin: PlanInput, mode: str, backend: str = "torch") -> int:
     """Bytes per token and local vocabulary column of the loss (see module docstring)."""
-    if backend == "megatron" and cfg.trainer.fused_logprobs is not False:  # the planner plans GPUs: null = on
-        p = dtype_bytes(cfg.model.dtype)
-        return 2 * p + (p if mode == "grpo" and cfg.grpo.temperature != 1.0 else 0)
-    return LOSS_BYTES_ENTROPY if mode == "grpo" and cfg.algo.entropy_coef != 0 else LOSS_BYTES_FWD
+    if backend == "megatron" and pin.trainer.fused_logprobs is not False:  # the planner plans GPUs: null = on
+        p = dtype_bytes(pin.model.dtype)
+        return 2 * p + (p if mode == "grpo" and pin.grpo.temperature != 1.0 else 0)
+    return LOSS_BYTES_ENTROPY if mode == "grpo" and pin.algo.entropy_coef != 0 else LOSS_BYTES_FWD
 
 
-def micro_batches(cfg, lay, mode: str) -> tuple[int, int, int]:
+def micro_batches(pin: PlanInput, lay, mode: str) -> tuple[int, int, int]:
     """(sequence length, rows per micro-batch, micro-batches per DP rank per optimizer step). Rows are
     planned at full length; with trainer.micro_batch_tokens, ceil(budget / length) of them (the budget
     rounded up to whole rows: never below what a micro-batch of that budget holds)."""
-    t = cfg.trainer
+    t = pin.trainer
     if mode == "sft":
-        seq, seqs, minis = cfg.sft.max_len, cfg.sft.batch_size, 1
+        seq, seqs, minis = pin.sft.max_len, pin.sft.batch_size, 1
     else:
-        seq, seqs, minis = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, cfg.rollout.batch_size * cfg.grpo.n_samples, t.mini_batches
+        seq, seqs, minis = pin.data.max_prompt_len + pin.rollout.max_new_tokens, pin.rollout.batch_size * pin.grpo.n_samples, t.mini_batches
     per_rank = math.ceil(seqs / minis / lay.dp)
     rows = max(1, min(t.micro_batch_size, per_rank))
     if t.micro_batch_tokens:  # full-length rows within the budget, rounded up: at most one row's tokens over it
@@ -336,14 +337,14 @@ def micro_batches(cfg, lay, mode: str) -> tuple[int, int, int]:
 
 
 # ----------------------------------------------------------------------------------------- engines
-def engine_items(cfg, shape, lay, memory: float) -> tuple[list[Item], list[Item], dict]:
+def engine_items(pin: PlanInput, shape, lay, memory: float) -> tuple[list[Item], list[Item], dict]:
     """(rollout items, items left during training, KV facts) of one GPU holding an engine rank."""
-    r = cfg.rollout
-    p = dtype_bytes(cfg.engine_dtype)
+    r = pin.rollout
+    p = dtype_bytes(pin.engine_dtype)
     n = shape.hf_params()
     args = list(r.extra_args)
-    seqs = r.batch_size * cfg.grpo.n_samples * (cfg.loop.oversample if cfg.algo.dynamic_sampling else 1.0)
-    P, N = cfg.data.max_prompt_len, r.max_new_tokens
+    seqs = r.batch_size * pin.grpo.n_samples * (pin.loop.oversample if pin.algo.dynamic_sampling else 1.0)
+    P, N = pin.data.max_prompt_len, r.max_new_tokens
     ffn = shape.topk * shape.expert_ffn + shape.shared_ffn if shape.is_moe else shape.ffn
     if engine_kind(lay.engine).memory == "sglang":
         etp = lay.engine_tp

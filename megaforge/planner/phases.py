@@ -12,16 +12,15 @@ is estimated and the worst one reported.
 
 Verdict: ``fits`` when allocated + reserves <= 95% of the GPU's memory, ``tight`` up to 100%,
 ``does not fit`` above (or when the KV cache cannot hold one sequence). Knobs are found by
-re-running the whole plan with one config change at a time and keeping those after which the
+re-running the whole plan with one config change at a time (:attr:`megaforge.specs.PlanInput.vary`) and keeping those after which the
 phase fits.
 """
 from __future__ import annotations
 
-from megaforge import configtree
-from megaforge.config import Config
 from megaforge.engine_kinds import engine_kind
 from megaforge.planner import memory as M
 from megaforge.planner.layout import check_layout
+from megaforge.specs import PlanInput
 
 FIT, TIGHT, NOFIT = "fits", "tight", "does not fit"
 
@@ -30,14 +29,14 @@ def _rename(items, suffix):
     return [M.Item(i.name + suffix, i.bytes, i.owner, i.note) for i in items]
 
 
-def estimate(cfg, shape, lay, hw, mode: str, reserve_gib: float) -> tuple[list, dict]:
+def estimate(pin: PlanInput, shape, lay, hw, mode: str, reserve_gib: float) -> tuple[list, dict]:
     """(phases, KV facts). Each phase is the worst GPU's :class:`memory.Phase`."""
     mem = hw.memory_gib * M.GiB
     tres = reserve_gib * M.GiB
-    rl = mode == "grpo" and cfg.max_steps > 0
+    rl = mode == "grpo" and pin.max_steps > 0
     separate_engine = bool(lay.engine) and not engine_kind(lay.engine).in_process
     eres = M.ENGINE_RESERVE_GIB * M.GiB if separate_engine else 0.0
-    roll_items, engine_left, kv = (M.engine_items(cfg, shape, lay, mem) if rl and lay.engine else ([], [], {}))
+    roll_items, engine_left, kv = (M.engine_items(pin, shape, lay, mem) if rl and lay.engine else ([], [], {}))
     phases = {}
 
     def worst(name, build, reserve, where=""):
@@ -48,27 +47,27 @@ def estimate(cfg, shape, lay, hw, mode: str, reserve_gib: float) -> tuple[list, 
                 best = ph
         phases[name] = best
 
-    if mode == "sft" or cfg.sft.max_steps > 0:
-        worst("sft", lambda st: M.trainer_state(cfg, shape, lay, st) + M.work_items(cfg, shape, lay, st, "sft"), tres)
+    if mode == "sft" or pin.sft.max_steps > 0:
+        worst("sft", lambda st: M.trainer_state(pin, shape, lay, st) + M.work_items(pin, shape, lay, st, "sft"), tres)
     if rl:
 
         def residue(st):
-            left = M.reference(cfg, shape, lay, st, mode)
-            if cfg.memory.offload == "none":
-                left = _rename(M.trainer_state(cfg, shape, lay, st), " (resident: memory.offload none)") + left
+            left = M.reference(pin, shape, lay, st, mode)
+            if pin.memory.offload == "none":
+                left = _rename(M.trainer_state(pin, shape, lay, st), " (resident: memory.offload none)") + left
             return left
 
         if lay.colocated:
             worst("rollout", lambda st: roll_items + residue(st), tres + eres, "engine GPU")
-            worst("train", lambda st: M.trainer_state(cfg, shape, lay, st) + M.reference(cfg, shape, lay, st, mode)
-                  + M.work_items(cfg, shape, lay, st, "grpo") + engine_left, tres + eres)
-            bucket_bytes = min(cfg.sync.bucket_mb * (1 << 20), M.dtype_bytes(cfg.model.dtype) * shape.hf_params())
+            worst("train", lambda st: M.trainer_state(pin, shape, lay, st) + M.reference(pin, shape, lay, st, mode)
+                  + M.work_items(pin, shape, lay, st, "grpo") + engine_left, tres + eres)
+            bucket_bytes = min(pin.sync.bucket_mb * (1 << 20), M.dtype_bytes(pin.model.dtype) * shape.hf_params())
             bucket = M.Item("weight buckets (2 x sync.bucket_mb)", 2.0 * bucket_bytes, "trainer", "a bucket in flight + its flat copy")
             worst("sync", lambda st: [roll_items[0]] + engine_left + [bucket] + residue(st), tres + eres)
         else:
             phases["rollout"] = M.Phase("rollout", roll_items, eres or tres, "rollout GPU")
-            worst("train", lambda st: M.trainer_state(cfg, shape, lay, st) + M.reference(cfg, shape, lay, st, mode)
-                  + M.work_items(cfg, shape, lay, st, "grpo"), tres, "trainer GPU")
+            worst("train", lambda st: M.trainer_state(pin, shape, lay, st) + M.reference(pin, shape, lay, st, mode)
+                  + M.work_items(pin, shape, lay, st, "grpo"), tres, "trainer GPU")
     order = [n for n in ("sft", "rollout", "train", "sync") if n in phases]
     out = [phases[n] for n in order]
     for ph in out:
@@ -78,7 +77,7 @@ def estimate(cfg, shape, lay, hw, mode: str, reserve_gib: float) -> tuple[list, 
         ph = phases["rollout"]
         ph.verdict = NOFIT
         ph.problem = (f"the KV cache holds {kv['capacity_tokens']} tokens, less than one sequence of {kv['sequence_tokens']} "
-                      f"(rollout.mem_fraction {cfg.rollout.mem_fraction} x {hw.memory_gib:.1f} GiB minus the engine weights)")
+                      f"(rollout.mem_fraction {pin.rollout.mem_fraction} x {hw.memory_gib:.1f} GiB minus the engine weights)")
     return out, kv
 
 
@@ -89,13 +88,13 @@ def verdict(ph, mem: float) -> str:
 
 
 # ------------------------------------------------------------------------------------------ knobs
-def _candidates(cfg, lay, phase: str) -> list[tuple[str, dict]]:
-    t, r = cfg.trainer, cfg.rollout
+def _candidates(pin: PlanInput, lay, phase: str) -> list[tuple[str, dict]]:
+    t, r = pin.trainer, pin.rollout
     out = []
     if phase in ("rollout", "sync"):
-        if cfg.memory.offload == "none" and lay.colocated:
+        if pin.memory.offload == "none" and lay.colocated:
             out.append(("set memory.offload: pinned", {"memory.offload": "pinned"}))
-        if cfg.grpo.beta > 0 and t.ref_device != "cpu":
+        if pin.grpo.beta > 0 and t.ref_device != "cpu":
             out.append(("set trainer.ref_device: cpu", {"trainer.ref_device": "cpu"}))
         if lay.engine and engine_kind(lay.engine).memory == "sglang":
             f = round(r.mem_fraction - 0.05, 2)
@@ -142,29 +141,25 @@ def _candidates(cfg, lay, phase: str) -> list[tuple[str, dict]]:
     while m >= 1:
         out.append((f"lower trainer.micro_batch_size to {m}", {"trainer.micro_batch_size": m}))
         m //= 2
-    if phase == "train" and cfg.grpo.beta > 0 and t.ref_device != "cpu":
+    if phase == "train" and pin.grpo.beta > 0 and t.ref_device != "cpu":
         out.append(("set trainer.ref_device: cpu", {"trainer.ref_device": "cpu"}))
     if phase == "train" and lay.engine and engine_kind(lay.engine).memory == "sglang" and lay.colocated:
         out.append(("lower the CUDA graph batch (rollout.extra_args: [--cuda-graph-max-bs, 64])",
-                    {"rollout.extra_args": list(cfg.rollout.extra_args) + ["--cuda-graph-max-bs", "64"]}))
+                    {"rollout.extra_args": list(pin.rollout.extra_args) + ["--cuda-graph-max-bs", "64"]}))
     return out
 
 
-def knobs(cfg, shape, hw, mode: str, phase, reserve_gib: float, limit: int = 4) -> list[dict]:
+def knobs(pin: PlanInput, shape, hw, mode: str, phase, reserve_gib: float, limit: int = 4) -> list[dict]:
     """Single config changes after which ``phase`` fits (and the layout is still valid), best
     first in the order tried; at most ``limit``. Each: {change, overrides, gib}."""
     found, seen_keys = [], set()
-    lay0, _, _ = check_layout(cfg, shape, hw, mode)
-    for desc, over in _candidates(cfg, lay0, phase.name):
+    lay0, _, _ = check_layout(pin, shape, hw, mode)
+    for desc, over in _candidates(pin, lay0, phase.name):
         family = tuple(sorted(over))
         if family in seen_keys:  # e.g. only the first mem_fraction / micro-batch value that fits
             continue
-        tree = configtree.to_dict(cfg)
-        for k, v in over.items():
-            configtree.set_dotted(tree, k, v)
-        try:
-            alt = configtree.build(Config, tree)
-        except configtree.ConfigError:
+        alt = pin.vary(over)  # None: the change makes the configuration invalid
+        if alt is None:
             continue
         lay, errs, _ = check_layout(alt, shape, hw, mode)
         if errs or lay is None:

@@ -14,6 +14,7 @@ from megaforge.planner import memory as M
 from megaforge.planner.layout import Hardware, check_layout, default_gpus, placement, resolve_gpu
 from megaforge.planner.phases import NOFIT, estimate, knobs
 from megaforge.planner.shapes import ShapeError, read_shape
+from megaforge.specs import PlanInput, expect
 
 #: launcher flags of the dry run (not config keys): name -> type (bool: no value)
 FLAGS = {"dry_run": bool, "dry_run_json": str, "model_config": str, "nodes": int, "gpus_per_node": int,
@@ -57,11 +58,13 @@ def _gib(x: float) -> float:
     return round(x / M.GiB, 3)
 
 
-def make_plan(cfg, mode: str, opts: dict) -> dict:
-    """The plan as a JSON-ready dict (see module docstring for ``exit_code``)."""
+def make_plan(pin: PlanInput, mode: str, opts: dict) -> dict:
+    """The plan of ``pin`` (:meth:`megaforge.build.RunBuilder.plan_input`) as a JSON-ready dict (see
+    module docstring for ``exit_code``)."""
+    expect(pin, PlanInput, "make_plan")
     plan = {"launcher": mode, "ok": False, "exit_code": EXIT_LAYOUT, "errors": [], "warnings": []}
     try:
-        shape = read_shape(cfg.model, opts.get("model_config", ""))
+        shape = read_shape(pin.model, opts.get("model_config", ""))
     except ShapeError as e:
         plan["errors"].append({"key": "model", "message": str(e)})
         return plan
@@ -71,11 +74,11 @@ def make_plan(cfg, mode: str, opts: dict) -> dict:
         assumed.append("gpus_per_node: the smallest count that holds one trainer replica (give --gpus_per_node)")
     if "gpu" not in opts and "gpu_memory_gib" not in opts:
         assumed.append("GPU memory 80 GiB (give --gpu NAME or --gpu_memory_gib)")
-    hw = Hardware(opts.get("nodes", 1), opts.get("gpus_per_node", default_gpus(cfg)), gpu, mem, assumed)
+    hw = Hardware(opts.get("nodes", 1), opts.get("gpus_per_node", default_gpus(pin)), gpu, mem, assumed)
     plan["model"] = shape.as_dict()
     plan["hardware"] = {"nodes": hw.nodes, "gpus_per_node": hw.gpus_per_node, "gpu": hw.gpu,
                         "memory_gib": hw.memory_gib, "assumed": assumed}
-    lay, errs, warns = check_layout(cfg, shape, hw, mode)
+    lay, errs, warns = check_layout(pin, shape, hw, mode)
     plan["warnings"] = warns
     plan["errors"] = [{"key": e.key, "message": str(e)} for e in errs]
     if lay is None:
@@ -84,8 +87,8 @@ def make_plan(cfg, mode: str, opts: dict) -> dict:
     plan["layout"] = dict(vars(lay))
     plan["placement"] = placement(lay, hw)
     reserve = opts.get("reserve_gib", 2.0)
-    phases, kv = estimate(cfg, shape, lay, hw, mode, reserve)
-    seq, rows, nm = M.micro_batches(cfg, lay, mode if mode == "sft" else ("grpo" if cfg.max_steps else "sft"))
+    phases, kv = estimate(pin, shape, lay, hw, mode, reserve)
+    seq, rows, nm = M.micro_batches(pin, lay, mode if mode == "sft" else ("grpo" if pin.max_steps else "sft"))
     seq_pad = -(-seq // (2 * lay.cp)) * 2 * lay.cp if lay.cp > 1 else seq
     plan["micro_batch"] = {"seq_len": seq, "rows": rows, "micro_batches_per_step": nm,
                            "tokens_per_rank": int(rows * seq_pad / lay.cp)}
@@ -97,7 +100,7 @@ def make_plan(cfg, mode: str, opts: dict) -> dict:
                  "engine_allocated_gib": _gib(ph.owned("engine")), "reserve_gib": _gib(ph.reserve),
                  "total_gib": _gib(ph.total), "verdict": ph.verdict, "where": ph.where, "problem": ph.problem}
         if ph.verdict != "fits":
-            entry["knobs"] = knobs(cfg, shape, hw, mode, ph, reserve)
+            entry["knobs"] = knobs(pin, shape, hw, mode, ph, reserve)
         plan["phases"][ph.name] = entry
     nofit = any(p.verdict == NOFIT for p in phases)
     plan["ok"] = not nofit
@@ -183,9 +186,9 @@ def format_plan(plan: dict, config_path: str = "") -> str:
     return "\n".join(out)
 
 
-def dry_run(cfg, mode: str, opts: dict, config_path: str = "") -> int:
+def dry_run(pin: PlanInput, mode: str, opts: dict, config_path: str = "") -> int:
     """Print the plan and its JSON (last line); write ``--dry_run_json``; return the exit status."""
-    plan = make_plan(cfg, mode, opts)
+    plan = make_plan(pin, mode, opts)
     print(format_plan(plan, config_path))
     line = json.dumps(plan, sort_keys=True)
     if opts.get("dry_run_json"):

@@ -12,28 +12,30 @@ from megaforge.engine_kinds import call, engine_kind
 from megaforge.registry import import_callable
 
 
-def preflight(cfg) -> None:
+def preflight(spec, data, eval_cfg) -> None:
     """Checks that need no engine yet (run at start-up, before any SFT or run directory): sglang
     installed, rollout.generate_fn importable, prompt + response within the model's context, the
-    engines' GPUs present."""
-    if cfg.rollout.generate_fn:
+    engines' GPUs present. ``spec``: the :class:`~megaforge.specs.EngineSpec`
+    (:meth:`megaforge.build.RunBuilder.engine_spec`, which the engine kind's own preflight receives);
+    ``data`` and ``eval_cfg``: the ``data`` and ``eval`` sections (their prompt lengths)."""
+    from megaforge.specs import EngineSpec, expect  # light
+
+    expect(spec, EngineSpec, "preflight")
+    rollout, model = spec.rollout, spec.model
+    if rollout.generate_fn:
         try:
-            import_callable(cfg.rollout.generate_fn, "rollout.generate_fn")
+            import_callable(rollout.generate_fn, "rollout.generate_fn")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    kind = engine_kind(cfg.rollout.engine)
+    kind = engine_kind(rollout.engine)
     if kind.preflight is not None:  # e.g. sglang installed in the engine interpreter
-        from megaforge.specs import EngineSpec  # (megaforge.build.RunBuilder.engine_spec's; build sits above)
-
-        call(kind.preflight, EngineSpec(rollout=cfg.rollout, model=cfg.model, dtype=cfg.engine_dtype, seed=cfg.seed,
-                                        run_dir=cfg.run_dir, transport=cfg.sync.transport,
-                                        lora_adapters=cfg.sync.lora_adapters))
-    check_context(cfg.model, cfg.data, cfg.rollout, cfg.eval)
-    check_engine_gpus(cfg.rollout)
-    if cfg.rollout.return_routed_experts:
+        call(kind.preflight, spec)
+    check_context(model, data, rollout, eval_cfg)
+    check_engine_gpus(rollout)
+    if rollout.return_routed_experts:
         from megaforge.rollout.routing import run_routing_shape  # lazy: torch, see above
 
-        run_routing_shape(True, cfg.model)  # a dense model: ConfigError
+        run_routing_shape(True, model)  # a dense model: ConfigError
 
 
 def context_limit(hf_cfg) -> int:

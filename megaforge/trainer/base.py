@@ -28,13 +28,14 @@ from typing import Callable, Iterator, Mapping
 import torch
 
 from megaforge import collective
-from megaforge.algorithms import ObjectiveParams, policy_objective
+from megaforge.algorithms import policy_objective
 from megaforge.algorithms.stats import Stat, contribution
 from megaforge.data.batch import share_mini_batches, share_of
 from megaforge.memory.offload import PinnedOffloader
 from megaforge.memory.state import host_reservation
 from megaforge.trainer.metrics import COUNT, MEAN, StepMetrics, world_stats_to_host
 from megaforge.trainer.optim import lr_at
+from megaforge.specs import TrainerSpec, expect
 from megaforge.trainer.served_teacher import build_served_teacher
 from megaforge.types import TrainBatch
 
@@ -116,15 +117,16 @@ class Trainer(ABC):
     #: the backend's megaforge.memory offloader (None: nothing to move, e.g. on CPU)
     _mem = None
 
-    def __init__(self, cfg, tokenizer=None):
-        self.cfg, self.tokenizer = cfg, tokenizer
-        self.params = ObjectiveParams.from_config(cfg)
-        self.temperature = cfg.grpo.temperature
+    def __init__(self, spec: TrainerSpec, tokenizer=None):
+        # self.cfg: the TrainerSpec (megaforge.build.RunBuilder.trainer_spec), not the whole configuration
+        self.cfg, self.tokenizer = expect(spec, TrainerSpec, type(self).__name__), tokenizer
+        self.params = spec.objective
+        self.temperature = spec.grpo.temperature
         self.ref = None  # the frozen reference policy (snapshot_reference)
         self.teacher = None  # the frozen distillation teacher (teacher.path; megaforge.trainer.teacher)
         self.served_teacher = None  # or the engine serving it (teacher.served_by engine; megaforge.trainer.served_teacher)
-        if cfg.teacher.path and cfg.teacher.served_by == "engine":
-            self.served_teacher = build_served_teacher(cfg.teacher, cfg.model, cfg.rollout, cfg.grpo.temperature,
+        if spec.teacher.path and spec.teacher.served_by == "engine":
+            self.served_teacher = build_served_teacher(spec.teacher, spec.model, spec.rollout, spec.grpo.temperature,
                                                        tokenizer)
         self.critic: Critic | None = None  # the PPO critic (init_critic)
         self.version = 0

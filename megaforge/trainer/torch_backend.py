@@ -25,6 +25,7 @@ from megaforge.data.packing import pack_rows
 from megaforge.hf import hf_state_names, load_hf_model, resolve_device
 from megaforge.memory import build_offloader, onloaded
 from megaforge.memory.state import grad_entries, on_device, optimizer_entries, param_entries
+from megaforge.specs import TrainerSpec
 from megaforge.trainer import precision, torch_ddp
 from megaforge.trainer.base import HFBucket, Objective, Trainer, modules_weights
 from megaforge.trainer.causal_lm import POSITIONS, CausalLMLogprobs, check_split_head
@@ -37,9 +38,9 @@ from megaforge.types import TrainBatch
 
 
 class TorchTrainer(Trainer):
-    def __init__(self, cfg, tokenizer=None):
-        super().__init__(cfg, tokenizer)
-        t = cfg.trainer
+    def __init__(self, spec: TrainerSpec, tokenizer=None):
+        super().__init__(spec, tokenizer)
+        cfg, t = self.cfg, spec.trainer
         self.device = resolve_device(t.device)
         self.model = load_hf_model(cfg.model, self.device)
         if t.autocast != "off":

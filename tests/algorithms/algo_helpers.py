@@ -87,9 +87,10 @@ TINY_TORCH = ["--config", f"{ROOT}/configs/demo_cpu.yaml", "--model.config", f"{
 def tiny_torch_trainer(*extra):
     """A TorchTrainer of the demo's tiny Qwen2 on the CPU (no engine), with ``extra`` flags."""
     from megaforge.config import load_config
+    from megaforge.build import RunBuilder
     from megaforge.trainer.torch_backend import TorchTrainer
 
-    return TorchTrainer(load_config(TINY_TORCH + list(extra)), None)
+    return TorchTrainer(RunBuilder(load_config(TINY_TORCH + list(extra))).trainer_spec(), None)
 
 
 def rl_batch(B: int = 8, seed: int = 0):

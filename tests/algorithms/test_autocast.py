@@ -5,6 +5,7 @@ import pytest
 import torch
 from algo_helpers import ROOT, padded_batch
 
+from megaforge.build import RunBuilder
 from megaforge.config import load_config
 from megaforge.configtree import ConfigError
 from megaforge.hf import hf_state_names
@@ -18,7 +19,7 @@ BASE = ["--config", f"{ROOT}/configs/demo_cpu.yaml", "--model.config", f"{ROOT}/
 def _trainer(autocast: str, *extra):
     from megaforge.trainer.torch_backend import TorchTrainer
 
-    return TorchTrainer(load_config(BASE + ["--trainer.autocast", autocast, *extra]), None)
+    return TorchTrainer(RunBuilder(load_config(BASE + ["--trainer.autocast", autocast, *extra])).trainer_spec(), None)
 
 
 def _batch():

@@ -5,6 +5,7 @@ import torch
 from algo_helpers import ROOT, padded_batch
 
 from megaforge.algorithms import clipped_value_loss, value_objective
+from megaforge.build import RunBuilder
 
 # Tolerances: the hand-computed losses are float32 on exact binary fractions (0.5, 0.125, 1.805 within
 # 1 ulp): torch.allclose / pytest.approx defaults (rtol 1e-5 / rel 1e-6) are >= 8 ulp. The value model
@@ -41,7 +42,7 @@ def trainer():
                        "--model.tokenizer", f"{ROOT}/assets/tiny-tokenizer", "--algo.advantage", "gae",
                        "--critic.lr", "1e-3", "--trainer.device", "cpu", "--trainer.micro_batch_size", "2",
                        "--trainer.mini_batches", "2"])
-    t = TorchTrainer(cfg, load_tokenizer(cfg.model))
+    t = TorchTrainer(RunBuilder(cfg).trainer_spec(), load_tokenizer(cfg.model))
     t.init_critic()
     return t
 

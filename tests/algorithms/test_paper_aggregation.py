@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megaforge.algorithms import ObjectiveParams, POLICY_LOSSES, policy_objective
+from megaforge.build import RunBuilder
 from megaforge.config import config_from_dict
 from megaforge.configtree import ConfigError
 from megaforge.types import TrainBatch
@@ -29,7 +30,7 @@ ADV = [1.2, -0.7, 0.4]
 
 def params_for(loss: str, **algo) -> ObjectiveParams:
     cfg = config_from_dict({**BASE, "algo": {"loss": loss, **algo}, "grpo": {"clip_low": 0.2, "clip_high": 0.28}})
-    return ObjectiveParams.from_config(cfg)
+    return RunBuilder(cfg).objective()
 
 
 def batch_and_logprobs():

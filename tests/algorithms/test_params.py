@@ -1,6 +1,7 @@
 """ObjectiveParams declares no key of its own: each of its fields is a config key (``algo.*``,
 ``grpo.clip_low`` / ``clip_high`` / ``beta``, ``teacher.*`` as ``distill_*``) with the config's type,
-default and range, and :meth:`ObjectiveParams.from_config` reads each from its section."""
+default and range, and :meth:`ObjectiveParams.from_sections` (through
+:meth:`megaforge.build.RunBuilder.objective`) reads each from its section."""
 import dataclasses
 import typing
 
@@ -9,6 +10,7 @@ from algo_helpers import ROOT
 
 from megaforge.algorithms import ObjectiveParams
 from megaforge.algorithms.params import LOOP_KEYS
+from megaforge.build import RunBuilder
 from megaforge.config import Config
 from megaforge.configtree import ConfigError
 
@@ -74,7 +76,7 @@ def _config(values: dict):
 
 def test_from_config_reads_each_field_from_its_key():
     cfg = _config(VALUES)
-    p = ObjectiveParams.from_config(cfg)
+    p = RunBuilder(cfg).objective()
     for f in _objective_fields():
         key = f.metadata["key"]
         section, name = key.split(".")
@@ -86,7 +88,7 @@ def test_from_config_reads_each_field_from_its_key():
 def test_the_resolved_fields():
     # algo.loss_agg null: the loss's own (gspo's paper aggregates seq_mean_token_mean), at every construction;
     # algo.loss_agg_norm 0: rollout.max_new_tokens
-    p = ObjectiveParams.from_config(_config({"algo.loss": "gspo", "rollout.max_new_tokens": 24}))
+    p = RunBuilder(_config({"algo.loss": "gspo", "rollout.max_new_tokens": 24})).objective()
     assert (p.loss_agg, p.loss_agg_norm) == ("seq_mean_token_mean", 24.0)
     assert ObjectiveParams(loss="gspo").loss_agg == "seq_mean_token_mean"
     assert ObjectiveParams().loss_agg == "token_mean"

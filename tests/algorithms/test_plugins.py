@@ -137,12 +137,12 @@ def test_a_plugin_loss_knob_is_a_typed_config_key(in_root):
     algo.seed_custom_clip_range, read from the YAML, checked, suggested on a typo."""
     from examples.custom_loss.seed_loss import SeedCustomParams
 
-    from megaforge.algorithms import ObjectiveParams
+    from megaforge.build import RunBuilder
     from megaforge.config import load_config
 
     yaml_cfg = ["--config", "examples/custom_loss/seed_loss.yaml"]
-    assert ObjectiveParams.from_config(load_config(yaml_cfg)).of(SeedCustomParams).clip_range == 0.2
-    p = ObjectiveParams.from_config(load_config([*yaml_cfg, "--algo.seed_custom_clip_range", "0.1"]))
+    assert RunBuilder(load_config(yaml_cfg)).objective().of(SeedCustomParams).clip_range == 0.2
+    p = RunBuilder(load_config([*yaml_cfg, "--algo.seed_custom_clip_range", "0.1"])).objective()
     old = torch.tensor([[math.log(0.3), math.log(0.6)]], dtype=torch.float64)
     loss, _ = POLICY_LOSSES.get(p.loss)(lp_for_ratio([[1.5, 0.5]], old), old, torch.tensor([[1.0, -1.0]], dtype=torch.float64),
                                         torch.ones(1, 2, dtype=torch.float64), p)

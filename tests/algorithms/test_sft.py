@@ -6,6 +6,7 @@ import pytest
 import torch
 from algo_helpers import ROOT, read_metrics, run_launcher
 
+from megaforge.build import RunBuilder
 from megaforge.data.batch import sft_batch
 from megaforge.data.packing import pack_rows, plan_bins
 from megaforge.data.prompts import PromptSource
@@ -92,7 +93,7 @@ def test_packed_logprobs_equal_unpacked(attn):
 
     cfg = load_config(["--config", SFT_CPU, "--model.config", f"{ROOT}/configs/models/tiny-qwen2",
                        "--model.attn_implementation", attn, "--trainer.device", "cpu"])
-    t = TorchTrainer(cfg, None)
+    t = TorchTrainer(RunBuilder(cfg).trainer_spec(), None)
     lens = torch.tensor([5, 12, 3, 7, 12, 1, 4, 2])
     T = 12
     g = torch.Generator().manual_seed(0)

@@ -116,6 +116,7 @@ SHARD = 60_000
 def scenario_trainer(spec, res, outdir):
     from mt_helpers import make_batch, trainer_cfg
 
+    from megaforge.build import RunBuilder
     from megaforge.trainer.megatron import MegatronTrainer
 
     t0 = time.time()
@@ -123,7 +124,7 @@ def scenario_trainer(spec, res, outdir):
     layout = spec["layout"]
     cfg = trainer_cfg(spec["model"], layout=layout, micro_batch_size=batch.batch_size)
     cfg.trainer.expert_parallel = layout.get("ep", 1)
-    tr = MegatronTrainer(cfg)
+    tr = MegatronTrainer(RunBuilder(cfg).trainer_spec())
     tr.load(spec["ckpt"])
     res["trainer_lp"] = tr.compute_logprobs(batch)
     res["trainer_stream"] = stream(tr.bm, spec["bucket_bytes"])

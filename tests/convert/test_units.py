@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from megaforge.build import RunBuilder
 from megaforge.convert import families, mapping
 from megaforge.convert.hf_writer import HFWriter, atomic_output_dir, leftovers, parse_size
 from megaforge.convert.ranks import Layout, spawn
@@ -243,7 +244,7 @@ def test_torch_backend_export_is_sharded_when_large_and_atomic(tiny_hf, tmp_path
 
     from megaforge.trainer.torch_backend import TorchTrainer
 
-    tr = TorchTrainer(trainer_cfg(tiny_hf["qwen3_moe"], "torch"))
+    tr = TorchTrainer(RunBuilder(trainer_cfg(tiny_hf["qwen3_moe"], "torch")).trainer_spec())
     tr.export_max_shard_bytes = 100_000
     out = str(tmp_path / "hf" / "step_1")
     tr.export_hf(out)

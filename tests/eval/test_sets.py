@@ -196,4 +196,4 @@ def test_correct_reward_resolves_to_the_components_label(given, label):
                   "[{name: math, label: r}, {name: 'pkg.mod:fn', label: mine}, {name: math, label: math2}]"
                   if given == "" else "[{name: 'pkg.mod:fn', label: mine}, {name: math}]",
                   *(["--eval.correct_reward", given] if given else []))
-    assert correct_reward_label(cfg) == label
+    assert correct_reward_label(cfg.eval, cfg.rewards) == label

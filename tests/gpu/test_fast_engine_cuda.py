@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megaforge.build import RunBuilder
 from megaforge.rollout.embedded import EmbeddedEngine
 from megaforge.rollout.embedded.fast.forward import MATMUL_MAX_GROUPS
 from megaforge.types import GenerateRequest, SamplingParams
@@ -183,8 +184,8 @@ def test_torch_trainer_autocast_on_cuda():
     base = ["--config", f"{root}/configs/demo_cpu.yaml", "--model.config", f"{root}/configs/models/tiny-qwen2",
             "--model.tokenizer", f"{root}/assets/tiny-tokenizer", "--trainer.device", "cuda",
             "--trainer.micro_batch_size", "4"]
-    off = TorchTrainer(load_config(base), None)
-    on = TorchTrainer(load_config(base + ["--trainer.autocast", "bfloat16"]), None)
+    off = TorchTrainer(RunBuilder(load_config(base)).trainer_spec(), None)
+    on = TorchTrainer(RunBuilder(load_config(base + ["--trainer.autocast", "bfloat16"])).trainer_spec(), None)
     from megaforge.types import TrainBatch
 
     g = torch.Generator().manual_seed(0)

@@ -83,7 +83,7 @@ def engine(cfg):
 def trainer(cfg):
     from megaforge.trainer.torch_backend import TorchTrainer
 
-    t = TorchTrainer(cfg)
+    t = TorchTrainer(RunBuilder(cfg).trainer_spec())
     t.reset_optimizer(cfg.trainer.lr, 10)
     t.snapshot_reference()  # fresh adapters: the reference is the base (adapters off)
     return t

@@ -81,7 +81,7 @@ def moe_engine(moe_cfg):
 def moe_trainer(moe_cfg):
     from megaforge.trainer.megatron import MegatronTrainer
 
-    tr = MegatronTrainer(moe_cfg)
+    tr = MegatronTrainer(RunBuilder(moe_cfg).trainer_spec())
     yield tr
     tr.close()
 

@@ -99,7 +99,7 @@ def engine(cfg):
 def trainer(cfg):
     from megaforge.trainer.torch_backend import TorchTrainer
 
-    return TorchTrainer(cfg)
+    return TorchTrainer(RunBuilder(cfg).trainer_spec())
 
 
 def _requests(max_new=16, seed=0, prompts=PROMPTS):

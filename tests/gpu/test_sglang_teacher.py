@@ -92,7 +92,7 @@ def test_sglang_prompt_logprobs_are_the_teachers(teacher_dir, tmp_path):
         t0 = time.perf_counter()
         got = served.logprobs(batch)
         seconds = time.perf_counter() - t0
-        want = TorchTrainer(_cfg(tmp_path, teacher_dir, teacher_dir)).teacher_logprobs(batch)
+        want = TorchTrainer(RunBuilder(_cfg(tmp_path, teacher_dir, teacher_dir)).trainer_spec()).teacher_logprobs(batch)
         err = (got - want).abs()
         bound = LP_MAX_DIFF + 2 * bf16_spacing(want)
         diff = float(err.max())

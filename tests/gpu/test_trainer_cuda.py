@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megaforge.build import RunBuilder
 from megaforge.trainer import precision
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -56,7 +57,7 @@ def test_the_trainers_attention_calls_exclude_cudnn(monkeypatch):
     cfg = load_config(["--config", f"{ROOT}/configs/demo_cpu.yaml", "--model.config", f"{ROOT}/configs/models/tiny-qwen2",
                        "--model.tokenizer", f"{ROOT}/assets/tiny-tokenizer", "--trainer.device", "cuda",
                        "--trainer.micro_batch_size", "4", "--trainer.autocast", "bfloat16"])
-    trainer = TorchTrainer(cfg, None)
+    trainer = TorchTrainer(RunBuilder(cfg).trainer_spec(), None)
     T = 192  # 64 mod 128, the failing lengths
     g = torch.Generator().manual_seed(0)
     mask = torch.zeros(8, T)

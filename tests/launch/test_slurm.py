@@ -154,8 +154,8 @@ def test_flags_and_time_limits(tmp_path):
 
     cfg = load_config(rest[:6] + ["--config", os.path.join(ROOT, "configs", "demo_cpu.yaml"), "--slurm.gpus_per_node", "8",
                                   "--rollout.num_gpus", "4", "--slurm.sbatch", "{exclusive: true}", "--slurm.mem_gb", "200"])
-    assert slurm.procs_per_node(cfg) == 6  # 8 GPUs per node - 4 rollout GPUs / 2 nodes
-    script = slurm.sbatch_script(cfg, str(tmp_path))
+    assert slurm.procs_per_node(cfg.slurm, cfg.rollout.num_gpus) == 6  # 8 GPUs per node - 4 rollout GPUs / 2 nodes
+    script = slurm.sbatch_script(cfg.slurm, cfg.run_name, str(tmp_path))
     assert "#SBATCH --exclusive" in script and "#SBATCH --mem=200GB" in script and "#SBATCH --qos=hi" in script
     (tmp_path / "held").mkdir()
     (tmp_path / "held" / "metrics.jsonl").write_text("{}\n")

@@ -58,7 +58,7 @@ def main() -> None:
     for name, over in CONFIGS.items():
         cfg = config(model_dir, over)
         torch.manual_seed(0)
-        tr = TorchTrainer(cfg)
+        tr = TorchTrainer(RunBuilder(cfg).trainer_spec())
         tr.snapshot_reference()
         tr.reset_optimizer(cfg.trainer.lr, 1)
         if cfg.critic_enabled:

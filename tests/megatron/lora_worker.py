@@ -27,11 +27,12 @@ from mt_helpers import make_batch, trainer_cfg, worker_main  # noqa: E402
 def lora_trainer(spec, layout, res=None, **trainer):
     """The trainer with the test's adapters loaded; ``res``: record its initial adapters first."""
     from megaforge.config.model import LoraConfig
+    from megaforge.build import RunBuilder
     from megaforge.trainer.megatron import MegatronTrainer
 
     cfg = trainer_cfg(spec["model"], layout=layout, **trainer)
     cfg.model.lora = LoraConfig(rank=4, alpha=8.0)
-    tr = MegatronTrainer(cfg)
+    tr = MegatronTrainer(RunBuilder(cfg).trainer_spec())
     if res is not None:
         res["init"], res["init_fresh"] = tr.lora.peft_state(), tr.lora.fresh()
     tr.lora.load_peft_state(torch.load(spec["adapters"]))

@@ -37,10 +37,11 @@ def hf_of(tr, values=None) -> dict:
 
 def scenario_moe(spec, res):
     from mt_helpers import make_batch
+    from megaforge.build import RunBuilder
     from megaforge.trainer.megatron import MegatronTrainer
 
     batch = make_batch(vocab=spec["vocab"])
-    tr = MegatronTrainer(cfg_at(spec["model"], spec["layout"]))
+    tr = MegatronTrainer(RunBuilder(cfg_at(spec["model"], spec["layout"])).trainer_spec())
     res["data_parallel"] = tr.data_parallel()
     res["lp"] = tr.compute_logprobs(batch)
     step = tr._clip_and_step
@@ -62,7 +63,7 @@ def scenario_moe(spec, res):
     res["metrics2"] = tr.train_step(batch)
     res["weights2"] = hf_of(tr)
     tr.close()
-    tr = MegatronTrainer(cfg_at(spec["model"], spec["layout2"]))
+    tr = MegatronTrainer(RunBuilder(cfg_at(spec["model"], spec["layout2"])).trainer_spec())
     tr.load(spec["ckpt"])
     res["loaded_lp"] = tr.compute_logprobs(batch)
     res["loaded_metrics2"] = tr.train_step(batch)

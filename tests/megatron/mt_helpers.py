@@ -199,9 +199,10 @@ def trainer_cfg(model_path: str, backend: str = "megatron", layout: dict | None 
 def torch_backend_reference(model_path: str, batch, steps, **trainer):
     """The torch backend (single process) on the same batch: ``steps`` is a list of "rl" / "sft";
     returns ([metrics], [HF state dict after each step])."""
+    from megaforge.build import RunBuilder
     from megaforge.trainer.torch_backend import TorchTrainer
 
-    tr = TorchTrainer(trainer_cfg(model_path, "torch", **trainer))
+    tr = TorchTrainer(RunBuilder(trainer_cfg(model_path, "torch", **trainer)).trainer_spec())
     metrics, states = [], []
     for kind in steps:
         metrics.append(tr.train_step(batch) if kind == "rl" else tr.sft_step(batch))

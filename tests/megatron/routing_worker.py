@@ -19,13 +19,14 @@ def scenario_replay(spec, res):
     import torch.distributed as dist
 
     from mt_helpers import trainer_cfg
+    from megaforge.build import RunBuilder
     from megaforge.trainer.megatron import MegatronTrainer
     from megaforge.trainer.megatron import routing_replay as rr
 
     data = torch.load(spec["batch"], weights_only=False)
     batch = data["batch"]
-    tr = MegatronTrainer(trainer_cfg(spec["model"], layout=spec["layout"], micro_batch_size=2,
-                                     expert_parallel=spec["layout"].get("ep", 1)))
+    tr = MegatronTrainer(RunBuilder(trainer_cfg(spec["model"], layout=spec["layout"], micro_batch_size=2,
+                                     expert_parallel=spec["layout"].get("ep", 1))).trainer_spec())
     wrong = torch.zeros(1)
 
     def check_map(module, _inp, out):  # the experts megatron dispatched to == the replayed ones

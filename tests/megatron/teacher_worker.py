@@ -20,6 +20,7 @@ def main():
     with open(spec_file) as f:
         spec = json.load(f)
     from mt_helpers import make_batch, save_rank_result, trainer_cfg
+    from megaforge.build import RunBuilder
     from megaforge.trainer.megatron import MegatronTrainer
 
     batch = make_batch()
@@ -27,7 +28,7 @@ def main():
     for layout in spec["layouts"]:
         cfg = trainer_cfg(spec["student"], layout=layout, micro_batch_size=batch.batch_size)
         cfg.algo.advantage, cfg.teacher.path = "distill", spec["teacher"]
-        tr = MegatronTrainer(cfg)
+        tr = MegatronTrainer(RunBuilder(cfg).trainer_spec())
         key = "_".join(f"{k}{int(v)}" for k, v in sorted(layout.items()))
         res[key] = {"teacher": tr.compute_logprobs(batch, "teacher"), "policy": tr.compute_logprobs(batch, "policy"),
                     "trained": tr.compute_logprobs(batch, "teacher", positions="trained")}

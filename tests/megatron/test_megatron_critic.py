@@ -17,9 +17,10 @@ TOL = 1e-5
 
 
 def torch_critic_reference(path: str, n: int):
+    from megaforge.build import RunBuilder
     from megaforge.trainer.torch_backend import TorchTrainer
 
-    tr = TorchTrainer(critic_cfg(path, "torch"))
+    tr = TorchTrainer(RunBuilder(critic_cfg(path, "torch")).trainer_spec())
     tr.init_critic()
     batch = critic_batch()
     v0 = tr.compute_values(batch)

@@ -49,9 +49,10 @@ def _adapters(model, path) -> dict:
 
 def _torch_reference(model, full):
     """The torch backend (PEFT) with adapters ``full``: logprobs, and the gradients of one RL step by PEFT name."""
+    from megaforge.build import RunBuilder
     from megaforge.trainer.torch_backend import TorchTrainer
 
-    tr = TorchTrainer(_lora_cfg(model, grad_clip=0.0))
+    tr = TorchTrainer(RunBuilder(_lora_cfg(model, grad_clip=0.0)).trainer_spec())
     own = {n: full["base_model.model." + n.replace(".default", "")] for n, _ in tr.lora.adapter_parameters()}
     tr.lora.load_adapter_state(own, "test adapters")
     batch = make_batch()

@@ -47,12 +47,13 @@ def run_steps(tr, batch, kinds: list[str]) -> list[dict]:
 def scenario_logprobs(spec, res):
     from mt_helpers import make_batch, trainer_cfg
     from megaforge.data.batch import share_of, share_rows
+    from megaforge.build import RunBuilder
     from megaforge.trainer.megatron import MegatronTrainer
 
     batch = make_batch()
     for name, path, layout in spec["runs"]:
         t0 = time.time()
-        tr = MegatronTrainer(trainer_cfg(path, layout=layout, micro_batch_size=batch.batch_size))
+        tr = MegatronTrainer(RunBuilder(trainer_cfg(path, layout=layout, micro_batch_size=batch.batch_size)).trainer_spec())
         packed = tr.compute_logprobs(batch)
         trained = tr.compute_logprobs(batch, positions="trained")  # what the loop asks for pi_old / the reference
         share = share_of(batch, 1, *tr.data_parallel())  # this DP rank's rows, as the loop hands them off
@@ -67,11 +68,12 @@ def scenario_logprobs(spec, res):
 
 def scenario_train(spec, res):
     from mt_helpers import make_batch, trainer_cfg
+    from megaforge.build import RunBuilder
     from megaforge.trainer.megatron import MegatronTrainer
 
     batch = make_batch()
     kw = spec.get("trainer", {})
-    tr = MegatronTrainer(trainer_cfg(spec["model"], layout=spec["layout1"], **kw))
+    tr = MegatronTrainer(RunBuilder(trainer_cfg(spec["model"], layout=spec["layout1"], **kw)).trainer_spec())
     if spec.get("ref"):
         tr.snapshot_reference()
         res["ref0"] = tr.compute_logprobs(batch, "ref")
@@ -84,7 +86,7 @@ def scenario_train(spec, res):
     tr.close()
     if "layout2" not in spec:
         return
-    tr = MegatronTrainer(trainer_cfg(spec["model"], layout=spec["layout2"], **kw))
+    tr = MegatronTrainer(RunBuilder(trainer_cfg(spec["model"], layout=spec["layout2"], **kw)).trainer_spec())
     tr.load(spec["ckpt"])
     res["version2_loaded"] = tr.version
     res["lp2_loaded"] = tr.compute_logprobs(batch)
@@ -135,18 +137,19 @@ def critic_steps(tr, batch, n: int) -> tuple[list, list]:
 
 
 def scenario_critic(spec, res):
+    from megaforge.build import RunBuilder
     from megaforge.trainer.megatron import MegatronTrainer
 
     batch = critic_batch()
     kw = spec.get("trainer", {})
-    tr = MegatronTrainer(critic_cfg(spec["model"], layout=spec["layout1"], **kw))
+    tr = MegatronTrainer(RunBuilder(critic_cfg(spec["model"], layout=spec["layout1"], **kw)).trainer_spec())
     tr.init_critic()
     res["values0"] = tr.compute_values(batch)
     res["metrics1"], res["values1"] = critic_steps(tr, batch, spec["steps1"])
     res["lp1"] = tr.compute_logprobs(batch)
     tr.save(spec["ckpt"])
     tr.close()
-    tr = MegatronTrainer(critic_cfg(spec["model"], layout=spec["layout2"], **kw))
+    tr = MegatronTrainer(RunBuilder(critic_cfg(spec["model"], layout=spec["layout2"], **kw)).trainer_spec())
     tr.load(spec["ckpt"])  # restores the critic (weights, Adam state)
     res["values_loaded"] = tr.compute_values(batch)
     res["metrics2"], res["values2"] = critic_steps(tr, batch, spec["steps2"])
@@ -158,10 +161,11 @@ def scenario_reset(spec, res):
     and a fresh trainer's first RL step, for comparison."""
     from mt_helpers import make_batch, trainer_cfg
     from megaforge.memory.state import megatron_parts
+    from megaforge.build import RunBuilder
     from megaforge.trainer.megatron import MegatronTrainer
 
     batch, cfg = make_batch(), trainer_cfg(spec["model"], layout=spec["layout"])
-    tr = MegatronTrainer(cfg)
+    tr = MegatronTrainer(RunBuilder(cfg).trainer_spec())
     opt = tr.optimizer
     tr.reset_optimizer(0.0, 4)
     run_steps(tr, batch, ["rl", "sft"])
@@ -172,7 +176,7 @@ def scenario_reset(spec, res):
     res["metrics"] = run_steps(tr, batch, ["rl"])
     res["weights"], _ = hf_weights(tr, 1 << 30)
     tr.close()
-    fresh = MegatronTrainer(cfg)
+    fresh = MegatronTrainer(RunBuilder(cfg).trainer_spec())
     res["fresh_metrics"] = run_steps(fresh, batch, ["rl"])
     res["fresh_weights"], _ = hf_weights(fresh, 1 << 30)
     fresh.close()
@@ -184,10 +188,11 @@ def scenario_opt_state(spec, res):
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from mt_helpers import make_batch, trainer_cfg
+    from megaforge.build import RunBuilder
     from megaforge.trainer.megatron import MegatronTrainer
     from megaforge.trainer.megatron import checkpoint as ck
 
-    tr = MegatronTrainer(trainer_cfg(spec["model"], layout=spec["layout"]))
+    tr = MegatronTrainer(RunBuilder(trainer_cfg(spec["model"], layout=spec["layout"])).trainer_spec())
     run_steps(tr, make_batch(), ["rl", "rl"])  # Adam's moments away from zero
     ours = ck._sharded(tr, with_optimizer=True, with_ref=False, loading=False)["optimizer"]
     md = dict(ck._OPT_METADATA)
@@ -223,22 +228,23 @@ def scenario_opt_state(spec, res):
 
 def scenario_te_cuda(spec, res):
     from mt_helpers import make_batch, trainer_cfg
+    from megaforge.build import RunBuilder
     from megaforge.trainer.megatron import MegatronTrainer
 
     batch = make_batch(B=5, T=40, lengths=(40, 17, 33, 9, 27))
     kw = dict(device=spec.get("device", "cuda"), micro_batch_size=batch.batch_size, lr=spec.get("lr", 1e-4))
-    ref = MegatronTrainer(trainer_cfg(spec["model"], dtype="bfloat16", layer_spec="torch", **kw))
+    ref = MegatronTrainer(RunBuilder(trainer_cfg(spec["model"], dtype="bfloat16", layer_spec="torch", **kw)).trainer_spec())
     res["torch_lp0"] = ref.compute_logprobs(batch)
     ref.close()
     del ref
     if spec.get("moe_sequential"):  # MoE: the TE spec's experts as SequentialMLP, beside the grouped GEMM below
-        seq = MegatronTrainer(trainer_cfg(spec["model"], dtype="bfloat16", layer_spec="te", moe_experts="sequential", **kw))
+        seq = MegatronTrainer(RunBuilder(trainer_cfg(spec["model"], dtype="bfloat16", layer_spec="te", moe_experts="sequential", **kw)).trainer_spec())
         res["seq_lp0"] = seq.compute_logprobs(batch)
         res["seq_names"] = sorted(n for n, _ in seq.bm.model.named_parameters())
         seq.close()
         del seq
     cfg = trainer_cfg(spec["model"], dtype="bfloat16", layer_spec=spec.get("layer_spec", "te"), fp8=spec.get("fp8"), **kw)
-    tr = MegatronTrainer(cfg)
+    tr = MegatronTrainer(RunBuilder(cfg).trainer_spec())
     res["spec"] = tr.spec
     res["names"] = sorted(n for n, _ in tr.bm.model.named_parameters())
     res["w0"], _ = hf_weights(tr, 1 << 30)
@@ -249,7 +255,7 @@ def scenario_te_cuda(spec, res):
     res["lp1"] = tr.compute_logprobs(batch)
     tr.save(spec["ckpt"])
     tr.close()
-    tr = MegatronTrainer(cfg)
+    tr = MegatronTrainer(RunBuilder(cfg).trainer_spec())
     if spec.get("fp8"):  # FP8 delayed scaling's state is a pickle: refused unless checkpoint.trust_te_pickle
         from megaforge.trainer.megatron.checkpoint import UntrustedCheckpointState
 
@@ -260,7 +266,7 @@ def scenario_te_cuda(spec, res):
             res["untrusted_load"] = str(e)
         tr.close()
         cfg.checkpoint.trust_te_pickle = True
-        tr = MegatronTrainer(cfg)
+        tr = MegatronTrainer(RunBuilder(cfg).trainer_spec())
     tr.load(spec["ckpt"])
     res["w2"], _ = hf_weights(tr, 1 << 30)
     res["lp2"] = tr.compute_logprobs(batch)

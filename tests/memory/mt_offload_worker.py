@@ -30,11 +30,12 @@ def run(model_dir: str, dtype: str, offload: bool) -> dict:
 
     from megaforge.memory.offload import PinnedOffloader
     from megaforge.memory.state import megatron_parts
+    from megaforge.build import RunBuilder
     from megaforge.trainer.megatron import MegatronTrainer
 
     cfg = trainer_cfg(model_dir, layout={"dist_opt": True})
     cfg.model.dtype = dtype
-    tr = MegatronTrainer(cfg)
+    tr = MegatronTrainer(RunBuilder(cfg).trainer_spec())
     tr.snapshot_reference()
     tr.init_critic()  # its DDP buffers and optimizer are trainer state too
     if offload:

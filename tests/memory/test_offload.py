@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mem_helpers import make_batch, snapshot, storage_bytes, torch_trainer_cfg
+from megaforge.build import RunBuilder
 from megaforge.memory import build_offloader
 from megaforge.memory.offload import ALIGN, Entry, PinnedOffloader
 
@@ -152,7 +153,7 @@ def test_torch_trainer_round_trips_and_trains_like_a_resident_one(tiny_model_dir
     from megaforge.trainer.torch_backend import TorchTrainer
 
     cfg = torch_trainer_cfg(tiny_model_dir)
-    a, b = TorchTrainer(cfg), TorchTrainer(cfg)
+    a, b = TorchTrainer(RunBuilder(cfg).trainer_spec()), TorchTrainer(RunBuilder(cfg).trainer_spec())
     for tr in (a, b):
         tr.snapshot_reference()
     a._mem = PinnedOffloader(a.offload_entries, "cpu")
@@ -196,7 +197,7 @@ def test_offload_modes_on_cpu_and_errors(tiny_model_dir):
     assert build_offloader("tms", "cpu", lambda tags: []) is None
     with pytest.raises(ValueError, match="memory.offload 'fast'"):
         build_offloader("fast", "cpu", lambda tags: [])
-    tr = TorchTrainer(torch_trainer_cfg(tiny_model_dir, **{"memory.offload": "pinned"}))
+    tr = TorchTrainer(RunBuilder(torch_trainer_cfg(tiny_model_dir, **{"memory.offload": "pinned"})).trainer_spec())
     assert tr._mem is None
     w = {k: v.clone() for k, v in tr.model.state_dict().items()}
     tr.offload()
@@ -249,7 +250,7 @@ def test_reserved_host_regions_cover_the_first_step(tiny_model_dir):
     from megaforge.trainer.torch_backend import TorchTrainer
 
     cfg = torch_trainer_cfg(tiny_model_dir)
-    a, b = TorchTrainer(cfg), TorchTrainer(cfg)
+    a, b = TorchTrainer(RunBuilder(cfg).trainer_spec()), TorchTrainer(RunBuilder(cfg).trainer_spec())
     a._mem = PinnedOffloader(a.offload_entries, "cpu")
     want = a.offload_reservation()
     a._mem.reserve(want)

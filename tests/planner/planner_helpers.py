@@ -26,9 +26,10 @@ def load(path: str, *overrides: str):
 
 def plan(path: str, *overrides: str, mode: str = "grpo", **opts) -> dict:
     """make_plan of a recipe; ``opts`` are the dry-run flags (model_config defaults to the recipe's)."""
+    from megaforge.build import RunBuilder
     from megaforge.planner import make_plan
 
-    return make_plan(load(path, *overrides), mode, opts)
+    return make_plan(RunBuilder(load(path, *overrides)).plan_input(), mode, opts)
 
 
 def header_lines(path: str) -> list[str]:

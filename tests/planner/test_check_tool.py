@@ -20,12 +20,13 @@ def test_cpu_smoke_prints_prediction_beside_measurement():
         assert ph["measured_gib"] is None and ph["rel_error"] is None
         assert ph["predicted_gib"] > 0
     # the prediction is the planner's for the same config, not a number of the tool's own
+    from megaforge.build import RunBuilder
     from megaforge.planner import make_plan
     sys.path.insert(0, os.path.join(ROOT, "tools", "bench"))  # the benchmark imports tools/common.py itself
     from check_memory_estimate import build_config, parse_args
 
     cfg = build_config(parse_args(["--cpu_smoke", "--beta", "0.1"]), "cpu")
-    plan = make_plan(cfg, "grpo", {"nodes": 1, "gpus_per_node": 1, "gpu": "cpu", "gpu_memory_gib": 80.0})
+    plan = make_plan(RunBuilder(cfg).plan_input(), "grpo", {"nodes": 1, "gpus_per_node": 1, "gpu": "cpu", "gpu_memory_gib": 80.0})
     assert out["phases"]["train"]["predicted_gib"] == round(plan["phases"]["train"]["trainer_allocated_gib"], 3)
     assert out["phases"]["rollout"]["predicted_gib"] == round(plan["phases"]["rollout"]["allocated_gib"], 3)
     assert "reference model" in out["phases"]["train"]["predicted_items_gib"]  # beta > 0

@@ -9,6 +9,7 @@ import torch
 from planner_helpers import GSM8K, GSPO, MODELS, plan
 
 from megaforge.planner import memory as M
+from megaforge.build import RunBuilder
 from megaforge.planner.layout import Hardware, check_layout
 from megaforge.planner.shapes import shape_from_dict
 
@@ -69,6 +70,7 @@ def tiny_layout(tmp_path, *overrides, gpus=4, mode="sft"):
     (d / "config.json").write_text(json.dumps(TINY))
     cfg = load_config(["--model.config", str(d), "--model.dtype", "bfloat16", "--max_steps", "0",
                        "--trainer.backend", "megatron", *overrides])
+    cfg = RunBuilder(cfg).plan_input()  # what the planner reads
     shape = shape_from_dict(TINY)
     lay, errs, _ = check_layout(cfg, shape, Hardware(1, gpus, "x", 80.0), mode)
     assert not errs, errs

@@ -45,16 +45,16 @@ def test_the_toy_kind_is_accepted_checked_and_placed_like_a_built_in_one():
     with pytest.raises(ConfigError, match="loop.mode off_policy"):
         load_config([*DEMO, *TOY, "--loop.mode", "off_policy"])
     # its preflight runs with the others
-    from megaforge.rollout import preflight
+    from megaforge.build import RunBuilder
 
-    preflight(cfg)
+    RunBuilder(cfg).preflight()
     cfg.rollout.top_k = 5
     with pytest.raises(ConfigError, match="config key 'rollout.top_k': the toy engine"):
-        preflight(cfg)
+        RunBuilder(cfg).preflight()
     # the planner places it where in-process engines live: rank 0's process, GPU 0 of node 0
     from megaforge.planner import make_plan
 
-    p = make_plan(load_config([*DEMO, *TOY, "--rollout.num_gpus", "1"]), "grpo", dict(gpus_per_node=2))
+    p = make_plan(RunBuilder(load_config([*DEMO, *TOY, "--rollout.num_gpus", "1"])).plan_input(), "grpo", dict(gpus_per_node=2))
     assert p["layout"]["engine"] == "toy" and p["layout"]["rollout_gpus"] == 0, p["errors"]
     assert [r["engine"] for r in p["placement"] if "engine" in r] == [{"id": 0, "tp_rank": 0, "in_process": True}]
     assert any("ignored by the toy engine" in w for w in p["warnings"])

@@ -28,7 +28,7 @@ PROMPTS = [[5, 17, 33, 9], [100, 101], [7, 8, 9, 10, 11], [40, 41, 42]]
 def trainer(tiny_model_dir):
     from megaforge.trainer.torch_backend import TorchTrainer
 
-    tr = TorchTrainer(torch_trainer_cfg(tiny_model_dir, **{"grpo.beta": 0.0}))
+    tr = TorchTrainer(RunBuilder(torch_trainer_cfg(tiny_model_dir, **{"grpo.beta": 0.0})).trainer_spec())
     tr.train_step(make_batch(vocab=512))  # weights differ from the checkpoint the server started from
     return tr
 

@@ -244,6 +244,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from megaforge.config import config_from_dict
+    from megaforge.build import RunBuilder
     from megaforge.trainer.megatron import MegatronTrainer
 
     shape = SHAPES[args.shape]
@@ -261,7 +262,7 @@ def main(argv=None) -> int:
                         "fused_logprobs": {"auto": None, "on": True, "off": False}[args.fused_logprobs]},
             "max_steps": 0, "seed": 0,
         })
-        tr = MegatronTrainer(cfg)
+        tr = MegatronTrainer(RunBuilder(cfg).trainer_spec())
         out = measure(args, shape, hf, tr)
         out["moe_experts"] = ("grouped" if tr.bm.grouped_experts else "sequential") if tr.desc.is_moe else None
         variants[experts] = out

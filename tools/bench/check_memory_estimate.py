@@ -133,6 +133,7 @@ def phase_report(phases: dict, measured: dict) -> dict:
 
 def predict_only(a) -> int:
     """Re-predict each layout of ``a.measured`` with the current planner; measured peaks as recorded."""
+    from megaforge.build import RunBuilder
     from megaforge.planner import make_plan
 
     if not a.measured:
@@ -147,7 +148,7 @@ def predict_only(a) -> int:
                            "--micro_batch_size", str(lay["micro_batch_size"]), "--offload", lay["offload"],
                            "--beta", str(lay["beta"])] + (["--sp"] if lay["sp"] else []))
         cfg = build_config(args, "cuda")
-        plan = make_plan(cfg, "grpo", {"nodes": 1, "gpus_per_node": run["world_size"], "gpu": run["device"],
+        plan = make_plan(RunBuilder(cfg).plan_input(), "grpo", {"nodes": 1, "gpus_per_node": run["world_size"], "gpu": run["device"],
                                        "gpu_memory_gib": run["gpu_memory_gib"]})
         if plan["exit_code"] == 1:
             raise SystemExit(f"{a.measured} line {i + 1}: the planner rejects this layout: {plan['errors']}")
@@ -168,18 +169,19 @@ def main(argv=None) -> int:
         return 2
     import torch.distributed as dist
 
+    from megaforge.build import RunBuilder
     from megaforge.planner import make_plan
     from megaforge.trainer.megatron import MegatronTrainer
 
     cfg = build_config(a, device)
     progress(f"building the megatron trainer ({a.model_config}, tp={a.tp} pp={a.pp} cp={a.cp})")
-    tr = MegatronTrainer(cfg)  # joins torchrun's group (or a one-process one)
+    tr = MegatronTrainer(RunBuilder(cfg).trainer_spec())  # joins torchrun's group (or a one-process one)
     world, rank = dist.get_world_size(), dist.get_rank()
     if device == "cuda":
         gpu, mem_gib = device_name(tr.device), torch.cuda.get_device_properties(tr.device).total_memory / 2**30
     else:
         gpu, mem_gib = "cpu", 80.0
-    plan = make_plan(cfg, "grpo", {"nodes": 1, "gpus_per_node": world, "gpu": gpu, "gpu_memory_gib": mem_gib})
+    plan = make_plan(RunBuilder(cfg).plan_input(), "grpo", {"nodes": 1, "gpus_per_node": world, "gpu": gpu, "gpu_memory_gib": mem_gib})
     if plan["exit_code"] == 1:
         raise SystemExit(f"the planner rejects this layout: {plan['errors']}")
     phases = plan["phases"]

@@ -53,6 +53,7 @@ from megaforge.data.batch import token_budget_runs
 from megaforge.hf import DTYPES
 from megaforge.memory import build_offloader, onloaded
 from megaforge.memory.state import ddp_entries, megatron_parts, on_device, param_entries
+from megaforge.specs import TrainerSpec
 from megaforge.trainer.base import HFBucket, Objective, Trainer, modules_weights
 from megaforge.trainer.megatron import cpu_compat, lora_checkpoint, parallel, routing_replay
 from megaforge.trainer.megatron import model as mmodel
@@ -97,9 +98,9 @@ class _MicroBatch:
 
 
 class MegatronTrainer(Trainer):
-    def __init__(self, cfg, tokenizer=None):
-        super().__init__(cfg, tokenizer)
-        t = cfg.trainer
+    def __init__(self, spec: TrainerSpec, tokenizer=None):
+        super().__init__(spec, tokenizer)
+        cfg, t = self.cfg, spec.trainer
         self.device = parallel.pick_device(t.device)
         if self.device.type == "cpu":
             cpu_compat.apply()

@@ -54,7 +54,7 @@ def episodes(cfg, tok, engine, n_rows=3, n=2, max_tool_tokens=5):
 
 
 def test_env_tokens_are_masked_on_the_batch_and_get_zero_gradient(setup):
-    from megaforge.algorithms import ObjectiveParams as LossParams, policy_objective
+    from megaforge.algorithms import policy_objective
     from megaforge.trainer.logprobs import token_logprobs
 
     cfg, tok, engine = setup
@@ -95,7 +95,7 @@ def test_env_tokens_are_masked_on_the_batch_and_get_zero_gradient(setup):
     logits = model(input_ids=batch.tokens, attention_mask=attn, use_cache=False).logits
     lp, _ = token_logprobs(logits, batch.tokens, batch.lengths, cfg.grpo.temperature, False)
     lp.retain_grad()
-    params = LossParams.from_config(cfg)
+    params = RunBuilder(cfg).objective()
     loss, _ = policy_objective(lp, batch, params)
     loss.backward()
     assert torch.all(lp.grad[env_pos] == 0)
@@ -167,9 +167,9 @@ def test_generate_fn_that_does_not_import_fails_at_startup_naming_where_it_moved
     # rollout.generate_fn is checked before any work (preflight), and a megaforge module that moved
     # into a folder (multiturn went to rollout/agent/) is named at its new place.
     from megaforge.configtree import ConfigError
-    from megaforge.rollout import preflight
+    from megaforge.build import RunBuilder
 
     cfg = load_config(["--config", DEMO, "--rollout.generate_fn", "megaforge.rollout.multiturn:tool_rollout"])
     with pytest.raises(ConfigError, match=r"rollout\.generate_fn .*did you mean 'megaforge\.rollout\.agent\.multiturn'"):
-        preflight(cfg)
-    preflight(load_config(["--config", DEMO, "--rollout.generate_fn", "megaforge.rollout.agent.multiturn:tool_rollout"]))
+        RunBuilder(cfg).preflight()
+    RunBuilder(load_config(["--config", DEMO, "--rollout.generate_fn", "megaforge.rollout.agent.multiturn:tool_rollout"])).preflight()

@@ -254,10 +254,10 @@ def test_gpu_assignment():
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")
 def test_sglang_engine_without_sglang_names_the_extra(tmp_path, tokenizer, tiny_model_dir):
     from megaforge.configtree import ConfigError
-    from megaforge.rollout import build_engine, preflight
+    from megaforge.rollout import build_engine
 
     cfg = engine_config(tmp_path, tiny_model_dir, engine="sglang")
-    for fn in (lambda: preflight(cfg), lambda: build_engine(RunBuilder(cfg).engine_spec(), tokenizer)):
+    for fn in (lambda: RunBuilder(cfg).preflight(), lambda: build_engine(RunBuilder(cfg).engine_spec(), tokenizer)):
         with pytest.raises(ConfigError, match=r"pip install 'megaforge\[sglang\]'.*sglang==0\.5\.23"):
             fn()
     assert not os.path.exists(os.path.join(cfg.run_dir, "logs", "engine_0.log"))  # nothing was launched
