@@ -37,3 +37,16 @@ def test_cpu_smoke_prints_prediction_beside_measurement():
 def test_without_cuda_it_refuses_and_points_to_the_smoke_mode():
     proc = run(["tools/bench/check_memory_estimate.py"])
     assert proc.returncode == 2 and "--cpu_smoke" in proc.stderr
+
+
+def test_cpu_smoke_of_a_lora_policy_reports_the_adapters_and_the_sglang_colocated_plan():
+    # issue 43 point 4: the planner's estimate for a LoRA policy (on the GPU: the 7B shape) beside its measured step
+    pytest.importorskip("megatron.core")
+    proc = run(["tools/bench/check_memory_estimate.py", "--cpu_smoke", "--lora_rank", "4", "--no_rollout"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = last_json(proc.stdout)
+    assert out["layout"]["lora"]["rank"] == 4 and set(out["phases"]) == {"train"}
+    items = out["phases"]["train"]["predicted_items_gib"]
+    assert "LoRA adapters optimizer (Adam)" in items and "trainer weights" in items
+    assert {"rollout", "train", "sync"} <= set(out["sglang_colocated_plan"])
+    assert all(v["verdict"] == "fits" for v in out["sglang_colocated_plan"].values())

@@ -3,6 +3,8 @@
     torchrun --nproc_per_node 1 tools/bench/check_memory_estimate.py --model_config configs/models/qwen3-1.7b
     torchrun --nproc_per_node 2 tools/bench/check_memory_estimate.py --tp 2 --sp      # a second layout
     python tools/bench/check_memory_estimate.py --cpu_smoke                           # CPU: the code path only
+    torchrun --nproc_per_node 1 tools/bench/check_memory_estimate.py --model_config configs/models/qwen2.5-7b \
+        --lora_rank 16 --no_rollout                   # a 7B LoRA policy's train step (issue 43 point 4)
     python tools/bench/check_memory_estimate.py --predict_only --measured docs/benchmarks/check_memory_estimate_h200.jsonl
                                      # no GPU: today's planner against the peaks measured in that file
 
@@ -58,6 +60,11 @@ def parse_args(argv=None):
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient: > 0 adds the reference model")
     p.add_argument("--offload", default="pinned", choices=["pinned", "none"])
     p.add_argument("--no_rollout", action="store_true", help="skip the embedded-engine rollout phase")
+    p.add_argument("--lora_rank", type=int, default=0,
+                   help="> 0: a LoRA policy (model.lora, megatron adapters): rank of every adapter")
+    p.add_argument("--lora_alpha", type=float, default=32.0)
+    p.add_argument("--lora_targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                   help="model.lora.target_modules, comma-separated")
     p.add_argument("--cpu_smoke", action="store_true", help="tiny shape on CPU; measured values are null")
     p.add_argument("--predict_only", action="store_true",
                    help="no GPU: the planner's prediction for every layout of --measured (one JSON line each)")
@@ -70,18 +77,25 @@ def parse_args(argv=None):
     return a
 
 
-def build_config(a, device: str):
+def build_config(a, device: str, engine: str = "embedded"):
+    """The run config of the measured step (``engine`` embedded); ``engine="sglang"``: the same run with
+    SGLang colocated (rollout.mem_fraction 0.5), for the planner's verdict on that layout."""
     import dataclasses
 
     from megaforge.config import RolloutConfig, config_from_dict
 
-    rollout = {"engine": "embedded", "batch_size": a.prompts, "max_new_tokens": a.new_tokens,
+    rollout = {"engine": engine, "batch_size": a.prompts, "max_new_tokens": a.new_tokens,
                "engine_batch_size": a.engine_batch_size, "device": device}
-    if any(f.name == "fast" for f in dataclasses.fields(RolloutConfig)):
+    if engine == "sglang":
+        rollout["mem_fraction"] = 0.5
+    elif any(f.name == "fast" for f in dataclasses.fields(RolloutConfig)):
         rollout["fast"] = "off"  # the planner models the embedded engine's DynamicCache loop
+    model = {"config": a.model_config, "dtype": a.dtype, "attn_implementation": "sdpa"}
+    if a.lora_rank > 0:
+        model["lora"] = {"rank": a.lora_rank, "alpha": a.lora_alpha, "target_modules": a.lora_targets.split(",")}
     return config_from_dict({
         "max_steps": 1, "seed": 0,
-        "model": {"config": a.model_config, "dtype": a.dtype, "attn_implementation": "sdpa"},
+        "model": model,
         "data": {"path": "arithmetic", "format": "synthetic", "max_prompt_len": a.prompt_len},
         "grpo": {"n_samples": a.n_samples, "beta": a.beta, "temperature": 1.0},
         "rollout": rollout,
@@ -146,7 +160,9 @@ def predict_only(a) -> int:
                            "--tp", str(lay["tp"]), "--pp", str(lay["pp"]), "--cp", str(lay["cp"]),
                            "--layer_spec", lay["layer_spec"], "--recompute", lay["recompute"],
                            "--micro_batch_size", str(lay["micro_batch_size"]), "--offload", lay["offload"],
-                           "--beta", str(lay["beta"])] + (["--sp"] if lay["sp"] else []))
+                           "--beta", str(lay["beta"])] + (["--sp"] if lay["sp"] else [])
+                          + (["--lora_rank", str(lay["lora"]["rank"]), "--lora_alpha", str(lay["lora"]["alpha"]),
+                              "--lora_targets", ",".join(lay["lora"]["target_modules"])] if lay.get("lora") else []))
         cfg = build_config(args, "cuda")
         plan = make_plan(RunBuilder(cfg).plan_input(), "grpo", {"nodes": 1, "gpus_per_node": run["world_size"], "gpu": run["device"],
                                        "gpu_memory_gib": run["gpu_memory_gib"]})
@@ -205,7 +221,6 @@ def main(argv=None) -> int:
         with PeakMemory(tr.device, across_ranks=True) as pk:
             engine = None
             if rank == 0:
-                from megaforge.build import RunBuilder
                 from megaforge.rollout.embedded import EmbeddedEngine
 
                 engine = EmbeddedEngine.from_spec(RunBuilder(cfg).engine_spec(), None, device=str(tr.device))
@@ -225,9 +240,15 @@ def main(argv=None) -> int:
     out = {"tool": "check_memory_estimate", "device": gpu, "gpu_memory_gib": round(mem_gib, 2), "world_size": world,
            "model_config": a.model_config, "params": plan["model"]["hf_params"], "dtype": a.dtype,
            "layout": {"tp": a.tp, "pp": a.pp, "cp": a.cp, "sp": a.sp, "layer_spec": tr.spec, "recompute": a.recompute,
-                      "micro_batch_size": a.micro_batch_size, "offload": a.offload, "beta": a.beta},
+                      "micro_batch_size": a.micro_batch_size, "offload": a.offload, "beta": a.beta,
+                      "lora": ({"rank": a.lora_rank, "alpha": a.lora_alpha, "target_modules": a.lora_targets.split(",")}
+                               if a.lora_rank > 0 else None)},
            "sequences": len(batch.lengths), "seq_len": int(batch.lengths[0]), "train_loss": metrics.get("loss")}
     out["phases"] = phase_report(phases, measured)
+    # the same policy colocated with SGLang instead of the embedded engine: the planner's verdict per phase
+    sgl = make_plan(RunBuilder(build_config(a, device, "sglang")).plan_input(), "grpo",
+                    {"nodes": 1, "gpus_per_node": world, "gpu": gpu, "gpu_memory_gib": mem_gib})
+    out["sglang_colocated_plan"] = {k: {"total_gib": v["total_gib"], "verdict": v["verdict"]} for k, v in sgl["phases"].items()}
     if rank == 0:
         emit(out, tr.device)
     tr.close()

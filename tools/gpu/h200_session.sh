@@ -355,6 +355,11 @@ for r in map(json.loads, sys.stdin):
       done
       python3 tools/gpu/replay_metrics.py "$rdir/moe_plain/metrics.jsonl" "$rdir/moe_replay/metrics.jsonl" | tee "$OUT/moe_replay.jsonl"
       cp "$rdir"/moe_replay/logs/engine_0.log "$OUT/moe_replay_engine.log" 2>/dev/null ;;
+    lora_7b_memory)  # issue 43 point 4: the planner's estimate for a 7B-shape LoRA policy (random init, rank 16 on every
+      # linear) beside its measured train step, and its verdict colocated with SGLang; after mfsite (or install)
+      timeout -k 20 ${LORA7B_TIMEOUT:-420} $TORCHRUN tools/bench/check_memory_estimate.py --model_config configs/models/qwen2.5-7b \
+        --lora_rank 16 --no_rollout ${LORA7B_FLAGS:-} > "$OUT/check_memory_lora7b.log" 2>&1; echo "exit $?"
+      grep '^{' "$OUT/check_memory_lora7b.log" | tee "$OUT/check_memory_lora7b.jsonl" | cut -c1-2000 ;;
     lora_test)  # issue 43 point 2: tests/gpu/test_sglang_lora.py (served log-probs = the adapted policy's; after install)
       MEGAFORGE_GPU_REPORT_LORA="$OUT/gpu_lora_test.json" timeout -k 20 300 python3 -m pytest -q -p no:cacheprovider \
         tests/gpu/test_sglang_lora.py 2>&1 | tee "$OUT/gpu_lora_test.log" | tail -8
