@@ -69,6 +69,63 @@ def cp_chunk_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) ->
     return torch.cat([a, torch.arange(j * c, (j + 1) * c, device=device)])
 
 
+#: ``PackedSeqParams.qkv_format`` of packed micro-batches on the torch spec without context parallelism:
+#: megatron's attention treats it as [t, 1, ...] rows (it only special-cases "thd"), so RoPE runs once over
+#: the packed rows with the per-token table :class:`DocumentRotary` made for the micro-batch, and
+#: :class:`SDPAttention` attends within the documents of ``cu_seqlens_padded_list``. With "thd" megatron's
+#: unfused RoPE splits q and k by document and concatenates the frequencies in every layer (host work that
+#: made the 0.5B step 0.82-0.90 of raw megatron-core's on an H100, docs/benchmarks/README.md).
+DOCUMENTS_FORMAT = "sbhd_documents"
+
+
+class DocumentRotary(torch.nn.Module):
+    """megatron's :class:`RotaryEmbedding` (``inner``, called as it is for every other input) that, for
+    a micro-batch in :data:`DOCUMENTS_FORMAT`, returns its table at each packed token's position within
+    its document: ``inner(L)[positions]`` [t, 1, 1, d], with L the params' ``max_seqlen_q`` and
+    ``positions`` = ``packed_seq_params.rope_positions`` [t] (0 .. len_d - 1 for each document d).
+
+    GPTModel asks for the rotary length (``get_rotary_seq_len(..., packed_seq_params)``) and then for
+    the table (``forward(length, ...)``), once per forward, and hands the table to every layer: the
+    first call notes the positions of the params it is given (None for any other input), the second
+    uses them. No parameters or buffers (the state dict is unchanged)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self._positions = None
+
+    def get_rotary_seq_len(self, inference_context, transformer, transformer_input, transformer_config,
+                           packed_seq_params=None, **kw):
+        docs = packed_seq_params is not None and packed_seq_params.qkv_format == DOCUMENTS_FORMAT
+        self._positions = packed_seq_params.rope_positions if docs else None
+        return self.inner.get_rotary_seq_len(inference_context, transformer, transformer_input, transformer_config,
+                                             packed_seq_params, **kw)
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        positions, self._positions = self._positions, None
+        table = self.inner(max_seq_len, offset, packed_seq=packed_seq, cp_group=cp_group)
+        if positions is None:
+            return table
+        return table.index_select(0, positions)  # [t, 1, 1, d]
+
+
+def use_document_rotary(model) -> None:
+    """Give ``model`` (a GPTModel of the torch spec) a :class:`DocumentRotary` around its RoPE table
+    (exactly megatron's ``RotaryEmbedding``; YaRN and multimodal RoPE are left as they are: packing
+    then keeps "thd")."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    if type(getattr(model, "rotary_pos_emb", None)) is RotaryEmbedding:
+        model.rotary_pos_emb = DocumentRotary(model.rotary_pos_emb)
+
+
+def has_document_rotary(model) -> bool:
+    """Whether ``model`` (a GPTModel, or a wrapper of one under ``.module``: DDP) has :class:`DocumentRotary`."""
+    while not hasattr(model, "rotary_pos_emb") and hasattr(model, "module"):
+        model = model.module
+    return isinstance(getattr(model, "rotary_pos_emb", None), DocumentRotary)
+
+
 @functools.lru_cache(maxsize=8)
 def padded_index(docs: tuple[tuple[int, int], ...], device: torch.device) -> tuple[torch.Tensor, int, int]:
     """(row of the padded [n * L] layout of each packed position [t], n, L) for n contiguous documents
@@ -178,6 +235,11 @@ class SDPAttention(MegatronModule):
                 packed_seq_params=None):
         if attention_bias is not None:
             raise ValueError("SDPAttention does not take an attention_bias")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == DOCUMENTS_FORMAT:
+            # rows [t, 1, h, hn], RoPE already applied per document (DocumentRotary); no CP
+            cu = packed_seq_params.cu_seqlens_padded_list
+            out = self._attend(query, key, value, list(zip(cu[:-1], cu[1:])))
+            return out.reshape(out.shape[0], 1, -1)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu = getattr(packed_seq_params, "cu_seqlens_padded_list", None)  # set by megaforge's packing
             if cu is None:

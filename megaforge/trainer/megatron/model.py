@@ -19,7 +19,7 @@ from megaforge.convert.families import ModelDesc, ParamMap
 from megaforge.convert.layouts import Dims
 from megaforge.convert.mapping import HFSource, to_megatron_shard
 from megaforge.hf import hf_config, load_hf_model
-from megaforge.trainer.megatron.layers import RMSNorm, SDPAttention
+from megaforge.trainer.megatron.layers import RMSNorm, SDPAttention, use_document_rotary
 
 VOCAB_DIVISIBLE_BY = 128
 
@@ -264,6 +264,8 @@ def build_model(desc: ModelDesc, family, config, spec: str, device: torch.device
         position_embedding_type="rope", rotary_percent=1.0, rotary_base=desc.rope_theta,
         **_rope_kwargs(desc),
     )
+    if spec == "torch":
+        use_document_rotary(model)  # packed micro-batches get their RoPE table once, not once a layer
     model.to(device)
     mark_expert_params(model)
     return BuiltModel(model, desc, family, desc.dims(padded), spec, get_transformer_layer_offset(config),

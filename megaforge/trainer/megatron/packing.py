@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from megaforge.trainer.megatron.layers import cp_chunk_positions
+from megaforge.trainer.megatron.layers import DOCUMENTS_FORMAT, cp_chunk_positions
 
 
 @dataclass
@@ -79,7 +79,7 @@ def max_seqlen_bucket(n: int, align: int = 1) -> int:
 
 def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank: int = 0, tp_sp: int = 1,
          device=None, cp_group=None, multiple: int = 1, host_cu_seqlens: bool = False,
-         routes: Optional[torch.Tensor] = None) -> Packed:
+         routes: Optional[torch.Tensor] = None, documents: bool = False) -> Packed:
     """Pack ``tokens`` [B, T] (right-padded, ``lengths`` [B]) for one CP rank.
 
     ``tp_sp`` is the TP size when sequence parallelism is on, else 1; each rank's share of the
@@ -87,6 +87,9 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank:
     ``host_cu_seqlens``: the PackedSeqParams' cu_seqlens stay on the host. For the ``torch`` layer
     spec: megatron's unfused thd RoPE reads the lengths with ``.tolist()`` in every layer, a device
     sync each time they live on the GPU; Transformer Engine's kernels need them on the device.
+    ``documents`` (the torch spec's model with :class:`~megaforge.trainer.megatron.layers.DocumentRotary`,
+    no CP): the params' format is :data:`~megaforge.trainer.megatron.layers.DOCUMENTS_FORMAT` and
+    ``rope_positions`` [t] (each token's position in its padded document) go with them.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -139,14 +142,19 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank:
     if not host_cu_seqlens:
         cu_real, cu_pad = d(cu_real), d(cu_pad)
     max_len = max_seqlen_bucket(max(padded), 2 * cp_size if cp_size > 1 else 1)
+    if documents and cp_size > 1:
+        raise ValueError("pack(documents=True) is for one CP rank (context parallelism keeps the thd format)")
     params = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
+        qkv_format=DOCUMENTS_FORMAT if documents else "thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
         cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad,
         max_seqlen_q=max_len, max_seqlen_kv=max_len, cp_group=cp_group,
     )
     params.cu_seqlens_padded_list = starts + [total]  # cu_pad on the host: attention needs no device sync
+    position_ids = d(mine(pos))
+    if documents:
+        params.rope_positions = position_ids[0]
     return Packed(
-        tokens=d(mine(flat)), labels=d(mine(labels)), position_ids=d(mine(pos)),
+        tokens=d(mine(flat)), labels=d(mine(labels)), position_ids=position_ids,
         packed_seq_params=params, local_pos=d(local_pos), all_pos=d(all_pos), src=d(src), valid=d(valid), total=total,
         routes=None if flat_routes is None else d(mine(flat_routes)[0]),
     )

@@ -60,6 +60,7 @@ from megaforge.trainer.megatron import model as mmodel
 from megaforge.trainer.megatron.checkpoint import load, save
 from megaforge.trainer.megatron.critic import MegatronCritic
 from megaforge.trainer.megatron.hf_export import export_hf, iter_hf_buckets
+from megaforge.trainer.megatron.layers import DOCUMENTS_FORMAT, has_document_rotary
 from megaforge.trainer.megatron.logprobs import vocab_parallel_argmax, vocab_parallel_logprobs
 from megaforge.trainer.megatron.lora import MegatronLora, check_lora
 from megaforge.trainer.megatron.optim import (adam_optimizer, clipped_step, finalize_grads, set_lr_and_decay,
@@ -212,7 +213,8 @@ class MegatronTrainer(Trainer):
                 raise ValueError(f"TrainBatch.tokens outside the vocabulary [0, {self.desc.vocab}): min {lo}, max {hi}")
         cp, multiple = self._cp_size(), 16 if self.cfg.trainer.fp8 else 1
         pack_fn = partial(_pack_rows, cp_size=cp, cp_rank=ps.get_context_parallel_rank(), tp_sp=sp, device=self.device,
-                          cp_group=cp_group, multiple=multiple, host_cu_seqlens=self.spec == "torch")
+                          cp_group=cp_group, multiple=multiple, host_cu_seqlens=self.spec == "torch",
+                          documents=self.spec == "torch" and cp == 1 and has_document_rotary(self.bm.model))
 
         def local_len(rows: TrainBatch) -> int:
             return sum(padded_lengths(rows.lengths.tolist(), cp, sp, multiple)) // cp
@@ -267,6 +269,9 @@ class MegatronTrainer(Trainer):
             p = mb.packed
             if p.routes is not None or self._routes_set:
                 self._set_routes(model, p.routes)
+            if p.packed_seq_params.qkv_format == DOCUMENTS_FORMAT and not has_document_rotary(model):
+                raise RuntimeError("a micro-batch packed for DocumentRotary (megaforge/trainer/megatron/layers.py) "
+                                   "reached a model without it: its RoPE would be wrong")
             with record_function("megaforge.forward"):
                 out = model(p.tokens, p.position_ids, None, packed_seq_params=p.packed_seq_params)
             return out, partial(_loss_wrapper, loss_fn, mb)
