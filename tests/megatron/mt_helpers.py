@@ -166,9 +166,13 @@ def hf_logprobs(path: str, batch, temperature: float = 1.0) -> torch.Tensor:
     ``token_logprobs`` oracle), float32."""
     import transformers
 
+    return model_logprobs(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), batch, temperature)
+
+
+def model_logprobs(model, batch, temperature: float = 1.0) -> torch.Tensor:
+    """Token-aligned logprobs [B, T] of an HF-style ``model`` (``model(ids).logits``), each row run unpadded."""
     from megaforge.trainer.logprobs import token_logprobs
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     out = torch.zeros(batch.tokens.shape)
     with torch.no_grad():
         for b in range(batch.batch_size):

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from mt_helpers import make_batch, run_workers, trainer_cfg
+from mt_helpers import make_batch, model_logprobs, run_workers, trainer_cfg
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lora_worker.py")
 # float32 logprobs: the bound of test_megatron_parity.py (measured <= 9.5e-7 there, ~20 ulp); adapters
@@ -191,15 +191,7 @@ def hf_logprobs_of(model):
 
 
 def _peft_logprobs(model, batch, temperature=0.8):
-    from megaforge.trainer.logprobs import token_logprobs
-
-    out = torch.zeros(batch.tokens.shape)
-    with torch.no_grad():
-        for b in range(batch.batch_size):
-            n = int(batch.lengths[b])
-            logits = model(batch.tokens[b:b + 1, :n]).logits
-            out[b, :n] = token_logprobs(logits, batch.tokens[b:b + 1, :n], batch.lengths[b:b + 1], temperature)[0][0]
-    return out
+    return model_logprobs(model, batch, temperature)
 
 
 # ------------------------------------------------------------------------------------------- refusals
