@@ -1,6 +1,7 @@
 """megaforge's own layers for the ``torch`` layer spec: an RMSNorm that supports sequence
-parallelism and core attention over ``torch.nn.functional.scaled_dot_product_attention`` with
-packed sequences (``thd``) and context parallelism.
+parallelism, core attention over ``torch.nn.functional.scaled_dot_product_attention`` with
+packed sequences (``thd``, and :data:`DOCUMENTS_FORMAT` without context parallelism) and context
+parallelism, and :class:`DocumentRotary` (the packed rows' RoPE table made once per forward).
 
 Shapes (megatron conventions): ``s`` sequence, ``b`` batch, ``t`` packed tokens, ``np``/``ng``
 query heads / key-value groups on this TP rank, ``hn`` head dim.
