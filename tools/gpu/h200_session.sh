@@ -66,6 +66,13 @@
 # 2026-12-06 on an H100 80GB (code 7a18bf1; 7 refused calls before it cost ~670 s of the 1,800): parts 0.2 s, install 25 s,
 #   moe_replay_start + moe_replay_watch 471 s (both variants, torch spec: no TE kit carried), teacher_test 61 s (failed:
 #   max |diff| 0.254 at log-probs around -46, one bf16 step; the tolerance now counts it), lora_test 57 s (passed).
+# 2026-12-06 (second session) on an H100 80GB (code e269378; 7 refused starts cost ~1,050 s): mfsite + train_bench q05b
+#   q17b with BENCH_PROFILE=0 128 s; parts 0.2 s; install + teacher_test 144 s (passed); fa3_part x 3 (0.2 s each, one
+#   piece a call); fa3_install + rollout_attn (ROLLOUT_FLAGS="--shapes qwen2-0.5b --repeats 2") 235 s; rollout_attn
+#   (--shapes qwen3-1.7b --batches 64,256) 176 s; train_bench q05b profiled 137 s.
+#   Next, first: mfsite, then BENCH_PROFILE=0 train_bench (the RoPE lever fb9afab and the honest raw baseline f4fb8c1)
+#   and lora_7b_memory (~2-4 min); then the GSM8K recipe with GSM_FLAGS="--trainer.micro_batch_tokens 16384
+#   --trainer.micro_batch_size 64" (issue 38 point 2).
 # SGLang with its default Hopper attention (FA3; the kit drops it): bash tools/gpu/fa3_prepare.sh .fa3 here
 #   (/.fa3/ excluded), then after parts + install: one call per piece, carry .fa3/fa3-partK: fa3_part;
 #   then carry .fa3/fa3-small: fa3_install rollout_fa3; then rollout_triton (same flags) for the ratio; or both
