@@ -40,6 +40,21 @@ def _names(cls) -> str:
     return ", ".join(f.name for f in fields(cls))
 
 
+class _NamedFields:
+    """For the specs that replace the whole configuration: an attribute the dataclass does not have (the
+    old ``cfg.data``, ``spec.sync``...) raises AttributeError naming the class, the attribute and the
+    fields. ``_missing``: the rest of the message, with ``{fields}`` for the field list."""
+
+    _missing = ""
+
+    def __getattr__(self, name: str):
+        # only called for a name the dataclass does not have
+        if name.startswith("__"):
+            raise AttributeError(name)
+        cls = type(self)
+        raise AttributeError(f"{cls.__name__} has no attribute {name!r}: " + cls._missing.format(fields=_names(cls)))
+
+
 @dataclass(frozen=True)
 class Sampling:
     """A training step's sampling (each request's seed is added per request).
@@ -67,7 +82,7 @@ class Sampling:
 
 
 @dataclass(frozen=True)
-class GenerateContext:
+class GenerateContext(_NamedFields):
     """What a user ``rollout.generate_fn`` is given of the run, in place of the whole configuration
     (its 5th argument): ``fn(engine, requests, rows, tokenizer, ctx, **rollout.generate_kwargs)``.
 
@@ -89,14 +104,8 @@ class GenerateContext:
     model_path: str = ""
     generate_kwargs: dict = field(default_factory=dict)
 
-    def __getattr__(self, name: str):
-        # only called for a name the dataclass does not have
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AttributeError(
-            f"GenerateContext has no attribute {name!r}: a rollout.generate_fn receives a GenerateContext "
-            f"(fields: {_names(GenerateContext)}), not the whole configuration; pass anything else through "
-            f"rollout.generate_kwargs (see {GENERATE_FN_DOCS})")
+    _missing = ("a rollout.generate_fn receives a GenerateContext (fields: {fields}), not the whole configuration; "
+                f"pass anything else through rollout.generate_kwargs (see {GENERATE_FN_DOCS})")
 
 
 def engine_dtype(rollout, model) -> str:
@@ -105,7 +114,7 @@ def engine_dtype(rollout, model) -> str:
 
 
 @dataclass(frozen=True)
-class EngineSpec:
+class EngineSpec(_NamedFields):
     """What a rollout engine kind builds its engine(s) from: ``build(spec, tokenizer, node=None)`` and
     ``preflight(spec)`` of :mod:`megaforge.engine_kinds`, and the server start-up below them.
 
@@ -123,12 +132,8 @@ class EngineSpec:
     transport: str = "auto"
     lora_adapters: bool = False
 
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AttributeError(f"EngineSpec has no attribute {name!r}: an engine kind's build / preflight receives "
-                             f"an EngineSpec (fields: {_names(EngineSpec)}), not the whole configuration "
-                             f"(megaforge.engine_kinds)")
+    _missing = ("an engine kind's build / preflight receives an EngineSpec (fields: {fields}), not the whole "
+                "configuration (megaforge.engine_kinds)")
 
 
 @dataclass(frozen=True)
@@ -259,7 +264,7 @@ class Schedule:
 
 
 @dataclass(frozen=True)
-class PlanInput:
+class PlanInput(_NamedFields):
     """What the dry-run planner (:mod:`megaforge.planner`) and the multi-node engine placement
     (:func:`megaforge.placement.engine_slots`) read, built once by
     :meth:`megaforge.build.RunBuilder.plan_input`.
@@ -285,15 +290,12 @@ class PlanInput:
     engine_dtype: str = "float32"
     vary: Optional[Callable[[dict], Optional["PlanInput"]]] = field(default=None, compare=False, repr=False)
 
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AttributeError(f"PlanInput has no attribute {name!r}: the planner receives a PlanInput (fields: "
-                             f"{_names(PlanInput)}), not the whole configuration (megaforge.build.RunBuilder.plan_input)")
+    _missing = ("the planner receives a PlanInput (fields: {fields}), not the whole configuration "
+                "(megaforge.build.RunBuilder.plan_input)")
 
 
 @dataclass(frozen=True)
-class TrainerSpec:
+class TrainerSpec(_NamedFields):
     """What a trainer backend (:class:`megaforge.trainer.base.Trainer`: the torch and megatron backends)
     is built from and reads for the rest of the run (it keeps it as ``trainer.cfg``), built by
     :meth:`megaforge.build.RunBuilder.trainer_spec`. The sections are the run's own objects (a change to
@@ -317,9 +319,5 @@ class TrainerSpec:
     max_steps: int = 0
     seed: int = 0
 
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AttributeError(f"TrainerSpec has no attribute {name!r}: a trainer receives a TrainerSpec (fields: "
-                             f"{_names(TrainerSpec)}), not the whole configuration "
-                             f"(megaforge.build.RunBuilder.trainer_spec)")
+    _missing = ("a trainer receives a TrainerSpec (fields: {fields}), not the whole configuration "
+                "(megaforge.build.RunBuilder.trainer_spec)")
