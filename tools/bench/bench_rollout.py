@@ -247,6 +247,12 @@ def extra_rows(shape, model, args, dev) -> dict:
 
 
 # ------------------------------------------------------------------------------------- real SGLang
+def backend_suffix(attention: str | None) -> str:
+    """The suffix of an attention backend's row (``sglang`` + it) and ratios (``ratio<variant>`` + it):
+    ``_<backend>`` with ``--sglang_attention``, nothing for the one ``--sglang_args`` names."""
+    return "" if attention is None else f"_{attention}"
+
+
 def with_attention(server_args: str, attention: str | None) -> list[str]:
     """``server_args`` split, with ``--attention-backend`` set to ``attention`` (replaced where the args
     name one, appended where not); None leaves them as they are."""
@@ -384,12 +390,15 @@ def sglang_rows(shape: str, model, args, dev, tmp: str) -> dict:
     out = {}
     backends = args.sglang_attention or [None]
     for i, attn in enumerate(backends):  # one server per attention backend, each stopped before the next starts
-        key = "sglang" if attn is None else f"sglang_{attn}"
+        key = "sglang" + backend_suffix(attn)
         say(f"{shape}: starting the {args.sglang_server} server" + (f" (--attention-backend {attn})" if attn else ""))
         srv = SGLangServer(d, args, os.path.join(tmp, f"{shape}-{key}-server.log"), attention=attn)
         info = {"server_start_s": round(srv.start_s, 1), "server_version": srv.info.get("version"),
                 "cuda_graph_max_bs": srv.info.get("cuda_graph_max_bs"), "attention_backend": srv.info.get("attention_backend")}
-        out.update(info) if attn is None else out.setdefault("servers", {}).update({attn: info})
+        if attn is None:
+            out.update(info)
+        else:
+            out.setdefault("servers", {})[attn] = info
         last = i == len(backends) - 1
         try:
             for B in args.batches:
@@ -404,10 +413,9 @@ def sglang_rows(shape: str, model, args, dev, tmp: str) -> dict:
     for B in args.batches:  # ratio<variant>[_<backend>] = fast variant / that SGLang
         r = rows[str(B)]
         for name, _ in fast_variants(args):
-            for attn in backends:
-                key = "sglang" if attn is None else f"sglang_{attn}"
-                if "tok_s" in r.get(name, {}) and "tok_s" in r.get(key, {}):
-                    r["ratio" + name[4:] + ("" if attn is None else f"_{attn}")] = round(r[name]["tok_s"] / r[key]["tok_s"], 3)
+            for sfx in map(backend_suffix, backends):
+                if "tok_s" in r.get(name, {}) and "tok_s" in r.get("sglang" + sfx, {}):
+                    r["ratio" + name[4:] + sfx] = round(r[name]["tok_s"] / r["sglang" + sfx]["tok_s"], 3)
     out["batches"] = rows
     return out
 
@@ -548,8 +556,7 @@ def main_sglang(shapes, args, dev, dtype) -> int:
         del model
         free(dev)
     for name, _ in fast_variants(args):
-        for attn in args.sglang_attention or [None]:
-            sfx = "" if attn is None else f"_{attn}"
+        for sfx in map(backend_suffix, args.sglang_attention or [None]):
             out[f"{name}_not_slower{sfx}_at_B<=256"] = {
                 shape: all(r.get("ratio" + name[4:] + sfx, 0) >= 1.0 for b, r in v.get("batches", {}).items() if int(b) <= 256)
                 for shape, v in out["shapes"].items()}

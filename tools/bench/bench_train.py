@@ -243,8 +243,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch.distributed as dist
 
-    from megaforge.config import config_from_dict
     from megaforge.build import RunBuilder
+    from megaforge.config import config_from_dict
     from megaforge.trainer.megatron import MegatronTrainer
 
     shape = SHAPES[args.shape]

@@ -29,6 +29,7 @@ With ``--cpu_smoke`` a tiny shape runs on CPU (float32): measured values are nul
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -80,8 +81,6 @@ def parse_args(argv=None):
 def build_config(a, device: str, engine: str = "embedded"):
     """The run config of the measured step (``engine`` embedded); ``engine="sglang"``: the same run with
     SGLang colocated (rollout.mem_fraction 0.5), for the planner's verdict on that layout."""
-    import dataclasses
-
     from megaforge.config import RolloutConfig, config_from_dict
 
     rollout = {"engine": engine, "batch_size": a.prompts, "max_new_tokens": a.new_tokens,
@@ -241,8 +240,7 @@ def main(argv=None) -> int:
            "model_config": a.model_config, "params": plan["model"]["hf_params"], "dtype": a.dtype,
            "layout": {"tp": a.tp, "pp": a.pp, "cp": a.cp, "sp": a.sp, "layer_spec": tr.spec, "recompute": a.recompute,
                       "micro_batch_size": a.micro_batch_size, "offload": a.offload, "beta": a.beta,
-                      "lora": ({"rank": a.lora_rank, "alpha": a.lora_alpha, "target_modules": a.lora_targets.split(",")}
-                               if a.lora_rank > 0 else None)},
+                      "lora": dataclasses.asdict(cfg.model.lora) if cfg.model.lora else None},
            "sequences": len(batch.lengths), "seq_len": int(batch.lengths[0]), "train_loss": metrics.get("loss")}
     out["phases"] = phase_report(phases, measured)
     # the same policy colocated with SGLang instead of the embedded engine: the planner's verdict per phase

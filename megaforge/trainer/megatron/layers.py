@@ -236,19 +236,19 @@ class SDPAttention(MegatronModule):
                 packed_seq_params=None):
         if attention_bias is not None:
             raise ValueError("SDPAttention does not take an attention_bias")
-        if packed_seq_params is not None and packed_seq_params.qkv_format == DOCUMENTS_FORMAT:
-            # rows [t, 1, h, hn], RoPE already applied per document (DocumentRotary); no CP
-            cu = packed_seq_params.cu_seqlens_padded_list
-            out = self._attend(query, key, value, list(zip(cu[:-1], cu[1:])))
-            return out.reshape(out.shape[0], 1, -1)
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+        fmt = packed_seq_params.qkv_format if packed_seq_params is not None else None
+        if fmt in ("thd", DOCUMENTS_FORMAT):
             cu = getattr(packed_seq_params, "cu_seqlens_padded_list", None)  # set by megaforge's packing
             if cu is None:
                 t = packed_seq_params.cu_seqlens_q_padded
                 cu = (t if t is not None else packed_seq_params.cu_seqlens_q).tolist()
             cu = [int(x) for x in cu]
-            out = self._attend(query[:, None], key[:, None], value[:, None], list(zip(cu[:-1], cu[1:])))
-            return out.reshape(out.shape[0], -1)
+            # thd: q [t, np, hn] -> [t, np*hn]; DOCUMENTS_FORMAT (RoPE applied per document by DocumentRotary,
+            # no CP): megatron's plain rows q [t, 1, np, hn] -> [t, 1, np*hn]
+            rows = fmt == DOCUMENTS_FORMAT
+            q, k, v = (query, key, value) if rows else (query[:, None], key[:, None], value[:, None])
+            out = self._attend(q, k, v, list(zip(cu[:-1], cu[1:])))
+            return out.reshape(out.shape[0], 1, -1) if rows else out.reshape(out.shape[0], -1)
         s_local, b = query.shape[:2]
         if attention_mask is not None:  # explicit mask (True = masked out), one CP rank only
             if self.cp_group is not None and _group_size(self.cp_group) > 1:

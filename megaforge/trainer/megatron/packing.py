@@ -93,6 +93,8 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank:
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    if documents and cp_size > 1:
+        raise ValueError("pack(documents=True) is for one CP rank (context parallelism keeps the thd format)")
     B, T = tokens.shape
     if lengths.shape != (B,):
         raise ValueError(f"lengths has shape {tuple(lengths.shape)}, tokens {tuple(tokens.shape)}")
@@ -142,8 +144,6 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank:
     if not host_cu_seqlens:
         cu_real, cu_pad = d(cu_real), d(cu_pad)
     max_len = max_seqlen_bucket(max(padded), 2 * cp_size if cp_size > 1 else 1)
-    if documents and cp_size > 1:
-        raise ValueError("pack(documents=True) is for one CP rank (context parallelism keeps the thd format)")
     params = PackedSeqParams(
         qkv_format=DOCUMENTS_FORMAT if documents else "thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
         cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad,

@@ -214,7 +214,7 @@ class MegatronTrainer(Trainer):
         cp, multiple = self._cp_size(), 16 if self.cfg.trainer.fp8 else 1
         pack_fn = partial(_pack_rows, cp_size=cp, cp_rank=ps.get_context_parallel_rank(), tp_sp=sp, device=self.device,
                           cp_group=cp_group, multiple=multiple, host_cu_seqlens=self.spec == "torch",
-                          documents=self.spec == "torch" and cp == 1 and has_document_rotary(self.bm.model))
+                          documents=cp == 1 and has_document_rotary(self.bm.model))  # torch spec models have it
 
         def local_len(rows: TrainBatch) -> int:
             return sum(padded_lengths(rows.lengths.tolist(), cp, sp, multiple)) // cp
