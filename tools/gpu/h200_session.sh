@@ -289,6 +289,9 @@ for stage in "$@"; do
         > "$OUT/bench_train_moe.log" 2>&1; echo "exit $?"
       grep -v -i warn "$OUT/bench_train_moe.log" | grep "^{\|Error\|error" | tail -6
       grep '^{' "$OUT/bench_train_moe.log" > "$OUT/bench_train_moe.json" ;;
+    varlen_test)  # the torch spec's packed attention through torch's varlen flash attention (after mfsite or install)
+      timeout -k 20 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_varlen_attention_cuda.py 2>&1 \
+        | tee "$OUT/varlen_test.log" | tail -8 ;;
     train_bench)  # issue 38 point 1: the RL train step beside raw megatron-core at the recipes' shapes (0.5B, 1.7B), one
       # step of each profiled and traced (kernel tables, host waits, idle gaps under $OUT/prof_<shape>; BENCH_PROFILE=0:
       # traced only, the stack-recording profile skipped); after mfsite
