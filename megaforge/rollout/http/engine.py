@@ -59,9 +59,10 @@ class HTTPEngine(AdapterServing, Recovery, Engine):
                  processes: Sequence = (), model_dir: str = "", cleanup_dirs: Sequence[str] = (),
                  max_concurrency: int = 256, group_name: str = "megaforge_weight_update",
                  max_restarts: int = 0, snapshot_dir: str = "", health_timeout_s: float = 30.0,
-                 startup_timeout_s: float = 600.0):
+                 startup_timeout_s: float = 600.0, health_probe: str = "/health_generate"):
         """``max_restarts`` > 0 turns fault tolerance on (:mod:`megaforge.rollout.http.recovery`): every weight
-        update also writes the snapshot (under ``snapshot_dir``, a temporary folder when empty)."""
+        update also writes the snapshot (under ``snapshot_dir``, a temporary folder when empty).
+        ``health_probe``: the endpoint of the health check (the engine kind's ``Servers.health_probe``)."""
         self.weight_transport = make_transport(transport, self, model_dir, group_name)  # checks the name first
         if not urls:
             raise ValueError("HTTPEngine needs at least one server URL")
@@ -73,7 +74,7 @@ class HTTPEngine(AdapterServing, Recovery, Engine):
         self.timeout_s = timeout_s
         self._released: set[str] = set()
         self.snapshot = WeightSnapshot(snapshot_dir, model_dir) if max_restarts > 0 else None
-        self._init_recovery(max_restarts, health_timeout_s, startup_timeout_s)
+        self._init_recovery(max_restarts, health_timeout_s, startup_timeout_s, health_probe)
         self._init_adapters()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="megaforge-engine-http", daemon=True)

@@ -4,11 +4,15 @@
 When an engine fails:
 
 * **detected** by the health check the loop runs at the start of every step
-  (:meth:`Recovery.ensure_healthy`: the process is alive and ``/health_generate`` answers within
+  (:meth:`Recovery.ensure_healthy`: the process is alive and the kind's ``health_probe`` answers within
   ``rollout.health_timeout_s``), and by any failed request: the process exited, the connection was
   refused or dropped, or no answer came within ``rollout.request_timeout_s`` (a hung engine). An HTTP
-  error answer is a fault only when the process is gone, or it is a 5xx and ``/health_generate``
-  fails too; other errors (HTTP 400: a bad request) are raised as they are.
+  error answer is a fault only when the process is gone, or it is a 5xx and the probe fails too;
+  other errors (HTTP 400: a bad request) are raised as they are. The probe is one the server answers
+  only when its engine loop does: ``/health_generate`` for megaforge's embedded server (it answers at
+  the engine's next decoding step); ``/server_info`` for SGLang, whose answer is a round trip to the
+  scheduler (``get_internal_state``), because SGLang 0.5.16's ``/health_generate`` sleeps 1 s before it
+  first looks for the scheduler's answer (``http_server.health_generate``): a second of every step.
 * **restarted** (:meth:`megaforge.rollout.http.processes.ServerProcess.restart`): SIGTERM then SIGKILL (a
   stopped process too), the same command, on the same port when it can be bound again (required
   with a router in front), the reason appended to ``<run dir>/logs/engine_K.log``;
@@ -63,10 +67,11 @@ class Recovery:
     """Mixin of HTTPEngine (which provides ``clients``, ``processes``, ``router``, ``snapshot``,
     ``_released``, ``_call``, ``restart_server``, ``_resync``)."""
 
-    def _init_recovery(self, max_restarts: int, health_timeout_s: float, startup_timeout_s: float) -> None:
+    def _init_recovery(self, max_restarts: int, health_timeout_s: float, startup_timeout_s: float,
+                       health_probe: str = "/health_generate") -> None:
         if max_restarts < 0:
             raise ValueError(f"rollout.max_restarts must be >= 0, got {max_restarts}")
-        self.max_restarts, self.health_timeout_s = max_restarts, health_timeout_s
+        self.max_restarts, self.health_timeout_s, self.health_probe = max_restarts, health_timeout_s, health_probe
         self.startup_timeout_s = startup_timeout_s
         n = len(self.clients)
         self._epochs = [0] * n  # bumped by every restart: a failure seen on an older epoch is already handled
@@ -96,7 +101,7 @@ class Recovery:
         dead = self._exited(k)
         if dead:
             return dead
-        path = "/health" if self._released & {"weights", "kv_cache"} else "/health_generate"
+        path = "/health" if self._released & {"weights", "kv_cache"} else self.health_probe
         try:
             await client.request("GET", path, timeout_s=self.health_timeout_s, retries=0)
             return None

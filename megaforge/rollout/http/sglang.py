@@ -34,7 +34,9 @@ def env(spec, s: ServerStart, gpus) -> dict:
     return engine_env(spec, gpus)
 
 
-SERVERS = Servers(command, env)
+# the step's health check: /server_info is a round trip to the scheduler (get_internal_state); SGLang's
+# /health_generate spends at least 1 s (asyncio.sleep(1) before its first look): 1 s of every RL step
+SERVERS = Servers(command, env, health_probe="/server_info")
 
 
 def build(spec: EngineSpec, tokenizer, node=None):

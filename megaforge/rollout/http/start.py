@@ -155,11 +155,14 @@ class Servers:
     """The servers of one HTTP engine kind (its module's, e.g. megaforge.rollout.http.sglang):
     ``command(spec, start, port, fd)`` a server's command line (``start``: :class:`ServerStart`),
     ``env(spec, start, gpus)`` its environment; ``hold_socket``: the server takes its listening socket
-    ``fd`` from this process (else it binds ``port`` itself)."""
+    ``fd`` from this process (else it binds ``port`` itself); ``health_probe``: the endpoint of the health
+    check at the start of every step (:mod:`megaforge.rollout.http.recovery`), one the server answers only
+    when its engine loop answers."""
 
     command: Callable[..., list[str]]
     env: Callable[..., dict]
     hold_socket: bool = False
+    health_probe: str = "/health_generate"
 
 
 def build_http_engine(spec: EngineSpec, tokenizer, kind: Servers, node=None) -> Optional[HTTPEngine]:
@@ -212,4 +215,4 @@ def build_http_engine(spec: EngineSpec, tokenizer, kind: Servers, node=None) -> 
     return HTTPEngine(urls, api_key, router_url, r.request_timeout_s, spec.transport,
                       [r.tensor_parallel] * len(urls), servers, model_dir, cleanup, max_restarts=r.max_restarts,
                       snapshot_dir=r.snapshot_dir, health_timeout_s=r.health_timeout_s,
-                      startup_timeout_s=r.startup_timeout_s)
+                      startup_timeout_s=r.startup_timeout_s, health_probe=kind.health_probe)
