@@ -49,6 +49,7 @@ from megaforge.rollout import check_context
 from megaforge.rollout.manager import stop_token_ids
 from megaforge.rundir import RunDirError, claim
 from megaforge.trainer.base import NonFiniteWeights
+from megaforge.trainer.warm_up import WarmUp
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -271,7 +272,10 @@ class Run:
         trainer's weights, the step driver. (Benchmarks call it and then :meth:`rl_step`.)"""
         cfg = self.cfg
         self.trainer.reserve_offload()  # pins the offload's host buffers while the engines start
+        warm = WarmUp(self.trainer)  # step 1's first-call compiles too (CUDA; megaforge.trainer.warm_up)
         self.engine = self._build_engine()
+        if warm.wait() is not None:
+            say(f"trainer warm-up (step 1's first-call work): {warm.seconds:.1f} s")
         self.data = self.build.prompts(self.tokenizer, self.held_out) if collective.is_main() else None
         if self.data is not None and self.state.get("data"):
             self.data.load_state_dict(self.state["data"])

@@ -30,7 +30,7 @@ import torch
 from megaforge import collective
 from megaforge.algorithms import policy_objective
 from megaforge.algorithms.stats import Stat, contribution
-from megaforge.data.batch import share_mini_batches, share_of
+from megaforge.data.batch import set_denominators, share_mini_batches, share_of
 from megaforge.memory.offload import PinnedOffloader
 from megaforge.memory.state import host_reservation
 from megaforge.trainer.metrics import COUNT, MEAN, StepMetrics, world_stats_to_host
@@ -155,11 +155,52 @@ class Trainer(ABC):
         has returns. Returns batch-level metrics (at least ``loss``, ``pg_loss``, ``entropy``,
         ``clip_frac``, ``train_rollout_logprob_abs_diff``, ``grad_norm``, ``lr``; ``kl`` when a
         reference is used; ``critic/...``)."""
-        rl = Objective(self.temperature, entropy=True, packed=False, loss=self._policy_loss, trained_positions=True)
+        rl = self._rl_objective()
         out = self._updates(batch, lambda mini: self._forward_backward(mini, rl), self._optimizer_step)
         if self.critic is not None and batch.returns is not None:
             out.update(self.train_critic(batch))
         return out
+
+    def _rl_objective(self) -> Objective:
+        return Objective(self.temperature, entropy=True, packed=False, loss=self._policy_loss, trained_positions=True)
+
+    #: rows of the warm-up's two batches: other lengths the second time (torch.compile's first graph
+    #: of a function is specialised to the shapes it met; a call with other shapes compiles the
+    #: dynamic graph every later shape reuses)
+    WARM_UP_LENGTHS = ((40,), (24, 56))
+
+    def warm_up(self) -> None:
+        """The RL step's kernels once before the first step: the no-grad forward of pi_old
+        (``compute_logprobs``) and the policy objective's forward and backward on two small random
+        batches (token ids below 16, advantages +-1, :attr:`WARM_UP_LENGTHS` per data-parallel rank
+        and mini-batch), so that what compiles or initialises at its first call (torch.compile'd
+        functions, e.g. megatron-core's fused RMSNorm / SwiGLU and megaforge's log-probs, each for the
+        no-grad and the training pass; cuBLAS handles; attention kernels) does so here, beside the
+        engines' start (megaforge.loop), not in step 1. Then the gradients are cleared: no optimizer
+        step, so the weights, optimizer state and weight version are as before, and the random
+        streams too (forked). Collective: every rank calls it."""
+        m = self.cfg.trainer.mini_batches
+        dp_rank, dp = self.data_parallel()
+        g = torch.Generator().manual_seed(0)
+        devices = [self.device] if getattr(self, "device", torch.device("cpu")).type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            for lengths in self.WARM_UP_LENGTHS:
+                lengths = torch.tensor(lengths * (m * dp))
+                B, T = len(lengths), int(lengths.max())
+                t = torch.arange(T)[None]
+                valid = t < lengths[:, None]
+                mask = (valid & (t >= 4)).float()  # 4 prompt tokens, the rest trained
+                adv = (torch.randint(0, 2, (B, 1), generator=g) * 2.0 - 1.0).expand(B, T) * mask
+                batch = set_denominators(TrainBatch(
+                    tokens=torch.randint(0, 16, (B, T), generator=g) * valid, lengths=lengths, loss_mask=mask,
+                    advantages=adv.contiguous(), rollout_logprobs=-2.0 * mask))
+                share = share_of(batch, m, dp_rank, dp)
+                share.old_logprobs = self.compute_logprobs(share, "policy", positions="trained")
+                self._forward_backward(share_mini_batches(share)[0], self._rl_objective())
+        self._clear_grads()
+
+    def _clear_grads(self) -> None:
+        """The policy's gradients back to none / zero (after :meth:`warm_up`)."""
 
     def sft_step(self, batch: TrainBatch) -> dict[str, float]:
         """One supervised step: loss = -mean of logprobs over ``loss_mask`` tokens (no temperature)."""

@@ -67,6 +67,9 @@ class TorchTrainer(Trainer):
         # memory.offload: pinned host buffers / torch_memory_saver (megaforge.memory); None: resident
         self._mem = build_offloader(cfg.memory.offload, self.device, self.offload_entries)
 
+    def _clear_grads(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
     # ------------------------------------------------------------------------------- optimizer
     def offload_entries(self, tags) -> list:
         """Parameters (``weights``); gradients, AdamW state, reference, teacher, critic (``state``)."""

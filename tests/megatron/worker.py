@@ -10,6 +10,8 @@ Scenarios:
 * ``train``: train / SFT steps at one layout, HF weights via iter_hf_buckets, save; reload at a
   second layout, logprobs and weights again, more steps, export_hf.
 * ``reset``: ``reset_optimizer`` after steps against a fresh trainer (the optimizer is built once).
+* ``warm_up``: Trainer.warm_up then an RL step, beside a fresh trainer's first RL step.
+* ``warm_up_cuda``: torch.compile graphs of a cold trainer's first RL step, and of one after warm_up.
 * ``opt_state``: after RL steps at one layout, the optimizer's fully reshardable sharded state dict as
   megaforge saves it (no gather at one DP rank) beside megatron's own, entry by entry.
 * ``te_cuda``: the TE layer spec on CUDA in bfloat16 (FP8 where ``fp8`` is set) beside the torch spec:
@@ -182,6 +184,70 @@ def scenario_reset(spec, res):
     fresh.close()
 
 
+def scenario_warm_up(spec, res):
+    """Trainer.warm_up, then one RL step; and a fresh trainer's first RL step, for comparison: weights,
+    gradient buffers, optimizer state and the random streams after the warm-up, and the step's results."""
+    import torch
+    from mt_helpers import make_batch, trainer_cfg
+    from megaforge.memory.state import megatron_parts
+    from megaforge.build import RunBuilder
+    from megaforge.trainer.megatron import MegatronTrainer
+
+    batch, cfg = make_batch(), trainer_cfg(spec["model"], layout=spec["layout"])
+    tr = MegatronTrainer(RunBuilder(cfg).trainer_spec())
+    res["weights0"], _ = hf_weights(tr, 1 << 30)
+    rng = torch.get_rng_state()
+    tr.warm_up()
+    res["rng_kept"] = torch.equal(rng, torch.get_rng_state())
+    res["weights_warm"], _ = hf_weights(tr, 1 << 30)
+    res["grad_abs_sum"] = sum(float(b.grad_data.abs().sum()) for b in tr.ddp.buffers)
+    res["opt_state"] = sum(len(o.optimizer.state) for o in megatron_parts(tr.optimizer))
+    res["version"] = tr.version
+    res["metrics"] = run_steps(tr, batch, ["rl"])
+    res["weights"], _ = hf_weights(tr, 1 << 30)
+    tr.close()
+    fresh = MegatronTrainer(RunBuilder(cfg).trainer_spec())
+    res["fresh_metrics"] = run_steps(fresh, batch, ["rl"])
+    res["fresh_weights"], _ = hf_weights(fresh, 1 << 30)
+    fresh.close()
+
+
+def scenario_warm_up_cuda(spec, res):
+    """On CUDA in bfloat16: torch.compile graphs made by a cold trainer's first RL step (its pi_old
+    pass and update); then, dynamo's caches cleared, a new trainer's warm-up and the graphs its first
+    RL step still makes (tests/gpu/test_warm_up_cuda.py)."""
+    import torch
+    from torch._dynamo.utils import counters
+    from mt_helpers import make_batch, trainer_cfg
+    from megaforge.build import RunBuilder
+    from megaforge.trainer.megatron import MegatronTrainer
+
+    batch = make_batch(B=5, T=40, lengths=(40, 17, 33, 9, 27))  # micro-batches of 2 rows: other lengths each
+    cfg = trainer_cfg(spec["model"], dtype="bfloat16", device="cuda", micro_batch_size=2, lr=1e-4)
+
+    def graphs() -> int:
+        return counters["stats"]["unique_graphs"]
+
+    def first_step(tr) -> int:
+        g = graphs()
+        batch.old_logprobs = tr.compute_logprobs(batch, positions="trained")
+        res.setdefault("metrics", []).append(run_steps(tr, batch, ["rl"])[0])
+        return graphs() - g
+
+    cold = MegatronTrainer(RunBuilder(cfg).trainer_spec())
+    res["cold_step_graphs"] = first_step(cold)
+    cold.close()
+    del cold
+    torch._dynamo.reset()
+    warm = MegatronTrainer(RunBuilder(cfg).trainer_spec())
+    g, t0 = graphs(), time.perf_counter()
+    warm.warm_up()
+    torch.cuda.synchronize()
+    res["warm_up_s"], res["warm_up_graphs"] = time.perf_counter() - t0, graphs() - g
+    res["warm_step_graphs"] = first_step(warm)
+    warm.close()
+
+
 def scenario_opt_state(spec, res):
     import torch
 
@@ -280,7 +346,8 @@ def main():
     from mt_helpers import worker_main
 
     worker_main({"logprobs": scenario_logprobs, "train": scenario_train, "critic": scenario_critic,
-     "reset": scenario_reset, "opt_state": scenario_opt_state, "te_cuda": scenario_te_cuda})
+     "reset": scenario_reset, "opt_state": scenario_opt_state, "te_cuda": scenario_te_cuda,
+     "warm_up": scenario_warm_up, "warm_up_cuda": scenario_warm_up_cuda})
 
 
 if __name__ == "__main__":

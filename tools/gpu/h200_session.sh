@@ -292,6 +292,9 @@ for stage in "$@"; do
     varlen_test)  # the torch spec's packed attention through torch's varlen flash attention (after mfsite or install)
       timeout -k 20 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_varlen_attention_cuda.py 2>&1 \
         | tee "$OUT/varlen_test.log" | tail -8 ;;
+    warm_up_test)  # the trainer's warm-up: no torch.compile graph made in step 1 after it (after mfsite or install)
+      timeout -k 20 420 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_warm_up_cuda.py 2>&1 \
+        | tee "$OUT/warm_up_test.log" | tail -8 ;;
     train_bench)  # issue 38 point 1: the RL train step beside raw megatron-core at the recipes' shapes (0.5B, 1.7B), one
       # step of each profiled and traced (kernel tables, host waits, idle gaps under $OUT/prof_<shape>; BENCH_PROFILE=0:
       # traced only, the stack-recording profile skipped); after mfsite

@@ -179,6 +179,10 @@ class MegatronTrainer(Trainer):
     def _apply_lr(self, lr: float) -> None:
         set_lr_and_decay(self.optimizer, lr, self.cfg.trainer.weight_decay)
 
+    def _clear_grads(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
     def _clip_and_step(self) -> tuple[float, bool]:
         with record_function("megaforge.optimizer_step"):
             return clipped_step(self.optimizer, self.cfg.trainer.grad_clip)
