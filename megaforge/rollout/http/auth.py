@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import secrets
 
-from megaforge.net import is_loopback
-
 API_KEY_ENV = "MEGAFORGE_ENGINE_API_KEY"
 
 
@@ -14,9 +12,10 @@ def new_api_key() -> str:
     return secrets.token_urlsafe(24)
 
 
-def engine_api_key(configured: str, host: str) -> str:
-    """``configured`` (``rollout.api_key``), else a fresh key for servers bound beyond loopback, else none."""
-    return configured or ("" if is_loopback(host) else new_api_key())
+def engine_api_key(configured: str, loopback: bool) -> str:
+    """``configured`` (``rollout.api_key``), else none for servers bound to a loopback address
+    (``loopback``: :func:`megaforge.net.is_loopback` of ``rollout.host``), else a fresh key."""
+    return configured or ("" if loopback else new_api_key())
 
 
 def bearer_ok(authorization: str, api_key: str) -> bool:

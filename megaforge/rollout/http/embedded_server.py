@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from megaforge.hf import resolve_device
 from megaforge.rollout.http.auth import API_KEY_ENV
 from megaforge.supervise import child_env
 from megaforge.rollout.http.start import Servers, ServerStart, build_http_engine, require_sglang
@@ -33,10 +34,10 @@ SERVERS = Servers(command, env, hold_socket=True)
 
 def build(spec: EngineSpec, tokenizer, node=None):
     """The HTTPEngine over ``rollout.num_engines`` embedded servers (TP 1; SGLang's router in front
-    with ``rollout.router``, which needs sglang-router)."""
+    with ``rollout.router``, which needs sglang-router), on ``rollout.device``."""
     r = expect(spec, EngineSpec, "embedded_server build").rollout
     if r.tensor_parallel != 1:
         raise ValueError("rollout.tensor_parallel: the embedded server runs TP 1 (use rollout.num_engines)")
     if r.router and r.num_engines > 1:
         require_sglang(spec, router=True)
-    return build_http_engine(spec, tokenizer, SERVERS, node=node)
+    return build_http_engine(spec, tokenizer, SERVERS, resolve_device(r.device), node=node)

@@ -3,6 +3,8 @@ interpreter, ``rollout.engine_python`` / ``rollout.engine_env``) on CUDA GPUs, s
 :func:`megaforge.rollout.http.start.build_http_engine` (registered in megaforge.engine_kinds)."""
 from __future__ import annotations
 
+import torch
+
 from megaforge.rollout.http.lora import check_targets, lora_flags
 from megaforge.rollout.http.start import Servers, ServerStart, build_http_engine, engine_env, engine_python, require_sglang
 from megaforge.specs import EngineSpec, expect
@@ -40,6 +42,7 @@ SERVERS = Servers(command, env, health_probe="/server_info")
 
 
 def build(spec: EngineSpec, tokenizer, node=None):
-    """The HTTPEngine over ``rollout.num_engines`` SGLang servers (checked by :func:`preflight` first)."""
+    """The HTTPEngine over ``rollout.num_engines`` SGLang servers on CUDA GPUs (checked by :func:`preflight`
+    first)."""
     preflight(spec)
-    return build_http_engine(spec, tokenizer, SERVERS, node=node)
+    return build_http_engine(spec, tokenizer, SERVERS, torch.device("cuda"), node=node)

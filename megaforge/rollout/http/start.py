@@ -15,8 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from megaforge.configtree import ConfigError
-from megaforge.engine_kinds import engine_kind
-from megaforge.hf import load_hf_model, resolve_device
+from megaforge.hf import load_hf_model
 from megaforge.net import is_loopback
 from megaforge.planner.layout import engine_gpus
 from megaforge.rollout.http.auth import engine_api_key
@@ -165,15 +164,23 @@ class Servers:
     health_probe: str = "/health_generate"
 
 
-def build_http_engine(spec: EngineSpec, tokenizer, kind: Servers, node=None) -> Optional[HTTPEngine]:
+def build_http_engine(spec: EngineSpec, tokenizer, kind: Servers, device: torch.device,
+                      node=None) -> Optional[HTTPEngine]:
     """Start ``rollout.num_engines`` servers of ``kind``, wait until they are ready, optionally put the
-    router in front; logs in ``<run dir>/logs/engine_K.log``. The engines run on ``rollout.device`` for
-    kinds that run there (megaforge.engine_kinds ``on_device``), else on CUDA GPUs, placed by
-    :func:`gpu_assignment`. ``node`` (:class:`megaforge.placement.NodeEngines`, multi-node jobs): start
-    only this node's engines (``node.engine_ids`` on ``node.gpus``); the URLs of all nodes' engines are
-    gathered and rank 0 gets the engine, other node leaders None (``node`` keeps their servers)."""
+    router in front; logs in ``<run dir>/logs/engine_K.log``. ``device``: where the kind's engines run
+    (its ``build`` says: ``rollout.device`` for a kind that runs there, megaforge.engine_kinds
+    ``on_device``, else CUDA); on CUDA they are placed by :func:`gpu_assignment`. ``node``
+    (:class:`megaforge.placement.NodeEngines`, multi-node jobs): start only this node's engines
+    (``node.engine_ids`` on ``node.gpus``); the URLs of all nodes' engines are gathered and rank 0 gets
+    the engine, other node leaders None (``node`` keeps their servers).
+
+    One downward pass from ``spec`` to the servers' start (issue 42 point 7,
+    tests/rollout/test_engine_launch_walk.py): the pieces every server shares (:class:`ServerStart`),
+    then each server's GPUs, environment (``kind.env``) and command line (``kind.command``, called by
+    :meth:`ServerProcess.start` with the port it binds)."""
     r = expect(spec, EngineSpec, "build_http_engine").rollout
-    api_key = engine_api_key(r.api_key, r.host)
+    loopback = is_loopback(r.host)  # no API key needed, no --weight-root folders
+    api_key = engine_api_key(r.api_key, loopback)
     if node is not None:
         api_key = node.share(api_key)  # rank 0's key on every node
     model_dir, cleanup = _model_dir(spec)
@@ -182,13 +189,11 @@ def build_http_engine(spec: EngineSpec, tokenizer, kind: Servers, node=None) -> 
     model_dir, tok_dir = local(model_dir), local(tok_dir)
     logs = os.path.join(spec.run_dir, "logs")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    device = resolve_device(r.device) if engine_kind(r.engine).on_device else torch.device("cuda")
     ids = list(range(r.num_engines)) if node is None else node.engine_ids
     gpus = (gpu_assignment(r.num_engines, r.tensor_parallel, r.num_gpus, local_world, visible_gpus()) if node is None
             else node.gpus) if device.type == "cuda" else [None] * len(ids)
     gpus = dict(zip(ids, gpus))
-    start = ServerStart(model_dir, tok_dir, api_key, [] if is_loopback(r.host) else weight_roots(spec),
-                        device)
+    start = ServerStart(model_dir, tok_dir, api_key, [] if loopback else weight_roots(spec), device)
     servers = [ServerProcess(f"engine_{k}", functools.partial(kind.command, spec, start),
                              os.path.join(logs, f"engine_{k}.log"), host=r.host, env=kind.env(spec, start, gpus[k]),
                              hold_socket=kind.hold_socket, api_key=api_key) for k in ids]
