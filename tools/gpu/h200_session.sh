@@ -73,6 +73,10 @@
 #   Next, first: mfsite, then BENCH_PROFILE=0 train_bench (the RoPE lever fb9afab and the honest raw baseline f4fb8c1)
 #   and lora_7b_memory (~2-4 min); then the GSM8K recipe with GSM_FLAGS="--trainer.micro_batch_tokens 16384
 #   --trainer.micro_batch_size 64" (issue 38 point 2).
+# 2026-12-06 (third session) on H100s (code cfd379d, 641acf9): install 38-42 s; train_bench BENCH_PROFILE=0 q05b q17b
+#   ~150 s; gsm_part 0.3 s each (~4 s held); gsm_prep 90 s (convert 83-94 s); from gsm_start to step 1 ~3 min (SGLang's start,
+#   the trainer's warm-up beside it); steps ~9 s; a checkpoint 25 s; warm_up_test 64 s. A reply read more than 30 s after
+#   the call ended found the machine gone (the first hold's run stopped at step 19): chain the next call at once.
 # SGLang with its default Hopper attention (FA3; the kit drops it): bash tools/gpu/fa3_prepare.sh .fa3 here
 #   (/.fa3/ excluded), then after parts + install: one call per piece, carry .fa3/fa3-partK: fa3_part;
 #   then carry .fa3/fa3-small: fa3_install rollout_fa3; then rollout_triton (same flags) for the ratio; or both
