@@ -46,6 +46,21 @@ def run_steps(tr, batch, kinds: list[str]) -> list[dict]:
     return [tr.train_step(batch) if k == "rl" else tr.sft_step(batch) for k in kinds]
 
 
+def step_beside_fresh(tr, cfg, batch, res) -> None:
+    """One RL step of ``tr`` (then closed) and a fresh trainer's first RL step on the same ``batch``:
+    ``metrics`` / ``weights`` beside ``fresh_metrics`` / ``fresh_weights``."""
+    from megaforge.build import RunBuilder
+    from megaforge.trainer.megatron import MegatronTrainer
+
+    res["metrics"] = run_steps(tr, batch, ["rl"])
+    res["weights"], _ = hf_weights(tr, 1 << 30)
+    tr.close()
+    fresh = MegatronTrainer(RunBuilder(cfg).trainer_spec())
+    res["fresh_metrics"] = run_steps(fresh, batch, ["rl"])
+    res["fresh_weights"], _ = hf_weights(fresh, 1 << 30)
+    fresh.close()
+
+
 def scenario_logprobs(spec, res):
     from mt_helpers import make_batch, trainer_cfg
     from megaforge.data.batch import share_of, share_rows
@@ -175,13 +190,7 @@ def scenario_reset(spec, res):
     tr.reset_optimizer(cfg.trainer.lr, 4)
     res["same_optimizer"] = tr.optimizer is opt
     res["state_after"] = sum(len(o.optimizer.state) for o in megatron_parts(tr.optimizer))
-    res["metrics"] = run_steps(tr, batch, ["rl"])
-    res["weights"], _ = hf_weights(tr, 1 << 30)
-    tr.close()
-    fresh = MegatronTrainer(RunBuilder(cfg).trainer_spec())
-    res["fresh_metrics"] = run_steps(fresh, batch, ["rl"])
-    res["fresh_weights"], _ = hf_weights(fresh, 1 << 30)
-    fresh.close()
+    step_beside_fresh(tr, cfg, batch, res)
 
 
 def scenario_warm_up(spec, res):
@@ -203,13 +212,7 @@ def scenario_warm_up(spec, res):
     res["grad_abs_sum"] = sum(float(b.grad_data.abs().sum()) for b in tr.ddp.buffers)
     res["opt_state"] = sum(len(o.optimizer.state) for o in megatron_parts(tr.optimizer))
     res["version"] = tr.version
-    res["metrics"] = run_steps(tr, batch, ["rl"])
-    res["weights"], _ = hf_weights(tr, 1 << 30)
-    tr.close()
-    fresh = MegatronTrainer(RunBuilder(cfg).trainer_spec())
-    res["fresh_metrics"] = run_steps(fresh, batch, ["rl"])
-    res["fresh_weights"], _ = hf_weights(fresh, 1 << 30)
-    fresh.close()
+    step_beside_fresh(tr, cfg, batch, res)
 
 
 def scenario_warm_up_cuda(spec, res):
