@@ -45,6 +45,7 @@ def test_run_dir_metrics_and_resume(tmp_path):
 
     for k in REQUIRED_KEYS:
         assert k in recs[0], k
+    assert [r["compile/new_graphs"] for r in recs] == [0.0] * 4  # nothing compiles on the CPU
     assert len(metrics(run, "sft_metrics.jsonl")) == 3
     assert os.path.exists(os.path.join(run, "config.yaml"))
     assert os.listdir(os.path.join(run, "tensorboard"))

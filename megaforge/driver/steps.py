@@ -46,6 +46,7 @@ class StepParts:
         self.routing_shape = routing_shape
         self.base = settings.sampling.params(stop_ids)  # each request adds its seed
         self.partial = None
+        self._graphs = compiled_graphs()  # after the trainer's warm-up (megaforge.loop.start_rl)
         if settings.loop.partial_rollouts and collective.is_main():
             self.partial = PartialPool(engine, data, tokenizer, settings.loop, settings.n_samples,
                                        settings.max_new_tokens, settings.seed, self.score, self.base)
@@ -186,14 +187,31 @@ class StepParts:
 
     def step_metrics(self, m: dict, batch: Optional[TrainBatch], t0: float) -> dict:
         """``m`` completed at the end of a step that began at ``t0`` (``time.perf_counter``) and trained
-        ``batch`` (main rank; None elsewhere): the trainer's weight version, the step's wall time and
-        (main rank) its tokens per second."""
+        ``batch`` (main rank; None elsewhere): the trainer's weight version, the torch.compile graphs
+        made since the last step's end (:func:`compiled_graphs`), the step's wall time and (main rank)
+        its tokens per second."""
         m["weight_version"] = float(self.trainer.version)
+        graphs, self._graphs = self._graphs, compiled_graphs()
+        m["compile/new_graphs"] = float(self._graphs - graphs)  # since the last step's end (evaluations included)
         m["time/step"] = time.perf_counter() - t0
         if batch is not None:
             m["throughput/tokens_per_s"] = float(batch.lengths.sum()) / max(m["time/step"], 1e-9)
         m.setdefault("kl", 0.0)
         return m
+
+
+def compiled_graphs() -> int:
+    """torch.compile graphs made so far in this process (dynamo's ``unique_graphs``: the trainer's and an
+    in-process engine's); 0 while dynamo was never imported. A step's ``compile/new_graphs`` is the
+    difference: compiles in a step after the first (or in step 1, after the trainer's warm-up) are
+    shapes or modes that no earlier call met."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def start_rl_trainer(trainer, schedule: Schedule, reference: bool) -> None:

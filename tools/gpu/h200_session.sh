@@ -149,7 +149,8 @@ import json, sys
 for r in map(json.loads, sys.stdin):
     e = ' '.join(f'{k.split(\"/\")[-2]}/{k.split(\"/\")[-1]} {v:.4f}' for k, v in r.items() if k.startswith('eval/') and k.endswith(('pass@1', 'pass@2')))
     t = ' '.join(f'{k[5:]} {r[k]:.1f}' for k in ('time/step', 'time/rollout', 'time/train', 'time/eval') if k in r)
-    print(r.get('step'), 'reward', round(r.get('reward/mean', -1), 4), t, e, flush=True)"
+    c = f\"graphs {r['compile/new_graphs']:.0f}\" if r.get('compile/new_graphs') else ''
+    print(r.get('step'), 'reward', round(r.get('reward/mean', -1), 4), t, c, e, flush=True)"
 }
 gsm_collect() {  # the run's metrics, curves, first/last per-sample evaluation and log into $OUT
   cp $GSM_RUN/metrics.jsonl "$OUT/gsm_metrics.jsonl"; tail -c 15000000 "$GSM_LOG" > "$OUT/gsm_train.log"
