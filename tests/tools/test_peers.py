@@ -48,7 +48,7 @@ def test_batch_geometry_of_the_recipe():
     cfg = recipe_cfg()
     g = mapping.geometry(cfg)
     assert g == {"samples": 512, "per_update": 128, "verl_mini_prompts": 16, "trl_grad_accum": 8,
-                 "trl_steps_per_generation": 32, "updates": 4}
+                 "trl_steps_per_generation": 32, "updates": 4, "micro_batch": 16}
     kw = mapping.trl_kwargs(cfg, 20, "/o")
     assert (kw["max_steps"], kw["per_device_train_batch_size"], kw["gradient_accumulation_steps"],
             kw["steps_per_generation"], kw["save_steps"]) == (80, 16, 8, 32, 40)
@@ -57,6 +57,18 @@ def test_batch_geometry_of_the_recipe():
     assert mapping.trl_kwargs(cfg, 20, "/o", use_vllm=True)["vllm_importance_sampling_correction"] is False
     with pytest.raises(mapping.MappingError, match="mini_batches"):
         mapping.geometry(recipe_cfg("--trainer.mini_batches", "3"))
+
+
+def test_peer_micro_batch_is_the_largest_padded_cut_within_the_token_budget():
+    # the recipe: rows padded to 320 + 512 = 832; 16 x 832 = 13,312 <= 16,384 < 32 x 832 (and 19, 20 do not divide 128)
+    assert mapping.peer_micro_batch(recipe_cfg(), 128) == 16
+    assert mapping.peer_micro_batch(recipe_cfg("--trainer.micro_batch_tokens", "53248"), 128) == 64
+    assert mapping.peer_micro_batch(recipe_cfg("--trainer.micro_batch_tokens", "53248", "--trainer.micro_batch_size", "32"), 128) == 32
+    assert mapping.peer_micro_batch(recipe_cfg("--trainer.micro_batch_tokens", "0", "--trainer.micro_batch_size", "8"), 128) == 8
+    with pytest.raises(mapping.MappingError, match="not a multiple of trainer.micro_batch_size 24"):
+        mapping.peer_micro_batch(recipe_cfg("--trainer.micro_batch_tokens", "0", "--trainer.micro_batch_size", "24"), 128)
+    with pytest.raises(mapping.MappingError, match="micro_batch_tokens 800 holds no padded row of 832"):
+        mapping.peer_micro_batch(recipe_cfg("--trainer.micro_batch_tokens", "800"), 128)
 
 
 def test_verl_overrides_carry_the_recipe_values():
@@ -78,6 +90,8 @@ def test_verl_overrides_carry_the_recipe_values():
     best = mapping.verl_overrides(cfg, "/d", 20, "/o", "best")
     assert "actor_rollout_ref.model.use_remove_padding=True" in best and "actor_rollout_ref.actor.use_dynamic_bsz=True" in best
     assert not any("attn_implementation=sdpa" in x for x in best)
+    assert "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384" in best
+    assert "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=16384" in best
     assert "actor_rollout_ref.model.enable_gradient_checkpointing=True" in mapping.verl_overrides(cfg, "/d", 20, "/o", "defaults")
 
 

@@ -11,10 +11,14 @@ what still differs; the functions below read the values from the megaforge confi
 recipe moves all three systems together). A recipe key missing from the table fails tests/tools/test_peers.py.
 
 Batch geometry. megaforge step = ``rollout.batch_size`` (64) prompts x ``grpo.n_samples`` (8) = 512
-samples, then ``trainer.mini_batches`` (4) optimizer updates of 128 samples in micro-batches of
-``trainer.micro_batch_size`` (16) samples.
+samples, then ``trainer.mini_batches`` (4) optimizer updates of 128 samples in micro-batches of at most
+``trainer.micro_batch_size`` (64) samples and ``trainer.micro_batch_tokens`` (16,384) packed positions.
+The peers' micro-batches count samples, each padded (verl without remove-padding: to 320 + 512 = 832;
+TRL: to the micro-batch's longest row, at most 832): :func:`peer_micro_batch` takes the largest divisor
+of an update's 128 samples whose padded size stays within megaforge's token budget: 16 x 832 = 13,312.
 * verl: ``data.train_batch_size`` = 64 prompts, ``rollout.n`` = 8, ``actor.ppo_mini_batch_size`` counts
-  prompts: 64 / 4 = 16 (x n = 128 samples an update), ``ppo_micro_batch_size_per_gpu`` counts samples: 16.
+  prompts: 64 / 4 = 16 (x n = 128 samples an update), ``ppo_micro_batch_size_per_gpu`` counts samples: 16;
+  the ``best`` variant cuts by tokens like megaforge (``use_dynamic_bsz``, ``ppo_max_token_len_per_gpu`` 16,384).
 * TRL: ``per_device_train_batch_size`` = 16 samples (a micro-batch), ``gradient_accumulation_steps`` =
   128 / 16 = 8, ``steps_per_generation`` = 512 / 16 = 32 (one generation of 64 x 8 serves 32
   micro-batches = 4 optimizer steps): TRL's ``max_steps`` = 4 x megaforge's steps.
@@ -82,8 +86,12 @@ TABLE = [
     ("trainer.lr: 3.0e-6", "actor.optim.lr=3e-6 (lr_scheduler_type=constant, warmup 0)", "learning_rate=3e-6, lr_scheduler_type='constant', warmup_steps=0", "-"),
     ("trainer.weight_decay (0.0), betas, eps (defaults)", "actor.optim.weight_decay=0.0 (verl default 0.01), betas [0.9, 0.999]",
      "weight_decay=0.0, adam_beta1/2 0.9/0.999, adam_epsilon 1e-8", "-"),
-    ("trainer.micro_batch_size: 16", "actor.ppo_micro_batch_size_per_gpu=16, rollout.log_prob_micro_batch_size_per_gpu=16",
-     "per_device_train_batch_size=16", "megaforge cuts micro-batches from length-ordered rows (less padding); verl pads to 832, TRL to the longest in the micro-batch"),
+    ("trainer.micro_batch_size: 64, micro_batch_tokens: 16384",
+     "actor.ppo_micro_batch_size_per_gpu=16, rollout.log_prob_micro_batch_size_per_gpu=16 (16 x 832 padded <= 16,384); "
+     "best: use_dynamic_bsz=True, ppo_max_token_len_per_gpu=16384, log_prob_max_token_len_per_gpu=16384",
+     "per_device_train_batch_size=16 (16 x at most 832 <= 16,384)",
+     "megaforge packs length-ordered rows up to 16,384 positions (~36 GSM8K rows, ~4 micro-batches an update); verl mapped "
+     "and TRL run 8 micro-batches of 16 padded rows an update (verl to 832, TRL to the longest in the micro-batch)"),
     ("trainer.mini_batches: 4", "actor.ppo_mini_batch_size=16 prompts (64 / 4), ppo_epochs=1",
      "gradient_accumulation_steps=8, steps_per_generation=32, num_iterations=1", "-"),
     ("trainer.grad_clip: 1.0", "actor.optim.clip_grad=1.0 (and actor.grad_clip=1.0)", "max_grad_norm=1.0", "-"),
@@ -111,7 +119,7 @@ RECIPE_KEYS = [  # every leaf key of configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml, 
     "rewards.workers", "rollout.engine", "rollout.batch_size", "rollout.max_new_tokens", "rollout.mem_fraction",
     "rollout.extra_args", "rollout.max_restarts", "rollout.snapshot_dir", "rollout.device", "rollout.fast",
     "rollout.dtype", "rollout.engine_batch_size", "trainer.backend", "trainer.layer_spec", "trainer.device",
-    "trainer.lr", "trainer.micro_batch_size", "trainer.mini_batches", "trainer.grad_clip",
+    "trainer.lr", "trainer.micro_batch_size", "trainer.micro_batch_tokens", "trainer.mini_batches", "trainer.grad_clip",
     "trainer.distributed_optimizer", "memory.offload", "sync.transport", "sync.bucket_mb", "eval.sets",
     "eval.interval", "eval.before_train", "eval.n_samples", "metrics.tensorboard", "metrics.log_samples",
     "checkpoint.interval", "checkpoint.keep_last_n",
@@ -133,18 +141,35 @@ class MappingError(ValueError):
     """The recipe's geometry cannot be expressed in a peer's keys."""
 
 
+def peer_micro_batch(cfg, per_update: int) -> int:
+    """Samples in a peer's micro-batch: ``trainer.micro_batch_size`` without a token budget; with one
+    (``trainer.micro_batch_tokens``), the largest divisor of ``per_update`` that is at most
+    micro_batch_size and whose rows, padded to max_prompt_len + max_new_tokens, fit the budget."""
+    mb, budget = cfg.trainer.micro_batch_size, cfg.trainer.micro_batch_tokens
+    if not budget:
+        if per_update % mb:
+            raise MappingError(f"an update's {per_update} samples are not a multiple of trainer.micro_batch_size {mb}")
+        return mb
+    row = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    fits = [d for d in range(1, min(mb, per_update) + 1) if per_update % d == 0 and d * row <= budget]
+    if not fits:
+        raise MappingError(f"trainer.micro_batch_tokens {budget} holds no padded row of {row} positions "
+                           f"(data.max_prompt_len + rollout.max_new_tokens): the peers cannot cut micro-batches by it")
+    return fits[-1]
+
+
 def geometry(cfg) -> dict:
     """Batch sizes of the three systems from megaforge's config (see the module docstring)."""
-    n, prompts, mb, minis = cfg.grpo.n_samples, cfg.rollout.batch_size, cfg.trainer.micro_batch_size, cfg.trainer.mini_batches
+    n, prompts, minis = cfg.grpo.n_samples, cfg.rollout.batch_size, cfg.trainer.mini_batches
     samples = prompts * n
     if prompts % minis:
         raise MappingError(f"rollout.batch_size {prompts} is not a multiple of trainer.mini_batches {minis} "
                            f"(verl's ppo_mini_batch_size counts prompts)")
     per_update = samples // minis
-    if per_update % mb:
-        raise MappingError(f"an update's {per_update} samples are not a multiple of trainer.micro_batch_size {mb}")
+    mb = peer_micro_batch(cfg, per_update)
     return {"samples": samples, "per_update": per_update, "verl_mini_prompts": prompts // minis,
-            "trl_grad_accum": per_update // mb, "trl_steps_per_generation": samples // mb, "updates": minis}
+            "trl_grad_accum": per_update // mb, "trl_steps_per_generation": samples // mb, "updates": minis,
+            "micro_batch": mb}
 
 
 def _extra_args(cfg) -> dict:
@@ -183,7 +208,7 @@ def verl_overrides(cfg, data_dir: str, steps: int, out_dir: str, variant: str = 
         raise MappingError(f"variant {variant!r} is not one of {', '.join(VARIANTS)}")
     g = geometry(cfg)
     a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
-    mb = cfg.trainer.micro_batch_size
+    mb = g["micro_batch"]
     o = [
         "algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=True", "algorithm.use_kl_in_reward=False",
         f"data.train_files={data_dir}/train.parquet", f"data.val_files={data_dir}/test.parquet",
@@ -217,9 +242,10 @@ def verl_overrides(cfg, data_dir: str, steps: int, out_dir: str, variant: str = 
     for k, v in _extra_args(cfg).items():
         o.append(f"+{r}.engine_kwargs.sglang.{k}={_hydra(v)}")
     if variant == "best":
+        tokens = cfg.trainer.micro_batch_tokens or mb * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
         o += ["actor_rollout_ref.model.use_remove_padding=True", f"{a}.use_dynamic_bsz=True",
               "actor_rollout_ref.model.enable_gradient_checkpointing=False",
-              f"{a}.ppo_max_token_len_per_gpu={mb * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)}"]
+              f"{a}.ppo_max_token_len_per_gpu={tokens}", f"{r}.log_prob_max_token_len_per_gpu={tokens}"]
     else:
         o += ["actor_rollout_ref.model.use_remove_padding=False", "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
               f"{a}.use_dynamic_bsz=False", f"{a}.ppo_micro_batch_size_per_gpu={mb}",
@@ -233,7 +259,7 @@ def trl_kwargs(cfg, steps: int, out_dir: str, use_vllm: bool = False, save_every
     g = geometry(cfg)
     kw = dict(
         output_dir=out_dir, run_name=cfg.run_name, seed=cfg.seed, max_steps=steps * g["updates"],
-        per_device_train_batch_size=cfg.trainer.micro_batch_size, gradient_accumulation_steps=g["trl_grad_accum"],
+        per_device_train_batch_size=g["micro_batch"], gradient_accumulation_steps=g["trl_grad_accum"],
         steps_per_generation=g["trl_steps_per_generation"], num_generations=cfg.grpo.n_samples, num_iterations=cfg.trainer.epochs,
         max_completion_length=cfg.rollout.max_new_tokens, temperature=cfg.grpo.temperature, top_p=cfg.rollout.top_p,
         top_k=max(cfg.rollout.top_k, 0), learning_rate=cfg.trainer.lr, lr_scheduler_type=cfg.trainer.lr_schedule,
