@@ -195,6 +195,12 @@ def child_env(gpus: Optional[list[int]] = None, extra: Optional[dict] = None, re
     return env
 
 
+def pin_gpus(env: dict, gpus: Optional[list[int]]) -> dict:
+    """A copy of the environment ``env`` with ``CUDA_VISIBLE_DEVICES`` set to ``gpus`` (``env`` itself when
+    ``gpus`` is None: a server off CUDA)."""
+    return env if gpus is None else {**env, "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus)}
+
+
 def env_from_script(path: str) -> dict:
     """The environment variables a shell file sets or changes when sourced (e.g. an SGLang install's
     ``env.sh``), as a dict for ``rollout.engine_env``; this process's environment is not touched."""

@@ -64,7 +64,8 @@ class RolloutConfig:
     """Environment variables of the engine servers and router, set on top of this process's environment
     (minus torchrun's rendezvous variables, which servers never inherit), e.g.
     ``{PYTHONPATH: /opt/sglang/site}`` for an SGLang installed into a folder; its ``PYTHONPATH``
-    replaces this process's."""
+    replaces this process's. Each engine's ``CUDA_VISIBLE_DEVICES`` is set over it: the GPUs the
+    placement gives that engine."""
     host: str = "127.0.0.1"
     """Interface engine servers bind to."""
     api_key: str = ""

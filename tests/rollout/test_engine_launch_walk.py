@@ -1,7 +1,7 @@
 """Issue 42 point 7: the config's walk from the engine placement to the engine launch has at most 3
 returns. A real trace (``sys.setprofile``) of :func:`megaforge.placement.build_engines` on one CPU
 process, ``rollout.engine: embedded_server`` (one engine, 127.0.0.1, ``model.path`` set: the
-defaults of tests/rollout/engine_helpers.engine_config), up to the entry of
+defaults of tests/rollout/engine_helpers.engine_config; then two engines, host 0.0.0.0, an API key), up to the entry of
 :meth:`megaforge.rollout.http.processes.ServerProcess.start`, which is patched to raise a sentinel
 (no server is started).
 
@@ -37,7 +37,14 @@ functions, 70 calls, 65 returns, 15 config returns, 5 walk returns: the engine k
 ``on_device``), the API key handed up through ``engine_api_key`` (which asked ``is_loopback`` itself,
 as the start did again for the weight roots), the model folder and the environment. After it: 24
 functions, 66 calls, 61 returns, 10 config returns, 3 walk returns (the kind's registry entry, the model
-folder, the kind's environment). Calls and returns grow with the process's environment
+folder, the kind's environment) in the default case, but 4 with two engines (the kind's environment
+made once per server) and 4 bound beyond loopback (the ``--weight-root`` folders handed up from the
+spec). Since the commit 'HTTP engine start: the servers' shared environment made once...': the environment every server shares
+is made once and each server's GPUs set over it (:func:`megaforge.supervise.pin_gpus`), and the
+weight-root folders come from the four config values they depend on (a leaf utility): 3 walk returns
+in all four cases tested below (default, two engines, host 0.0.0.0, an API key); the default case
+counts 25 functions, 70 calls, 65 returns, 10 config returns. Calls and returns grow
+with the process's environment
 (``supervise.child_env`` tests each variable); the config and walk returns do not. An earlier count
 (29 functions, 77 calls, 72 returns) also took in the first import of the kind's module and
 ServerProcess.start's own frames. ``python -m pytest -q -s tests/rollout/test_engine_launch_walk.py``
@@ -204,11 +211,13 @@ def trace_launch(spec) -> LaunchWalk:
     return walk
 
 
-def test_the_config_walks_down_to_the_engine_launch_with_at_most_3_returns(tmp_path, tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("rollout", [{}, {"num_engines": 2}, {"host": "0.0.0.0"}, {"api_key": "k"}],
+                         ids=["default", "two_engines", "beyond_loopback", "api_key"])
+def test_the_config_walks_down_to_the_engine_launch_with_at_most_3_returns(tmp_path, tiny_model_dir, monkeypatch, rollout):
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # one process
         monkeypatch.delenv(var, raising=False)
     from megaforge.build import RunBuilder
 
-    walk = trace_launch(RunBuilder(engine_config(tmp_path, tiny_model_dir)).engine_spec())
+    walk = trace_launch(RunBuilder(engine_config(tmp_path, tiny_model_dir, **rollout)).engine_spec())
     print("\n" + "\n".join(walk.lines) + "\n" + walk.figures())
     assert len(walk.walk_returns) <= MAX_WALK_RETURNS, walk.figures() + ": " + ", ".join(walk.walk_returns)

@@ -39,7 +39,7 @@ def test_sglang_server_is_the_one_a_run_starts(tmp_path):
     run_start = ServerStart("/models/shape", "", "", [], torch.device("cuda"))
     cmd = servers.command(cfg, start, 30123, None)
     assert cmd == sglang.command(run, run_start, 30123, None)
-    assert servers.env(cfg, start, None) == sglang.env(run, run_start, None)
+    assert servers.env(cfg, start) == sglang.env(run, run_start)
     assert servers.hold_socket is sglang.SERVERS.hold_socket is False
     # what the bench relies on: its interpreter, dtype, seed and memory share, the memory saver (it
     # releases SGLang's memory before the fast engine runs) and the kit's flags last
@@ -48,7 +48,7 @@ def test_sglang_server_is_the_one_a_run_starts(tmp_path):
     assert pairs["--model-path"] == "/models/shape" and pairs["--dtype"] == "bfloat16"
     assert pairs["--mem-fraction-static"] == "0.4" and pairs["--random-seed"] == "0" and pairs["--port"] == "30123"
     assert "--enable-memory-saver" in cmd and "--api-key" not in cmd
-    env = servers.env(cfg, start, None)
+    env = servers.env(cfg, start)
     assert env["MEGAFORGE_TEST_SGL_HOME"] == "/opt/sgl" and env["LD_LIBRARY_PATH"] == "/opt/sgl/lib"
 
 
@@ -60,7 +60,7 @@ def test_embedded_stand_in_is_the_embedded_server_a_run_starts(tmp_path):
     run_start = ServerStart("/models/tiny", "", "", [], torch.device("cpu"))
     cmd = servers.command(cfg, start, 30124, 9)
     assert cmd == embedded_server.command(run, run_start, 30124, 9)
-    assert servers.env(cfg, start, None) == embedded_server.env(run, run_start, None)
+    assert servers.env(cfg, start) == embedded_server.env(run, run_start)
     assert servers.hold_socket is True and cmd[cmd.index("--sock-fd") + 1] == "9"
     assert cmd[cmd.index("--max-batch") + 1] == "4096" and "--attention-backend" not in cmd  # SGLang's flags stay SGLang's
 

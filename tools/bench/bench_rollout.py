@@ -311,7 +311,7 @@ class SGLangServer:
 
         servers, cfg, start = server_launch(model_dir, args, attention)
         proc = ServerProcess(args.sglang_server, functools.partial(servers.command, cfg, start), log_path,
-                             host=cfg.rollout.host, env=servers.env(cfg, start, None), hold_socket=servers.hold_socket)
+                             host=cfg.rollout.host, env=servers.env(cfg, start), hold_socket=servers.hold_socket)
         with Stopwatch() as w:
             self.proc = proc.start_ready(900.0)
         self.start_s = w.seconds

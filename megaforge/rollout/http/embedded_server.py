@@ -24,9 +24,9 @@ def command(spec, s: ServerStart, port: int, fd: int) -> list[str]:
     return c + (["--tokenizer", s.tok_dir] if s.tok_dir else []) + list(r.extra_args)
 
 
-def env(spec, s: ServerStart, gpus) -> dict:
+def env(spec, s: ServerStart) -> dict:
     """This process's environment (this interpreter runs the server), the API key in it."""
-    return child_env(gpus, {API_KEY_ENV: s.api_key} if s.api_key else None)
+    return child_env(extra={API_KEY_ENV: s.api_key} if s.api_key else None)
 
 
 SERVERS = Servers(command, env, hold_socket=True)

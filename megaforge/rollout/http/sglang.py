@@ -32,8 +32,9 @@ def command(spec, s: ServerStart, port: int, fd: int) -> list[str]:
     return c + list(r.extra_args)
 
 
-def env(spec, s: ServerStart, gpus) -> dict:
-    return engine_env(spec, gpus)
+def env(spec, s: ServerStart) -> dict:
+    """The engine interpreter's environment: this process's with ``rollout.engine_env`` on top."""
+    return engine_env(spec)
 
 
 # the step's health check: /server_info is a round trip to the scheduler (get_internal_state); SGLang's

@@ -22,7 +22,7 @@ from megaforge.rollout.http.auth import engine_api_key
 from megaforge.rollout.http.engine import HTTPEngine
 from megaforge.rollout.http.processes import ServerProcess, start_all
 from megaforge.specs import EngineSpec, expect
-from megaforge.supervise import child_env
+from megaforge.supervise import child_env, pin_gpus
 from megaforge.rollout.http.versions import TESTED as SGLANG_TESTED  # noqa: F401  (release -> how it was tested)
 from megaforge.rollout.http.versions import UnsupportedServer, caps_for_release
 
@@ -126,15 +126,15 @@ def _model_dir(spec) -> tuple[str, list[str]]:
     return d, [d]
 
 
-def weight_roots(spec) -> list[str]:
-    """``--weight-root`` directories of an embedded server bound beyond loopback: ``rollout.weight_roots``
-    plus where megaforge itself writes weights for ``/update_weights_from_disk`` (``rollout.snapshot_dir``,
-    else the temporary folder that holds default snapshots and the disk transport's shards)."""
-    r = spec.rollout
-    own = [r.snapshot_dir] if r.snapshot_dir else []
-    if spec.transport == "disk" or (r.max_restarts > 0 and not r.snapshot_dir):
+def weight_roots(configured: list[str], snapshot_dir: str, disk_transport: bool, max_restarts: int) -> list[str]:
+    """``--weight-root`` directories of an embedded server bound beyond loopback: ``configured``
+    (``rollout.weight_roots``) plus where megaforge itself writes weights for ``/update_weights_from_disk``
+    (``rollout.snapshot_dir``, else, with the disk transport or restarts, the temporary folder that holds
+    default snapshots and the disk transport's shards)."""
+    own = [snapshot_dir] if snapshot_dir else []
+    if disk_transport or (max_restarts > 0 and not snapshot_dir):
         own.append(tempfile.gettempdir())
-    return [os.path.abspath(d) for d in list(r.weight_roots) + own]
+    return [os.path.abspath(d) for d in list(configured) + own]
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,8 @@ class ServerStart:
 class Servers:
     """The servers of one HTTP engine kind (its module's, e.g. megaforge.rollout.http.sglang):
     ``command(spec, start, port, fd)`` a server's command line (``start``: :class:`ServerStart`),
-    ``env(spec, start, gpus)`` its environment; ``hold_socket``: the server takes its listening socket
+    ``env(spec, start)`` the environment its servers share (each server's ``CUDA_VISIBLE_DEVICES`` is
+    set on top by :func:`build_http_engine` from the placement); ``hold_socket``: the server takes its listening socket
     ``fd`` from this process (else it binds ``port`` itself); ``health_probe``: the endpoint of the health
     check at the start of every step (:mod:`megaforge.rollout.http.recovery`), one the server answers only
     when its engine loop answers."""
@@ -175,9 +176,10 @@ def build_http_engine(spec: EngineSpec, tokenizer, kind: Servers, device: torch.
     the engine, other node leaders None (``node`` keeps their servers).
 
     One downward pass from ``spec`` to the servers' start (issue 42 point 7,
-    tests/rollout/test_engine_launch_walk.py): the pieces every server shares (:class:`ServerStart`),
-    then each server's GPUs, environment (``kind.env``) and command line (``kind.command``, called by
-    :meth:`ServerProcess.start` with the port it binds)."""
+    tests/rollout/test_engine_launch_walk.py): the pieces every server shares (:class:`ServerStart` and
+    the kind's environment, ``kind.env``), then each server's GPUs (``CUDA_VISIBLE_DEVICES``, set over
+    the shared environment) and command line (``kind.command``, called by :meth:`ServerProcess.start`
+    with the port it binds)."""
     r = expect(spec, EngineSpec, "build_http_engine").rollout
     loopback = is_loopback(r.host)  # no API key needed, no --weight-root folders
     api_key = engine_api_key(r.api_key, loopback)
@@ -193,9 +195,11 @@ def build_http_engine(spec: EngineSpec, tokenizer, kind: Servers, device: torch.
     gpus = (gpu_assignment(r.num_engines, r.tensor_parallel, r.num_gpus, local_world, visible_gpus()) if node is None
             else node.gpus) if device.type == "cuda" else [None] * len(ids)
     gpus = dict(zip(ids, gpus))
-    start = ServerStart(model_dir, tok_dir, api_key, [] if loopback else weight_roots(spec), device)
+    roots = [] if loopback else weight_roots(r.weight_roots, r.snapshot_dir, spec.transport == "disk", r.max_restarts)
+    start = ServerStart(model_dir, tok_dir, api_key, roots, device)
+    env = kind.env(spec, start)  # every server's; CUDA_VISIBLE_DEVICES per server below
     servers = [ServerProcess(f"engine_{k}", functools.partial(kind.command, spec, start),
-                             os.path.join(logs, f"engine_{k}.log"), host=r.host, env=kind.env(spec, start, gpus[k]),
+                             os.path.join(logs, f"engine_{k}.log"), host=r.host, env=pin_gpus(env, gpus[k]),
                              hold_socket=kind.hold_socket, api_key=api_key) for k in ids]
     try:
         start_all(servers, r.startup_timeout_s)

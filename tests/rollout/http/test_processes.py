@@ -231,10 +231,15 @@ def test_weight_roots_of_a_non_loopback_launch(tmp_path, tiny_model_dir):
 
     from megaforge.rollout.http.start import weight_roots
 
+    def roots(cfg):  # as build_http_engine asks
+        spec = RunBuilder(cfg).engine_spec()
+        return weight_roots(spec.rollout.weight_roots, spec.rollout.snapshot_dir, spec.transport == "disk",
+                            spec.rollout.max_restarts)
+
     cfg = engine_config(tmp_path, tiny_model_dir, host="0.0.0.0", weight_roots=[str(tmp_path / "mine")])
-    assert weight_roots(RunBuilder(cfg).engine_spec()) == [str(tmp_path / "mine"), tempfile.gettempdir()]  # + default snapshots' folder
+    assert roots(cfg) == [str(tmp_path / "mine"), tempfile.gettempdir()]  # + default snapshots' folder
     cfg = engine_config(tmp_path, tiny_model_dir, host="0.0.0.0", snapshot_dir=str(tmp_path / "snap"))
-    assert weight_roots(RunBuilder(cfg).engine_spec()) == [str(tmp_path / "snap")]
+    assert roots(cfg) == [str(tmp_path / "snap")]
 
 
 def test_gpu_assignment():

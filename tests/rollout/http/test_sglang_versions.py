@@ -94,6 +94,18 @@ def test_servers_never_inherit_torchruns_rendezvous(monkeypatch, tmp_path):
     assert env["PYTHONPATH"] == "/opt/sglang-site"  # rollout.engine_env replaces the trainer's path
 
 
+def test_each_server_gets_its_gpus_over_the_shared_environment():
+    from megaforge.supervise import child_env, pin_gpus
+
+    shared = child_env(extra={"PYTHONPATH": "/opt/sglang-site"}, repo_on_path=False)
+    before = dict(shared)
+    pinned = [pin_gpus(shared, g) for g in ([0, 1], [2, 3])]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in pinned] == ["0,1", "2,3"]
+    assert all(e["PYTHONPATH"] == "/opt/sglang-site" for e in pinned)
+    assert shared == before  # the shared environment is not changed by a server's pin
+    assert pin_gpus(shared, None) is shared  # off CUDA: no pin
+
+
 def _fake_dist(root, name: str, version: str) -> str:
     """A site folder where ``importlib.metadata`` finds ``name`` at ``version`` (its real lookup)."""
     d = root / f"{name.replace('-', '_')}-{version}.dist-info"
