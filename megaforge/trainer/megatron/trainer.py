@@ -63,39 +63,13 @@ from megaforge.trainer.megatron.hf_export import export_hf, iter_hf_buckets
 from megaforge.trainer.megatron.layers import DOCUMENTS_FORMAT, has_document_rotary
 from megaforge.trainer.megatron.logprobs import vocab_parallel_argmax, vocab_parallel_logprobs
 from megaforge.trainer.megatron.lora import MegatronLora, check_lora
+from megaforge.trainer.megatron.micro_batch import MicroBatch, filler_rows, pack_rows
 from megaforge.trainer.megatron.optim import (adam_optimizer, clipped_step, finalize_grads, set_lr_and_decay,
                                               state_resetter, wrap_ddp)
-from megaforge.trainer.megatron.packing import Packed, pack, padded_lengths, to_device
+from megaforge.trainer.megatron.packing import padded_lengths
 from megaforge.trainer.metrics import stack_and_reduce, to_host_later
 from megaforge.trainer.teacher import build_megatron_teacher
 from megaforge.types import TrainBatch
-
-
-class _MicroBatch:
-    """One micro-batch: its rows (host; ``num_tokens`` / ``num_seqs`` of the mini-batch) and, on
-    first use, their packed form and device copy. The schedule's forward step touches them first, so
-    the host packs micro-batch k+1 while the device still runs micro-batch k (packing everything
-    up front would leave the device idle at the start of every step)."""
-
-    def __init__(self, rows: TrainBatch, pack_fn, device, local_len: int, filler: bool = False):
-        self.rows, self._pack_fn, self._device = rows, pack_fn, device
-        self.local_len = local_len  # tokens of this rank's share of the packed sequence
-        self.filler = filler  # padding of the micro-batch count (MoE): loss mask 0, results dropped
-        self._packed: Optional[Packed] = None
-        self._batch: Optional[TrainBatch] = None
-
-    @property
-    def packed(self) -> Packed:
-        if self._packed is None:
-            with record_function("megaforge.pack"):
-                self._packed = self._pack_fn(self.rows)
-        return self._packed
-
-    @property
-    def batch(self) -> TrainBatch:
-        if self._batch is None:
-            self._batch = self.rows.apply(lambda v: to_device(v, self._device))
-        return self._batch
 
 
 class MegatronTrainer(Trainer):
@@ -207,7 +181,7 @@ class MegatronTrainer(Trainer):
                 "grpo.n_samples or lower trainer.mini_batches")
         return batch.select(slice(lo, hi))
 
-    def micro_batches(self, local: TrainBatch) -> list[_MicroBatch]:
+    def micro_batches(self, local: TrainBatch) -> list[MicroBatch]:
         ps = self._ps()
         sp = ps.get_tensor_model_parallel_world_size() if self.tconfig.sequence_parallel else 1
         cp_group = ps.get_context_parallel_group() if self._cp_size() > 1 else None
@@ -216,7 +190,7 @@ class MegatronTrainer(Trainer):
             if lo < 0 or hi >= self.desc.vocab:
                 raise ValueError(f"TrainBatch.tokens outside the vocabulary [0, {self.desc.vocab}): min {lo}, max {hi}")
         cp, multiple = self._cp_size(), 16 if self.cfg.trainer.fp8 else 1
-        pack_fn = partial(_pack_rows, cp_size=cp, cp_rank=ps.get_context_parallel_rank(), tp_sp=sp, device=self.device,
+        pack_fn = partial(pack_rows, cp_size=cp, cp_rank=ps.get_context_parallel_rank(), tp_sp=sp, device=self.device,
                           cp_group=cp_group, multiple=multiple, host_cu_seqlens=self.spec == "torch",
                           documents=cp == 1 and has_document_rotary(self.bm.model))  # torch spec models have it
 
@@ -225,12 +199,12 @@ class MegatronTrainer(Trainer):
 
         t = self.cfg.trainer  # rows end to end (each padded for CP), <= micro_batch_size rows / micro_batch_tokens
         runs = token_budget_runs(padded_lengths(local.lengths.tolist(), cp), t.micro_batch_size, t.micro_batch_tokens)
-        mbs = [_MicroBatch(mb, pack_fn, self.device, local_len(mb))
+        mbs = [MicroBatch(mb, pack_fn, self.device, local_len(mb))
                for mb in (local.select(slice(a, b)) for a, b in runs)]
         n = self._even_micro_batch_count(len(mbs))
         if n > len(mbs):
-            fill = _filler_rows(local)
-            mbs += [_MicroBatch(fill, pack_fn, self.device, local_len(fill), filler=True) for _ in range(n - len(mbs))]
+            fill = filler_rows(local)
+            mbs += [MicroBatch(fill, pack_fn, self.device, local_len(fill), filler=True) for _ in range(n - len(mbs))]
         return mbs
 
     def _even_micro_batch_count(self, n: int) -> int:
@@ -239,7 +213,7 @@ class MegatronTrainer(Trainer):
         collectives (the EP all-to-all, the expert-TP all-gather) join ranks of different DP ranks
         once per MoE layer and micro-batch: a rank with fewer micro-batches would leave its peers
         waiting in the all-to-all forever. The missing ones are filler micro-batches
-        (:func:`_filler_rows`: loss mask 0, so they add exactly 0 to losses, gradients and metrics,
+        (:func:`filler_rows`: loss mask 0, so they add exactly 0 to losses, gradients and metrics,
         and their per-token results are dropped). One all-reduce of an int per schedule call."""
         ps = self._ps()
         if not self.desc.is_moe or ps.get_data_parallel_world_size() == 1:
@@ -248,7 +222,7 @@ class MegatronTrainer(Trainer):
         dist.all_reduce(box, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
         return int(box.item())
 
-    def _token_values(self, logits: torch.Tensor, mb: _MicroBatch, temperature: float, entropy: bool):
+    def _token_values(self, logits: torch.Tensor, mb: MicroBatch, temperature: float, entropy: bool):
         """Token-aligned logprobs (and entropy) [b, T] from this rank's logits [1, t_local, V/tp]."""
         lp, ent = vocab_parallel_logprobs(logits[0], mb.packed.labels[0], self.desc.vocab, temperature,
                                           self._tp_group(), with_entropy=entropy, fused=self.cfg.trainer.fused_logprobs)
@@ -264,7 +238,7 @@ class MegatronTrainer(Trainer):
         return gather_from_sequence_parallel_region(
             x, tensor_parallel_output_grad=False, group=self._ps().get_context_parallel_group())
 
-    def run_schedule(self, module, mbs: list[_MicroBatch], loss_fn, forward_only: bool) -> list:
+    def run_schedule(self, module, mbs: list[MicroBatch], loss_fn, forward_only: bool) -> list:
         """Run megatron's (pipeline) schedule; ``loss_fn(mb, logits) -> (loss, dict)`` on the last stage
         (training: a dict of :class:`~megaforge.algorithms.stats.Stat`; forward only: per-row tensors).
         Returns the dicts of the last stage, one per real micro-batch (empty list elsewhere)."""
@@ -418,7 +392,7 @@ class MegatronTrainer(Trainer):
 
     # ----------------------------------------------------------------------------- training
     def _forward_backward(self, mini: TrainBatch, objective: Objective):
-        def loss_fn(mb: _MicroBatch, logits):
+        def loss_fn(mb: MicroBatch, logits):
             lp, ent = self._token_values(logits, mb, objective.temperature, objective.entropy)
             return objective.loss(lp, ent, mb.batch)
 
@@ -501,25 +475,7 @@ def _all_reduce(vec: torch.Tensor, op: str, group) -> torch.Tensor:
     return vec
 
 
-def _filler_rows(local: TrainBatch) -> TrainBatch:
-    """One row of two 0 tokens with every per-token field 0 (loss mask included) and the counts of
-    ``local`` (the mini-batch's): a micro-batch that runs the model, and the experts' collectives,
-    but contributes 0 to every loss term (each is masked by loss_mask) and so exactly 0 to the
-    gradients."""
-    kw = {}
-    for name in TrainBatch.TENSOR_FIELDS:
-        v = getattr(local, name)
-        if v is not None:
-            kw[name] = torch.zeros((1,) if name in TrainBatch.ROW_FIELDS else (1, 2), dtype=v.dtype)
-    kw["lengths"] = torch.full((1,), 2, dtype=local.lengths.dtype)
-    return TrainBatch(**kw, num_tokens=local.num_tokens, num_seqs=local.num_seqs)
-
-
-def _pack_rows(rows: TrainBatch, **kw) -> Packed:
-    return pack(rows.tokens, rows.lengths, routes=rows.routed_experts, **kw)
-
-
-def _loss_wrapper(loss_fn, mb: _MicroBatch, logits):
+def _loss_wrapper(loss_fn, mb: MicroBatch, logits):
     """megatron loss-func protocol (loss, num_tokens, reduced dict); num_tokens is unused (1). The dict's
     tensors (forward only: per-row results) are detached; statistics
     (:class:`~megaforge.algorithms.stats.Stat`) are already."""
