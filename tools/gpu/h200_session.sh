@@ -77,6 +77,10 @@
 #   ~150 s; gsm_part 0.3 s each (~4 s held); gsm_prep 90 s (convert 83-94 s); from gsm_start to step 1 ~3 min (SGLang's start,
 #   the trainer's warm-up beside it); steps ~9 s; a checkpoint 25 s; warm_up_test 64 s. A reply read more than 30 s after
 #   the call ended found the machine gone (the first hold's run stopped at step 19): chain the next call at once.
+#   Next (the fourth session of 2026-12-06 had no device time): parts -> install -> gsm_part x 8 -> gsm_prep gsm_start
+#   with the recipe's 50 steps and its step-50 evaluation (issue 38 point 2: pass@1 at step 50 >= 0.342, train <= 3.5 s
+#   on an H200; gsm_rows' "graphs N" shows any compile after step 1), then GSM_FLAGS="--memory.offload none" for a
+#   few steps (offload + onload were 0.44 s a step; the planner says it fits on the H100 and the H200).
 # SGLang with its default Hopper attention (FA3; the kit drops it): bash tools/gpu/fa3_prepare.sh .fa3 here
 #   (/.fa3/ excluded), then after parts + install: one call per piece, carry .fa3/fa3-partK: fa3_part;
 #   then carry .fa3/fa3-small: fa3_install rollout_fa3; then rollout_triton (same flags) for the ratio; or both
