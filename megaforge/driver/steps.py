@@ -262,8 +262,11 @@ def train_share(trainer, handoff: BatchHandOff, batch: Optional[TrainBatch], s: 
     elsewhere), handed off by ``handoff``. The advantages: the main rank's on the whole batch before
     the hand-off, or every rank's on its share after the log-probs / values
     (``s.advantages_need_trainer``); every per-token result stays on its rank. Adds to ``m`` the
-    trainer's metrics and the hand-off's (:func:`handoff_metrics`). Returns the share, with its
-    per-token results."""
+    trainer's metrics, the hand-off's (:func:`handoff_metrics`) and the parts of ``time/train``, each
+    on this rank, wall seconds: ``time/train/ref``, ``/pi_old``, ``/values``, ``/teacher`` (the forwards
+    before the update, those the step runs; each returns its per-token results on the host, so the
+    device's work is inside) and ``time/train/update`` (the optimizer steps: forward, backward, clip,
+    step, metrics to the host). Returns the share, with its per-token results."""
     s = expect(s, StepSettings, "train_share")
     if batch is not None:
         set_denominators(batch)
@@ -271,21 +274,26 @@ def train_share(trainer, handoff: BatchHandOff, batch: Optional[TrainBatch], s: 
             batch.advantages = batch_advantages(batch, s)
     share = handoff.share(batch)
     if s.needs_ref:
-        share.ref_logprobs = trainer.compute_logprobs(share, "ref", positions="trained")
+        with timed(m, "time/train/ref"):
+            share.ref_logprobs = trainer.compute_logprobs(share, "ref", positions="trained")
     if s.needs_old_logprobs:
-        share.old_logprobs = trainer.compute_logprobs(share, "policy", positions="trained")
+        with timed(m, "time/train/pi_old"):
+            share.old_logprobs = trainer.compute_logprobs(share, "policy", positions="trained")
     if s.critic:
-        share.values = trainer.compute_values(share)
+        with timed(m, "time/train/values"):
+            share.values = trainer.compute_values(share)
     teacher_lp = None
     if s.needs_teacher:
-        teacher_lp = trainer.teacher_logprobs(share)  # on the trainer or from an engine (teacher.served_by)
+        with timed(m, "time/train/teacher"):
+            teacher_lp = trainer.teacher_logprobs(share)  # on the trainer or from an engine (teacher.served_by)
         m.update(distill_metrics(share, teacher_lp))
     if s.advantages_need_trainer:
         share_advantages(handoff, share, batch, s, teacher_lp)
     seen = batch if batch is not None and not s.advantages_need_trainer else share  # main: the whole batch
     if seen.advantages is not None:
         m["advantages/nonzero_frac"] = nonzero_advantage_fraction(seen)
-    m.update(trainer.train_step(share))
+    with timed(m, "time/train/update"):
+        m.update(trainer.train_step(share))
     m.update(handoff_metrics(handoff, share))
     return share
 

@@ -159,7 +159,8 @@ def test_megaforge_metrics_become_schema_records(tmp_path):
         {"step": 0, "eval/gsm8k_test/greedy/pass@1": 0.27, "eval/gsm8k_test/prompts": 1319.0, "time/eval": 20.0},
         {"step": 1, "time/rollout": 3.0, "time/reward_wait": 0.1, "time/train": 11.0, "time/release": 0.1, "time/onload": 0.2,
          "time/offload": 0.3, "time/resume": 0.1, "time/sync": 0.3, "time/step": 16.0, "throughput/tokens_per_s": 1000.0},
-        {"step": 2, "time/rollout": 2.0, "time/train": 10.0, "time/sync": 0.5, "time/step": 14.0, "throughput/tokens_per_s": 2000.0}])
+        {"step": 2, "time/rollout": 2.0, "time/train": 10.0, "time/train/pi_old": 2.5, "time/train/update": 7.0,
+         "time/sync": 0.5, "time/step": 14.0, "throughput/tokens_per_s": 2000.0}])
     stamps = write_lines(tmp_path / "stamps", [{"line": 1, "t": 150.0}, {"line": 2, "t": 170.0}, {"line": 3, "t": 184.0}])
     recs = parse_logs.megaforge_records(m, "hold1", stamps=parse_logs.read_stamps(stamps), launch_t=100.0)
     steps = [r for r in recs if r["kind"] == "step"]
@@ -167,6 +168,7 @@ def test_megaforge_metrics_become_schema_records(tmp_path):
     assert steps[0]["sync_s"] == pytest.approx(1.0) and steps[0]["tokens"] == 16000.0
     assert steps[0]["tokens_per_s_per_gpu"] == pytest.approx(1000.0) and steps[0]["pi_old_s"] is None
     assert steps[0]["first"] and not steps[1]["first"] and steps[1]["train_wall_s"] == 30.0
+    assert (steps[1]["pi_old_s"], steps[1]["update_s"]) == (2.5, 7.0)  # time/train's parts (step 1's log has none)
     (ev,) = [r for r in recs if r["kind"] == "eval"]
     assert ev["pass1"] == 0.27 and ev["step"] == 0
     (st,) = [r for r in recs if r["kind"] == "startup"]

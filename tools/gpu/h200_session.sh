@@ -152,7 +152,7 @@ gsm_rows() {  # metrics.jsonl rows on stdin -> one short line each (step, times,
 import json, sys
 for r in map(json.loads, sys.stdin):
     e = ' '.join(f'{k.split(\"/\")[-2]}/{k.split(\"/\")[-1]} {v:.4f}' for k, v in r.items() if k.startswith('eval/') and k.endswith(('pass@1', 'pass@2')))
-    t = ' '.join(f'{k[5:]} {r[k]:.1f}' for k in ('time/step', 'time/rollout', 'time/train', 'time/eval') if k in r)
+    t = ' '.join(f'{k[5:]} {r[k]:.1f}' for k in ('time/step', 'time/rollout', 'time/train', 'time/train/pi_old', 'time/train/update', 'time/eval') if k in r)
     c = f\"graphs {r['compile/new_graphs']:.0f}\" if r.get('compile/new_graphs') else ''
     print(r.get('step'), 'reward', round(r.get('reward/mean', -1), 4), t, c, e, flush=True)"
 }

@@ -7,7 +7,8 @@
     python tools/peers/parse_logs.py evaluate EVAL.jsonl --system verl --step 10 --run hold1 --out eval.jsonl
 
 megaforge (``metrics.jsonl``): ``rollout_s`` = ``time/rollout``, ``reward_s`` = ``time/reward_wait``,
-``train_s`` = ``time/train`` (pi_old and update inside: ``pi_old_s`` / ``update_s`` null), ``sync_s`` =
+``train_s`` = ``time/train``, ``pi_old_s`` = ``time/train/pi_old`` (0 in a step without a pi_old pass: one
+update a batch), ``update_s`` = ``time/train/update`` (both null in logs written before these keys), ``sync_s`` =
 ``time/sync + time/release + time/onload + time/offload + time/resume``, ``step_s`` = ``time/step``,
 ``tokens`` = ``throughput/tokens_per_s * time/step``; evaluation rows (``eval/<set>/greedy/pass@1``)
 become ``eval`` records.
@@ -86,7 +87,7 @@ def megaforge_records(path: str, run: str, n_gpus: int = 1, stamps=None, launch_
             tps = _num(r, "throughput/tokens_per_s")
             rec = step_record("megaforge", run, step, step_s=float(r["time/step"]), n_gpus=n_gpus,
                               rollout_s=_num(r, "time/rollout"), reward_s=_num(r, "time/reward_wait"),
-                              train_s=_num(r, "time/train"),
+                              train_s=_num(r, "time/train"), **_mf_train_parts(r),
                               sync_s=sum(p for p in parts if p is not None) if any(p is not None for p in parts) else None,
                               tokens=tps * float(r["time/step"]) if tps is not None else None)
             if first is None:
@@ -95,6 +96,14 @@ def megaforge_records(path: str, run: str, n_gpus: int = 1, stamps=None, launch_
     if first is not None:
         recs += _startup("megaforge", run, first, first_line, stamps, launch_t, before)
     return with_wall(recs)
+
+
+def _mf_train_parts(r: dict) -> dict:
+    """pi_old_s / update_s of a megaforge metrics row: ``time/train/pi_old`` (0.0 when the step ran no
+    pi_old pass) and ``time/train/update``; None for both in a log without the parts."""
+    if "time/train/update" not in r:
+        return {"pi_old_s": None, "update_s": None}
+    return {"pi_old_s": float(r.get("time/train/pi_old", 0.0)), "update_s": float(r["time/train/update"])}
 
 
 _CONSOLE = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")

@@ -11,10 +11,11 @@ One JSON object a line, three kinds (``kind``):
   ``rollout_s``   generation of the samples (megaforge ``time/rollout``, verl ``timing_s/gen``, TRL ``_generate``)
   ``reward_s``    scoring (megaforge ``time/reward_wait``: only the wait; verl ``timing_s/reward``; TRL
                   ``_calculate_rewards``)
-  ``pi_old_s``    the old policy's log-probs (verl ``timing_s/old_log_prob``, TRL's no-grad forward);
-                  megaforge times it inside ``time/train`` (``None``)
-  ``update_s``    the optimizer updates (verl ``timing_s/update_actor``); megaforge ``None`` (inside train)
-  ``train_s``     pi_old + update (megaforge ``time/train``; the others ``pi_old_s + update_s``)
+  ``pi_old_s``    the old policy's log-probs (megaforge ``time/train/pi_old``, verl ``timing_s/old_log_prob``,
+                  TRL's no-grad forward)
+  ``update_s``    the optimizer updates (megaforge ``time/train/update``, verl ``timing_s/update_actor``)
+  ``train_s``     pi_old + update (megaforge ``time/train``, which also holds a reference's or critic's
+                  forwards when the recipe has them; the others ``pi_old_s + update_s``)
   ``sync_s``      weights to the engine plus offload / onload / release / resume of either side
                   (megaforge ``time/sync + release + onload + offload + resume``, verl ``timing_s/update_weights``;
                   TRL with HF generate: 0, no second copy of the weights)
