@@ -167,6 +167,9 @@ class TrainBatch:
     # Set on one data-parallel rank's *share* of a batch (megaforge.data.batch.share_of): the rank's
     # part of every mini-batch. None: a whole batch (every rank may hold all of it).
     minis: Optional[tuple[MiniBatchPart, ...]] = None
+    # Set on a share by Trainer.set_old_logprobs: its first mini-batch's rows have no pi_old in old_logprobs
+    # (0): the first update runs at pi_old's weights, so its own forward's log-probs, detached, are pi_old
+    old_from_first_update: bool = False
 
     TENSOR_FIELDS = (
         "tokens", "lengths", "loss_mask", "advantages", "rollout_logprobs", "old_logprobs",
@@ -189,7 +192,7 @@ class TrainBatch:
         """Rows ``index`` (slice, list or LongTensor), trimmed to their longest row (a whole batch:
         no longer a share)."""
         out = self.apply(lambda v: v[index]).trimmed()
-        out.minis = None
+        out.minis, out.old_from_first_update = None, False
         return out
 
     def trimmed(self) -> "TrainBatch":
@@ -204,7 +207,8 @@ class TrainBatch:
     def apply(self, fn) -> "TrainBatch":
         """A batch with ``fn(tensor)`` for every tensor field that is set (counts unchanged)."""
         kw = {n: (None if getattr(self, n) is None else fn(getattr(self, n))) for n in self.TENSOR_FIELDS}
-        return TrainBatch(**kw, num_tokens=self.num_tokens, num_seqs=self.num_seqs, minis=self.minis)
+        return TrainBatch(**kw, num_tokens=self.num_tokens, num_seqs=self.num_seqs, minis=self.minis,
+                          old_from_first_update=self.old_from_first_update)
 
     def to(self, device) -> "TrainBatch":
         return self.apply(lambda v: v.to(device))

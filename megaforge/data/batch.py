@@ -141,6 +141,16 @@ def share_of(batch: TrainBatch, mini_batches: int, dp_rank: int, dp_size: int) -
     return share
 
 
+def share_after_first_mini(share: TrainBatch) -> TrainBatch:
+    """The share's rows of its mini-batches 2..M, as a share of those M - 1 mini-batches (rows
+    renumbered from 0; trimmed to their longest row)."""
+    first = share.minis[0]
+    rest = share.select(slice(first.hi, share.batch_size))
+    rest.minis = tuple(MiniBatchPart(p.lo - first.hi, p.hi - first.hi, p.size, p.num_tokens, p.num_seqs)
+                       for p in share.minis[1:])
+    return rest
+
+
 def share_mini_batches(share: TrainBatch) -> list[TrainBatch]:
     """The share's rows of every mini-batch (trimmed), each with the whole mini-batch's
     ``num_tokens`` / ``num_seqs`` (what the loss of its rows divides by): a whole batch again."""

@@ -277,8 +277,8 @@ def train_share(trainer, handoff: BatchHandOff, batch: Optional[TrainBatch], s: 
         with timed(m, "time/train/ref"):
             share.ref_logprobs = trainer.compute_logprobs(share, "ref", positions="trained")
     if s.needs_old_logprobs:
-        with timed(m, "time/train/pi_old"):
-            share.old_logprobs = trainer.compute_logprobs(share, "policy", positions="trained")
+        with timed(m, "time/train/pi_old"):  # the first mini-batch's from its own update, when only the ratio reads it
+            trainer.set_old_logprobs(share, every_row=s.kl_in_reward or s.needs_teacher)
     if s.critic:
         with timed(m, "time/train/values"):
             share.values = trainer.compute_values(share)

@@ -30,7 +30,7 @@ import torch
 from megaforge import collective
 from megaforge.algorithms import policy_objective
 from megaforge.algorithms.stats import Stat, contribution
-from megaforge.data.batch import set_denominators, share_mini_batches, share_of
+from megaforge.data.batch import set_denominators, share_after_first_mini, share_mini_batches, share_of
 from megaforge.memory.offload import PinnedOffloader
 from megaforge.memory.state import host_reservation
 from megaforge.trainer.metrics import COUNT, MEAN, StepMetrics, world_stats_to_host
@@ -225,6 +225,27 @@ class Trainer(ABC):
         with model parallelism overrides it (its TP / CP / PP peers share one DP rank)."""
         return collective.rank(), collective.world()
 
+    def set_old_logprobs(self, share: TrainBatch, every_row: bool = False) -> None:
+        """pi_old's log-probs (the policy before this step's first update) of ``share``'s trained tokens
+        as ``share.old_logprobs`` [n, T] (0 off loss_mask), the fixed denominator of the ratio over
+        several updates. With one epoch and ``every_row`` False (only the ratio reads them), the first
+        mini-batch's rows are left out (0, ``share.old_from_first_update``): its update runs at the very
+        weights pi_old names, so the log-probs of its own forward, detached, are pi_old
+        (:func:`~megaforge.algorithms.policy_objective` takes them for a micro-batch without
+        ``old_logprobs``, as for a single update), exactly where a second forward would differ by the
+        kernels' rounding. The no-grad forward then covers (M - 1) / M of the rows (M =
+        ``trainer.mini_batches``). ``every_row``: every row computed (the KL reward penalty and
+        distillation read pi_old of every token). Collective."""
+        t = self.cfg.trainer
+        if every_row or t.epochs != 1 or not share.is_share or len(share.minis) < 2:
+            share.old_logprobs = self.compute_logprobs(share, "policy", positions="trained")
+            return
+        first = share.minis[0]
+        lp = self.compute_logprobs(share_after_first_mini(share), "policy", positions="trained")  # [n - first.hi, <=T]
+        old = torch.zeros(share.loss_mask.shape, dtype=lp.dtype)
+        old[first.hi:, :lp.shape[1]] = lp
+        share.old_logprobs, share.old_from_first_update = old, True
+
     def _mini_batches(self, batch: TrainBatch) -> list[TrainBatch]:
         """This rank's rows of each of the ``trainer.mini_batches`` contiguous mini-batches of
         ``batch`` (its share's, when ``batch`` is one), each with the trained-token and sequence
@@ -245,6 +266,11 @@ class Trainer(ABC):
         at the end; with ``counts``, also ``skipped``, ``updates`` and ``empty_minibatches``."""
         acc = StepMetrics()
         minis = [mini for _ in range(self.cfg.trainer.epochs) for mini in self._mini_batches(batch)]
+        if batch.old_from_first_update:  # set_old_logprobs: the first update's own forward is pi_old
+            if self.cfg.trainer.epochs != 1:
+                raise ValueError("a batch whose first mini-batch has no pi_old (set_old_logprobs) trained "
+                                 f"over trainer.epochs={self.cfg.trainer.epochs}: its rows need pi_old from epoch 2")
+            minis[0] = minis[0].replace(old_logprobs=None)
         last = max((i for i, mini in enumerate(minis) if mini.num_tokens), default=-1)
         read = None
         for i, mini in enumerate(minis):

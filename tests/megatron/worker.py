@@ -12,6 +12,7 @@ Scenarios:
 * ``reset``: ``reset_optimizer`` after steps against a fresh trainer (the optimizer is built once).
 * ``warm_up``: Trainer.warm_up then an RL step, beside a fresh trainer's first RL step.
 * ``warm_up_cuda``: torch.compile graphs of a cold trainer's first RL step, and of one after warm_up.
+* ``old_first_update``: pi_old without the first mini-batch's rows, then an RL step, beside pi_old of every row.
 * ``opt_state``: after RL steps at one layout, the optimizer's fully reshardable sharded state dict as
   megaforge saves it (no gather at one DP rank) beside megatron's own, entry by entry.
 * ``te_cuda``: the TE layer spec on CUDA in bfloat16 (FP8 where ``fp8`` is set) beside the torch spec:
@@ -215,6 +216,33 @@ def scenario_warm_up(spec, res):
     step_beside_fresh(tr, cfg, batch, res)
 
 
+def scenario_old_first_update(spec, res):
+    """pi_old without the first mini-batch's rows (Trainer.set_old_logprobs) and an RL step on it; beside
+    a fresh trainer given pi_old of every row: the old log-probs, the rows the no-grad forward saw,
+    the step's metrics and weights."""
+    from mt_helpers import make_batch, trainer_cfg
+    from megaforge.build import RunBuilder
+    from megaforge.data.batch import set_denominators, share_of
+    from megaforge.trainer.megatron import MegatronTrainer
+
+    batch = set_denominators(make_batch(B=8, lengths=(20, 7, 13, 3, 17, 9, 15, 5)).replace(old_logprobs=None))
+    cfg = trainer_cfg(spec["model"], layout=spec["layout"], mini_batches=2)
+    out = {}
+    for name in ("skip", "every_row"):
+        tr = MegatronTrainer(RunBuilder(cfg).trainer_spec())
+        share = share_of(batch, 2, *tr.data_parallel())
+        seen = []
+        compute = tr.compute_logprobs
+        tr.compute_logprobs = lambda b, *a, **k: seen.append(b.batch_size) or compute(b, *a, **k)  # noqa: E731
+        tr.set_old_logprobs(share, every_row=name == "every_row")
+        tr.compute_logprobs = compute
+        out[name] = {"old": share.old_logprobs.clone(), "flag": share.old_from_first_update, "seen": seen,
+                     "rows": share.batch_size, "first_rows": share.minis[0].hi, "metrics": tr.train_step(share)}
+        out[name]["weights"], _ = hf_weights(tr, 1 << 30)
+        tr.close()
+    res.update(out)
+
+
 def scenario_warm_up_cuda(spec, res):
     """On CUDA in bfloat16: torch.compile graphs made by a cold trainer's first RL step (its pi_old
     pass and update); then, dynamo's caches cleared, a new trainer's warm-up and the graphs its first
@@ -350,7 +378,8 @@ def main():
 
     worker_main({"logprobs": scenario_logprobs, "train": scenario_train, "critic": scenario_critic,
      "reset": scenario_reset, "opt_state": scenario_opt_state, "te_cuda": scenario_te_cuda,
-     "warm_up": scenario_warm_up, "warm_up_cuda": scenario_warm_up_cuda})
+     "warm_up": scenario_warm_up, "warm_up_cuda": scenario_warm_up_cuda,
+     "old_first_update": scenario_old_first_update})
 
 
 if __name__ == "__main__":
