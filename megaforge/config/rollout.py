@@ -43,7 +43,8 @@ class RolloutConfig:
     """Parameter and compute dtype of the embedded engine (embedded / embedded_server); auto =
     model.dtype; also SGLang's --dtype. The trainer's weights are cast to it at each sync. The PPO ratio's
     pi_old is the trainer's own (its log-probs, detached, for one update per batch; recomputed before
-    several), so the engine's other numerics show only in ``train_rollout_logprob_abs_diff``."""
+    several, but for the first update's rows: its own forward, detached), so the engine's other
+    numerics show only in ``train_rollout_logprob_abs_diff``."""
     tensor_parallel: int = 1
     """Engine tensor-parallel size (sglang)."""
     num_engines: int = 1
