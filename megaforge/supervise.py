@@ -189,8 +189,7 @@ def child_env(gpus: Optional[list[int]] = None, extra: Optional[dict] = None, re
     env = {k: v for k, v in os.environ.items() if not is_rendezvous_var(k)}
     if repo_on_path:
         env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    if gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    env = pin_gpus(env, gpus)
     env.update({str(k): str(v) for k, v in (extra or {}).items()})
     return env
 

@@ -8,6 +8,7 @@ read the trainer's per-token results are computed by every rank on its own share
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Optional
 
@@ -205,8 +206,6 @@ def compiled_graphs() -> int:
     in-process engine's); 0 while dynamo was never imported. A step's ``compile/new_graphs`` is the
     difference: compiles in a step after the first (or in step 1, after the trainer's warm-up) are
     shapes or modes that no earlier call met."""
-    import sys
-
     if "torch._dynamo" not in sys.modules:
         return 0
     from torch._dynamo.utils import counters

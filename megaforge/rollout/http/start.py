@@ -37,10 +37,11 @@ def engine_python(spec) -> str:
     return spec.rollout.engine_python or sys.executable
 
 
-def engine_env(spec, gpus: Optional[list[int]] = None, extra: Optional[dict] = None, repo_on_path: bool = False) -> dict:
+def engine_env(spec, extra: Optional[dict] = None, repo_on_path: bool = False) -> dict:
     """Environment of an engine server or router: this process's without torchrun's rendezvous
-    variables, ``rollout.engine_env`` on top (then ``extra``)."""
-    return child_env(gpus, {**spec.rollout.engine_env, **(extra or {})}, repo_on_path=repo_on_path)
+    variables, ``rollout.engine_env`` on top (then ``extra``). Each server's GPUs are pinned over it
+    (:func:`megaforge.supervise.pin_gpus`, by :func:`build_http_engine`)."""
+    return child_env(None, {**spec.rollout.engine_env, **(extra or {})}, repo_on_path=repo_on_path)
 
 
 def installed_versions(spec, packages: tuple[str, ...]) -> dict[str, Optional[str]]:
