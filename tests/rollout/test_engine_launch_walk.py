@@ -43,7 +43,7 @@ spec). Since the commit 'HTTP engine start: the servers' shared environment made
 is made once and each server's GPUs set over it (:func:`megaforge.supervise.pin_gpus`), and the
 weight-root folders come from the four config values they depend on (a leaf utility): 3 walk returns
 in all four cases tested below (default, two engines, host 0.0.0.0, an API key); the default case
-counts 25 functions, 70 calls, 65 returns, 10 config returns. Calls and returns grow
+counts 25 functions, 71 calls, 66 returns, 10 config returns. Calls and returns grow
 with the process's environment
 (``supervise.child_env`` tests each variable); the config and walk returns do not. An earlier count
 (29 functions, 77 calls, 72 returns) also took in the first import of the kind's module and
