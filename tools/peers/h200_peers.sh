@@ -108,9 +108,11 @@ for stage in "$@"; do
       cp $P/verl_$V/metrics.jsonl "$OUT/verl_${V}_metrics.jsonl" 2>/dev/null
       python3 tools/peers/parse_logs.py verl $P/verl_$V/metrics.jsonl --run "$HOLD-verl-$V" --stamps $P/verl_$V.stamps \
         --launch_t "$(cat $P/verl_$V.launch_t)" --out "$OUT/verl_${HOLD}_${V}_steps.jsonl" ;;
-    eval_verl)  # the base model (step 0) and verl's HF exports at steps 10, 20 through the same evaluator
-      evaluate base 0 $MODEL "verl:$HOLD-verl-$V" "megaforge:$HOLD"
-      for s in 10 20; do evaluate verl_$V $s $P/verl_$V/ckpt/global_step_$s/actor/huggingface "verl:$HOLD-verl-$V"; done ;;
+    eval_verl)  # verl's HF exports at steps 20, 10 and the base model (step 0) through the same evaluator
+      pkill -9 -f "raylet|gcs_server|ray::" 2>/dev/null; sleep 2  # Ray's workers, if any outlived verl's driver
+      nvidia-smi --query-gpu=memory.used --format=csv,noheader
+      for s in 20 10; do evaluate verl_$V $s $P/verl_$V/ckpt/global_step_$s/actor/huggingface "verl:$HOLD-verl-$V"; done
+      evaluate base 0 $MODEL "verl:$HOLD-verl-$V" "megaforge:$HOLD" ;;
     trl_start)  # TRL on the machine's own transformers (the kit's /tmp/site off its path)
       vllm=""; [ "${TRL_VLLM:-0}" = 1 ] && vllm=--use_vllm
       launch trl $P/trl/trl_steps.jsonl env PYTHONPATH=$PWD:/tmp/trlsite:/tmp/mfsite python3 tools/peers/trl_grpo.py --config $RECIPE \
