@@ -232,9 +232,13 @@ def test_compare_ratios_within_a_hold_and_png(tmp_path, capsys):
         schema.write(recs, str(f))
     png = tmp_path / "curves.png"
     summ = tmp_path / "summary.jsonl"
-    assert compare.main([str(f) for f in files] + ["--png", str(png), "--json", str(summ)]) == 0
+    assert compare.main([str(f) for f in files] + ["--png", str(png), "--json", str(summ), "--provenance", "[1]"]) == 2
+    assert "--provenance: not a JSON object" in capsys.readouterr().err
+    prov = '{"commit": "abc", "device": "NVIDIA H200"}'
+    assert compare.main([str(f) for f in files] + ["--png", str(png), "--json", str(summ), "--provenance", prov]) == 0
     out = capsys.readouterr().out
     rows = {r["system"]: r for r in map(json.loads, open(summ))}
+    assert all(r["provenance"] == json.loads(prov) for r in rows.values())
     v = rows["verl"]
     assert v["ratio/step_s"] == pytest.approx(10.0 / 30.0)  # medians after the first step: 10 vs 30
     assert v["ratio/rollout_s"] == pytest.approx(3.0 / 8.0) and v["ratio/train_s"] == pytest.approx(6.0 / 20.0)
@@ -307,3 +311,40 @@ def test_verl_validates_the_three_variants(tmp_path, capsys):
     bad.write_text("\n".join([x for x in mapping.verl_overrides(cfg, "/d", 20, "/o") if "log_prob_micro" not in x]))
     assert verl_compose.main([str(bad)]) == 1
     assert "log_prob_micro_batch_size" in capsys.readouterr().err
+
+
+def _samples(path, correct, prompts=None):
+    with open(path, "w") as f:
+        for i, c in enumerate(correct):
+            f.write(json.dumps({"set": "t", "prompt_index": i, "mode": "greedy", "sample": 0,
+                                "prompt": (prompts or {}).get(i, f"q{i}"), "correct": c}) + "\n")
+            f.write(json.dumps({"set": "t", "prompt_index": i, "mode": "sampled", "sample": 1, "prompt": f"q{i}",
+                                "correct": not c}) + "\n")  # sampled lines are not counted
+
+
+def test_mcnemar_exact_on_discordant_pairs_and_refuses_other_prompts(tmp_path, capsys):
+    # a right on prompts 0-3, b right on 2-8: 2 right only for a, 5 only for b; p = 2 (C(7,0)+C(7,1)+C(7,2)) / 2^7
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    _samples(a, [i < 4 for i in range(12)])
+    _samples(b, [2 <= i < 9 for i in range(12)])
+    assert compare.main(["--mcnemar", str(a), str(b)]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["only_a"], r["only_b"], r["prompts"]) == (2, 5, 12)
+    assert r["p_value"] == pytest.approx(2 * (1 + 7 + 21) / 128)
+    assert r["a_pass1"] == pytest.approx(4 / 12) and r["b_pass1"] == pytest.approx(7 / 12)
+    _samples(b, [True] * 12, prompts={3: "another question"})
+    assert compare.main(["--mcnemar", str(a), str(b)]) == 2
+    assert "prompt ('t', 3) differs" in capsys.readouterr().err
+    _samples(b, [True] * 11)
+    assert compare.main(["--mcnemar", str(a), str(b)]) == 2
+    assert "1 only in" in capsys.readouterr().err
+
+
+def test_mcnemar_on_run4s_step0_and_step50_evaluations(capsys):
+    # the committed per-prompt files of run 4 (H200, f881733): 352 and 478 of 1,319 right
+    d = os.path.join(ROOT, "docs", "benchmarks")
+    assert compare.main(["--mcnemar", os.path.join(d, "grpo_gsm8k_run4_eval_step0.jsonl.gz"),
+                         os.path.join(d, "grpo_gsm8k_run4_eval_step50.jsonl.gz")]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["prompts"] == 1319 and round(r["a_pass1"] * 1319) == 352 and round(r["b_pass1"] * 1319) == 478
+    assert r["only_b"] > r["only_a"] and r["p_value"] < 1e-6

@@ -2,6 +2,8 @@
 """megaforge beside its peers: ratios per phase and pass@1 against wall-clock (issue 39 points 2 and 4).
 
     python tools/peers/compare.py mf.jsonl verl.jsonl trl.jsonl [eval.jsonl ...] [--png curves.png] [--json summary.jsonl]
+        [--provenance '{"commit": "...", "device": "..."}']
+    python tools/peers/compare.py --mcnemar eval_a_samples.jsonl.gz eval_b_samples.jsonl.gz
 
 Reads schema lines (tools/peers/schema.py) of any systems. A run's label starts with its machine hold
 (``hold1-mapped``: hold ``hold1``); each peer run is compared with the megaforge run of the same hold, so
@@ -13,12 +15,15 @@ always means megaforge wins). Time to the peer's accuracy: the peer's greedy pas
 step, and the training seconds (``train_wall_s``) each system needed to first reach it.
 
 The PNG plots greedy pass@1 (eval records) against training seconds (running sum of step times; step 0
-at 0 s; ``--with_startup`` adds each run's start-up), one line per system and run.
+at 0 s; ``--with_startup`` adds each run's start-up), one line per system and run; a system's own in-run
+evaluations (``megaforge-eval``, ``verl-val``) as hollow markers beside tools/evaluate.py's, as a cross-check.
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import math
 import os
 import sys
 
@@ -83,6 +88,19 @@ def curve(d: dict, with_startup: bool = False) -> list[tuple[float, float, int]]
     return sorted(pts)
 
 
+def cross_checks(d: dict, with_startup: bool = False) -> dict:
+    """{source: [(seconds, pass@1, step)]} of a run's own in-run evaluations when ``curve`` uses
+    tools/evaluate.py's: plotted apart, never used for a ratio."""
+    if not any(e.get("source") == "tools/evaluate.py" for e in d["evals"]):
+        return {}
+    out: dict = {}
+    for e in d["evals"]:
+        t = wall_at(d, e["step"], with_startup)
+        if e.get("source") != "tools/evaluate.py" and t is not None:
+            out.setdefault(e.get("source") or "in-run", []).append((t, e["pass1"], e["step"]))
+    return {k: sorted(v) for k, v in out.items()}
+
+
 def time_to(d: dict, target: float):
     """Training seconds at which the run's evaluations first reach pass@1 >= ``target`` (None: never)."""
     for t, p, _ in curve(d):
@@ -114,6 +132,44 @@ def compare(runs: dict) -> list[dict]:
                             "peer_s_to_target": tp, "ratio/time_to_target": tm / tp if tm is not None and tp else None})
         rows.append(row)
     return rows
+
+
+def greedy_correct(path: str) -> dict:
+    """{(set, prompt_index): (prompt, correct)} of the greedy responses in a tools/evaluate.py ``--out`` file
+    (``.jsonl`` or ``.jsonl.gz``)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    out: dict = {}
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                r = json.loads(line)
+                if r.get("mode", "greedy") == "greedy" and r.get("sample", 0) == 0:
+                    out[(r["set"], r["prompt_index"])] = (r["prompt"], bool(r["correct"]))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise SchemaError(f"{path}:{n}: not an evaluate.py sample line ({type(e).__name__}: {e})") from None
+    if not out:
+        raise SchemaError(f"{path}: no greedy sample lines")
+    return out
+
+
+def mcnemar(a: dict, b: dict, a_name: str = "a", b_name: str = "b") -> dict:
+    """Exact McNemar test of two systems' greedy correctness on the same prompts: with b01 prompts right
+    only for ``a`` and b10 right only for ``b``, p = min(1, 2 * P[X <= min(b01, b10)]) for X ~ Binomial(b01 +
+    b10, 1/2) (McNemar 1947; the exact binomial form, as statsmodels' ``mcnemar(exact=True)``)."""
+    if a.keys() != b.keys():
+        raise SchemaError(f"{a_name} and {b_name} graded different prompts: {len(a.keys() - b.keys())} only in "
+                          f"{a_name}, {len(b.keys() - a.keys())} only in {b_name}")
+    differ = [k for k in a if a[k][0] != b[k][0]]
+    if differ:
+        raise SchemaError(f"{a_name} and {b_name}: prompt {differ[0]} differs (set, prompt_index); "
+                          f"{len(differ)} prompts differ in all")
+    only_a = sum(1 for k in a if a[k][1] and not b[k][1])
+    only_b = sum(1 for k in a if b[k][1] and not a[k][1])
+    m = only_a + only_b
+    tail = sum(math.comb(m, i) for i in range(min(only_a, only_b) + 1)) / 2 ** m if m else 1.0
+    return {"a": a_name, "b": b_name, "prompts": len(a), "a_pass1": sum(v[1] for v in a.values()) / len(a),
+            "b_pass1": sum(v[1] for v in b.values()) / len(b), "only_a": only_a, "only_b": only_b,
+            "p_value": min(1.0, 2 * tail)}
 
 
 def fmt(x, nd=3) -> str:
@@ -152,10 +208,15 @@ def plot(runs: dict, path: str, with_startup: bool = False) -> int:
         pts = curve(d, with_startup)
         if not pts:
             continue
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{system} ({run})")
+        (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{system} ({run})")
         for t, p, s in pts:
             ax.annotate(str(s), (t, p), textcoords="offset points", xytext=(3, 3), fontsize=7)
         n += 1
+        for source, cpts in cross_checks(d, with_startup).items():  # hollow: the system's own in-run evaluation
+            ax.plot([p[0] for p in cpts], [p[1] for p in cpts], marker="o", linestyle="none", mfc="none",
+                    color=line.get_color(), label=f"{system} ({run}), {source}: cross-check")
+            for t, p, s in cpts:
+                ax.annotate(str(s), (t, p), textcoords="offset points", xytext=(3, -9), fontsize=7)
     ax.set_xlabel("training seconds" + (" (with start-up)" if with_startup else " (sum of step times)"))
     ax.set_ylabel("GSM8K test greedy pass@1")
     ax.set_title("pass@1 against wall-clock, one H200 (labels: step)")
@@ -170,11 +231,33 @@ def plot(runs: dict, path: str, with_startup: bool = False) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("files", nargs="+")
+    p.add_argument("files", nargs="*")
+    p.add_argument("--mcnemar", nargs=2, metavar=("A", "B"),
+                   help="two tools/evaluate.py --out files of the same prompts: the exact McNemar test, one JSON line")
     p.add_argument("--png")
     p.add_argument("--json", help="write one summary line per run here")
     p.add_argument("--with_startup", action="store_true")
+    p.add_argument("--provenance", default="{}",
+                   help="JSON object added to every summary line (commit, device, date, versions of the hold)")
     a = p.parse_args(argv)
+    try:
+        prov = json.loads(a.provenance)
+    except json.JSONDecodeError as e:
+        prov = e
+    if not isinstance(prov, dict):
+        print(f"megaforge: error: --provenance: not a JSON object: {a.provenance!r}", file=sys.stderr)
+        return 2
+    if not a.files and not a.mcnemar:
+        p.error("give schema files, --mcnemar A B, or both")
+    if a.mcnemar:
+        try:
+            x, y = a.mcnemar
+            print(json.dumps(mcnemar(greedy_correct(x), greedy_correct(y), x, y)))
+        except (SchemaError, OSError) as e:
+            print(f"megaforge: error: {e}", file=sys.stderr)
+            return 2
+        if not a.files:
+            return 0
     try:
         runs = load(a.files)
     except (SchemaError, OSError) as e:
@@ -185,7 +268,7 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             for r in rows:
-                f.write(json.dumps(r) + "\n")
+                f.write(json.dumps({**r, "provenance": prov} if prov else r) + "\n")
     if a.png:
         n = plot(runs, a.png, a.with_startup)
         print(f"[compare] {a.png}: {n} curves")

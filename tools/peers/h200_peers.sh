@@ -2,7 +2,12 @@
 # The side-by-side runs of issue 39 on the offline H200, in the device calls a session makes (each < 10 min, chained
 # within the 30 s the machine stays warm so /tmp survives; the runs start detached, in their own process session,
 # and keep going across calls while the machine is held: tools/gpu/h200_session.sh's gsm_start way). Results go to $OUT.
-# NOTHING HERE HAS RUN ON A GPU YET (2026-12-05): every stage ran only as far as a CPU allows (tools/peers/README.md).
+# Hold 1 ran 2026-12-06 on an H200 (code fd52435; docs/benchmarks/peers_h200_hold1_*): device start 28 s, parts 0.3 s,
+#   install 25 s, kit 15 s, gsm_part 0.2-0.5 s each (~4 s held), gsm_prep 54 s convert, data 47 s (3 verl config
+#   checks), megaforge 8 steps (108 s start-up, ~6.5 s a step, its end-of-run evaluation ~35 s), verl mapped: 152 s
+#   start-up, 91 s first step, ~58 s a step (10 of 20 steps in the hold: killed after step 10's checkpoint),
+#   evaluate.py ~70 s each (SGLang's start included). verl's first launch failed: data had written the overrides
+#   under $OUT, which is emptied for every call (now kept under /tmp/peers). TRL and verl best/defaults: not run yet.
 #
 # Here, once: bash tools/peers/prepare_peers.sh        (.carry/peers: 50.8 MB of wheels; ignored by git)
 #             plus the SGLang kit (.sgl) and the GSM8K model / data / wheels (.carry/q, .carry/data, .carry/whl) as
@@ -61,6 +66,7 @@ evaluate() {  # $1: name, $2: step, $3: HF folder, then "system:run" pairs the r
   [ -f "$hf/config.json" ] || { echo "[h200_peers] no HF folder at $hf"; return 1; }
   PYTHONPATH=$MF_PATH timeout -k 20 400 python3 tools/evaluate.py --model "$hf" --config $RECIPE --data /tmp/mf/data/gsm8k/test.jsonl \
     --rollout.engine_env "$(engine_env)" --out $P/eval_${name}_${step}_samples.jsonl > $P/eval_${name}_${step}.log 2>&1; echo "exit $?"
+  gzip -c $P/eval_${name}_${step}_samples.jsonl > "$OUT/eval_${name}_${step}_samples.jsonl.gz"  # per prompt: compare.py --mcnemar
   : > "$OUT/eval_${name}_${step}.jsonl"
   for sr in "$@"; do
     python3 tools/peers/parse_logs.py evaluate $P/eval_${name}_${step}.log --for "${sr%%:*}" --step "$step" --run "${sr#*:}" --out - \
@@ -85,8 +91,9 @@ for stage in "$@"; do
       PYTHONPATH=$MF_PATH python3 tools/peers/peer_data.py --config $RECIPE --steps "$STEPS" --out_dir $P/data || exit 1
       for v in mapped best defaults; do
         PYTHONPATH=$MF_PATH python3 tools/peers/mapping.py verl --config $RECIPE --variant $v --steps "$STEPS" --data_dir $P/data \
-          --out_dir $P/verl_$v --model.path $MODEL > "$OUT/verl_$v.overrides"
-        (. /tmp/sgl/env.sh && PYTHONPATH=/tmp/verlsite:$PYTHONPATH python3 tools/peers/verl_compose.py "$OUT/verl_$v.overrides" \
+          --out_dir $P/verl_$v --model.path $MODEL > $P/verl_$v.overrides
+        cp $P/verl_$v.overrides "$OUT/"  # $OUT is emptied for every call: verl_start reads $P's copy
+        (. /tmp/sgl/env.sh && PYTHONPATH=/tmp/verlsite:$PYTHONPATH python3 tools/peers/verl_compose.py $P/verl_$v.overrides \
           --out "$OUT/verl_$v.composed.yaml" | tail -1)
       done ;;
     mf_start)  # megaforge's recipe for MF_STEPS steps in this hold (no evaluation, no checkpoint: timing only)
@@ -102,7 +109,7 @@ for stage in "$@"; do
       mkdir -p $P/verl_$V
       launch verl_$V $P/verl_$V/metrics.jsonl env VERL_FILE_LOGGER_PATH=$P/verl_$V/metrics.jsonl bash -c \
         "set -f; . /tmp/sgl/env.sh && export PYTHONPATH=/tmp/verlsite:$PWD:\$PYTHONPATH:/tmp/mfsite && \
-         exec python3 -m verl.trainer.main_ppo \$(cat $OUT/verl_$V.overrides)" ;;  # set -f: [console,file] is no glob
+         exec python3 -m verl.trainer.main_ppo \$(cat $P/verl_$V.overrides)" ;;  # set -f: [console,file] is no glob
     verl_watch)
       watch_run verl_$V $P/verl_$V/metrics.jsonl
       cp $P/verl_$V/metrics.jsonl "$OUT/verl_${V}_metrics.jsonl" 2>/dev/null
