@@ -348,3 +348,21 @@ def test_mcnemar_on_run4s_step0_and_step50_evaluations(capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["prompts"] == 1319 and round(r["a_pass1"] * 1319) == 352 and round(r["b_pass1"] * 1319) == 478
     assert r["only_b"] > r["only_a"] and r["p_value"] < 1e-6
+
+
+def test_time_to_target_from_in_run_grades_is_a_separate_cross_check(tmp_path, capsys):
+    # megaforge graded by evaluate.py only at step 0; its in-run evaluation at step 2 reaches verl's step-4 pass@1
+    mf = schema.with_wall(mf_steps("hold1", [40.0, 10.0, 12.0])
+                          + [{"kind": "eval", "system": "megaforge", "run": "hold1", "step": 0, "pass1": 0.26, "source": "tools/evaluate.py"},
+                             {"kind": "eval", "system": "megaforge", "run": "hold1", "step": 2, "pass1": 0.31, "source": "megaforge-eval"}])
+    verl = schema.with_wall([schema.step_record("verl", "hold1-mapped", i + 1, step_s=30.0, tokens=1e4) for i in range(4)]
+                            + [{"kind": "eval", "system": "verl", "run": "hold1-mapped", "step": 4, "pass1": 0.30, "source": "tools/evaluate.py"}])
+    files = [tmp_path / "mf.jsonl", tmp_path / "verl.jsonl"]
+    for f, recs in zip(files, [mf, verl]):
+        schema.write(recs, str(f))
+    summ = tmp_path / "s.jsonl"
+    assert compare.main([str(f) for f in files] + ["--json", str(summ)]) == 0
+    v = [r for r in map(json.loads, open(summ)) if r["system"] == "verl"][0]
+    assert v["megaforge_s_to_target"] is None and v["ratio/time_to_target"] is None  # never mixed into the ratio
+    assert v["cross_check/megaforge_s_to_target"] == 50.0 and v["cross_check/ratio/time_to_target"] == pytest.approx(50.0 / 120.0)
+    assert "in-run cross-check: 0.417" in capsys.readouterr().out
