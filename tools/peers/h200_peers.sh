@@ -26,8 +26,20 @@
 #   last: bash tools/peers/h200_peers.sh eval_verl compare
 # TRL in its own hold (same calls 1-12 without SGLang's two if megaforge's steps are not rerun... they are: every hold
 # that runs a peer also runs megaforge for a few steps), then trl_start / trl_watch / eval_trl / compare.
-# Variables: PEER_STEPS (20), MF_STEPS (5), VERL_VARIANT (mapped | best | defaults), HOLD (hold1), TRL_VLLM (0),
+# Variables: PEER_STEPS (20), MF_STEPS (5), VERL_VARIANT (mapped | best | defaults), VERL_VARIANTS (the variants `data`
+#            writes and checks: VERL_VARIANT by default, "" for none), HOLD (hold1), TRL_VLLM (0),
 #            MEGAFORGE_COMMIT (provenance of the JSON lines).
+# Budget of a hold, from hold 1's figures: setup to megaforge's launch ~250 s (device start, parts, install, kit, 9 GGUF
+#   calls, convert, data); megaforge MF_STEPS=5 ~185 s (108 s start-up, ~6.5 s a step, its end-of-run evaluation
+#   ~35 s); evaluate.py ~70 s a model. Left for the peer: ~1,200 s of the 1,800. verl mapped (152 s start-up, 91 s
+#   first step, ~58 s a step) fits ~17 steps and no evaluation: run PEER_STEPS=20 for the data, stop after step 10's
+#   checkpoint, or make verl's 20 steps the hold's only peer work with megaforge at MF_STEPS=3.
+# Next holds: hold 2 TRL (HOLD=hold2 PEER_STEPS=10 VERL_VARIANTS=""): calls 1-11 as above, then
+#   gsm_prep && data mf_start && sleep 170 && mf_watch; then trl_start, trl_watch until it ends; EVAL_BASE=0 eval_trl
+#   (its checkpoint-40 = step 10; the base model is graded already: 0.26687, hold 1). Hold 3: verl defaults (VERL_VARIANT=
+#   defaults HOLD=hold3). verl best needs flash-attn 2.8.3 built for torch 2.11 + CUDA 13 (verl's
+#   flash-attn-cu130torch211 extra): PyPI has only its sdist, whose setup downloads a wheel from GitHub (unreachable
+#   from here and from the machine); building it needs nvcc and ~20+ min of 16 cores on the machine.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
@@ -89,7 +101,7 @@ for stage in "$@"; do
       PYTHONPATH=$PWD:/tmp/trlsite python3 -c "import trl, transformers; print('trl', trl.__version__, 'transformers', transformers.__version__)" ;;
     data)  # megaforge's prompt order for the peers, and each verl variant's overrides checked by verl's validate_config
       PYTHONPATH=$MF_PATH python3 tools/peers/peer_data.py --config $RECIPE --steps "$STEPS" --out_dir $P/data || exit 1
-      for v in mapped best defaults; do
+      for v in ${VERL_VARIANTS-$V}; do  # ~15 s each; VERL_VARIANTS="" in a hold without verl
         PYTHONPATH=$MF_PATH python3 tools/peers/mapping.py verl --config $RECIPE --variant $v --steps "$STEPS" --data_dir $P/data \
           --out_dir $P/verl_$v --model.path $MODEL > $P/verl_$v.overrides
         cp $P/verl_$v.overrides "$OUT/"  # $OUT is emptied for every call: verl_start reads $P's copy
@@ -115,11 +127,11 @@ for stage in "$@"; do
       cp $P/verl_$V/metrics.jsonl "$OUT/verl_${V}_metrics.jsonl" 2>/dev/null
       python3 tools/peers/parse_logs.py verl $P/verl_$V/metrics.jsonl --run "$HOLD-verl-$V" --stamps $P/verl_$V.stamps \
         --launch_t "$(cat $P/verl_$V.launch_t)" --out "$OUT/verl_${HOLD}_${V}_steps.jsonl" ;;
-    eval_verl)  # verl's HF exports at steps 20, 10 and the base model (step 0) through the same evaluator
+    eval_verl)  # verl's HF exports at steps 20, 10 and the base model (step 0; EVAL_BASE=0: not) through the same evaluator
       pkill -9 -f "raylet|gcs_server|ray::" 2>/dev/null; sleep 2  # Ray's workers, if any outlived verl's driver
       nvidia-smi --query-gpu=memory.used --format=csv,noheader
       for s in 20 10; do evaluate verl_$V $s $P/verl_$V/ckpt/global_step_$s/actor/huggingface "verl:$HOLD-verl-$V"; done
-      evaluate base 0 $MODEL "verl:$HOLD-verl-$V" "megaforge:$HOLD" ;;
+      [ "${EVAL_BASE:-1}" = 0 ] || evaluate base 0 $MODEL "verl:$HOLD-verl-$V" "megaforge:$HOLD" ;;
     trl_start)  # TRL on the machine's own transformers (the kit's /tmp/site off its path)
       vllm=""; [ "${TRL_VLLM:-0}" = 1 ] && vllm=--use_vllm
       launch trl $P/trl/trl_steps.jsonl env PYTHONPATH=$PWD:/tmp/trlsite:/tmp/mfsite python3 tools/peers/trl_grpo.py --config $RECIPE \
@@ -128,8 +140,8 @@ for stage in "$@"; do
       watch_run trl $P/trl/trl_steps.jsonl
       cp $P/trl/trl_steps.jsonl "$OUT/trl_${HOLD}_steps.jsonl" 2>/dev/null ;;
     eval_trl)
-      evaluate base 0 $MODEL "trl:$HOLD-trl" "megaforge:$HOLD"
-      for s in 10 20; do evaluate trl $s $P/trl/checkpoint-$((s * 4)) "trl:$HOLD-trl"; done ;;
+      for s in 20 10; do evaluate trl $s $P/trl/checkpoint-$((s * 4)) "trl:$HOLD-trl"; done
+      [ "${EVAL_BASE:-1}" = 0 ] || evaluate base 0 $MODEL "trl:$HOLD-trl" "megaforge:$HOLD" ;;
     compare)
       python3 tools/peers/compare.py $(ls "$OUT"/*_steps.jsonl "$OUT"/eval_*.jsonl 2>/dev/null) --png "$OUT/peers_pass1.png" --json "$OUT/peers_summary.jsonl" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
