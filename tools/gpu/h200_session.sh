@@ -81,6 +81,12 @@
 #   with the recipe's 50 steps and its step-50 evaluation (issue 38 point 2: pass@1 at step 50 >= 0.342, train <= 3.5 s
 #   on an H200; gsm_rows' "graphs N" shows any compile after step 1), then GSM_FLAGS="--memory.offload none" for a
 #   few steps (offload + onload were 0.44 s a step; the planner says it fits on the H100 and the H200).
+# 2026-12-06 (fifth session) on an H200 (code fd52435; no refused start): parts 0.3 s, install 25 s, gsm_part ~4 s held
+#   each, gsm_prep 54 s convert; the GSM8K recipe for 8 steps beside verl (tools/peers/h200_peers.sh, issue 39 hold 1):
+#   start-up 108 s, step 1 8.72 s, median step 6.49 s (train 3.26: pi_old 0.65 + update 2.42; rollout 2.34; sync 0.59,
+#   of which ~0.44 the pinned offload). Next for issue 38 point 2 (~1,000 s): parts -> install -> gsm_part x 8 ->
+#   gsm_prep gsm_start (50 steps, evaluations every 10, checkpoints every 10) -> gsm_watch; then GSM_FLAGS=
+#   "--memory.offload none" a few steps (sync was the one phase verl won).
 # SGLang with its default Hopper attention (FA3; the kit drops it): bash tools/gpu/fa3_prepare.sh .fa3 here
 #   (/.fa3/ excluded), then after parts + install: one call per piece, carry .fa3/fa3-partK: fa3_part;
 #   then carry .fa3/fa3-small: fa3_install rollout_fa3; then rollout_triton (same flags) for the ratio; or both
