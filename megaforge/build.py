@@ -148,8 +148,42 @@ class RunBuilder:
 
         return load_tokenizer(self.cfg.model)
 
+    def resolve_offload(self) -> Optional[str]:
+        """``memory.offload: auto`` decided for this machine and written into the config's ``memory``
+        section (the trainer reads it from there), printed with its reason; other values are kept.
+        A trainer off CUDA: none. On CUDA: :func:`megaforge.planner.report.decide_offload` with this GPU's
+        memory and the job's nodes x GPUs (torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE). Returns the reason
+        (None when nothing was decided)."""
+        m = self.cfg.memory
+        if m.offload != "auto":
+            return None
+        import os
+        import sys
+
+        from megaforge.hf import resolve_device
+
+        device = resolve_device(self.cfg.trainer.device)
+        if device.type != "cuda":
+            resolved, why = "none", f"the trainer runs on {device.type}: its state lives in host memory already"
+        else:
+            import torch
+
+            from megaforge.planner.report import decide_offload
+
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            opts = {"gpu": torch.cuda.get_device_name(device),
+                    "gpu_memory_gib": torch.cuda.get_device_properties(device).total_memory / 2**30,
+                    "nodes": max(1, int(os.environ.get("WORLD_SIZE", "1")) // local), "gpus_per_node": local}
+            resolved, why = decide_offload(self.plan_input(), "grpo", opts)
+        m.offload = resolved
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[megaforge] memory.offload auto -> {resolved}: {why}", file=sys.stderr, flush=True)
+        return why
+
     def trainer(self, tokenizer=None):
-        """The configured backend (``trainer.backend``), constructed on every rank."""
+        """The configured backend (``trainer.backend``), constructed on every rank (``memory.offload:
+        auto`` decided first: :meth:`resolve_offload`)."""
+        self.resolve_offload()
         backend = self.cfg.trainer.backend
         if backend == "torch":
             from megaforge.trainer.torch_backend import TorchTrainer  # lazy: the chosen backend only

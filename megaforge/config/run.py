@@ -64,10 +64,13 @@ class SyncConfig:
 
 @dataclass
 class MemoryConfig:
-    offload: Literal["none", "pinned", "tms"] = "none"
+    offload: Literal["none", "pinned", "tms", "auto"] = "none"
     """Trainer state off the GPU while the engines generate (colocated runs; megaforge.memory): pinned
     (host buffers allocated once, chunked copies on a side stream), tms (torch_memory_saver
-    pause/resume; pip install torch-memory-saver), none (resident). A CPU trainer: nothing to do."""
+    pause/resume; pip install torch-memory-saver), none (resident). A CPU trainer: nothing to do.
+    auto: decided when the trainer is built, by the dry-run planner for this GPU's memory and the job's
+    nodes x GPUs: none when every phase fits with the state resident (no copies each step), else
+    pinned; the choice and its reason are printed (``--dry_run`` shows it too)."""
 
 
 @dataclass

@@ -53,6 +53,10 @@ GIB = float(1 << 30)
 
 def build_offloader(mode: str, device, entries_fn: Callable[[Sequence[str]], list], chunk_bytes: int = 1 << 30):
     """The offloader of ``memory.offload`` for a trainer on ``device`` (None: nothing to do)."""
+    if mode == "auto":
+        raise ValueError("memory.offload 'auto' is decided by megaforge.build.RunBuilder.resolve_offload before a "
+                         "trainer is built (RunBuilder.trainer does it); a trainer built otherwise needs none, pinned "
+                         "or tms")
     if mode not in OFFLOAD_MODES:
         raise ValueError(f"memory.offload {mode!r}: valid: {', '.join(OFFLOAD_MODES)}")
     device = torch.device(device)

@@ -78,6 +78,11 @@ def make_plan(pin: PlanInput, mode: str, opts: dict) -> dict:
     plan["model"] = shape.as_dict()
     plan["hardware"] = {"nodes": hw.nodes, "gpus_per_node": hw.gpus_per_node, "gpu": hw.gpu,
                         "memory_gib": hw.memory_gib, "assumed": assumed}
+    if pin.memory.offload == "auto":
+        resolved, why = decide_offload(pin, mode, {**opts, "gpu": hw.gpu, "gpu_memory_gib": hw.memory_gib,
+                                                   "nodes": hw.nodes, "gpus_per_node": hw.gpus_per_node})
+        plan["memory_offload"] = {"auto": resolved, "reason": why}
+        pin = pin.vary({"memory.offload": resolved})
     lay, errs, warns = check_layout(pin, shape, hw, mode)
     plan["warnings"] = warns
     plan["errors"] = [{"key": e.key, "message": str(e)} for e in errs]
@@ -108,6 +113,32 @@ def make_plan(pin: PlanInput, mode: str, opts: dict) -> dict:
     return plan
 
 
+def decide_offload(pin: PlanInput, mode: str, opts: dict) -> tuple[str, str]:
+    """(``memory.offload`` for ``auto``, why): ``none`` when the engines have GPUs of their own or the
+    phases the offload changes (``rollout`` and ``sync``: the trainer state left beside the engine) fit in
+    :func:`make_plan` with the state resident (``opts``: the GPU and the job's nodes x GPUs), else
+    ``pinned`` (also when the planner cannot estimate the run: the choice that needs the least GPU
+    memory, with the planner's error in the reason). The train phase holds the whole state either way."""
+    resident = pin.vary({"memory.offload": "none"})
+    plan = make_plan(resident, mode, opts) if resident is not None else {"errors": [{"message": "config refused"}]}
+    phases = plan.get("phases")
+    if not phases:
+        errs = "; ".join(e["message"] for e in plan["errors"]) or "no phase estimated"
+        return "pinned", f"the planner could not estimate the run with the trainer state resident ({errs})"
+    if not plan["layout"]["colocated"]:
+        return "none", "the engines run on GPUs of their own: nothing shares the trainer's GPUs"
+    mem = plan["hardware"]["memory_gib"]
+    shared = {n: p for n, p in phases.items() if n in ("rollout", "sync")}
+    bad = [(n, p) for n, p in shared.items() if p["verdict"] != "fits"]
+    if bad:
+        n, p = bad[0]
+        return "pinned", (f"with the trainer state resident the {n} phase would need {p['total_gib']:.1f} of "
+                          f"{mem:.1f} GiB ({p['verdict']}; planner)")
+    n, p = max(shared.items(), key=lambda kv: kv[1]["total_gib"])
+    return "none", (f"the rollout and sync phases fit with the trainer state resident (the larger, {n}: "
+                    f"{p['total_gib']:.1f} of {mem:.1f} GiB; planner)")
+
+
 # --------------------------------------------------------------------------------------- printing
 def _coords(c: dict) -> str:
     keys = ("tp", "cp", "dp", "pp", "ep")
@@ -128,6 +159,8 @@ def format_plan(plan: dict, config_path: str = "") -> str:
     if hw:
         out.append(f"hardware  {hw['nodes']} node(s) x {hw['gpus_per_node']} GPUs, {hw['gpu']} {hw['memory_gib']:.1f} GiB each")
         out += [f"          assumed: {a}" for a in hw["assumed"]]
+    if plan.get("memory_offload"):
+        out.append(f"memory    memory.offload auto -> {plan['memory_offload']['auto']}: {plan['memory_offload']['reason']}")
     lay = plan.get("layout")
     if lay:
         tr = (f"trainer   {lay['backend']}: {lay['world']} ranks = TP {lay['tp']} x CP {lay['cp']} x PP {lay['pp']} x DP {lay['dp']}"
