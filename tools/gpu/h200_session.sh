@@ -86,7 +86,8 @@
 #   start-up 108 s, step 1 8.72 s, median step 6.49 s (train 3.26: pi_old 0.65 + update 2.42; rollout 2.34; sync 0.59,
 #   of which ~0.44 the pinned offload). Next for issue 38 point 2 (~1,000 s): parts -> install -> gsm_part x 8 ->
 #   gsm_prep gsm_start (50 steps, evaluations every 10, checkpoints every 10) -> gsm_watch; then GSM_FLAGS=
-#   "--memory.offload none" a few steps (sync was the one phase verl won).
+#   "--memory.offload auto" a few steps (it prints "memory.offload auto -> none: ..." there; sync was the one phase
+#   verl won). The colocated path with the state resident has not run on a GPU yet.
 # SGLang with its default Hopper attention (FA3; the kit drops it): bash tools/gpu/fa3_prepare.sh .fa3 here
 #   (/.fa3/ excluded), then after parts + install: one call per piece, carry .fa3/fa3-partK: fa3_part;
 #   then carry .fa3/fa3-small: fa3_install rollout_fa3; then rollout_triton (same flags) for the ratio; or both

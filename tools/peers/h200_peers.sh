@@ -26,7 +26,7 @@
 #   last: bash tools/peers/h200_peers.sh eval_verl compare
 # TRL in its own hold (same calls 1-12 without SGLang's two if megaforge's steps are not rerun... they are: every hold
 # that runs a peer also runs megaforge for a few steps), then trl_start / trl_watch / eval_trl / compare.
-# Variables: PEER_STEPS (20), MF_STEPS (5), VERL_VARIANT (mapped | best | defaults), VERL_VARIANTS (the variants `data`
+# Variables: PEER_STEPS (20), MF_STEPS (5), MF_FLAGS (more launcher flags for megaforge, e.g. "--memory.offload auto"), VERL_VARIANT (mapped | best | defaults), VERL_VARIANTS (the variants `data`
 #            writes and checks: VERL_VARIANT by default, "" for none), HOLD (hold1), TRL_VLLM (0),
 #            MEGAFORGE_COMMIT (provenance of the JSON lines).
 # Budget of a hold, from hold 1's figures: setup to megaforge's launch ~250 s (device start, parts, install, kit, 9 GGUF
@@ -112,7 +112,7 @@ for stage in "$@"; do
       rm -rf /tmp/runs/peers_mf
       launch mf /tmp/runs/peers_mf/metrics.jsonl env PYTHONPATH=$MF_PATH python3 -m torch.distributed.run --nproc_per_node 1 \
         launchers/grpo.py --config $RECIPE --run_name peers_mf --max_steps "${MF_STEPS:-5}" --eval.before_train false \
-        --checkpoint.interval 0 --metrics.progress false --rollout.engine_env "$(engine_env)" ;;
+        --checkpoint.interval 0 --metrics.progress false --rollout.engine_env "$(engine_env)" ${MF_FLAGS:-} ;;
     mf_watch)
       watch_run mf /tmp/runs/peers_mf/metrics.jsonl
       python3 tools/peers/parse_logs.py megaforge /tmp/runs/peers_mf/metrics.jsonl --run "$HOLD" --stamps $P/mf.stamps \
