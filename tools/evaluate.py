@@ -3,6 +3,7 @@
     python tools/evaluate.py --model HF_DIR --data test.jsonl [--k 8] [--out samples.jsonl] [--key value ...]
     python tools/evaluate.py --model RUN_DIR                  # the run's latest checkpoint, its eval.sets
     python tools/evaluate.py --model RUN_DIR/checkpoints/step_000040 --data gsm8k_test.jsonl --k 8
+    python tools/evaluate.py --model base/ --model step10/ --model step20/ --data test.jsonl --out 'e_{model}.jsonl'
 
 ``--model`` is a Hugging Face folder (also a run's ``hf/step_N`` export) or a run checkpoint (a run
 folder: its newest complete checkpoint), whose weights are written to a temporary HF folder first
@@ -19,6 +20,14 @@ Remote code is never trusted unless ``--trust_remote_code`` is given here: a run
 transformers import Python files from a model folder (``auto_map``), so without the flag evaluate
 refuses, naming the model and the key, before anything is loaded. With the flag, the config's values
 hold and ``model.trust_remote_code`` is set true.
+
+Several ``--model`` are evaluated in turn through one engine start (a checkpoint series, several systems'
+exports): the engine starts on the first; each next one's weights (its ``*.safetensors``, cast to the
+engine's dtype) reach the same engine through its weight update, as a run's sync sends them (weight version
+1, 2, ...). The prompts, chat template, rewards and engine are the first model's; each next model must
+have the same architecture (``config.json``: the keys of ``SAME_ARCH``), else evaluate stops naming the key
+and both folders. One JSON line is printed per model as soon as it is done; ``--out`` then holds
+``{model}`` (replaced by 0, 1, ...).
 
 It runs through the same engine and code as the evaluation inside a run (megaforge.eval), prints one
 JSON line with the same keys as a run's metrics row (``eval/<set>/greedy/pass@1``,
@@ -47,7 +56,8 @@ class EvaluateError(RuntimeError):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage=__doc__.split("\n\n")[1])
-    p.add_argument("--model", required=True, help="HF folder, run folder or run checkpoint")
+    p.add_argument("--model", required=True, action="append",
+                   help="HF folder, run folder or run checkpoint; repeat it to evaluate several through one engine start")
     p.add_argument("--data", default="", help="prompts to evaluate (default: the run's eval.sets)")
     p.add_argument("--split", default="test", help="split of a `datasets` dataset")
     p.add_argument("--subset", default="", help="configuration of a `datasets` hub dataset")
@@ -181,7 +191,63 @@ def build_config(args, overrides: list[str], model_dir: str, run_dir: str | None
     return cfg
 
 
-def evaluate(cfg, out_arg: str, out_dir: str) -> dict:
+#: config.json keys a further ``--model`` must share with the first (the engine keeps its shapes)
+SAME_ARCH = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings", "num_experts",
+             "moe_intermediate_size")
+
+
+def check_same_arch(first: str, other: str) -> None:
+    """EvaluateError naming the key and both folders when ``other``'s config.json differs from ``first``'s
+    in a key of :data:`SAME_ARCH`."""
+    import json
+
+    def read(folder):
+        try:
+            with open(os.path.join(folder, "config.json")) as f:
+                return json.load(f)
+        except (OSError, ValueError) as e:
+            raise EvaluateError(f"--model {folder}: cannot read its config.json ({e})") from None
+
+    a, b = read(first), read(other)
+    for k in SAME_ARCH:
+        if a.get(k) != b.get(k):
+            raise EvaluateError(f"--model {other}: config.json {k} = {b.get(k)!r}, but the engine serves the first "
+                                f"--model {first} with {a.get(k)!r}: evaluate models of one architecture together")
+
+
+def hf_buckets(folder: str, dtype, device, bucket_bytes: int = 512 << 20):
+    """The tensors of ``folder``'s ``*.safetensors`` (sorted by file, then name), floating ones cast to
+    ``dtype``, on ``device``, in buckets of about ``bucket_bytes`` (the shape of a run's sync)."""
+    import glob
+
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise EvaluateError(f"--model {folder}: no *.safetensors (a further --model reaches the running engine from "
+                            f"its safetensors files)")
+    bucket, size = [], 0
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in sorted(f.keys()):
+                t = f.get_tensor(name)
+                t = t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+                bucket.append((name, t))
+                size += t.numel() * t.element_size()
+                if size >= bucket_bytes:
+                    yield bucket
+                    bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def evaluate(cfg, models: list) -> int:
+    """Each of ``models`` (``[(label, weights_dir_fn, out_path_fn, extra)]``; ``weights_dir_fn()`` gives the HF
+    folder, a checkpoint converted on demand) through one engine started on ``cfg.model.path`` (the first's):
+    one JSON line each, printed when done. Returns how many were evaluated."""
+    import torch
+
     from megaforge.build import RunBuilder
     from megaforge.eval.runner import write_jsonl
     from megaforge.hf import load_tokenizer
@@ -195,22 +261,69 @@ def evaluate(cfg, out_arg: str, out_dir: str) -> dict:
     sets, _ = b.eval_sets(tok)
     rewards = RewardManager(cfg.rewards)
     engine = build_engine(b.engine_spec(), tok)
-    out: dict = {}
+    done = 0
     try:
         ev = b.evaluator(None, sets, tok, rewards, stop_token_ids(tok, cfg.model.path))
-        for s in sets:
-            metrics, records = ev.evaluate_set(engine, s, step=0)
-            out.update({f"eval/{s.name}/{k}": v for k, v in metrics.items()})
-            path = out_arg or os.path.join(out_dir, f"{s.name}.jsonl")
-            if out_arg and len(sets) > 1:
-                path = f"{os.path.splitext(out_arg)[0]}_{s.name}.jsonl"
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            write_jsonl(path, records)
-            out[f"samples/{s.name}"] = os.path.abspath(path)
+        dtype = getattr(torch, cfg.engine_dtype)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        for i, (label, weights_dir, out_path, extra) in enumerate(models):
+            t0 = time.perf_counter()
+            if i:
+                folder = weights_dir()
+                check_same_arch(cfg.model.path, folder)
+                engine.update_weights(hf_buckets(folder, dtype, device), version=i)
+            out: dict = {}
+            for s in sets:
+                metrics, records = ev.evaluate_set(engine, s, step=0)
+                out.update({f"eval/{s.name}/{k}": v for k, v in metrics.items()})
+                path = out_path(s.name, len(sets))
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                write_jsonl(path, records)
+                out[f"samples/{s.name}"] = os.path.abspath(path)
+            emit({**extra, "engine": cfg.rollout.engine, **out, "weight_version": i,
+                  "time_s": round(time.perf_counter() - t0, 2)})
+            done += 1
     finally:
         engine.shutdown()
         rewards.close()
-    return out
+    return done
+
+
+def out_path_fn(out_arg: str, model: str, ckpt, index: int, several: bool):
+    """(set name, number of sets) -> the per-sample file of one model (see the module docstring)."""
+    if several and out_arg and "{model}" not in out_arg:
+        raise EvaluateError(f"--out {out_arg}: with several --model it must hold {{model}} (replaced by 0, 1, ...)")
+    out_arg = out_arg.replace("{model}", str(index))
+
+    def path(set_name: str, n_sets: int) -> str:
+        if not out_arg:
+            return os.path.join(out_folder(model, ckpt), f"{set_name}.jsonl")
+        return f"{os.path.splitext(out_arg)[0]}_{set_name}.jsonl" if n_sets > 1 else out_arg
+
+    return path
+
+
+def prepare(model: str, args, tmps: list):
+    """(a function giving the HF folder, converting a checkpoint on demand; checkpoint; run dir) of one
+    ``--model``."""
+    _, ckpt = locate(model)
+    run_dir = run_dir_of(ckpt) if ckpt else None
+    if not ckpt:
+        return (lambda: os.path.abspath(model)), ckpt, run_dir
+    from megaforge.config import load_config
+
+    if not os.path.exists(os.path.join(run_dir, "config.yaml")):
+        raise EvaluateError(f"{ckpt}: no config.yaml in its run folder {run_dir}")
+    run_cfg = load_config(["--config", os.path.join(run_dir, "config.yaml")])
+    refuse_remote_code(run_cfg, model, os.path.join(run_dir, "config.yaml"), args.trust_remote_code)
+
+    def convert() -> str:
+        tmp = tempfile.mkdtemp(prefix="megaforge-evaluate-")
+        tmps.append(tmp)
+        checkpoint_to_hf(ckpt, run_cfg, os.path.join(tmp, "hf"))
+        return os.path.join(tmp, "hf")
+
+    return convert, ckpt, run_dir
 
 
 def main(argv=None) -> int:
@@ -218,28 +331,19 @@ def main(argv=None) -> int:
     from megaforge.data.sources import DataError
 
     args, overrides = parse_args(argv)
-    t0 = time.perf_counter()
-    tmp = None
+    tmps: list = []
     try:
-        _, ckpt = locate(args.model)
-        run_dir = run_dir_of(ckpt) if ckpt else None
-        model_dir = os.path.abspath(args.model)
-        if ckpt:
-            from megaforge.config import load_config
-
-            if not os.path.exists(os.path.join(run_dir, "config.yaml")):
-                raise EvaluateError(f"{ckpt}: no config.yaml in its run folder {run_dir}")
-            run_cfg = load_config(["--config", os.path.join(run_dir, "config.yaml")])
-            refuse_remote_code(run_cfg, args.model, os.path.join(run_dir, "config.yaml"), args.trust_remote_code)
-            tmp = tempfile.mkdtemp(prefix="megaforge-evaluate-")
-            model_dir = os.path.join(tmp, "hf")
-            checkpoint_to_hf(ckpt, run_cfg, model_dir)
-        cfg = build_config(args, overrides, model_dir, run_dir)
+        prepared = [prepare(m, args, tmps) for m in args.model]  # every --model found before the engine starts
+        first, ckpt, run_dir = prepared[0]
+        cfg = build_config(args, overrides, first(), run_dir)
         base = args.config or (os.path.join(run_dir, "config.yaml") if run_dir else "the defaults")
-        refuse_remote_code(cfg, args.model, f"the evaluation's config ({base} and the command line)",
+        refuse_remote_code(cfg, args.model[0], f"the evaluation's config ({base} and the command line)",
                            args.trust_remote_code)
-        result = {"model": os.path.abspath(args.model), "weights": os.path.basename(ckpt) if ckpt else "hf",
-                  "engine": cfg.rollout.engine, **evaluate(cfg, args.out, out_folder(args.model, ckpt))}
+        several = len(args.model) > 1
+        models = [(m, fn, out_path_fn(args.out, m, c, i, several),
+                   {"model": os.path.abspath(m), "weights": os.path.basename(c) if c else "hf"})
+                  for i, (m, (fn, c, _)) in enumerate(zip(args.model, prepared))]
+        evaluate(cfg, models)
     except (EvaluateError, ConfigError, DataError) as e:
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 1
@@ -248,10 +352,8 @@ def main(argv=None) -> int:
               f"started from: run this tool from there)", file=sys.stderr)
         return 1
     finally:
-        if tmp:
+        for tmp in tmps:
             shutil.rmtree(tmp, ignore_errors=True)
-    result["time_s"] = round(time.perf_counter() - t0, 2)
-    emit(result)
     return 0
 
 

@@ -7,6 +7,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from eval_helpers import EVAL, ROOT, eval_part, launch, launch_here, samples
 
@@ -170,3 +171,55 @@ def test_remote_code_keys_cover_every_model_of_the_config():
                                                  r"rewards.functions\[1\].reward_model.trust_remote_code true"):
         TOOL.refuse_remote_code(cfg, "m", "c.yaml", allowed=False)
     TOOL.refuse_remote_code(cfg, "m", "c.yaml", allowed=True)
+
+
+def test_several_models_through_one_engine_start_equal_each_alone(tmp_path, evaluate, capsys):
+    """Two tiny Qwen2 folders of different weights: evaluated together (the second reaches the running engine
+    through its weight update) each gives the responses and metrics it gives alone (float32 engine on the
+    CPU: the same weights and prompts decode the same greedy tokens, compared exactly). The second is the
+    first with its final norm zeroed: every logit exactly 0, so greedy picks token 0 on every CPU kind."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.conftest import make_tiny_model
+
+    a = make_tiny_model(str(tmp_path / "a"), seed=1)
+    b = str(tmp_path / "b")
+    m = AutoModelForCausalLM.from_pretrained(a)
+    with torch.no_grad():
+        m.model.norm.weight.zero_()
+    m.save_pretrained(b)
+    AutoTokenizer.from_pretrained(a).save_pretrained(b)
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"q": f"What is {x} + 2?", "a": str(x + 2)}) + "\n" for x in range(4)))
+    common = ["--data", str(data), "--input_key", "q", "--label_key", "a", "--k", "2", "--rollout.max_new_tokens", "8",
+              "--data.apply_chat_template", "false", "--data.max_prompt_len", "64"]
+    rc = TOOL.main(["--model", a, "--model", b, "--out", str(tmp_path / "both_{model}.jsonl"), *common])
+    out, err = capsys.readouterr()
+    assert rc == 0, err[-3000:]
+    both = [json.loads(line) for line in out.strip().splitlines()[-2:]]
+    assert [r["weight_version"] for r in both] == [0, 1] and [r["model"] for r in both] == [a, b]
+    for i, m in enumerate((a, b)):
+        alone, _ = evaluate("--model", m, "--out", str(tmp_path / f"alone_{i}.jsonl"), *common)
+        greedy = [r["response"] for r in samples(str(tmp_path / f"both_{i}.jsonl")) if r["mode"] == "greedy"]
+        assert greedy == [r["response"] for r in samples(str(tmp_path / f"alone_{i}.jsonl")) if r["mode"] == "greedy"]
+        assert both[i]["eval/sums/greedy/pass@1"] == alone["eval/sums/greedy/pass@1"]
+    # the two models answer differently: the second evaluation did not reuse the first's weights
+    ga = [r["response"] for r in samples(str(tmp_path / "both_0.jsonl")) if r["mode"] == "greedy"]
+    gb = [r["response"] for r in samples(str(tmp_path / "both_1.jsonl")) if r["mode"] == "greedy"]
+    assert ga != gb
+
+
+def test_several_models_need_one_architecture_and_an_out_template(tmp_path, evaluate):
+    from tests.conftest import make_tiny_model
+
+    a = make_tiny_model(str(tmp_path / "a"), seed=1)
+    wide = make_tiny_model(str(tmp_path / "wide"), seed=1, intermediate_size=96)
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}) + "\n")
+    common = ["--data", str(data), "--rollout.max_new_tokens", "4", "--data.apply_chat_template", "false",
+              "--data.max_prompt_len", "64", "--k", "0"]
+    _, err = evaluate("--model", a, "--model", wide, "--out", str(tmp_path / "x.jsonl"), *common, expect_rc=1)
+    assert "with several --model it must hold {model}" in err
+    _, err = evaluate("--model", a, "--model", wide, "--out", str(tmp_path / "x_{model}.jsonl"), *common, expect_rc=1)
+    assert f"--model {wide}: config.json intermediate_size" in err and f"first --model {a}" in err
+    assert os.path.exists(tmp_path / "x_0.jsonl")  # the first model's results were written before the refusal
