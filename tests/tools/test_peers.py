@@ -366,3 +366,32 @@ def test_time_to_target_from_in_run_grades_is_a_separate_cross_check(tmp_path, c
     assert v["megaforge_s_to_target"] is None and v["ratio/time_to_target"] is None  # never mixed into the ratio
     assert v["cross_check/megaforge_s_to_target"] == 50.0 and v["cross_check/ratio/time_to_target"] == pytest.approx(50.0 / 120.0)
     assert "in-run cross-check: 0.417" in capsys.readouterr().out
+
+
+def test_h200_peers_evaluate_shares_one_engine_start_and_falls_back_to_one_alone(tmp_path):
+    """h200_peers.sh's evaluate on the CPU (embedded engine, tiny models, the demo config in place of the
+    recipe): the models share one tools/evaluate.py call; a model missing from its output (here: another
+    architecture, refused after the first was graded) is evaluated alone; a missing folder is skipped."""
+    from tests.conftest import make_tiny_model
+
+    a = make_tiny_model(str(tmp_path / "a"), seed=1)
+    wide = make_tiny_model(str(tmp_path / "wide"), seed=1, intermediate_size=96)
+    data = tmp_path / "t.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Compute {x} times 7.", "answer": str(7 * x)}) + "\n" for x in range(2)))
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PEERS_DIR=str(tmp_path / "p"), RECIPE="configs/demo_cpu.yaml",
+               EVAL_DATA=str(data), ENGINE_ENV_JSON="{}", MF_PATH=ROOT, OMP_NUM_THREADS="1",
+               EVAL_FLAGS="--rollout.max_new_tokens 4 --data.max_prompt_len 64 --k 0 --eval.check_disjoint false")
+    script = (f'source tools/peers/h200_peers.sh; evaluate "s 20 {a} verl:h1-v" "s 10 {tmp_path}/none verl:h1-v" '
+              f'"w 0 {wide} verl:h1-v,megaforge:h1"')
+    r = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"no HF folder at {tmp_path}/none" in r.stdout
+    assert f"{wide}: not in the shared call's output; evaluated alone" in r.stdout
+    out = tmp_path / "out"
+    s20 = [json.loads(x) for x in open(out / "eval_s_20.jsonl")]
+    w0 = [json.loads(x) for x in open(out / "eval_w_0.jsonl")]
+    assert [(e["system"], e["run"], e["step"], e["prompts"]) for e in s20] == [("verl", "h1-v", 20, 2.0)]
+    assert [(e["system"], e["run"], e["step"]) for e in w0] == [("verl", "h1-v", 0), ("megaforge", "h1", 0)]
+    assert (out / "eval_s_20_samples.jsonl.gz").stat().st_size > 0 and (out / "eval_w_0_samples.jsonl.gz").stat().st_size > 0
+    log = next(out.glob("eval_*.log")).read_text()
+    assert "config.json intermediate_size" in log  # the shared call's refusal of the second model, then its own call

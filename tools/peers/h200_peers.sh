@@ -31,7 +31,8 @@
 #            MEGAFORGE_COMMIT (provenance of the JSON lines).
 # Budget of a hold, from hold 1's figures: setup to megaforge's launch ~250 s (device start, parts, install, kit, 9 GGUF
 #   calls, convert, data); megaforge MF_STEPS=5 ~185 s (108 s start-up, ~6.5 s a step, its end-of-run evaluation
-#   ~35 s); evaluate.py ~70 s a model. Left for the peer: ~1,200 s of the 1,800. verl mapped (152 s start-up, 91 s
+#   ~35 s); evaluate.py ~70 s a model alone (SGLang's start ~35 s of it; the stages now grade all of a hold's models
+#   in one call: one start, then each next model's weights sent to the running engine). Left for the peer: ~1,200 s of the 1,800. verl mapped (152 s start-up, 91 s
 #   first step, ~58 s a step) fits ~17 steps and no evaluation: run PEER_STEPS=20 for the data, stop after step 10's
 #   checkpoint, or make verl's 20 steps the hold's only peer work with megaforge at MF_STEPS=3.
 # Next holds: hold 2 TRL (HOLD=hold2 PEER_STEPS=10 VERL_VARIANTS=""): calls 1-11 as above, then
@@ -41,17 +42,19 @@
 #   flash-attn-cu130torch211 extra): PyPI has only its sdist, whose setup downloads a wheel from GitHub (unreachable
 #   from here and from the machine); building it needs nvcc and ~20+ min of 16 cores on the machine.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
-P=/tmp/peers; mkdir -p $P
-RECIPE=configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml
+P=${PEERS_DIR:-/tmp/peers}; mkdir -p $P
+RECIPE=${RECIPE:-configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml}
 MODEL=/tmp/qwen2.5-coder-0.5b-instruct
+EVAL_DATA=${EVAL_DATA:-/tmp/mf/data/gsm8k/test.jsonl}
 HOLD=${HOLD:-hold1}
 STEPS=${PEER_STEPS:-20}
 V=${VERL_VARIANT:-mapped}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 MF_PATH=$PWD:/tmp/mfsite
-engine_env() {
+engine_env() {  # ENGINE_ENV_JSON: given instead (tests on a CPU, without the kit)
+  [ -n "${ENGINE_ENV_JSON:-}" ] && { echo "$ENGINE_ENV_JSON"; return; }
   PYTHONPATH=$MF_PATH python3 -c "import json; from megaforge.supervise import env_from_script; print(json.dumps(env_from_script('/tmp/sgl/env.sh')))"
 }
 launch() {  # $1: name, $2: log file that grows one line per step, then the command: detached, stamped, launch time kept
@@ -72,19 +75,38 @@ watch_run() {  # $1: name, $2: its metrics file: follow for WATCH_SECONDS or unt
   tail -c 8000000 $P/$1.out > "$OUT/$1.log"
   grep -v -i warn $P/$1.out | grep -i "error\|Traceback" | tail -5
 }
-evaluate() {  # $1: name, $2: step, $3: HF folder, then "system:run" pairs the result is recorded for
-  # -> $OUT/eval_<name>_<step>.jsonl (tools/evaluate.py through SGLang, the recipe's prompts, reward and lengths)
-  local name=$1 step=$2 hf=$3; shift 3
-  [ -f "$hf/config.json" ] || { echo "[h200_peers] no HF folder at $hf"; return 1; }
-  PYTHONPATH=$MF_PATH timeout -k 20 400 python3 tools/evaluate.py --model "$hf" --config $RECIPE --data /tmp/mf/data/gsm8k/test.jsonl \
-    --rollout.engine_env "$(engine_env)" --out $P/eval_${name}_${step}_samples.jsonl > $P/eval_${name}_${step}.log 2>&1; echo "exit $?"
-  gzip -c $P/eval_${name}_${step}_samples.jsonl > "$OUT/eval_${name}_${step}_samples.jsonl.gz"  # per prompt: compare.py --mcnemar
-  : > "$OUT/eval_${name}_${step}.jsonl"
-  for sr in "$@"; do
-    python3 tools/peers/parse_logs.py evaluate $P/eval_${name}_${step}.log --for "${sr%%:*}" --step "$step" --run "${sr#*:}" --out - \
-      >> "$OUT/eval_${name}_${step}.jsonl"
+evaluate() {  # arguments "name step hf_folder system:run[,system:run]", newest first: all through one tools/evaluate.py
+  # call (one SGLang start; each next model's weights sent to the running engine); a model without its line then alone
+  # -> $OUT/eval_<name>_<step>.jsonl and its per-prompt file eval_<name>_<step>_samples.jsonl.gz (compare.py --mcnemar)
+  local args=() kept=() spec name step hf pairs i log
+  for spec in "$@"; do
+    read -r name step hf pairs <<< "$spec"
+    if [ -f "$hf/config.json" ]; then args+=(--model "$hf"); kept+=("$spec"); else echo "[h200_peers] no HF folder at $hf"; fi
   done
-  cat "$OUT/eval_${name}_${step}.jsonl"
+  [ ${#kept[@]} -gt 0 ] || return 1
+  log=$P/eval_$(date +%s).log
+  run_eval() {  # $1: per-sample file (template), then --model ... ; appends to $log
+    local out=$1; shift
+    PYTHONPATH=$MF_PATH timeout -k 20 $((240 + 45 * $#)) python3 tools/evaluate.py "$@" --config $RECIPE \
+      --data "$EVAL_DATA" --rollout.engine_env "$(engine_env)" ${EVAL_FLAGS:-} --out "$out" >> $log 2>&1; echo "exit $?"
+  }
+  run_eval "$P/eval_{model}_samples.jsonl" "${args[@]}"
+  i=0
+  for spec in "${kept[@]}"; do
+    read -r name step hf pairs <<< "$spec"
+    if ! grep -q "\"model\": \"$hf\"" $log; then  # evaluate.py prints the folder's absolute path (all here are)
+      echo "[h200_peers] $hf: not in the shared call's output; evaluated alone"
+      run_eval "$P/eval_${i}_samples.jsonl" --model "$hf"
+    fi
+    gzip -c $P/eval_${i}_samples.jsonl > "$OUT/eval_${name}_${step}_samples.jsonl.gz" 2>/dev/null
+    : > "$OUT/eval_${name}_${step}.jsonl"
+    for sr in ${pairs//,/ }; do
+      python3 tools/peers/parse_logs.py evaluate $log --model "$hf" --for "${sr%%:*}" --step "$step" --run "${sr#*:}" \
+        --out - >> "$OUT/eval_${name}_${step}.jsonl"
+    done
+    cat "$OUT/eval_${name}_${step}.jsonl"; i=$((i + 1))
+  done
+  cp $log "$OUT/"
 }
 
 for stage in "$@"; do
@@ -130,8 +152,9 @@ for stage in "$@"; do
     eval_verl)  # verl's HF exports at steps 20, 10 and the base model (step 0; EVAL_BASE=0: not) through the same evaluator
       pkill -9 -f "raylet|gcs_server|ray::" 2>/dev/null; sleep 2  # Ray's workers, if any outlived verl's driver
       nvidia-smi --query-gpu=memory.used --format=csv,noheader
-      for s in 20 10; do evaluate verl_$V $s $P/verl_$V/ckpt/global_step_$s/actor/huggingface "verl:$HOLD-verl-$V"; done
-      [ "${EVAL_BASE:-1}" = 0 ] || evaluate base 0 $MODEL "verl:$HOLD-verl-$V" "megaforge:$HOLD" ;;
+      base=(); [ "${EVAL_BASE:-1}" = 0 ] || base=("base 0 $MODEL verl:$HOLD-verl-$V,megaforge:$HOLD")
+      evaluate "verl_$V 20 $P/verl_$V/ckpt/global_step_20/actor/huggingface verl:$HOLD-verl-$V" \
+        "verl_$V 10 $P/verl_$V/ckpt/global_step_10/actor/huggingface verl:$HOLD-verl-$V" "${base[@]}" ;;
     trl_start)  # TRL on the machine's own transformers (the kit's /tmp/site off its path)
       vllm=""; [ "${TRL_VLLM:-0}" = 1 ] && vllm=--use_vllm
       launch trl $P/trl/trl_steps.jsonl env PYTHONPATH=$PWD:/tmp/trlsite:/tmp/mfsite python3 tools/peers/trl_grpo.py --config $RECIPE \
@@ -140,8 +163,8 @@ for stage in "$@"; do
       watch_run trl $P/trl/trl_steps.jsonl
       cp $P/trl/trl_steps.jsonl "$OUT/trl_${HOLD}_steps.jsonl" 2>/dev/null ;;
     eval_trl)
-      for s in 20 10; do evaluate trl $s $P/trl/checkpoint-$((s * 4)) "trl:$HOLD-trl"; done
-      [ "${EVAL_BASE:-1}" = 0 ] || evaluate base 0 $MODEL "trl:$HOLD-trl" "megaforge:$HOLD" ;;
+      base=(); [ "${EVAL_BASE:-1}" = 0 ] || base=("base 0 $MODEL trl:$HOLD-trl,megaforge:$HOLD")
+      evaluate "trl 20 $P/trl/checkpoint-80 trl:$HOLD-trl" "trl 10 $P/trl/checkpoint-40 trl:$HOLD-trl" "${base[@]}" ;;
     compare)
       python3 tools/peers/compare.py $(ls "$OUT"/*_steps.jsonl "$OUT"/eval_*.jsonl 2>/dev/null) --png "$OUT/peers_pass1.png" --json "$OUT/peers_summary.jsonl" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

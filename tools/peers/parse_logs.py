@@ -4,7 +4,7 @@
     python tools/peers/parse_logs.py megaforge RUN/metrics.jsonl --run hold1 [--stamps S --launch_t T] --out mf.jsonl
     python tools/peers/parse_logs.py verl VERL_FILE_LOGGER.jsonl --run hold1-mapped [--stamps S --launch_t T] --out verl.jsonl
     python tools/peers/parse_logs.py verl console.log ...      # verl's console lines "step:N - key:value - ..."
-    python tools/peers/parse_logs.py evaluate EVAL.jsonl --system verl --step 10 --run hold1 --out eval.jsonl
+    python tools/peers/parse_logs.py evaluate EVAL.jsonl --system verl --step 10 --run hold1 --out eval.jsonl [--model HF_DIR]
 
 megaforge (``metrics.jsonl``): ``rollout_s`` = ``time/rollout``, ``reward_s`` = ``time/reward_wait``,
 ``train_s`` = ``time/train``, ``pi_old_s`` = ``time/train/pi_old`` (0 in a step without a pi_old pass: one
@@ -164,8 +164,9 @@ def verl_records(path: str, run: str, n_gpus: int = 1, stamps=None, launch_t=Non
     return with_wall(recs)
 
 
-def evaluate_records(path: str, system: str, run: str, step: int) -> list[dict]:
-    """``eval`` records of tools/evaluate.py's printed JSON line(s) (``eval/<set>/greedy/pass@1``)."""
+def evaluate_records(path: str, system: str, run: str, step: int, model=None) -> list[dict]:
+    """``eval`` records of tools/evaluate.py's printed JSON line(s) (``eval/<set>/greedy/pass@1``);
+    ``model``: only the line(s) of that ``--model`` folder (a several-``--model`` call prints one per model)."""
     recs = []
     with open(path) as f:
         for line in f:
@@ -173,6 +174,8 @@ def evaluate_records(path: str, system: str, run: str, step: int) -> list[dict]:
             if not s.startswith("{"):
                 continue
             r = json.loads(s)
+            if model is not None and os.path.abspath(r.get("model", "")) != os.path.abspath(model):
+                continue
             for k, v in r.items():
                 m = re.fullmatch(r"eval/([^/]+)/greedy/pass@1", k)
                 if m:
@@ -194,6 +197,8 @@ def main(argv=None) -> int:
     p.add_argument("--system_of_eval", "--for", dest="for_system", default="megaforge",
                    help="evaluate: the system whose weights were evaluated")
     p.add_argument("--step", type=int, default=0, help="evaluate: the step of the evaluated weights")
+    p.add_argument("--model", default=None,
+                   help="evaluate: only the line of this --model folder (a several --model call prints one per model)")
     a = p.parse_args(argv)
     if not os.path.exists(a.log):
         print(f"megaforge: error: {a.log}: no such file", file=sys.stderr)
@@ -204,7 +209,7 @@ def main(argv=None) -> int:
     elif a.system == "verl":
         recs = verl_records(a.log, a.run, a.n_gpus, stamps, a.launch_t)
     else:
-        recs = evaluate_records(a.log, a.for_system, a.run, a.step)
+        recs = evaluate_records(a.log, a.for_system, a.run, a.step, a.model)
     if not recs:
         print(f"megaforge: error: {a.log}: no {a.system} records found", file=sys.stderr)
         return 1
