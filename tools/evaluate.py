@@ -272,6 +272,9 @@ def evaluate(cfg, models: list) -> int:
                 folder = weights_dir()
                 check_same_arch(cfg.model.path, folder)
                 engine.update_weights(hf_buckets(folder, dtype, device), version=i)
+                if engine.weight_version != i:
+                    raise EvaluateError(f"--model {folder}: the engine reports weight version {engine.weight_version} "
+                                        f"after the update to {i}")
             out: dict = {}
             for s in sets:
                 metrics, records = ev.evaluate_set(engine, s, step=0)
