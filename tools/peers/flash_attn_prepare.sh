@@ -10,7 +10,7 @@
 # the sm80 kernel sources compiled for `-gencode arch=compute_90,code=sm_90` only (SASS, no PTX). Any other head dim
 # or float16 raises a RuntimeError naming the trimmed build (csrc/flash_attn/src/static_switch.h is patched), so
 # nothing silently falls through. Version: 2.8.3+hdim64.bf16.sm90 (PEP 440 local version: transformers'
-# `version.parse(...) >= "2.3.3"` and verl's checks still pass).
+# `version.parse(...) >= "2.3.3"` still passes; verl 0.9.1 checks no flash-attn version).
 #
 # Toolchain, all from PyPI: torch==2.11.0 (PyPI's default build is +cu130), and CUDA 13.0 from NVIDIA's wheels:
 # nvidia-cuda-nvcc (nvcc, ptxas, fatbinary, nvlink), nvidia-nvvm (cicc, libdevice), nvidia-cuda-crt (crt headers),
@@ -32,10 +32,9 @@
 #   env: FA2_VENV (default /tmp/fa2-venv), FA2_WORK (default /tmp/fa2-build), FA2_REBUILD=1 (build again even if the
 #        wheel is in FA2_WORK/dist), FA2_CLEAN=1 (also unpack and patch the sources afresh: no ninja reuse),
 #        MAX_JOBS (default 2), NVCC_THREADS (default 1).
-# Takes ~2 min for the toolchain (~3 GB of wheels) plus the nvcc build on 2 cores (BUILD.txt has the time).
+# Takes ~2 min for the toolchain (~3 GB of wheels) plus ~12.5 min of nvcc on 2 cores (BUILD.txt has the time).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-repo=$(pwd)
 dir=${1:-.carry/fa2}
 venv=${FA2_VENV:-/tmp/fa2-venv}
 work=${FA2_WORK:-/tmp/fa2-build}
@@ -61,7 +60,7 @@ py=$venv/bin/python
 "$py" -c 'import sys; assert sys.version_info[:2] == (3, 12), sys.version' || die "$venv is not Python 3.12"
 pip_q() {  # quiet pip install; this machine's pip config names local index folders that may be absent: drop that noise
   local out; out=$("$py" -m pip install -q "$@" 2>&1) || { echo "$out" >&2; die "pip install $* failed"; }
-  grep -v "is ignored: it is neither a file nor a directory" <<< "$out" || true
+  grep -v -e "is ignored: it is neither a file nor a directory" -e '^$' <<< "$out" || true
 }
 log "installing torch==2.11.0, the CUDA 13.0 compiler wheels and the build tools into $venv"
 pip_q torch==2.11.0
@@ -202,8 +201,8 @@ done
 torch_lib=$("$py" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))' 2>/dev/null)
 ldd_out=$(LD_LIBRARY_PATH="$torch_lib:$cu/lib" ldd "$so")
 ! grep -q "not found" <<< "$ldd_out" || die "ldd: $ldd_out"
-sass=$("$work/cuobjdump/nvidia/cu13/bin/cuobjdump" --list-elf "$so" | sed 's/.*\.\(sm_[0-9a-z]*\)\.cubin/\1/' | sort | uniq -c | tr -s ' ' | tr '\n' ';')
-ptx=$("$work/cuobjdump/nvidia/cu13/bin/cuobjdump" --list-ptx "$so" 2>&1 | grep -c "PTX file" || true)
+sass=$("$work/cuobjdump/nvidia/cu13/bin/cuobjdump" --list-elf "$so" | sed 's/.*\.\(sm_[0-9a-z]*\)\.cubin/\1/' | sort | uniq -c | awk '{printf "%s x %s;", $1, $2}')
+ptx=$("$work/cuobjdump/nvidia/cu13/bin/cuobjdump" --list-ptx "$so" 2>&1 | grep -c "^PTX file" || true)
 case $sass in *sm_90*) ;; *) die "no sm_90 SASS in $so: $sass" ;; esac
 grep -q "sm_" <<< "${sass//sm_90/}" && die "SASS other than sm_90: $sass"
 import_out=$(cd /tmp && PYTHONPATH="$chk/site" "$py" -W ignore -c '
@@ -240,7 +239,7 @@ so_size=$(stat -c %s "$so")
   echo "wheel: $whl_name"
   echo "  size $whl_size bytes, sha256 $whl_sha; $parts"
   echo "  flash_attn_2_cuda .so: $so_size bytes; NEEDED: $needed"
-  echo "  SASS (cuobjdump --list-elf, count arch): $sass PTX entries: $ptx"
+  echo "  cuobjdump: SASS cubins $sass PTX entries $ptx"
   echo "  import check (CPU): $import_out"
   echo
   echo "versions:"

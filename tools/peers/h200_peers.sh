@@ -38,9 +38,11 @@
 # Next holds: hold 2 TRL (HOLD=hold2 PEER_STEPS=10 VERL_VARIANTS=""): calls 1-11 as above, then
 #   gsm_prep && data mf_start && sleep 170 && mf_watch; then trl_start, trl_watch until it ends; EVAL_BASE=0 eval_trl
 #   (its checkpoint-40 = step 10; the base model is graded already: 0.26687, hold 1). Hold 3: verl defaults (VERL_VARIANT=
-#   defaults HOLD=hold3). verl best needs flash-attn 2.8.3 built for torch 2.11 + CUDA 13 (verl's
-#   flash-attn-cu130torch211 extra): PyPI has only its sdist, whose setup downloads a wheel from GitHub (unreachable
-#   from here and from the machine); building it needs nvcc and ~20+ min of 16 cores on the machine.
+#   defaults HOLD=hold3). verl best needs flash-attn 2.8.3 for torch 2.11 + CUDA 13 (verl's flash-attn-cu130torch211
+#   extra; PyPI has only its sdist, whose setup downloads a wheel from GitHub, unreachable): built here, trimmed to head
+#   dim 64 / bf16 / sm_90, by tools/peers/flash_attn_prepare.sh into .carry/fa2 (8.9 MB). Its hold (HOLD=hold4
+#   VERL_VARIANT=best): call 1 carries .sgl/sgl-part1 .sgl/sgl-part2 .carry/fa2 (63.6 MiB): parts && cp -r .carry/fa2
+#   /tmp/fa2kit; after kit: FA2_KIT=/tmp/fa2kit fa2_kit (install + tools/peers/fa2_check.py); then as hold 1.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
@@ -121,6 +123,17 @@ for stage in "$@"; do
         >> $P/kit.log 2>&1 || { tail -20 $P/kit.log; exit 1; }
       (. /tmp/sgl/env.sh && PYTHONPATH=/tmp/verlsite:$PWD:$PYTHONPATH python3 -c "import verl, ray, transfer_queue, hydra; print('verl', verl.__version__, 'ray', ray.__version__)")
       PYTHONPATH=$PWD:/tmp/trlsite python3 -c "import trl, transformers; print('trl', trl.__version__, 'transformers', transformers.__version__)" ;;
+    fa2_kit)  # flash-attn 2.8.3, trimmed (tools/peers/flash_attn_prepare.sh: head dim 64, bf16, sm_90) into verl's site,
+      # then its GPU check against torch's attention (tools/peers/fa2_check.py); carry .carry/fa2 (after kit)
+      k=${FA2_KIT:-.carry/fa2}  # FA2_KIT=/tmp/fa2kit when an earlier call copied it there
+      (cd $k && sha256sum --quiet -c SHA256SUMS) || exit 1
+      w=$(ls $k/*.whl 2>/dev/null | head -1)
+      if [ -z "$w" ]; then  # parts: joined under /tmp
+        first=$(ls $k/*.part_00 | head -1); w=/tmp/$(basename "${first%.part_00}")
+        cat "${first%.part_00}".part_* > "$w"
+      fi
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/verlsite "$w" || exit 1
+      PYTHONPATH=/tmp/verlsite python3 tools/peers/fa2_check.py | tee "$OUT/fa2_check.json" ;;
     data)  # megaforge's prompt order for the peers, and each verl variant's overrides checked by verl's validate_config
       PYTHONPATH=$MF_PATH python3 tools/peers/peer_data.py --config $RECIPE --steps "$STEPS" --out_dir $P/data || exit 1
       for v in ${VERL_VARIANTS-$V}; do  # ~15 s each; VERL_VARIANTS="" in a hold without verl
