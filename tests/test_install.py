@@ -29,7 +29,7 @@ COMES_WITH = {"huggingface-hub": "transformers", "sympy": "torch"}
 #: writes into its tmp_path
 NOT_PACKAGES = {"fused_weight_gradient_mlp_cuda", "my_plugins", "typed_adv"}
 #: the peers' own environments (tools/peers/, issue 39): pinned in tools/peers/wheels_<peer>.txt, not megaforge's
-PEER_FILES = ("tools/peers/wheels_trl.txt", "tools/peers/wheels_verl.txt")
+PEER_FILES = ("tools/peers/wheels_trl.txt", "tools/peers/wheels_verl.txt", "tools/peers/wheels_fa2.txt")
 TEST_ONLY = {"pytest", "pytest-timeout", "openai", "megatron-core", "gguf", "accelerate", "datasets", "pyarrow",
              "wandb", "submitit"}
 

@@ -38,7 +38,8 @@ cd "$(dirname "$0")/../.."
 dir=${1:-.carry/fa2}
 venv=${FA2_VENV:-/tmp/fa2-venv}
 work=${FA2_WORK:-/tmp/fa2-build}
-fa_version=2.8.3
+fa_version=$(sed -n "s/^flash-attn==\([0-9.]*\).*/\1/p" tools/peers/wheels_fa2.txt)  # the pin the tests check
+[ "$fa_version" = 2.8.3 ] || { echo "flash_attn_prepare.sh patches 2.8.3 sources; tools/peers/wheels_fa2.txt pins $fa_version"; exit 2; }
 local_tag=hdim64.bf16.sm90
 full_version=$fa_version+$local_tag
 max_part=55000000
