@@ -30,8 +30,8 @@
 #            writes and checks: VERL_VARIANT by default, "" for none), HOLD (hold1), TRL_VLLM (0),
 #            MEGAFORGE_COMMIT (provenance of the JSON lines).
 # Budget of a hold, from hold 1's figures: setup to megaforge's launch ~250 s (device start, parts, install, kit, 9 GGUF
-#   calls, convert, data); megaforge MF_STEPS=5 ~185 s (108 s start-up, ~6.5 s a step, its end-of-run evaluation
-#   ~35 s); evaluate.py ~70 s a model alone (SGLang's start ~35 s of it; the stages now grade all of a hold's models
+#   calls, convert, data); megaforge MF_STEPS=5 ~150 s (108 s start-up, ~6.5 s a step; hold 1 also evaluated in the
+#   run, ~35 s: now its last step's HF export is graded with the peer's models instead); evaluate.py ~70 s a model alone (SGLang's start ~35 s of it; the stages now grade all of a hold's models
 #   in one call: one start, then each next model's weights sent to the running engine). Left for the peer: ~1,200 s of the 1,800. verl mapped (152 s start-up, 91 s
 #   first step, ~58 s a step) fits ~17 steps and no evaluation: run PEER_STEPS=20 for the data, stop after step 10's
 #   checkpoint, or make verl's 20 steps the hold's only peer work with megaforge at MF_STEPS=3.
@@ -51,6 +51,8 @@ RECIPE=${RECIPE:-configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml}
 MODEL=/tmp/qwen2.5-coder-0.5b-instruct
 EVAL_DATA=${EVAL_DATA:-/tmp/mf/data/gsm8k/test.jsonl}
 HOLD=${HOLD:-hold1}
+MF=${MF_STEPS:-5}
+MF_HF=/tmp/runs/peers_mf/hf/step_$MF  # megaforge's HF export of its last step, graded with the peer's
 STEPS=${PEER_STEPS:-20}
 V=${VERL_VARIANT:-mapped}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -143,11 +145,13 @@ for stage in "$@"; do
         (. /tmp/sgl/env.sh && PYTHONPATH=/tmp/verlsite:$PYTHONPATH python3 tools/peers/verl_compose.py $P/verl_$v.overrides \
           --out "$OUT/verl_$v.composed.yaml" | tail -1)
       done ;;
-    mf_start)  # megaforge's recipe for MF_STEPS steps in this hold (no evaluation, no checkpoint: timing only)
+    mf_start)  # megaforge's recipe for MF_STEPS steps in this hold: no checkpoint, no in-run evaluation; an HF export of
+      # the last step (outside the step times), graded by tools/evaluate.py in the peer's eval stage
       rm -rf /tmp/runs/peers_mf
       launch mf /tmp/runs/peers_mf/metrics.jsonl env PYTHONPATH=$MF_PATH python3 -m torch.distributed.run --nproc_per_node 1 \
-        launchers/grpo.py --config $RECIPE --run_name peers_mf --max_steps "${MF_STEPS:-5}" --eval.before_train false \
-        --checkpoint.interval 0 --metrics.progress false --rollout.engine_env "$(engine_env)" ${MF_FLAGS:-} ;;
+        launchers/grpo.py --config $RECIPE --run_name peers_mf --max_steps "$MF" --eval.before_train false \
+        --eval.interval 0 --export_hf_every "$MF" --checkpoint.interval 0 --metrics.progress false \
+        --rollout.engine_env "$(engine_env)" ${MF_FLAGS:-} ;;
     mf_watch)
       watch_run mf /tmp/runs/peers_mf/metrics.jsonl
       python3 tools/peers/parse_logs.py megaforge /tmp/runs/peers_mf/metrics.jsonl --run "$HOLD" --stamps $P/mf.stamps \
@@ -167,7 +171,8 @@ for stage in "$@"; do
       nvidia-smi --query-gpu=memory.used --format=csv,noheader
       base=(); [ "${EVAL_BASE:-1}" = 0 ] || base=("base 0 $MODEL verl:$HOLD-verl-$V,megaforge:$HOLD")
       evaluate "verl_$V 20 $P/verl_$V/ckpt/global_step_20/actor/huggingface verl:$HOLD-verl-$V" \
-        "verl_$V 10 $P/verl_$V/ckpt/global_step_10/actor/huggingface verl:$HOLD-verl-$V" "${base[@]}" ;;
+        "verl_$V 10 $P/verl_$V/ckpt/global_step_10/actor/huggingface verl:$HOLD-verl-$V" \
+        "megaforge $MF $MF_HF megaforge:$HOLD" "${base[@]}" ;;
     trl_start)  # TRL on the machine's own transformers (the kit's /tmp/site off its path)
       vllm=""; [ "${TRL_VLLM:-0}" = 1 ] && vllm=--use_vllm
       launch trl $P/trl/trl_steps.jsonl env PYTHONPATH=$PWD:/tmp/trlsite:/tmp/mfsite python3 tools/peers/trl_grpo.py --config $RECIPE \
@@ -177,7 +182,8 @@ for stage in "$@"; do
       cp $P/trl/trl_steps.jsonl "$OUT/trl_${HOLD}_steps.jsonl" 2>/dev/null ;;
     eval_trl)
       base=(); [ "${EVAL_BASE:-1}" = 0 ] || base=("base 0 $MODEL trl:$HOLD-trl,megaforge:$HOLD")
-      evaluate "trl 20 $P/trl/checkpoint-80 trl:$HOLD-trl" "trl 10 $P/trl/checkpoint-40 trl:$HOLD-trl" "${base[@]}" ;;
+      evaluate "trl 20 $P/trl/checkpoint-80 trl:$HOLD-trl" "trl 10 $P/trl/checkpoint-40 trl:$HOLD-trl" \
+        "megaforge $MF $MF_HF megaforge:$HOLD" "${base[@]}" ;;
     compare)
       python3 tools/peers/compare.py $(ls "$OUT"/*_steps.jsonl "$OUT"/eval_*.jsonl 2>/dev/null) --png "$OUT/peers_pass1.png" --json "$OUT/peers_summary.jsonl" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
