@@ -217,35 +217,29 @@ def check_same_arch(first: str, other: str) -> None:
 
 
 def hf_buckets(folder: str, dtype, device, bucket_bytes: int = 512 << 20):
-    """The tensors of ``folder``'s ``*.safetensors`` (sorted by file, then name), floating ones cast to
-    ``dtype``, on ``device``, in buckets of about ``bucket_bytes`` (the shape of a run's sync)."""
-    import glob
+    """The tensors of HF folder ``folder`` (megaforge.convert.mapping.HFSource: its safetensors, index or
+    single file), floating ones cast to ``dtype``, on ``device``, in buckets of at most ``bucket_bytes``
+    (megaforge.sync.adapters.byte_buckets: the shape of a run's sync)."""
+    from megaforge.convert.mapping import HFSource
+    from megaforge.sync.adapters import byte_buckets
 
-    from safetensors import safe_open
+    try:
+        src = HFSource(folder)
+    except FileNotFoundError as e:
+        raise EvaluateError(f"--model {folder}: {e} (a further --model reaches the running engine from its "
+                            f"safetensors files)") from None
 
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
-        raise EvaluateError(f"--model {folder}: no *.safetensors (a further --model reaches the running engine from "
-                            f"its safetensors files)")
-    bucket, size = [], 0
-    for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in sorted(f.keys()):
-                t = f.get_tensor(name)
-                t = t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
-                bucket.append((name, t))
-                size += t.numel() * t.element_size()
-                if size >= bucket_bytes:
-                    yield bucket
-                    bucket, size = [], 0
-    if bucket:
-        yield bucket
+    def one(name):
+        t = src(name)
+        return [(name, t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device))]
+
+    return byte_buckets((one(name) for name in src.names()), bucket_bytes)
 
 
-def evaluate(cfg, models: list) -> int:
-    """Each of ``models`` (``[(label, weights_dir_fn, out_path_fn, extra)]``; ``weights_dir_fn()`` gives the HF
+def evaluate(cfg, models: list) -> None:
+    """Each of ``models`` (``[(weights_dir_fn, out_path_fn, extra)]``; ``weights_dir_fn()`` gives the HF
     folder, a checkpoint converted on demand) through one engine started on ``cfg.model.path`` (the first's):
-    one JSON line each, printed when done. Returns how many were evaluated."""
+    one JSON line each, printed when done."""
     import torch
 
     from megaforge.build import RunBuilder
@@ -261,12 +255,11 @@ def evaluate(cfg, models: list) -> int:
     sets, _ = b.eval_sets(tok)
     rewards = RewardManager(cfg.rewards)
     engine = build_engine(b.engine_spec(), tok)
-    done = 0
     try:
         ev = b.evaluator(None, sets, tok, rewards, stop_token_ids(tok, cfg.model.path))
         dtype = getattr(torch, cfg.engine_dtype)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        for i, (label, weights_dir, out_path, extra) in enumerate(models):
+        for i, (weights_dir, out_path, extra) in enumerate(models):
             t0 = time.perf_counter()
             if i:
                 folder = weights_dir()
@@ -285,11 +278,9 @@ def evaluate(cfg, models: list) -> int:
                 out[f"samples/{s.name}"] = os.path.abspath(path)
             emit({**extra, "engine": cfg.rollout.engine, **out, "weight_version": i,
                   "time_s": round(time.perf_counter() - t0, 2)})
-            done += 1
     finally:
         engine.shutdown()
         rewards.close()
-    return done
 
 
 def out_path_fn(out_arg: str, model: str, ckpt, index: int, several: bool):
@@ -343,7 +334,7 @@ def main(argv=None) -> int:
         refuse_remote_code(cfg, args.model[0], f"the evaluation's config ({base} and the command line)",
                            args.trust_remote_code)
         several = len(args.model) > 1
-        models = [(m, fn, out_path_fn(args.out, m, c, i, several),
+        models = [(fn, out_path_fn(args.out, m, c, i, several),
                    {"model": os.path.abspath(m), "weights": os.path.basename(c) if c else "hf"})
                   for i, (m, (fn, c, _)) in enumerate(zip(args.model, prepared))]
         evaluate(cfg, models)

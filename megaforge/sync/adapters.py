@@ -27,19 +27,26 @@ def merge_lora(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: fl
     return (weight.detach().float() + scale * (b.detach().float() @ a.detach().float())).to(weight.dtype)
 
 
-def pair_buckets(pairs, max_bytes: int):
-    """``[(M.lora_A.weight, A), (M.lora_B.weight, B), ...]`` buckets of at most ``max_bytes`` (an A/B
-    pair is never split; a pair larger than that is a bucket of its own) from ``(M, A, B)``."""
+def byte_buckets(groups, max_bytes: int):
+    """Buckets ``[(name, tensor), ...]`` of at most ``max_bytes`` from ``groups`` (iterables of lists of
+    ``(name, tensor)``, in order): a group is never split, and a group larger than ``max_bytes`` is a
+    bucket of its own."""
     bucket, size = [], 0
-    for mod, a, b in pairs:
-        nbytes = a.numel() * a.element_size() + b.numel() * b.element_size()
+    for group in groups:
+        nbytes = sum(t.numel() * t.element_size() for _, t in group)
         if bucket and size + nbytes > max_bytes:
             yield bucket
             bucket, size = [], 0
-        bucket += [(mod + LORA_A, a), (mod + LORA_B, b)]
+        bucket += group
         size += nbytes
     if bucket:
         yield bucket
+
+
+def pair_buckets(pairs, max_bytes: int):
+    """``[(M.lora_A.weight, A), (M.lora_B.weight, B), ...]`` buckets of at most ``max_bytes`` (an A/B
+    pair is never split; a pair larger than that is a bucket of its own) from ``(M, A, B)``."""
+    return byte_buckets(([(mod + LORA_A, a), (mod + LORA_B, b)] for mod, a, b in pairs), max_bytes)
 
 
 def adapter_pairs(buckets):

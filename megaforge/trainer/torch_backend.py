@@ -31,7 +31,7 @@ from megaforge.trainer.base import HFBucket, Objective, Trainer, modules_weights
 from megaforge.trainer.causal_lm import POSITIONS, CausalLMLogprobs, check_split_head
 from megaforge.trainer.critic import TorchCritic
 from megaforge.trainer.logprobs import trained_positions
-from megaforge.sync.adapters import pair_buckets
+from megaforge.sync.adapters import byte_buckets, pair_buckets
 from megaforge.trainer.lora import LoraPolicy
 from megaforge.trainer.teacher import load_torch_teacher
 from megaforge.types import TrainBatch
@@ -184,18 +184,7 @@ class TorchTrainer(Trainer):
         else:
             sd = self.model.state_dict()
             tensors = ((name, sd[name]) for name in hf_state_names(self.model))
-        bucket: HFBucket = []
-        size = 0
-        for name, t in tensors:
-            t = t.detach()
-            nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > max_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, t))
-            size += nbytes
-        if bucket:
-            yield bucket
+        yield from byte_buckets(([(name, t.detach())] for name, t in tensors), max_bytes)
 
     def iter_adapter_buckets(self, max_bytes: int) -> Iterator[HFBucket]:
         """The LoRA adapters as ``[(M.lora_A.weight, A), (M.lora_B.weight, B), ...]`` buckets of at most
