@@ -26,7 +26,7 @@
 #   last: bash tools/peers/h200_peers.sh eval_verl compare
 # TRL in its own hold (same calls 1-12 without SGLang's two if megaforge's steps are not rerun... they are: every hold
 # that runs a peer also runs megaforge for a few steps), then trl_start / trl_watch / eval_trl / compare.
-# Variables: PEER_STEPS (20), MF_STEPS (5), MF_FLAGS (more launcher flags for megaforge, e.g. "--memory.offload auto"), VERL_VARIANT (mapped | best | defaults), VERL_VARIANTS (the variants `data`
+# Variables: PEER_STEPS (20), MF_STEPS (5), MF_EXPORT_EVERY (MF_STEPS), MF_EVAL_STEPS (the megaforge steps graded: MF_STEPS), MF_FLAGS (more launcher flags for megaforge, e.g. "--memory.offload auto"), VERL_VARIANT (mapped | best | defaults), VERL_VARIANTS (the variants `data`
 #            writes and checks: VERL_VARIANT by default, "" for none), HOLD (hold1), TRL_VLLM (0),
 #            MEGAFORGE_COMMIT (provenance of the JSON lines).
 # Budget of a hold, from hold 1's figures: setup to megaforge's launch ~250 s (device start, parts, install, kit, 9 GGUF
@@ -52,7 +52,11 @@ MODEL=/tmp/qwen2.5-coder-0.5b-instruct
 EVAL_DATA=${EVAL_DATA:-/tmp/mf/data/gsm8k/test.jsonl}
 HOLD=${HOLD:-hold1}
 MF=${MF_STEPS:-5}
-MF_HF=/tmp/runs/peers_mf/hf/step_$MF  # megaforge's HF export of its last step, graded with the peer's
+MF_EVERY=${MF_EXPORT_EVERY:-$MF}  # megaforge's run exports HF weights every MF_EVERY steps (outside the step times)
+MF_GRADE=${MF_EVAL_STEPS:-$MF}  # ... and the eval stages grade these steps' exports with the peer's models
+mf_specs() {  # evaluate's arguments for megaforge's graded exports, newest first
+  local s; for s in $(printf '%s\n' $MF_GRADE | sort -rn); do echo "megaforge $s /tmp/runs/peers_mf/hf/step_$s megaforge:$HOLD"; done
+}
 STEPS=${PEER_STEPS:-20}
 V=${VERL_VARIANT:-mapped}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -116,15 +120,23 @@ evaluate() {  # arguments "name step hf_folder system:run[,system:run]", newest 
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    kit)  # the peers' wheels: verl's into /tmp/verlsite, TRL's into /tmp/trlsite (checked against SHA256SUMS first)
-      (cd .carry/peers && sha256sum --quiet -c SHA256SUMS) || exit 1
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/verlsite \
-        .carry/peers/verl-ray/*.whl .carry/peers/verl-rest/*.whl .carry/peers/verl-rest/*.tar.gz > $P/kit.log 2>&1 \
-        || { tail -20 $P/kit.log; exit 1; }
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/trlsite .carry/peers/trl/*.whl \
-        >> $P/kit.log 2>&1 || { tail -20 $P/kit.log; exit 1; }
-      (. /tmp/sgl/env.sh && PYTHONPATH=/tmp/verlsite:$PWD:$PYTHONPATH python3 -c "import verl, ray, transfer_queue, hydra; print('verl', verl.__version__, 'ray', ray.__version__)")
-      PYTHONPATH=$PWD:/tmp/trlsite python3 -c "import trl, transformers; print('trl', trl.__version__, 'transformers', transformers.__version__)" ;;
+    kit)  # the peers' wheels: verl's into /tmp/verlsite, TRL's into /tmp/trlsite (checked against SHA256SUMS first);
+      # PEER_KITS="trl" (or "verl"): that peer's alone, so a TRL hold carries only .carry/peers/trl + SHA256SUMS
+      kits=${PEER_KITS:-verl trl}
+      (cd .carry/peers && sha256sum --quiet -c --ignore-missing SHA256SUMS) || exit 1
+      for k in $kits; do [ -d .carry/peers/$k ] || [ -d .carry/peers/$k-rest ] || { echo "[h200_peers] kit $k: not carried"; exit 1; }; done
+      : > $P/kit.log
+      if [[ " $kits " == *" verl "* ]]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/verlsite \
+          .carry/peers/verl-ray/*.whl .carry/peers/verl-rest/*.whl .carry/peers/verl-rest/*.tar.gz >> $P/kit.log 2>&1 \
+          || { tail -20 $P/kit.log; exit 1; }
+        (. /tmp/sgl/env.sh && PYTHONPATH=/tmp/verlsite:$PWD:$PYTHONPATH python3 -c "import verl, ray, transfer_queue, hydra; print('verl', verl.__version__, 'ray', ray.__version__)")
+      fi
+      if [[ " $kits " == *" trl "* ]]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/trlsite .carry/peers/trl/*.whl \
+          >> $P/kit.log 2>&1 || { tail -20 $P/kit.log; exit 1; }
+        PYTHONPATH=$PWD:/tmp/trlsite python3 -c "import trl, transformers; print('trl', trl.__version__, 'transformers', transformers.__version__)"
+      fi ;;
     fa2_kit)  # flash-attn 2.8.3, trimmed (tools/peers/flash_attn_prepare.sh: head dim 64, bf16, sm_90) into verl's site,
       # then its GPU check against torch's attention (tools/peers/fa2_check.py); carry .carry/fa2 (after kit)
       k=${FA2_KIT:-.carry/fa2}  # FA2_KIT=/tmp/fa2kit when an earlier call copied it there
@@ -150,7 +162,7 @@ for stage in "$@"; do
       rm -rf /tmp/runs/peers_mf
       launch mf /tmp/runs/peers_mf/metrics.jsonl env PYTHONPATH=$MF_PATH python3 -m torch.distributed.run --nproc_per_node 1 \
         launchers/grpo.py --config $RECIPE --run_name peers_mf --max_steps "$MF" --eval.before_train false \
-        --eval.interval 0 --export_hf_every "$MF" --checkpoint.interval 0 --metrics.progress false \
+        --eval.interval 0 --export_hf_every "$MF_EVERY" --checkpoint.interval 0 --metrics.progress false \
         --rollout.engine_env "$(engine_env)" ${MF_FLAGS:-} ;;
     mf_watch)
       watch_run mf /tmp/runs/peers_mf/metrics.jsonl
@@ -170,9 +182,10 @@ for stage in "$@"; do
       pkill -9 -f "raylet|gcs_server|ray::" 2>/dev/null; sleep 2  # Ray's workers, if any outlived verl's driver
       nvidia-smi --query-gpu=memory.used --format=csv,noheader
       base=(); [ "${EVAL_BASE:-1}" = 0 ] || base=("base 0 $MODEL verl:$HOLD-verl-$V,megaforge:$HOLD")
+      mapfile -t mf < <(mf_specs)
       evaluate "verl_$V 20 $P/verl_$V/ckpt/global_step_20/actor/huggingface verl:$HOLD-verl-$V" \
         "verl_$V 10 $P/verl_$V/ckpt/global_step_10/actor/huggingface verl:$HOLD-verl-$V" \
-        "megaforge $MF $MF_HF megaforge:$HOLD" "${base[@]}" ;;
+        "${mf[@]}" "${base[@]}" ;;
     trl_start)  # TRL on the machine's own transformers (the kit's /tmp/site off its path)
       vllm=""; [ "${TRL_VLLM:-0}" = 1 ] && vllm=--use_vllm
       launch trl $P/trl/trl_steps.jsonl env PYTHONPATH=$PWD:/tmp/trlsite:/tmp/mfsite python3 tools/peers/trl_grpo.py --config $RECIPE \
@@ -182,8 +195,9 @@ for stage in "$@"; do
       cp $P/trl/trl_steps.jsonl "$OUT/trl_${HOLD}_steps.jsonl" 2>/dev/null ;;
     eval_trl)
       base=(); [ "${EVAL_BASE:-1}" = 0 ] || base=("base 0 $MODEL trl:$HOLD-trl,megaforge:$HOLD")
+      mapfile -t mf < <(mf_specs)
       evaluate "trl 20 $P/trl/checkpoint-80 trl:$HOLD-trl" "trl 10 $P/trl/checkpoint-40 trl:$HOLD-trl" \
-        "megaforge $MF $MF_HF megaforge:$HOLD" "${base[@]}" ;;
+        "${mf[@]}" "${base[@]}" ;;
     compare)
       python3 tools/peers/compare.py $(ls "$OUT"/*_steps.jsonl "$OUT"/eval_*.jsonl 2>/dev/null) --png "$OUT/peers_pass1.png" --json "$OUT/peers_summary.jsonl" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
