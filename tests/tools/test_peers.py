@@ -395,3 +395,21 @@ def test_h200_peers_evaluate_shares_one_engine_start_and_falls_back_to_one_alone
     assert (out / "eval_s_20_samples.jsonl.gz").stat().st_size > 0 and (out / "eval_w_0_samples.jsonl.gz").stat().st_size > 0
     log = next(out.glob("eval_*.log")).read_text()
     assert "config.json intermediate_size" in log  # the shared call's refusal of the second model, then its own call
+
+
+def test_h200_peers_megaforge_flags_pass_the_recipe_config_check():
+    """mf_start's launcher flags, as the GPU machine gets them, through the recipe's --dry_run (the config checks
+    a run makes before it starts). Hold 2 lost a launch to a flag set the config refuses (eval.sets never
+    evaluated: eval.interval 0 with eval.before_train false); this catches that on the CPU."""
+    env = dict(os.environ, MF_STEPS="50", MF_EXPORT_EVERY="10", OUT="/tmp/h200-peers-flags-out",
+               PEERS_DIR="/tmp/h200-peers-flags")
+    flags = subprocess.run(["bash", "-c", "source tools/peers/h200_peers.sh; mf_flags"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert flags.returncode == 0, flags.stderr
+    argv = flags.stdout.split()
+    assert argv[argv.index("--max_steps") + 1] == "50" and argv[argv.index("--export_hf_every") + 1] == "10"
+    r = subprocess.run([sys.executable, "launchers/grpo.py", *argv, "--dry_run", "--model_config",
+                        "configs/models/qwen2.5-coder-0.5b", "--gpus_per_node", "1", "--gpu", "H200",
+                        "--memory.offload", "auto"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "memory.offload auto -> none" in r.stdout

@@ -54,6 +54,10 @@ HOLD=${HOLD:-hold1}
 MF=${MF_STEPS:-5}
 MF_EVERY=${MF_EXPORT_EVERY:-$MF}  # megaforge's run exports HF weights every MF_EVERY steps (outside the step times)
 MF_GRADE=${MF_EVAL_STEPS:-$MF}  # ... and the eval stages grade these steps' exports with the peer's models
+mf_flags() {  # megaforge's launcher flags in a hold (mf_start; tests/tools/test_peers.py checks them with --dry_run)
+  echo --config $RECIPE --run_name peers_mf --max_steps "$MF" --eval.before_train false --eval.interval "$MF" \
+    --export_hf_every "$MF_EVERY" --checkpoint.interval 0 --metrics.progress false
+}
 mf_specs() {  # evaluate's arguments for megaforge's graded exports, newest first
   local s; for s in $(printf '%s\n' $MF_GRADE | sort -rn); do echo "megaforge $s /tmp/runs/peers_mf/hf/step_$s megaforge:$HOLD"; done
 }
@@ -157,13 +161,12 @@ for stage in "$@"; do
         (. /tmp/sgl/env.sh && PYTHONPATH=/tmp/verlsite:$PYTHONPATH python3 tools/peers/verl_compose.py $P/verl_$v.overrides \
           --out "$OUT/verl_$v.composed.yaml" | tail -1)
       done ;;
-    mf_start)  # megaforge's recipe for MF_STEPS steps in this hold: no checkpoint, no in-run evaluation; an HF export of
-      # the last step (outside the step times), graded by tools/evaluate.py in the peer's eval stage
+    mf_start)  # megaforge's recipe for MF_STEPS steps in this hold: no checkpoint until the end, evaluated in the run after
+      # its last step only (the config refuses eval.sets never evaluated); HF exports every MF_EXPORT_EVERY steps
+      # (outside the step times), graded by tools/evaluate.py in the peer's eval stage
       rm -rf /tmp/runs/peers_mf
       launch mf /tmp/runs/peers_mf/metrics.jsonl env PYTHONPATH=$MF_PATH python3 -m torch.distributed.run --nproc_per_node 1 \
-        launchers/grpo.py --config $RECIPE --run_name peers_mf --max_steps "$MF" --eval.before_train false \
-        --eval.interval 0 --export_hf_every "$MF_EVERY" --checkpoint.interval 0 --metrics.progress false \
-        --rollout.engine_env "$(engine_env)" ${MF_FLAGS:-} ;;
+        launchers/grpo.py $(mf_flags) --rollout.engine_env "$(engine_env)" ${MF_FLAGS:-} ;;
     mf_watch)
       watch_run mf /tmp/runs/peers_mf/metrics.jsonl
       python3 tools/peers/parse_logs.py megaforge /tmp/runs/peers_mf/metrics.jsonl --run "$HOLD" --stamps $P/mf.stamps \
@@ -189,7 +192,7 @@ for stage in "$@"; do
     trl_start)  # TRL on the machine's own transformers (the kit's /tmp/site off its path)
       vllm=""; [ "${TRL_VLLM:-0}" = 1 ] && vllm=--use_vllm
       launch trl $P/trl/trl_steps.jsonl env PYTHONPATH=$PWD:/tmp/trlsite:/tmp/mfsite python3 tools/peers/trl_grpo.py --config $RECIPE \
-        --data $P/data/train.jsonl --steps "$STEPS" --out_dir $P/trl --run "$HOLD-trl" --save_every 10 --model.path $MODEL $vllm ;;
+        --data $P/data/train.jsonl --steps "$STEPS" --out_dir $P/trl --run "$HOLD-trl" --save_every ${TRL_SAVE_EVERY:-10} --model.path $MODEL $vllm ;;
     trl_watch)
       watch_run trl $P/trl/trl_steps.jsonl
       cp $P/trl/trl_steps.jsonl "$OUT/trl_${HOLD}_steps.jsonl" 2>/dev/null ;;
@@ -197,6 +200,7 @@ for stage in "$@"; do
       base=(); [ "${EVAL_BASE:-1}" = 0 ] || base=("base 0 $MODEL trl:$HOLD-trl,megaforge:$HOLD")
       mapfile -t mf < <(mf_specs)
       evaluate "trl 20 $P/trl/checkpoint-80 trl:$HOLD-trl" "trl 10 $P/trl/checkpoint-40 trl:$HOLD-trl" \
+        "trl 5 $P/trl/checkpoint-20 trl:$HOLD-trl" \
         "${mf[@]}" "${base[@]}" ;;
     compare)
       python3 tools/peers/compare.py $(ls "$OUT"/*_steps.jsonl "$OUT"/eval_*.jsonl 2>/dev/null) --png "$OUT/peers_pass1.png" --json "$OUT/peers_summary.jsonl" ;;
