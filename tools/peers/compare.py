@@ -204,12 +204,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def plot(runs: dict, path: str, with_startup: bool = False) -> int:
-    """PNG of greedy pass@1 against training seconds; the number of lines drawn."""
+def plot(runs: dict, path: str, with_startup: bool = False, gpu: str = "one GPU") -> int:
+    """PNG of greedy pass@1 against training seconds on ``gpu`` (the title's words); the number of lines drawn."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 5.5))
     n = 0
     for (system, run), d in sorted(runs.items()):
         pts = curve(d, with_startup)
@@ -226,10 +226,10 @@ def plot(runs: dict, path: str, with_startup: bool = False) -> int:
                 ax.annotate(str(s), (t, p), textcoords="offset points", xytext=(3, -9), fontsize=7)
     ax.set_xlabel("training seconds" + (" (with start-up)" if with_startup else " (sum of step times)"))
     ax.set_ylabel("GSM8K test greedy pass@1")
-    ax.set_title("pass@1 against wall-clock, one H200 (labels: step)")
+    ax.set_title(f"pass@1 against wall-clock, {gpu} (labels: step)")
     ax.grid(alpha=0.3)
     if n:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14))  # below the axes: no point hidden
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
             for r in rows:
                 f.write(json.dumps({**r, "provenance": prov} if prov else r) + "\n")
     if a.png:
-        n = plot(runs, a.png, a.with_startup)
+        n = plot(runs, a.png, a.with_startup, gpu=prov.get("device") or "one GPU")
         print(f"[compare] {a.png}: {n} curves")
     return 0
 
