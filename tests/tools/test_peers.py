@@ -348,6 +348,12 @@ def test_mcnemar_on_run4s_step0_and_step50_evaluations(capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["prompts"] == 1319 and round(r["a_pass1"] * 1319) == 352 and round(r["b_pass1"] * 1319) == 478
     assert r["only_b"] > r["only_a"] and r["p_value"] < 1e-6
+    # an in-run evaluation (set "gsm8k_test") beside evaluate.py's grade (set "test") of the same rows: matched by
+    # the rows' source (where); hold 2's step 50 (H100) against run 4's: 0.343 vs 0.362, not significant
+    assert compare.main(["--mcnemar", os.path.join(d, "grpo_gsm8k_run4_eval_step50.jsonl.gz"),
+                         os.path.join(d, "peers_h100_hold2_eval_megaforge_50_samples.jsonl.gz")]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["prompts"] == 1319 and (r["only_a"], r["only_b"]) == (176, 151) and r["p_value"] > 0.05
 
 
 def test_time_to_target_from_in_run_grades_is_a_separate_cross_check(tmp_path, capsys):

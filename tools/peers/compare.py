@@ -140,8 +140,10 @@ def compare(runs: dict) -> list[dict]:
 
 
 def greedy_correct(path: str) -> dict:
-    """{(set, prompt_index): (prompt, correct)} of the greedy responses in a tools/evaluate.py ``--out`` file
-    (``.jsonl`` or ``.jsonl.gz``)."""
+    """{prompt key: (prompt, correct)} of the greedy responses in a tools/evaluate.py ``--out`` file (``.jsonl`` or
+    ``.jsonl.gz``) or a run's in-run evaluation file. The key is the row's source, ``where`` (file:line), when it has
+    one: evaluate.py names the set after the file ("test") where a run names it after its config ("gsm8k_test");
+    else (set, prompt_index)."""
     opener = gzip.open if path.endswith(".gz") else open
     out: dict = {}
     with opener(path, "rt", encoding="utf-8") as f:
@@ -149,7 +151,7 @@ def greedy_correct(path: str) -> dict:
             try:
                 r = json.loads(line)
                 if r.get("mode", "greedy") == "greedy" and r.get("sample", 0) == 0:
-                    out[(r["set"], r["prompt_index"])] = (r["prompt"], bool(r["correct"]))
+                    out[r.get("where") or (r["set"], r["prompt_index"])] = (r["prompt"], bool(r["correct"]))
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise SchemaError(f"{path}:{n}: not an evaluate.py sample line ({type(e).__name__}: {e})") from None
     if not out:
