@@ -88,6 +88,12 @@
 #   gsm_prep gsm_start (50 steps, evaluations every 10, checkpoints every 10) -> gsm_watch; then GSM_FLAGS=
 #   "--memory.offload auto" a few steps (it prints "memory.offload auto -> none: ..." there; sync was the one phase
 #   verl won). The colocated path with the state resident has not run on a GPU yet.
+# 2026-12-07 on an H100 80GB (code 0c854e7; one refused start ~90 s): the GSM8K recipe's 50 steps ran as issue 39's hold 2
+#   megaforge run (tools/peers/h200_peers.sh mf_start, --memory.offload auto -> none): 125 s start-up, median step 6.22 s,
+#   train 3.36, sync 0.10 (0.59 with pinned), greedy pass@1 0.3434 after step 50 (issue 38 point 2 on an H100; run 4:
+#   0.3624, McNemar p 0.18). Next here: train_bench (mfsite, BENCH_PROFILE=0: fb9afab and f4fb8c1 not yet measured),
+#   the TE kit's train_bench (BENCH_SPEC=te), lora_7b_memory, and the GSM8K recipe with LoRA
+#   (GSM_FLAGS="--model.lora.rank 32 --model.lora.alpha 64 --trainer.lr 3e-5", issue 43 point 4).
 # SGLang with its default Hopper attention (FA3; the kit drops it): bash tools/gpu/fa3_prepare.sh .fa3 here
 #   (/.fa3/ excluded), then after parts + install: one call per piece, carry .fa3/fa3-partK: fa3_part;
 #   then carry .fa3/fa3-small: fa3_install rollout_fa3; then rollout_triton (same flags) for the ratio; or both

@@ -26,6 +26,12 @@
 #   last: bash tools/peers/h200_peers.sh eval_verl compare
 # TRL in its own hold (same calls 1-12 without SGLang's two if megaforge's steps are not rerun... they are: every hold
 # that runs a peer also runs megaforge for a few steps), then trl_start / trl_watch / eval_trl / compare.
+# Hold 2 ran 2026-12-07 on an H100 80GB (code 0c854e7 + 9fca4a7's harness; no H200 lent, one refused start ~90 s):
+#   parts 0.2 s; install 26 s + PEER_KITS=trl kit 4 s (one call); gsm_part 0.2-0.5 s each (~4 s held); gsm_prep 66 s
+#   convert; data 12 s; megaforge 50 steps: 125 s start-up, 6.22 s a step, HF export every 10, evaluated after step 50
+#   (~7.5 min in all; its first launch was lost to a flag the config refuses, ~160 s: fixed, and checked on the CPU by
+#   tests/tools/test_peers.py); TRL 10 steps: 13 s start-up, 63.8 s first step, ~38.8 s a step (~7 min); eval_trl of 5
+#   models (greedy only) 105 s; 1,692 of 1,800 device s used. Only 8 files come back a call: end with `compare bundle`.
 # Variables: PEER_STEPS (20), MF_STEPS (5), MF_EXPORT_EVERY (MF_STEPS), MF_EVAL_STEPS (the megaforge steps graded: MF_STEPS), MF_FLAGS (more launcher flags for megaforge, e.g. "--memory.offload auto"), VERL_VARIANT (mapped | best | defaults), VERL_VARIANTS (the variants `data`
 #            writes and checks: VERL_VARIANT by default, "" for none), HOLD (hold1), TRL_VLLM (0),
 #            MEGAFORGE_COMMIT (provenance of the JSON lines).
@@ -202,6 +208,11 @@ for stage in "$@"; do
       evaluate "trl 20 $P/trl/checkpoint-80 trl:$HOLD-trl" "trl 10 $P/trl/checkpoint-40 trl:$HOLD-trl" \
         "trl 5 $P/trl/checkpoint-20 trl:$HOLD-trl" \
         "${mf[@]}" "${base[@]}" ;;
+    bundle)  # the device brings back at most 8 files a call: $OUT's files and the hold's logs, metrics and per-prompt
+      # grades in one $OUT/<HOLD>_bundle.tgz (the peers' checkpoints and data left out); last, after compare
+      b=$(basename $P); tar czf /tmp/${HOLD}_bundle.tgz --exclude="$b/trl/checkpoint-*" --exclude="$b/verl_*/ckpt" --exclude="$b/data" \
+        -C $(dirname $P) $(basename $P) -C /tmp $(cd /tmp && ls -d runs/peers_mf/metrics.jsonl runs/peers_mf/logs 2>/dev/null) \
+        -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/${HOLD}_bundle.tgz "$OUT/" && ls -l "$OUT" ;;
     compare)
       python3 tools/peers/compare.py $(ls "$OUT"/*_steps.jsonl "$OUT"/eval_*.jsonl 2>/dev/null) --png "$OUT/peers_pass1.png" --json "$OUT/peers_summary.jsonl" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
