@@ -125,6 +125,23 @@ def _extra_arg(args: list, flag: str, default):
     return default
 
 
+def _graph_max_bs(args: list) -> int:
+    """The largest decode batch SGLang captures a CUDA graph for: 0 with --disable-cuda-graph; the largest size
+    listed after --cuda-graph-bs-decode (or --cuda-graph-bs) when given; else --cuda-graph-max-bs, else its default."""
+    if "--disable-cuda-graph" in args:
+        return 0
+    for flag in ("--cuda-graph-bs-decode", "--cuda-graph-bs"):
+        if flag in args:
+            sizes = []
+            for a in args[args.index(flag) + 1:]:
+                if str(a).startswith("--"):
+                    break
+                sizes.append(int(a))
+            if sizes:
+                return max(sizes)
+    return _extra_arg(args, "--cuda-graph-max-bs", SGLANG_DEFAULT_MAX_BS)
+
+
 # ---------------------------------------------------------------------------------- trainer state
 def trainer_state(pin: PlanInput, shape, lay, stage: int) -> list[Item]:
     p = dtype_bytes(pin.model.dtype)
@@ -353,7 +370,7 @@ def engine_items(pin: PlanInput, shape, lay, memory: float) -> tuple[list[Item],
         per_tok = 2 * shape.layers * max(shape.kv_heads / etp, 1) * shape.head_dim * kvb
         static = r.mem_fraction * memory
         kv = static - w
-        max_bs = 0 if "--disable-cuda-graph" in args else _extra_arg(args, "--cuda-graph-max-bs", SGLANG_DEFAULT_MAX_BS)
+        max_bs = _graph_max_bs(args)
         width = 4 * shape.hidden + (shape.qd + 2 * shape.kvd) / etp + 3 * ffn / etp
         graphs = (SGLANG_GRAPH_BASE + max_bs * (4 * shape.padded_vocab(1) / etp + p * width)) if max_bs else 0.0
         chunk = _extra_arg(args, "--chunked-prefill-size", SGLANG_DEFAULT_CHUNK)

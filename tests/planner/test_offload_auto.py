@@ -19,12 +19,12 @@ Q05B = os.path.join(MODELS, "qwen2.5-coder-0.5b")
 
 def test_auto_is_resident_where_rollout_and_sync_fit_and_pinned_where_not():
     p = plan(RECIPE, "--memory.offload", "auto", model_config=Q05B, gpu="H200")
-    assert p["memory_offload"]["auto"] == "none" and "rollout: 85.0 of 140.4 GiB" in p["memory_offload"]["reason"]
+    assert p["memory_offload"]["auto"] == "none" and "rollout: 85.4 of 140.4 GiB" in p["memory_offload"]["reason"]
     assert any("(resident: memory.offload none)" in k for k in p["phases"]["rollout"]["items"])  # planned resident
     # 60 GiB with SGLang at 0.8 of it: the resident state (10.6 GiB) would not fit beside the KV cache
     p = plan(RECIPE, "--memory.offload", "auto", "--rollout.mem_fraction", "0.8", model_config=Q05B, gpu_memory_gib=60)
     assert p["memory_offload"]["auto"] == "pinned"
-    assert p["memory_offload"]["reason"].startswith("with the trainer state resident the rollout phase would need 62.8 of 60.0")
+    assert p["memory_offload"]["reason"].startswith("with the trainer state resident the rollout phase would need 63.2 of 60.0")
     assert not any("resident" in k for k in p["phases"]["rollout"]["items"])  # planned with the state offloaded
     assert p["phases"]["rollout"]["verdict"] == "fits"
 
