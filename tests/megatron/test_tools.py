@@ -58,6 +58,17 @@ def test_bench_train_tiny_runs_both_steps(tmp_path):
     assert codes == [0], tails(logs)
     rep = _json_line(logs[0])
     assert rep["ours_tflops_per_gpu"] > 0 and rep["raw_tflops_per_gpu"] > 0 and rep["tokens_per_step"] == 4 * 64
+    assert (rep["mbs"], rep["micro_batches"]) == (2, 2)
+
+
+@pytest.mark.slow  # ~12 s, a benchmark's option
+def test_bench_train_mbs_sets_the_micro_batch_geometry(tmp_path):
+    # --mbs 1: each of the 2 micro-batches is one 64-token row for raw and 2 rows packing 64 tokens for ours
+    codes, logs = run_ranks([os.path.join(ROOT, "tools", "bench", "bench_train.py"), "--tiny", "--mbs", "1"], 1, tmp_path,
+                            "bench")
+    assert codes == [0], tails(logs)
+    rep = _json_line(logs[0])
+    assert (rep["mbs"], rep["micro_batches"], rep["tokens_per_step"]) == (1, 2, 2 * 64)
 
 
 def test_bench_train_tiny_moe_randomly_initialised_runs_each_expert_variant(tmp_path):

@@ -70,6 +70,10 @@ def parse_args(argv=None):
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--sp", action="store_true")
     p.add_argument("--micro_batches", type=int, default=8, help="micro-batches per optimizer step")
+    p.add_argument("--mbs", type=int, default=None,
+                   help="full rows of seq tokens a micro-batch (default: the shape's): raw's rows, ours packs as many "
+                        "tokens in 2 x mbs rows; e.g. --shape q05b --mbs 4 --micro_batches 2 is the GSM8K recipe's "
+                        "16,384-token micro-batch over the same 32,768 tokens a step")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
@@ -247,7 +251,9 @@ def main(argv=None) -> int:
     from megaforge.config import config_from_dict
     from megaforge.trainer.megatron import MegatronTrainer
 
-    shape = SHAPES[args.shape]
+    shape = dict(SHAPES[args.shape])
+    if args.mbs:
+        shape["mbs"] = args.mbs
     hf = hf_shape(shape)
     tmp = tempfile.mkdtemp(prefix="megaforge-bench-")  # one per rank
     hf.save_pretrained(tmp)
@@ -271,7 +277,8 @@ def main(argv=None) -> int:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if dist.get_rank() == 0:
-        line = {"shape": args.shape, "fp8": args.fp8, "dtype": args.dtype, "tp": args.tp, "pp": args.pp,
+        line = {"shape": args.shape, "mbs": shape["mbs"], "micro_batches": args.micro_batches, "fp8": args.fp8,
+                "dtype": args.dtype, "tp": args.tp, "pp": args.pp,
                 "world_size": dist.get_world_size(), "params": n_params(hf, active=False), "active_params": n_params(hf),
                 **out}
         if len(variants) > 1:

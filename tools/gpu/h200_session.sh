@@ -91,7 +91,9 @@
 # 2026-12-07 on an H100 80GB (code 0c854e7; one refused start ~90 s): the GSM8K recipe's 50 steps ran as issue 39's hold 2
 #   megaforge run (tools/peers/h200_peers.sh mf_start, --memory.offload auto -> none): 125 s start-up, median step 6.22 s,
 #   train 3.36, sync 0.10 (0.59 with pinned), greedy pass@1 0.3434 after step 50 (issue 38 point 2 on an H100; run 4:
-#   0.3624, McNemar p 0.18). Next here: train_bench (mfsite, BENCH_PROFILE=0: fb9afab and f4fb8c1 not yet measured),
+#   0.3624, McNemar p 0.18). Next here: train_bench (mfsite, BENCH_PROFILE=0: fb9afab and f4fb8c1 not yet measured;
+#   then BENCH_SHAPES=q05b BENCH_FLAGS="--mbs 4 --micro_batches 2": the recipe's 16,384-token micro-batches, both sides),
+#   bench_step (the 1.7B step of issue 38 point 5 with 5e781db's graphs to 512 / token budget / offload auto),
 #   the TE kit's train_bench (BENCH_SPEC=te), lora_7b_memory, and the GSM8K recipe with LoRA
 #   (GSM_FLAGS="--model.lora.rank 32 --model.lora.alpha 64 --trainer.lr 3e-5", issue 43 point 4).
 # SGLang with its default Hopper attention (FA3; the kit drops it): bash tools/gpu/fa3_prepare.sh .fa3 here
