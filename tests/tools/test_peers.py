@@ -487,3 +487,64 @@ def test_h200_peers_vllm_kit_joins_the_parts_and_takes_the_sglang_kits_wheels(tm
     assert (site / "cloudpickle").is_dir() and (site / "kit_xgrammar").is_dir() and (site / "kit_pydantic_core").is_dir()
     assert not (vk / name).exists()  # the joined wheel is removed once installed
     assert "VLLM_NO_USAGE_STATS=1" in (vk / "env.sh").read_text()
+
+
+def test_slime_flags_carry_the_recipe_values():
+    """mapping.slime_args: one SLIME_TABLE row per TABLE row; the recipe's geometry and values in slime's flags; the
+    model's shape from its config.json (the recipe's GGUF-converted model is untied: slime's checker compares)."""
+    assert [r[0] for r in mapping.SLIME_TABLE] == [r[0] for r in mapping.TABLE]
+    assert all(len(row) == 3 and all(row) for row in mapping.SLIME_TABLE)
+    cfg = recipe_cfg("--model.path", os.path.join(ROOT, "configs", "models", "qwen2.5-coder-0.5b"))
+    flags = mapping.slime_args(cfg, "/d", 20, "/o")
+    assert all(f.startswith("--") for f in flags)
+    names = [f.split()[0] for f in flags]
+    assert len(names) == len(set(names)), "a flag given twice"
+    val = {f.split()[0]: " ".join(f.split()[1:]) for f in flags}
+    assert (val["--num-rollout"], val["--rollout-batch-size"], val["--n-samples-per-prompt"], val["--global-batch-size"]) \
+        == ("20", "64", "8", "128")
+    assert (val["--eps-clip"], val["--eps-clip-high"], val["--lr"], val["--kl-coef"], val["--rollout-temperature"]) \
+        == ("0.2", "0.28", "3e-06", "0.0", "0.7")
+    assert (val["--max-tokens-per-gpu"], val["--rollout-max-response-len"], val["--rollout-max-prompt-len"]) \
+        == ("16384", "512", "320")
+    assert (val["--num-layers"], val["--hidden-size"], val["--num-query-groups"], val["--vocab-size"]) \
+        == ("24", "896", "2", "151936")
+    assert "--untie-embeddings-and-output-weights" in val and "--use-kl-loss" not in val and "--colocate" in val
+    assert val["--sglang-cuda-graph-bs-decode"].split()[-1] == "512" and val["--sglang-attention-backend"] == "triton"
+    assert val["--prompt-data"] == "/d/train.jsonl" and val["--save-hf"] == "/o/hf/rollout_{rollout_id}"
+    module, func = val["--custom-rm-path"].rsplit(".", 1)
+    assert module == "peer_reward" and callable(getattr(peer_reward, func))
+    tied = mapping.slime_args(cfg, "/d", 20, "/o", hf_config=os.path.join(ROOT, "configs", "models", "tiny-qwen2",
+                                                                          "config.json"))
+    assert "--untie-embeddings-and-output-weights" not in tied and "--hidden-size 128" in tied
+    with pytest.raises(mapping.MappingError, match="qwen2 shape only"):
+        mapping.slime_model_args({"model_type": "llama"})
+
+
+def test_slime_reward_adapter_is_megaforge_math_reward():
+    import asyncio
+    from types import SimpleNamespace
+    right = SimpleNamespace(response="so the total is \\boxed{1,000}.", label="1000")
+    wrong = SimpleNamespace(response="\\boxed{999}", label="1000")
+    assert asyncio.run(peer_reward.slime_math_reward(None, right)) == 1.0
+    assert asyncio.run(peer_reward.slime_math_reward(None, wrong, evaluation=True)) == 0.0
+
+
+def test_slime_parser_accepts_the_mapped_flags(tmp_path):
+    """slime_check.py: the mapped flags through slime's own parse_args (runs only where slime, its Megatron-LM and
+    SGLang import: tools/peers/NEXT.md, B, names the environment); an unknown flag and a tied/untied mismatch refused."""
+    import importlib.util
+    for mod in ("slime", "sglang", "sglang_router", "megatron.training", "ray", "wandb"):
+        if importlib.util.find_spec(mod.split(".")[0]) is None:
+            pytest.skip(f"{mod} is not importable")
+    cfg = recipe_cfg("--model.path", os.path.join(ROOT, "configs", "models", "qwen2.5-coder-0.5b"))
+    flags = mapping.slime_args(cfg, "/d", 20, "/o")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tools", "peers"), os.environ.get("PYTHONPATH", "")]))
+    run = lambda lines: subprocess.run([sys.executable, "tools/peers/slime_check.py", "-"], input="\n".join(lines),
+                                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = run(flags)
+    assert r.returncode == 0 and r.stdout.strip().endswith("parsed"), r.stderr[-2000:]
+    r = run(flags + ["--bogus-flag 3"])
+    assert r.returncode == 2 and "ignore flags they do not know: --bogus-flag" in r.stderr
+    r = run([f for f in flags if "untie" not in f])
+    assert r.returncode == 2 and "tie_word_embeddings" in r.stderr
