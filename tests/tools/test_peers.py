@@ -529,6 +529,11 @@ def test_slime_reward_adapter_is_megaforge_math_reward():
     assert asyncio.run(peer_reward.slime_math_reward(None, wrong, evaluation=True)) == 0.0
 
 
+def test_next_md_shows_the_generated_slime_table():
+    with open(os.path.join(ROOT, "tools", "peers", "NEXT.md")) as f:
+        assert mapping.slime_table_markdown() in f.read()
+
+
 def test_slime_parser_accepts_the_mapped_flags(tmp_path):
     """slime_check.py: the mapped flags through slime's own parse_args (runs only where slime, its Megatron-LM and
     SGLang import: tools/peers/NEXT.md, B, names the environment); an unknown flag and a tied/untied mismatch refused."""
