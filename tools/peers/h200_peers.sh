@@ -34,7 +34,8 @@
 #   models (greedy only) 105 s; 1,692 of 1,800 device s used. Only 8 files come back a call: end with `compare bundle`.
 # Variables: PEER_STEPS (20), MF_STEPS (5), MF_EXPORT_EVERY (MF_STEPS), MF_EVAL_STEPS (the megaforge steps graded: MF_STEPS), MF_FLAGS (more launcher flags for megaforge, e.g. "--memory.offload auto"), VERL_VARIANT (mapped | best | defaults), VERL_VARIANTS (the variants `data`
 #            writes and checks: VERL_VARIANT by default, "" for none), HOLD (hold1), TRL_VLLM (0),
-#            MEGAFORGE_COMMIT (provenance of the JSON lines).
+#            MEGAFORGE_COMMIT (provenance of the JSON lines), VLLM_KIT (/tmp/vllmkit), VLLM_SITE (/tmp/vllmsite),
+#            SGL_WHEELS (/tmp/sgl: the SGLang kit's wheels vllm_kit takes), TRL_SITE (/tmp/trlsite, for vllm_check).
 # Budget of a hold, from hold 1's figures: setup to megaforge's launch ~250 s (device start, parts, install, kit, 9 GGUF
 #   calls, convert, data); megaforge MF_STEPS=5 ~150 s (108 s start-up, ~6.5 s a step; hold 1 also evaluated in the
 #   run, ~35 s: now its last step's HF export is graded with the peer's models instead); evaluate.py ~70 s a model alone (SGLang's start ~35 s of it; the stages now grade all of a hold's models
@@ -49,6 +50,8 @@
 #   dim 64 / bf16 / sm_90, by tools/peers/flash_attn_prepare.sh into .carry/fa2 (8.9 MB). Its hold (HOLD=hold4
 #   VERL_VARIANT=best): call 1 carries .sgl/sgl-part1 .sgl/sgl-part2 .carry/fa2 (63.6 MiB): parts && cp -r .carry/fa2
 #   /tmp/fa2kit; after kit: FA2_KIT=/tmp/fa2kit fa2_kit (install + tools/peers/fa2_check.py); then as hold 1.
+# TRL with vLLM 0.26.0 colocate (TRL_VLLM=1): tools/peers/prepare_vllm.sh, then three vllm_part calls, the last with
+#   vllm_kit, after parts + install + PEER_KITS=trl kit; the whole hold's calls are in tools/peers/NEXT.md (A).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
