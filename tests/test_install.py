@@ -29,7 +29,8 @@ COMES_WITH = {"huggingface-hub": "transformers", "sympy": "torch"}
 #: writes into its tmp_path
 NOT_PACKAGES = {"fused_weight_gradient_mlp_cuda", "my_plugins", "typed_adv"}
 #: the peers' own environments (tools/peers/, issue 39): pinned in tools/peers/wheels_<peer>.txt, not megaforge's
-PEER_FILES = ("tools/peers/wheels_trl.txt", "tools/peers/wheels_verl.txt", "tools/peers/wheels_fa2.txt")
+PEER_FILES = ("tools/peers/wheels_trl.txt", "tools/peers/wheels_verl.txt", "tools/peers/wheels_fa2.txt",
+              "tools/peers/wheels_vllm.txt", "tools/peers/wheels_slime.txt")
 TEST_ONLY = {"pytest", "pytest-timeout", "openai", "megatron-core", "gguf", "accelerate", "datasets", "pyarrow",
              "wandb", "submitit"}
 
@@ -119,7 +120,7 @@ def test_dev_requirements_cover_every_third_party_import():
     found = third_party_imports("tests", "tools", "examples", "megaforge")
     assert "pytest" in found and "megatron-core" in found and "openai" in found  # the scan sees them
     peers = {d for d, f in found.items() if f.startswith(("tools/peers/", "tests/tools/test_peers.py"))}
-    assert {"trl", "verl", "ray"} <= peers  # the scan sees the peers' imports too
+    assert {"trl", "verl", "ray", "vllm", "slime"} <= peers  # the scan sees the peers' imports too
     unpinned = {d: found[d] for d in peers if d not in dev and d not in peer_pins()}
     assert not unpinned, f"a peer's import pinned neither in requirements-dev.txt nor in {PEER_FILES}: {unpinned}"
     missing = {d: f for d, f in found.items() if d not in peers

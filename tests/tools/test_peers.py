@@ -419,3 +419,137 @@ def test_h200_peers_megaforge_flags_pass_the_recipe_config_check():
                         "--memory.offload", "auto"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "memory.offload auto -> none" in r.stdout
+
+
+def _wheel(folder, dist: str, version: str, tag: str = "py3-none-any", module: str | None = None) -> str:
+    """A minimal installable wheel ``dist-version-tag.whl`` with one module (``__version__`` = version)."""
+    import zipfile
+    name = dist.replace("-", "_")
+    path = os.path.join(str(folder), f"{name}-{version}-{tag}.whl")
+    info = f"{name}-{version}.dist-info"
+    files = {f"{module or name}/__init__.py": f"__version__ = {version!r}\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n",
+             f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}\n"}
+    files[f"{info}/RECORD"] = "".join(f"{k},,\n" for k in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for k, v in files.items():
+            z.writestr(k, v)
+    return path
+
+
+def test_h200_peers_vllm_kit_joins_the_parts_and_takes_the_sglang_kits_wheels(tmp_path):
+    """h200_peers.sh's vllm_kit install on the CPU, with stand-in wheels laid out as prepare_vllm.sh lays out
+    .carry/vllm (the vLLM wheel in parts, vllm-deps, SHA256SUMS) and the SGLang kit's /tmp/sgl holding the
+    [kit] pins of tools/peers/wheels_vllm.txt: it refuses a missing part and a missing kit wheel, joins the parts
+    in order, installs everything into VLLM_SITE and writes env.sh."""
+    import hashlib
+    lines = [ln for ln in open(os.path.join(ROOT, "tools", "peers", "wheels_vllm.txt")) if "==" in ln.split("#")[0]]
+    pins = [ln.split("#")[0].strip() for ln in lines]
+    kit = [ln.split("#")[0].strip() for ln in lines if "[kit]" in ln]
+    assert "vllm==0.26.0" in pins and "xgrammar==0.2.1" in kit and "pydantic-core==2.50.5" in kit
+    vk, sgl, site, build = tmp_path / "vk", tmp_path / "sgl", tmp_path / "site", tmp_path / "build"
+    for d in (vk / "vllm-deps", sgl, build):
+        d.mkdir(parents=True)
+    big = _wheel(build, "vllm", "0.26.0", "cp38-abi3-manylinux_2_28_x86_64")
+    data = open(big, "rb").read()
+    name = os.path.basename(big)
+    cut = [0, len(data) // 3, 2 * len(data) // 3, len(data)]
+    sums = [f"{hashlib.sha256(data).hexdigest()}  {name}\n"]
+    for k in range(3):
+        (vk / f"vllm-part{k + 1}").mkdir()
+        part = vk / f"vllm-part{k + 1}" / f"{name}.part_0{k}"
+        part.write_bytes(data[cut[k]:cut[k + 1]])
+        sums.append(f"{hashlib.sha256(part.read_bytes()).hexdigest()}  vllm-part{k + 1}/{part.name}\n")
+    dep = _wheel(vk / "vllm-deps", "cloudpickle", "3.1.3")
+    sums.append(f"{hashlib.sha256(open(dep, 'rb').read()).hexdigest()}  vllm-deps/{os.path.basename(dep)}\n")
+    (vk / "SHA256SUMS").write_text("".join(sums))
+    for req in kit:
+        dist, version = req.split("==")
+        _wheel(sgl, dist.lower(), version, module=f"kit_{dist.replace('-', '_')}")
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PEERS_DIR=str(tmp_path / "p"), VLLM_KIT=str(vk),
+               VLLM_SITE=str(site), SGL_WHEELS=str(sgl))
+    run = lambda: subprocess.run(["bash", "-c", "source tools/peers/h200_peers.sh; vllm_kit"], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=300)
+    part3 = vk / "vllm-part3" / f"{name}.part_02"
+    part3.rename(tmp_path / "away")
+    r = run()
+    assert r.returncode != 0 and f"vllm_kit: 2 of 3 parts under {vk}" in r.stdout
+    (tmp_path / "away").rename(part3)
+    moved = next(sgl.glob("xgrammar-0.2.1-*.whl"))
+    moved.rename(tmp_path / moved.name)
+    r = run()
+    assert r.returncode != 0 and f"vllm_kit: xgrammar==0.2.1 not in {sgl}" in r.stdout
+    (tmp_path / moved.name).rename(moved)
+    r = run()
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"vllm_kit: {name} + 1 wheels + {len(kit)} of the SGLang kit's into {site}" in r.stdout
+    assert (site / "vllm" / "__init__.py").read_text() == "__version__ = '0.26.0'\n"
+    assert (site / "cloudpickle").is_dir() and (site / "kit_xgrammar").is_dir() and (site / "kit_pydantic_core").is_dir()
+    assert not (vk / name).exists()  # the joined wheel is removed once installed
+    assert "VLLM_NO_USAGE_STATS=1" in (vk / "env.sh").read_text()
+
+
+def test_slime_flags_carry_the_recipe_values():
+    """mapping.slime_args: one SLIME_TABLE row per TABLE row; the recipe's geometry and values in slime's flags; the
+    model's shape from its config.json (the recipe's GGUF-converted model is untied: slime's checker compares)."""
+    assert [r[0] for r in mapping.SLIME_TABLE] == [r[0] for r in mapping.TABLE]
+    assert all(len(row) == 3 and all(row) for row in mapping.SLIME_TABLE)
+    cfg = recipe_cfg("--model.path", os.path.join(ROOT, "configs", "models", "qwen2.5-coder-0.5b"))
+    flags = mapping.slime_args(cfg, "/d", 20, "/o")
+    assert all(f.startswith("--") for f in flags)
+    names = [f.split()[0] for f in flags]
+    assert len(names) == len(set(names)), "a flag given twice"
+    val = {f.split()[0]: " ".join(f.split()[1:]) for f in flags}
+    assert (val["--num-rollout"], val["--rollout-batch-size"], val["--n-samples-per-prompt"], val["--global-batch-size"]) \
+        == ("20", "64", "8", "128")
+    assert (val["--eps-clip"], val["--eps-clip-high"], val["--lr"], val["--kl-coef"], val["--rollout-temperature"]) \
+        == ("0.2", "0.28", "3e-06", "0.0", "0.7")
+    assert (val["--max-tokens-per-gpu"], val["--rollout-max-response-len"], val["--rollout-max-prompt-len"]) \
+        == ("16384", "512", "320")
+    assert (val["--num-layers"], val["--hidden-size"], val["--num-query-groups"], val["--vocab-size"]) \
+        == ("24", "896", "2", "151936")
+    assert "--untie-embeddings-and-output-weights" in val and "--use-kl-loss" not in val and "--colocate" in val
+    assert val["--sglang-cuda-graph-bs-decode"].split()[-1] == "512" and val["--sglang-attention-backend"] == "triton"
+    assert val["--prompt-data"] == "/d/train.jsonl" and val["--save-hf"] == "/o/hf/rollout_{rollout_id}"
+    module, func = val["--custom-rm-path"].rsplit(".", 1)
+    assert module == "peer_reward" and callable(getattr(peer_reward, func))
+    tied = mapping.slime_args(cfg, "/d", 20, "/o", hf_config=os.path.join(ROOT, "configs", "models", "tiny-qwen2",
+                                                                          "config.json"))
+    assert "--untie-embeddings-and-output-weights" not in tied and "--hidden-size 128" in tied
+    with pytest.raises(mapping.MappingError, match="qwen2 shape only"):
+        mapping.slime_model_args({"model_type": "llama"})
+
+
+def test_slime_reward_adapter_is_megaforge_math_reward():
+    import asyncio
+    from types import SimpleNamespace
+    right = SimpleNamespace(response="so the total is \\boxed{1,000}.", label="1000")
+    wrong = SimpleNamespace(response="\\boxed{999}", label="1000")
+    assert asyncio.run(peer_reward.slime_math_reward(None, right)) == 1.0
+    assert asyncio.run(peer_reward.slime_math_reward(None, wrong, evaluation=True)) == 0.0
+
+
+def test_next_md_shows_the_generated_slime_table():
+    with open(os.path.join(ROOT, "tools", "peers", "NEXT.md")) as f:
+        assert mapping.slime_table_markdown() in f.read()
+
+
+def test_slime_parser_accepts_the_mapped_flags(tmp_path):
+    """slime_check.py: the mapped flags through slime's own parse_args (runs only where slime, its Megatron-LM and
+    SGLang import: tools/peers/NEXT.md, B, names the environment); an unknown flag and a tied/untied mismatch refused."""
+    import importlib.util
+    for mod in ("slime", "sglang", "sglang_router", "megatron.training", "ray", "wandb"):
+        if importlib.util.find_spec(mod.split(".")[0]) is None:
+            pytest.skip(f"{mod} is not importable")
+    cfg = recipe_cfg("--model.path", os.path.join(ROOT, "configs", "models", "qwen2.5-coder-0.5b"))
+    flags = mapping.slime_args(cfg, "/d", 20, "/o")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tools", "peers"), os.environ.get("PYTHONPATH", "")]))
+    run = lambda lines: subprocess.run([sys.executable, "tools/peers/slime_check.py", "-"], input="\n".join(lines),
+                                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = run(flags)
+    assert r.returncode == 0 and r.stdout.strip().endswith("parsed"), r.stderr[-2000:]
+    r = run(flags + ["--bogus-flag 3"])
+    assert r.returncode == 2 and "ignore flags they do not know: --bogus-flag" in r.stderr
+    r = run([f for f in flags if "untie" not in f])
+    assert r.returncode == 2 and "tie_word_embeddings" in r.stderr

@@ -34,7 +34,8 @@
 #   models (greedy only) 105 s; 1,692 of 1,800 device s used. Only 8 files come back a call: end with `compare bundle`.
 # Variables: PEER_STEPS (20), MF_STEPS (5), MF_EXPORT_EVERY (MF_STEPS), MF_EVAL_STEPS (the megaforge steps graded: MF_STEPS), MF_FLAGS (more launcher flags for megaforge, e.g. "--memory.offload auto"), VERL_VARIANT (mapped | best | defaults), VERL_VARIANTS (the variants `data`
 #            writes and checks: VERL_VARIANT by default, "" for none), HOLD (hold1), TRL_VLLM (0),
-#            MEGAFORGE_COMMIT (provenance of the JSON lines).
+#            MEGAFORGE_COMMIT (provenance of the JSON lines), VLLM_KIT (/tmp/vllmkit), VLLM_SITE (/tmp/vllmsite),
+#            SGL_WHEELS (/tmp/sgl: the SGLang kit's wheels vllm_kit takes), TRL_SITE (/tmp/trlsite, for vllm_check).
 # Budget of a hold, from hold 1's figures: setup to megaforge's launch ~250 s (device start, parts, install, kit, 9 GGUF
 #   calls, convert, data); megaforge MF_STEPS=5 ~150 s (108 s start-up, ~6.5 s a step; hold 1 also evaluated in the
 #   run, ~35 s: now its last step's HF export is graded with the peer's models instead); evaluate.py ~70 s a model alone (SGLang's start ~35 s of it; the stages now grade all of a hold's models
@@ -49,6 +50,8 @@
 #   dim 64 / bf16 / sm_90, by tools/peers/flash_attn_prepare.sh into .carry/fa2 (8.9 MB). Its hold (HOLD=hold4
 #   VERL_VARIANT=best): call 1 carries .sgl/sgl-part1 .sgl/sgl-part2 .carry/fa2 (63.6 MiB): parts && cp -r .carry/fa2
 #   /tmp/fa2kit; after kit: FA2_KIT=/tmp/fa2kit fa2_kit (install + tools/peers/fa2_check.py); then as hold 1.
+# TRL with vLLM 0.26.0 colocate (TRL_VLLM=1): tools/peers/prepare_vllm.sh, then three vllm_part calls, the last with
+#   vllm_kit, after parts + install + PEER_KITS=trl kit; the whole hold's calls are in tools/peers/NEXT.md (A).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
@@ -69,6 +72,9 @@ mf_specs() {  # evaluate's arguments for megaforge's graded exports, newest firs
 }
 STEPS=${PEER_STEPS:-20}
 V=${VERL_VARIANT:-mapped}
+TRL_RUN=$HOLD-trl; [ "${TRL_VLLM:-0}" = 1 ] && TRL_RUN=$HOLD-trl-vllm  # the run label of TRL's schema lines and grades
+VK=${VLLM_KIT:-/tmp/vllmkit}  # vllm_part collects the carried vLLM kit here; vllm_kit writes its env.sh here
+VS=${VLLM_SITE:-/tmp/vllmsite}  # ... and installs it here (SGL_WHEELS: the SGLang kit's wheels, /tmp/sgl)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 MF_PATH=$PWD:/tmp/mfsite
 engine_env() {  # ENGINE_ENV_JSON: given instead (tests on a CPU, without the kit)
@@ -126,6 +132,32 @@ evaluate() {  # arguments "name step hf_folder system:run[,system:run]", newest 
   done
   cp $log "$OUT/"
 }
+vllm_kit() {  # the vllm_kit stage's install: join + check the parts, pip --no-deps into $VS, write $VK/env.sh
+  local sums=$VK/SHA256SUMS w n have req f kit=() t0=$SECONDS
+  [ -f "$sums" ] || { echo "[h200_peers] vllm_kit: no $sums (carried with the last part)"; return 1; }
+  n=$(grep -c '\.part_[0-9]*$' "$sums"); have=$(ls "$VK"/vllm-part*/*.part_[0-9][0-9] 2>/dev/null | wc -l)
+  [ "$n" = "$have" ] || { echo "[h200_peers] vllm_kit: $have of $n parts under $VK (one vllm_part call a part)"; return 1; }
+  (cd "$VK" && sha256sum --quiet -c --ignore-missing SHA256SUMS) || return 1
+  w=$(head -1 "$sums" | awk '{print $2}')  # the joined wheel's name (prepare_vllm.sh writes it first)
+  for f in "$VK"/vllm-part*/*.part_[0-9][0-9]; do echo "$(basename "$f") $f"; done | sort | cut -d' ' -f2 | xargs cat > "$VK/$w"
+  (cd "$VK" && head -1 SHA256SUMS | sha256sum --quiet -c) || return 1
+  while read -r req; do  # name==version of each [kit] line; the kit's file names use _ for - and lower case
+    f=$(ls "${SGL_WHEELS:-/tmp/sgl}/${req%%==*}-${req##*==}-"*.whl 2>/dev/null | head -1)
+    [ -n "$f" ] || { echo "[h200_peers] vllm_kit: $req not in ${SGL_WHEELS:-/tmp/sgl} (SGLang's parts + install first)"; return 1; }
+    kit+=("$f")
+  done < <(grep '\[kit\]' tools/peers/wheels_vllm.txt | sed 's/#.*//; s/[[:space:]]*$//' | grep -v '^$' \
+           | awk -F'==' '{gsub(/-/, "_", $1); print tolower($1) "==" $2}')
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$VS" "$VK/$w" "$VK"/vllm-deps/*.whl \
+    "${kit[@]}" > "$VK/pip.log" 2>&1 || { tail -20 "$VK/pip.log"; return 1; }
+  rm -f "$VK/$w"
+  echo "[h200_peers] vllm_kit: $w + $(ls "$VK"/vllm-deps | wc -l) wheels + ${#kit[@]} of the SGLang kit's into $VS in $((SECONDS - t0)) s"
+  local nvlibs  # vLLM's ops need libcudart / libnvrtc .so.13 (torch's own nvidia/*/lib), as sglang-install.sh's env.sh
+  nvlibs=$(python3 -c 'import os, nvidia
+print(":".join(sorted({os.path.join(r, d, "lib") for r in nvidia.__path__ for d in os.listdir(r)
+                       if os.path.isdir(os.path.join(r, d, "lib"))})))' 2>/dev/null || true)
+  { echo "export LD_LIBRARY_PATH=${nvlibs}\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+    echo "export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1"; } > "$VK/env.sh"
+}
 
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
@@ -158,6 +190,17 @@ for stage in "$@"; do
       fi
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/verlsite "$w" || exit 1
       PYTHONPATH=/tmp/verlsite python3 tools/peers/fa2_check.py | tee "$OUT/fa2_check.json" ;;
+    vllm_part)  # one part of the vLLM kit a call (tools/peers/prepare_vllm.sh; carry .carry/vllm/vllm-partK, the last
+      # call also .carry/vllm/vllm-deps and .carry/vllm/SHA256SUMS): collected under $VK, in the folders as carried
+      mkdir -p $VK && cp -r .carry/vllm/. $VK/ && (cd $VK && ls -d */* SHA256SUMS 2>/dev/null | tr '\n' ' '); echo ;;
+    vllm_kit)  # vLLM for TRL's colocate generation: the parts joined and checked against SHA256SUMS, installed --no-deps
+      # into /tmp/vllmsite with vllm-deps and the SGLang kit's wheels marked [kit] in tools/peers/wheels_vllm.txt
+      # (from /tmp/sgl: after h200_session.sh parts + install), then tools/peers/vllm_check.py (needs TRL's site: kit)
+      vllm_kit || exit 1
+      (. $VK/env.sh && PYTHONPATH=$PWD:${TRL_SITE:-/tmp/trlsite}:$VS timeout 300 python3 tools/peers/vllm_check.py \
+         > "$OUT/vllm_check.log" 2>&1; rc=$?; grep '^{"' "$OUT/vllm_check.log" > "$OUT/vllm_check.jsonl"
+       grep -v '"module_origins"' "$OUT/vllm_check.jsonl" | cut -c1-600; [ $rc = 0 ] || grep -v '^{"' "$OUT/vllm_check.log" | tail -5
+       PYTHONPATH=$VS python3 -c "import vllm; print('import vllm:', vllm.__version__)") ;;
     data)  # megaforge's prompt order for the peers, and each verl variant's overrides checked by verl's validate_config
       PYTHONPATH=$MF_PATH python3 tools/peers/peer_data.py --config $RECIPE --steps "$STEPS" --out_dir $P/data || exit 1
       for v in ${VERL_VARIANTS-$V}; do  # ~15 s each; VERL_VARIANTS="" in a hold without verl
@@ -195,18 +238,23 @@ for stage in "$@"; do
       evaluate "verl_$V 20 $P/verl_$V/ckpt/global_step_20/actor/huggingface verl:$HOLD-verl-$V" \
         "verl_$V 10 $P/verl_$V/ckpt/global_step_10/actor/huggingface verl:$HOLD-verl-$V" \
         "${mf[@]}" "${base[@]}" ;;
-    trl_start)  # TRL on the machine's own transformers (the kit's /tmp/site off its path)
-      vllm=""; [ "${TRL_VLLM:-0}" = 1 ] && vllm=--use_vllm
-      launch trl $P/trl/trl_steps.jsonl env PYTHONPATH=$PWD:/tmp/trlsite:/tmp/mfsite python3 tools/peers/trl_grpo.py --config $RECIPE \
-        --data $P/data/train.jsonl --steps "$STEPS" --out_dir $P/trl --run "$HOLD-trl" --save_every ${TRL_SAVE_EVERY:-10} --model.path $MODEL $vllm ;;
+    trl_start)  # TRL on the machine's own transformers (the kit's /tmp/site off its path); TRL_VLLM=1: vLLM colocate
+      # generation from $VS (vllm_kit), with $VK/env.sh's environment
+      vllm=""; site=/tmp/trlsite
+      if [ "${TRL_VLLM:-0}" = 1 ]; then
+        [ -f $VK/env.sh ] || { echo "[h200_peers] trl_start: TRL_VLLM=1 needs vllm_kit first"; exit 1; }
+        . $VK/env.sh; vllm=--use_vllm; site=/tmp/trlsite:$VS
+      fi
+      launch trl $P/trl/trl_steps.jsonl env PYTHONPATH=$PWD:$site:/tmp/mfsite python3 tools/peers/trl_grpo.py --config $RECIPE \
+        --data $P/data/train.jsonl --steps "$STEPS" --out_dir $P/trl --run "$TRL_RUN" --save_every ${TRL_SAVE_EVERY:-10} --model.path $MODEL $vllm ;;
     trl_watch)
       watch_run trl $P/trl/trl_steps.jsonl
       cp $P/trl/trl_steps.jsonl "$OUT/trl_${HOLD}_steps.jsonl" 2>/dev/null ;;
     eval_trl)
-      base=(); [ "${EVAL_BASE:-1}" = 0 ] || base=("base 0 $MODEL trl:$HOLD-trl,megaforge:$HOLD")
+      base=(); [ "${EVAL_BASE:-1}" = 0 ] || base=("base 0 $MODEL trl:$TRL_RUN,megaforge:$HOLD")
       mapfile -t mf < <(mf_specs)
-      evaluate "trl 20 $P/trl/checkpoint-80 trl:$HOLD-trl" "trl 10 $P/trl/checkpoint-40 trl:$HOLD-trl" \
-        "trl 5 $P/trl/checkpoint-20 trl:$HOLD-trl" \
+      evaluate "trl 20 $P/trl/checkpoint-80 trl:$TRL_RUN" "trl 10 $P/trl/checkpoint-40 trl:$TRL_RUN" \
+        "trl 5 $P/trl/checkpoint-20 trl:$TRL_RUN" \
         "${mf[@]}" "${base[@]}" ;;
     bundle)  # the device brings back at most 8 files a call: $OUT's files and the hold's logs, metrics and per-prompt
       # grades in one $OUT/<HOLD>_bundle.tgz (the peers' checkpoints and data left out); last, after compare

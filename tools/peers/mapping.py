@@ -1,10 +1,13 @@
 #!/usr/bin/env python
-"""The recipe's hyper-parameters mapped to verl 0.9.1's Hydra overrides and TRL 1.16.0's GRPOConfig (issue 39).
+"""The recipe's hyper-parameters mapped to verl 0.9.1's Hydra overrides, TRL 1.16.0's GRPOConfig and slime's
+train.py flags (issue 39; slime's checked by its own parser: tools/peers/slime_check.py).
 
     python tools/peers/mapping.py verl --config configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml --data_dir D --steps 20 \
         --out_dir O [--variant mapped|best|defaults] [--model.path M ...]   # one override a line
     python tools/peers/mapping.py trl --config ... --steps 20 --out_dir O         # GRPOConfig's keyword arguments (JSON)
+    python tools/peers/mapping.py slime --config ... --steps 20 --data_dir D --out_dir O [--hf_config C]  # slime's flags
     python tools/peers/mapping.py table                                           # the README's table (markdown)
+    python tools/peers/mapping.py slime_table                                     # tools/peers/NEXT.md's slime table
 
 :data:`TABLE` holds, for every key of configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml, verl's key, TRL's key and
 what still differs; the functions below read the values from the megaforge config (so an override of the
@@ -277,6 +280,146 @@ def trl_kwargs(cfg, steps: int, out_dir: str, use_vllm: bool = False, save_every
     return kw
 
 
+# slime (THUDM/slime at SLIME_COMMIT; its Megatron-LM and SGLang, patched: tools/peers/NEXT.md, B): one row per TABLE
+# row, same recipe keys in the same order (a test keeps them aligned). Not run on a GPU yet.
+SLIME_COMMIT = "624b824a8"
+SLIME_TABLE = [
+    ("output_dir, run_name", "--save, --save-hf (no run name: console logs)", "where files go"),
+    ("max_steps", "--num-rollout (one rollout = one megaforge step)", "-"),
+    ("seed", "--seed, --rollout-seed; no --rollout-shuffle (the file's order)", "sampling seeds differ"),
+    ("model.path", "--hf-checkpoint, --ref-load (slime loads the HF folder itself) + the Qwen2 shape flags from its "
+     "config.json (--num-layers ... --untie-embeddings-and-output-weights: the GGUF-converted model is untied)",
+     "slime's own checker refuses a tied/untied mismatch (hf_validate_args)"),
+    ("model.dtype: bfloat16", "--bf16 (Megatron: bf16 weights, fp32 main params in the optimizer), "
+     "--accumulate-allreduce-grads-in-fp32, --attention-softmax-in-fp32", "-"),
+    ("data.path", "--prompt-data <data_dir>/train.jsonl (peer_data.py's TRL file)", "same rows in megaforge's order"),
+    ("data.input_key / label_key", "--input-key prompt --label-key answer --apply-chat-template", "-"),
+    ("data.system_prompt", "system message in each row's prompt", "slime renders the chat template itself (add_generation_prompt)"),
+    ("data.max_prompt_len: 320", "--rollout-max-prompt-len 320", "slime drops longer prompts (none are)"),
+    ("grpo.n_samples: 8", "--n-samples-per-prompt 8", "-"),
+    ("grpo.clip_low: 0.2", "--eps-clip 0.2", "-"),
+    ("grpo.clip_high: 0.28", "--eps-clip-high 0.28", "-"),
+    ("grpo.beta: 0.0", "--kl-coef 0.0, no --use-kl-loss", "no reference model"),
+    ("grpo.temperature: 0.7", "--rollout-temperature 0.7 --rollout-top-p 1.0 --rollout-top-k -1", "-"),
+    ("algo.advantage: grpo", "--advantage-estimator grpo (std normalisation on: slime's default)", "-"),
+    ("algo.loss: ppo_clip", "slime's policy loss (clipped surrogate), --entropy-coef 0.0", "-"),
+    ("algo.loss_agg: token_mean", "--calculate-per-token-loss", "-"),
+    ("rewards.functions: math", "--custom-rm-path peer_reward.slime_math_reward (tools/peers on PYTHONPATH)",
+     "the same megaforge MathReward, awaited per sample in slime's rollout manager"),
+    ("rewards.workers: 8", "- (asyncio in the rollout manager)", "-"),
+    ("rollout.engine: sglang", "SGLang (its server in a Ray actor, behind sglang_router)", "slime's SGLang is 0.5.15.post1 "
+     "with slime's five patches (they do not apply to 0.5.16); router from PyPI (0.3.2), not slime's fork"),
+    ("rollout.batch_size: 64", "--rollout-batch-size 64", "-"),
+    ("rollout.max_new_tokens: 512", "--rollout-max-response-len 512", "-"),
+    ("rollout.mem_fraction: 0.5", "--sglang-mem-fraction-static 0.5", "-"),
+    ("rollout.extra_args (triton attention, pytorch sampling, no prefill graphs, decode graphs 1..512)",
+     "--sglang-attention-backend triton --sglang-sampling-backend pytorch --sglang-cuda-graph-backend-prefill disabled "
+     "--sglang-cuda-graph-bs-decode 1 ... 512", "-"),
+    ("rollout.max_restarts / snapshot_dir", "- (slime's --use-fault-tolerance not set)", "-"),
+    ("rollout.device / fast / dtype / engine_batch_size", "-", "megaforge's embedded engine only"),
+    ("trainer.backend: megatron, layer_spec: torch", "Megatron-LM (patched) with the Transformer Engine spec, "
+     "--attention-backend fused (TE's cuDNN attention), --no-gradient-accumulation-fusion (no apex)",
+     "slime's HF <-> Megatron converters name the TE spec's fused-norm weights: the local spec does not load; "
+     "--attention-backend flash would need flash-attn"),
+    ("trainer.device: cuda", "--actor-num-nodes 1 --actor-num-gpus-per-node 1 --num-gpus-per-node 1 --colocate "
+     "--rollout-num-gpus-per-engine 1", "-"),
+    ("trainer.lr: 3.0e-6", "--lr 3e-6 --lr-decay-style constant --lr-warmup-iters 0", "-"),
+    ("trainer.weight_decay (0.0), betas, eps (defaults)", "--optimizer adam --weight-decay 0.0 --adam-beta1 0.9 "
+     "--adam-beta2 0.999 --adam-eps 1e-8", "slime's scripts use 0.1 and 0.98"),
+    ("trainer.micro_batch_size: 64, micro_batch_tokens: 16384", "--use-dynamic-batch-size --max-tokens-per-gpu 16384",
+     "both pack rows up to 16,384 tokens a micro-batch"),
+    ("trainer.mini_batches: 4", "--global-batch-size 128 (64 x 8 / 4: 4 updates a rollout)", "-"),
+    ("trainer.grad_clip: 1.0", "--clip-grad 1.0", "-"),
+    ("trainer.gradient_checkpointing / recompute (off)", "- (Megatron recomputes nothing by default)", "-"),
+    ("pi_old (recomputed by the trainer)", "recomputed by the Megatron actor (no --use-rollout-logprobs)", "-"),
+    ("trainer.distributed_optimizer: true", "--use-distributed-optimizer", "one GPU: nothing to shard"),
+    ("memory.offload: auto", "--colocate implies --offload-train and --offload-rollout",
+     "slime always moves its trainer state to host memory and back (torch_memory_saver) on one GPU; megaforge's "
+     "planner keeps it on an H100/H200"),
+    ("sync.transport: ipc, bucket_mb: 512", "update_weights_from_tensor (CUDA IPC), --update-weight-buffer-size 536870912",
+     "-"),
+    ("eval.sets (GSM8K test), interval 10, before_train", "- (no --eval-interval: tools/evaluate.py grades the HF exports)",
+     "-"),
+    ("eval.n_samples: 2", "-", "only greedy pass@1 is compared"),
+    ("metrics.tensorboard, log_samples", "- (no --use-wandb; wandb is still imported: slime/observability/logging_utils.py)",
+     "slime's perf/* lines to parse (not written yet)"),
+    ("checkpoint.interval: 10, keep_last_n: 1", "--save-interval 10 --no-save-optim, --save-hf .../rollout_{rollout_id}",
+     "slime's rollout_id counts from 0: megaforge's step 10 is rollout_9; slime writes a Megatron checkpoint too"),
+]
+
+
+def slime_model_args(hf: dict) -> list[str]:
+    """Megatron's shape flags for a Qwen2 HF config (slime's scripts/models/qwen2.5-0.5B.sh, from the config)."""
+    if hf.get("model_type") != "qwen2":
+        raise MappingError(f"slime's mapping knows the qwen2 shape only, not {hf.get('model_type')!r}")
+    out = ["--swiglu", f"--num-layers {hf['num_hidden_layers']}", f"--hidden-size {hf['hidden_size']}",
+           f"--ffn-hidden-size {hf['intermediate_size']}", f"--num-attention-heads {hf['num_attention_heads']}",
+           "--use-rotary-position-embeddings", "--disable-bias-linear", "--add-qkv-bias", "--normalization RMSNorm",
+           f"--norm-epsilon {hf['rms_norm_eps']}", f"--rotary-base {int(hf.get('rope_theta', 10000))}",
+           "--group-query-attention", f"--num-query-groups {hf['num_key_value_heads']}", f"--vocab-size {hf['vocab_size']}"]
+    if not hf.get("tie_word_embeddings", False):
+        out.append("--untie-embeddings-and-output-weights")
+    return out
+
+
+def slime_args(cfg, data_dir: str, steps: int, out_dir: str, model_path: str = "", hf_config: str = "") -> list[str]:
+    """slime's ``train.py`` flags, one flag with its values an item (see SLIME_TABLE). ``hf_config``: the model's
+    config.json when ``model.path`` is not on this machine (configs/models/qwen2.5-coder-0.5b/config.json: the
+    recipe's GGUF-converted model)."""
+    g = geometry(cfg)
+    model = model_path or cfg.model.path
+    with open(hf_config or os.path.join(model, "config.json")) as f:
+        hf = json.load(f)
+    if cfg.algo.advantage != "grpo" or cfg.algo.loss_agg != "token_mean" or cfg.trainer.lr_schedule != "constant":
+        raise MappingError("slime's mapping covers grpo, token_mean and a constant lr only")
+    o = ["--actor-num-nodes 1", "--actor-num-gpus-per-node 1", "--num-gpus-per-node 1", "--colocate",
+         "--rollout-num-gpus-per-engine 1", f"--hf-checkpoint {model}", f"--ref-load {model}",
+         *slime_model_args(hf),
+         f"--prompt-data {data_dir}/train.jsonl", "--input-key prompt", "--label-key answer", "--apply-chat-template",
+         f"--num-rollout {steps}", f"--rollout-batch-size {cfg.rollout.batch_size}",
+         f"--n-samples-per-prompt {cfg.grpo.n_samples}", f"--global-batch-size {g['per_update']}",
+         f"--rollout-max-prompt-len {cfg.data.max_prompt_len}", f"--rollout-max-response-len {cfg.rollout.max_new_tokens}",
+         f"--rollout-temperature {cfg.grpo.temperature}", f"--rollout-top-p {cfg.rollout.top_p}",
+         f"--rollout-top-k {cfg.rollout.top_k if cfg.rollout.top_k > 0 else -1}",
+         f"--seed {cfg.seed}", f"--rollout-seed {cfg.seed}",
+         "--custom-rm-path peer_reward.slime_math_reward",
+         "--advantage-estimator grpo", f"--eps-clip {cfg.grpo.clip_low}", f"--eps-clip-high {cfg.grpo.clip_high}",
+         "--entropy-coef 0.0", f"--kl-coef {cfg.grpo.beta}", "--calculate-per-token-loss"]
+    if cfg.grpo.beta > 0:
+        o += ["--use-kl-loss", f"--kl-loss-coef {cfg.grpo.beta}"]
+    o += ["--optimizer adam", f"--lr {cfg.trainer.lr}", "--lr-decay-style constant",
+          f"--lr-warmup-iters {cfg.trainer.warmup_steps}", f"--weight-decay {cfg.trainer.weight_decay}",
+          f"--adam-beta1 {cfg.trainer.betas[0]}", f"--adam-beta2 {cfg.trainer.betas[1]}", f"--adam-eps {cfg.trainer.eps}",
+          f"--clip-grad {cfg.trainer.grad_clip}",
+          "--tensor-model-parallel-size 1", "--pipeline-model-parallel-size 1", "--context-parallel-size 1",
+          "--expert-model-parallel-size 1", "--expert-tensor-parallel-size 1",
+          "--use-dynamic-batch-size",
+          f"--max-tokens-per-gpu {cfg.trainer.micro_batch_tokens or g['micro_batch'] * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)}",
+          "--bf16" if cfg.model.dtype == "bfloat16" else "--fp16" if cfg.model.dtype == "float16" else "--no-bf16",
+          "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32", "--attention-dropout 0.0",
+          "--hidden-dropout 0.0", "--attention-backend fused", "--no-gradient-accumulation-fusion"]
+    if cfg.trainer.distributed_optimizer:
+        o.append("--use-distributed-optimizer")
+    if cfg.trainer.gradient_checkpointing:
+        o.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    o.append(f"--sglang-mem-fraction-static {cfg.rollout.mem_fraction}")
+    for k, v in _extra_args(cfg).items():
+        flag = "--sglang-" + k.replace("_", "-")
+        o.append(flag if v is True else f"{flag} {' '.join(map(str, v)) if isinstance(v, list) else v}")
+    o += [f"--update-weight-buffer-size {cfg.sync.bucket_mb * 2**20}",
+          f"--save {out_dir}/ckpt", f"--save-interval {cfg.checkpoint.interval or steps}", "--no-save-optim",
+          f"--save-hf {out_dir}/hf/rollout_{{rollout_id}}"]
+    return o
+
+
+def slime_table_markdown() -> str:
+    lines = [f"| recipe key (configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml) | slime ({SLIME_COMMIT}) train.py | what still differs, and its cost |",
+             "|---|---|---|"]
+    for row in SLIME_TABLE:
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in row) + " |")
+    return "\n".join(lines)
+
+
 def table_markdown() -> str:
     lines = ["| recipe key (configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml) | verl 0.9.1 | TRL 1.16.0 GRPOConfig | what still differs, and its cost |",
              "|---|---|---|---|"]
@@ -287,7 +430,7 @@ def table_markdown() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("peer", choices=["verl", "trl", "table"])
+    p.add_argument("peer", choices=["verl", "trl", "slime", "table", "slime_table"])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--data_dir", default="/tmp/peers/data")
     p.add_argument("--out_dir", default="/tmp/peers/out")
@@ -296,9 +439,10 @@ def main(argv=None) -> int:
     p.add_argument("--save_freq", type=int, default=10)
     p.add_argument("--val_before_train", action="store_true")
     p.add_argument("--use_vllm", action="store_true")
+    p.add_argument("--hf_config", default="", help="slime: the model's config.json when model.path is not here")
     a, rest = p.parse_known_args(argv)
-    if a.peer == "table":
-        print(table_markdown())
+    if a.peer in ("table", "slime_table"):
+        print(table_markdown() if a.peer == "table" else slime_table_markdown())
         return 0
     from megaforge.config import ConfigError, load_config
     try:
@@ -306,6 +450,8 @@ def main(argv=None) -> int:
         if a.peer == "verl":
             print("\n".join(verl_overrides(cfg, a.data_dir, a.steps, a.out_dir, a.variant, test_freq=a.test_freq,
                                            val_before_train=a.val_before_train, save_freq=a.save_freq)))
+        elif a.peer == "slime":
+            print("\n".join(slime_args(cfg, a.data_dir, a.steps, a.out_dir, hf_config=a.hf_config)))
         else:
             print(json.dumps(trl_kwargs(cfg, a.steps, a.out_dir, a.use_vllm, a.save_freq)))
     except ConfigError as e:

@@ -9,6 +9,9 @@ reward signature, so every system is rewarded by the same function.
 * TRL 1.16.0: ``reward_funcs=[trl_math_reward]``; GRPOTrainer calls it with ``prompts``, ``completions``
   (conversational: ``[[{"role": "assistant", "content": ...}]]``), ``completion_ids`` and every dataset
   column as a keyword (``answer`` here), and wants one float per completion.
+* slime (THUDM/slime 624b824a8): ``--custom-rm-path peer_reward.slime_math_reward`` (``tools/peers`` on
+  PYTHONPATH); its rollout manager awaits ``slime_math_reward(args, sample)`` per sample, with the decoded
+  ``sample.response`` and the row's ``sample.label`` (``--label-key answer``).
 
 megaforge runs this reward in worker processes with a time limit per call (``rewards.timeout_s``); the peers
 call it in their own threads without one (a GSM8K answer is graded in microseconds; only math-verify on a
@@ -42,3 +45,8 @@ def _text(completion) -> str:
 def trl_math_reward(prompts, completions, answer, **kwargs) -> list[float]:
     """TRL's reward function signature: one float per completion, against the row's ``answer``."""
     return [float(_REWARD("", _text(c), a)) for c, a in zip(completions, answer)]
+
+
+async def slime_math_reward(args, sample, **kwargs) -> float:
+    """slime's custom reward signature (``slime.rollout.rm_hub.async_rm``): one sample's response against its label."""
+    return float(_REWARD("", sample.response, sample.label))
