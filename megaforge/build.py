@@ -75,7 +75,7 @@ class RunBuilder:
             return RunBuilder(alt).plan_input()
 
         return PlanInput(model=c.model, trainer=c.trainer, rollout=c.rollout, data=c.data, sft=c.sft, grpo=c.grpo,
-                         algo=c.algo, loop=c.loop, memory=c.memory, sync=c.sync, max_steps=c.max_steps,
+                         algo=c.algo, loop=c.loop, memory=c.memory, sync=c.sync, teacher=c.teacher, max_steps=c.max_steps,
                          critic_enabled=c.critic_enabled, engine_dtype=c.engine_dtype, vary=vary)
 
     def preflight(self) -> None:

@@ -270,7 +270,7 @@ class PlanInput(_NamedFields):
     :meth:`megaforge.build.RunBuilder.plan_input`.
 
     Reads: the ``model``, ``trainer``, ``rollout``, ``data``, ``sft``, ``grpo``, ``algo``, ``loop``,
-    ``memory`` and ``sync`` sections, ``max_steps``, ``critic.enabled`` with ``algo.advantage``
+    ``memory``, ``sync`` and ``teacher`` sections, ``max_steps``, ``critic.enabled`` with ``algo.advantage``
     (``critic_enabled``), ``rollout.dtype`` with ``model.dtype`` (``engine_dtype``). ``vary``: the same
     input with dotted config overrides applied and checked as the configuration checks them (None when
     they make it invalid): the planner's knobs try one change at a time through it."""
@@ -285,6 +285,7 @@ class PlanInput(_NamedFields):
     loop: Any
     memory: Any
     sync: Any
+    teacher: Any
     max_steps: int = 0
     critic_enabled: bool = False
     engine_dtype: str = "float32"

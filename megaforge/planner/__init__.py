@@ -14,6 +14,8 @@ Parts: :mod:`.shapes` (model shapes, parameter counts), :mod:`.layout` (checks, 
 :mod:`.report` (text, JSON, exit status).
 
 Launcher flags (not config keys): ``--dry_run``, ``--dry_run_json FILE``, ``--model_config PATH``,
+``--teacher_config PATH`` (the distillation teacher's config.json or its folder, where ``teacher.path`` is
+not an HF folder on this machine),
 ``--nodes N`` (default 1), ``--gpus_per_node G`` (default: one trainer replica), ``--gpu NAME``
 (H100, H200, A100-80GB, ...) or ``--gpu_memory_gib X`` (default 80), ``--reserve_gib X`` (per
 trainer process, default 2).

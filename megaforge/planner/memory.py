@@ -15,6 +15,17 @@ the weights ``p*(P + P_a)``, and the reference is the base with the adapters off
 megatron backend the fp32 main gradients and Adam state are those of the rank's adapter shards
 (:func:`megatron_lora_params`) and the base's weights ``p*P`` stay.
 
+Distillation teacher (``algo.advantage: distill``; its shape from ``--teacher_config`` or the HF folder at
+``teacher.path``, :func:`megaforge.planner.shapes.read_teacher_shape`), ``p_t`` bytes per element of
+``teacher.dtype`` (auto: ``model.dtype``): served by the trainer (``teacher.served_by: trainer``) its frozen
+weights ``p_t*P_t`` (megatron: this rank's TP / PP share of the teacher's own layers; torch: the HF model),
+on the GPU in the train phase and moved to host memory with the trainer state (``memory.offload``, as
+megaforge.trainer's ``offload_entries``); served by an embedded engine (``served_by: engine``, no
+``teacher.url``) an HF model ``p_t*P_t`` on ``rollout.device`` in every phase; by an SGLang server at
+``teacher.url``, nothing on these GPUs. Its scoring forward is not counted: no gradients, one micro-batch
+(or the engine's batch) at a time before the update, so one batch's logits and one layer's activations,
+below the update's activations and loss buffers at the same micro-batch.
+
 Activations: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models", per layer ``s*b*h*(34 + 5*a*s/h)`` with LayerNorm, GeLU and dropout) adapted to what
 megaforge's layers save: RMSNorm, GQA, SwiGLU, no dropout, SDPA / flash attention (no ``s^2``
@@ -174,6 +185,25 @@ def trainer_state(pin: PlanInput, shape, lay, stage: int) -> list[Item]:
         nc = n - (0 if shape.tied else shape.vocab * shape.hidden) + shape.hidden + 1
         items.append(Item("critic (weights+grads+AdamW)", 4.0 * p * nc, "trainer", "4 x p B/param of the backbone"))
     return items
+
+
+def teacher_items(pin: PlanInput, tshape, lay, stage: int) -> list[Item]:
+    """The distillation teacher's frozen weights on a trainer GPU of pipeline stage ``stage`` (``tshape``:
+    its :class:`~megaforge.planner.shapes.ModelShape`; see module docstring); [] without a teacher on
+    these GPUs."""
+    t = pin.teacher
+    if tshape is None or not t.path or (t.served_by == "engine" and (t.url or pin.rollout.device == "cpu")):
+        return []
+    p = dtype_bytes(pin.model.dtype if t.dtype == "auto" else t.dtype)
+    if t.served_by == "engine":
+        n = tshape.hf_params()
+        return [Item("teacher engine weights", p * n, "trainer",
+                     f"{n / 1e9:.3f} B params x {p} B (teacher.served_by engine: an embedded engine)")]
+    if lay.backend == "megatron":
+        n = sum(tshape.stage_params(lay.tp, lay.pp, stage, lay.ep, lay.etp).values())
+    else:
+        n = tshape.hf_params()
+    return [Item("teacher weights (frozen)", p * n, "trainer", f"{n / 1e9:.3f} B params x {p} B (teacher.served_by trainer)")]
 
 
 def megatron_lora_params(shape, lora, tp: int, pp: int, stage: int) -> int:

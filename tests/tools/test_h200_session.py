@@ -1,0 +1,72 @@
+"""tools/gpu/h200_session.sh's GSM8K-shaped runs on the CPU: the argv gsm_start / gsm_chunk launch (sourced
+with no stage, the script only defines its functions), put through the launcher's config checks and --dry_run as
+the GPU machine would get them: the GRPO recipe, the recipe with the LoRA flags of issue 43 (a), and the
+distillation recipe of issue 43 (c). A hold loses a launch (~2 min of SGLang start-up) to a flag or config the
+checks refuse; these catch it here. Also: two runs get their own folder, log and pid file, and the summary line
+of a finished run (on hold 2's committed metrics)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GRPO = "configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml"
+DISTILL = "configs/distill_gsm8k_qwen2.5_0.5b_h200.yaml"
+LORA_FLAGS = "--model.lora.rank 32 --model.lora.alpha 64 --trainer.lr 3e-5 --max_steps 50"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def session(tmp_path, script: str, **env) -> subprocess.CompletedProcess:
+    """``script`` run in bash after sourcing the session script (no stage), with ``env`` on top of a CPU's."""
+    full = dict(os.environ, OUT=str(tmp_path / "out"), ENGINE_ENV_JSON='{"SGL_KIT": "1"}', **env)
+    return subprocess.run(["bash", "-c", f"source tools/gpu/h200_session.sh; {script}"], cwd=ROOT, env=full,
+                          capture_output=True, text=True, timeout=60)
+
+
+def launched_argv(tmp_path, **env) -> tuple[list[str], str]:
+    r = session(tmp_path, 'gsm_argv && printf "%s\\n" "${argv[@]}" && echo "RUN=$GSM_RUN LOG=$GSM_LOG PID=$GSM_PID"', **env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    return lines[:-1], lines[-1]
+
+
+CASES = {
+    "grpo": ({}, GRPO, "grpo_gsm8k_qwen2.5_0.5b_h200", []),
+    "lora": ({"GSM_NAME": "grpo_gsm8k_lora", "GSM_FLAGS": LORA_FLAGS}, GRPO, "grpo_gsm8k_lora", []),
+    "distill": ({"GSM_CONFIG": DISTILL}, DISTILL, "distill_gsm8k_qwen2.5_0.5b_h200",
+                ["--teacher_config", "configs/models/qwen2.5-coder-1.5b"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gsm_runs_launch_what_the_config_checks_accept(tmp_path, case):
+    env, config, name, plan_flags = CASES[case]
+    argv, paths = launched_argv(tmp_path, **env)
+    assert argv[:5] == ["python3", "-m", "torch.distributed.run", "--nproc_per_node", "1"]
+    i = argv.index("launchers/grpo.py")
+    assert argv[i + 1:i + 7] == ["--config", config, "--output_dir", "/tmp/runs", "--run_name", name]
+    assert argv[argv.index("--rollout.engine_env") + 1] == '{"SGL_KIT": "1"}'
+    assert "--resume" not in argv  # no checkpoints of that run here
+    assert " ".join(argv).endswith(env.get("GSM_FLAGS", '{"SGL_KIT": "1"}'))
+    assert paths == f"RUN=/tmp/runs/{name} LOG=/tmp/mf/{name}.log PID=/tmp/mf/{name}.pid"
+    r = subprocess.run([sys.executable, *argv[i:], "--dry_run", "--model_config", "configs/models/qwen2.5-coder-0.5b",
+                        *plan_flags, "--gpus_per_node", "1", "--gpu", "H200"],
+                       cwd=ROOT, env=dict(os.environ, **OFFLINE), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "verdict   OK" in r.stdout and "memory.offload auto -> none" in r.stdout
+    assert ("LoRA adapters weights" in r.stdout) == (case == "lora")
+    assert ("teacher weights (frozen)" in r.stdout) == (case == "distill")
+
+
+def test_gsm_argv_refuses_a_config_that_is_not_there(tmp_path):
+    r = session(tmp_path, "gsm_argv", GSM_CONFIG="configs/no_such_recipe.yaml")
+    assert r.returncode == 1 and "GSM_CONFIG=configs/no_such_recipe.yaml: no such config" in r.stderr
+
+
+def test_gsm_summary_of_a_finished_run(tmp_path):
+    """Hold 2's 50 steps (docs/benchmarks): its median step and train time as docs/benchmarks/README.md gives them."""
+    r = session(tmp_path, "gsm_summary docs/benchmarks/peers_h100_hold2_megaforge_metrics.jsonl")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("[h200_session] grpo_gsm8k_qwen2.5_0.5b_h200: 50 steps, median step 6.22 s (rollout 2.56")
+    assert "peak GiB train 38.8 rollout 10.6 sync 12.3" in r.stdout and r.stdout.rstrip().endswith("greedy pass@1 50:0.3434")
