@@ -3,7 +3,7 @@ engine fit, else pinned; the dry run shows the choice; the build step decides it
 built, from this GPU's memory and the job's size, and prints why.
 
 Every figure here is the planner's float arithmetic on the repository's model configs (no rounding that
-differs between CPUs): the GiB thresholds are far from the totals they separate (85.0 vs 140.4; 54.6 of 79.6)."""
+differs between CPUs): the GiB thresholds are far from the totals they separate (85.4 vs 140.4; 55.0 of 79.6)."""
 import os
 import types
 

@@ -81,13 +81,13 @@ def test_teacher_not_readable_is_a_warning_and_another_vocabulary_an_error():
 
 def test_memory_offload_auto_counts_the_teacher():
     """The choice a run makes at start-up (megaforge.build, from the same plan): on a 110 GiB GPU with SGLang at
-    0.8 of it, the GRPO recipe's state fits beside the engine (102.8 GiB of 104.5 allowed), the teacher's 3.31 GiB
-    more do not (106.1), so the distillation run pins its state, teacher included, while SGLang generates."""
+    0.8 of it, the GRPO recipe's state fits beside the engine (103.2 GiB of 104.5 allowed), the teacher's 3.31 GiB
+    more do not (106.5), so the distillation run pins its state, teacher included, while SGLang generates."""
     opts = dict(model_config=Q05B, gpu_memory_gib=110)
     grpo = plan(RECIPE, "--memory.offload", "auto", "--rollout.mem_fraction", "0.8", **opts)
-    assert grpo["memory_offload"]["auto"] == "none" and "rollout: 102.8 of 110.0" in grpo["memory_offload"]["reason"]
+    assert grpo["memory_offload"]["auto"] == "none" and "rollout: 103.2 of 110.0" in grpo["memory_offload"]["reason"]
     distill = plan(RECIPE, *DISTILL, "--memory.offload", "auto", "--rollout.mem_fraction", "0.8", teacher_config=T15B, **opts)
     assert distill["memory_offload"]["auto"] == "pinned"
-    assert "rollout phase would need 106.1 of 110.0 GiB" in distill["memory_offload"]["reason"]
+    assert "rollout phase would need 106.5 of 110.0 GiB" in distill["memory_offload"]["reason"]
     assert not any("teacher" in k for k in items(distill, "rollout")) and distill["phases"]["rollout"]["verdict"] == "fits"
 

@@ -105,9 +105,9 @@
 # (50, not the student's 55: a part call is 58.0 MiB with the 10.8 MB tree, room for the tree to grow; the student's
 # 55 MB parts leave 1.2 MiB: re-split them at 50 if the tree passes ~12 MB). Runs (GSM_NAME / GSM_CONFIG: each run
 # has its own /tmp/runs/<name>, log and pid; gsm_start refuses while another run is alive, since two colocated runs
-# do not fit beside each other). Planned memory (--dry_run, H200 / H100): (a) rollout 75.9 / 45.5 GiB, train 38.5,
-# sync 7.3 (full fine-tune: 85.0 / 54.6, 47.6, 16.4; hold 2 measured train 38.8, sync 12.3 in torch's view);
-# (c) rollout 88.3 / 57.9, train 50.9, sync 19.7 (the teacher's 3.31 GiB of bfloat16 weights beside the state).
+# do not fit beside each other). Planned memory (--dry_run, H200 / H100): (a) rollout 76.3 / 45.9 GiB, train 38.5,
+# sync 7.3 (full fine-tune: 85.4 / 55.0, 47.6, 16.4; hold 2 measured train 38.8, sync 12.3 in torch's view);
+# (c) rollout 88.7 / 58.3, train 50.9, sync 19.7 (the teacher's 3.31 GiB of bfloat16 weights beside the state).
 # One hold (~1,800 s of device time), each call right after the last; seconds from the figures above (a start ~30 s,
 # install 25-42 s, gsm_part ~4 s held, gsm_prep ~66 s, SGLang's start-up + the trainer's warm-up ~125 s, the full
 # fine-tune's steps ~6.2 s on an H100, an evaluation of the test split 29-42 s, 6 a run) and the teacher's conversion
