@@ -36,6 +36,8 @@ from typing import Any, Iterable, Literal, Optional, Union, get_args, get_origin
 
 import yaml
 
+from megaforge.yaml_expansion import expansion_problem
+
 
 class ConfigError(ValueError):
     """A config problem; the message names the dotted key."""
@@ -362,50 +364,12 @@ def to_dict(obj) -> Any:
     return obj
 
 
-# ---------------------------------------------------------------------------------- YAML values
-#: values a config's YAML may expand to, counting every use of an alias (real configs: hundreds)
-MAX_YAML_VALUES = 100_000
-
-
-def _children(v):
-    if isinstance(v, dict):
-        return list(v.keys()) + list(v.values())
-    return v if isinstance(v, list) else None
-
-
-def check_expansion(tree: Any, where: str, limit: int = MAX_YAML_VALUES) -> None:
-    """ConfigError when YAML ``tree`` refers to itself (an alias inside its own anchor) or expands
-    to more than ``limit`` values once aliases are followed (a "billion laughs" bomb: nine lists
-    of nine aliases each become 9^9 values when written back by ``save_config``). Sizes of shared
-    lists and mappings are counted once each (memoised by identity), so the check itself is cheap."""
-    if _children(tree) is None:
-        return
-    sizes: dict[int, int] = {}
-    active = {id(tree)}
-    stack = [[tree, iter(_children(tree)), 1]]
-    while stack:
-        frame = stack[-1]
-        child = next(frame[1], stack)  # the stack itself marks the end
-        if child is stack:
-            stack.pop()
-            active.discard(id(frame[0]))
-            sizes[id(frame[0])] = frame[2]
-            if stack:
-                stack[-1][2] += frame[2]
-            if frame[2] > limit:
-                raise ConfigError(f"{where}: the YAML expands to more than {limit} values once its aliases "
-                                  f"(*name) are followed; write the values out or use fewer nested aliases")
-            continue
-        kids = _children(child)
-        if kids is None:
-            frame[2] += 1
-        elif id(child) in active:
-            raise ConfigError(f"{where}: a YAML alias refers to a value that contains it (a recursive structure)")
-        elif id(child) in sizes:
-            frame[2] += sizes[id(child)]
-        else:
-            active.add(id(child))
-            stack.append([child, iter(kids), 1])
+def check_expansion(tree: Any, where: str) -> None:
+    """ConfigError naming ``where`` when YAML ``tree`` refers to itself or expands past
+    :data:`megaforge.yaml_expansion.MAX_YAML_VALUES` values (:func:`megaforge.yaml_expansion.expansion_problem`)."""
+    problem = expansion_problem(tree)
+    if problem:
+        raise ConfigError(f"{where}: {problem}")
 
 
 # ------------------------------------------------------------------------------------- overrides
