@@ -55,6 +55,16 @@ def test_batch_geometry_of_the_recipe():
     assert (kw["epsilon"], kw["epsilon_high"], kw["beta"], kw["temperature"], kw["learning_rate"]) == (0.2, 0.28, 0.0, 0.7, 3e-6)
     assert kw["gradient_checkpointing"] is False and kw["shuffle_dataset"] is False and kw["loss_type"] == "dapo"
     assert mapping.trl_kwargs(cfg, 20, "/o", use_vllm=True)["vllm_importance_sampling_correction"] is False
+    # TRL's own defaults where they are not the algorithm: checkpointing on, micro-batches of 8; same 128 an update
+    d = mapping.trl_kwargs(cfg, 20, "/o", variant="defaults")
+    assert (d["per_device_train_batch_size"], d["gradient_accumulation_steps"], d["steps_per_generation"],
+            d["gradient_checkpointing"], d["max_steps"], d["save_steps"]) == (8, 16, 64, True, 80, 40)
+    assert {k: v for k, v in d.items() if k not in ("per_device_train_batch_size", "gradient_accumulation_steps",
+                                                     "steps_per_generation", "gradient_checkpointing")} == \
+        {k: v for k, v in kw.items() if k not in ("per_device_train_batch_size", "gradient_accumulation_steps",
+                                                  "steps_per_generation", "gradient_checkpointing")}
+    with pytest.raises(mapping.MappingError, match="variant 'best'"):
+        mapping.trl_kwargs(cfg, 20, "/o", variant="best")
     with pytest.raises(mapping.MappingError, match="mini_batches"):
         mapping.geometry(recipe_cfg("--trainer.mini_batches", "3"))
 

@@ -33,7 +33,7 @@
 #   tests/tools/test_peers.py); TRL 10 steps: 13 s start-up, 63.8 s first step, ~38.8 s a step (~7 min); eval_trl of 5
 #   models (greedy only) 105 s; 1,692 of 1,800 device s used. Only 8 files come back a call: end with `compare bundle`.
 # Variables: PEER_STEPS (20), MF_STEPS (5), MF_EXPORT_EVERY (MF_STEPS), MF_EVAL_STEPS (the megaforge steps graded: MF_STEPS), MF_FLAGS (more launcher flags for megaforge, e.g. "--memory.offload auto"), VERL_VARIANT (mapped | best | defaults), VERL_VARIANTS (the variants `data`
-#            writes and checks: VERL_VARIANT by default, "" for none), HOLD (hold1), TRL_VLLM (0),
+#            writes and checks: VERL_VARIANT by default, "" for none), HOLD (hold1), TRL_VLLM (0), TRL_VARIANT (mapped | defaults),
 #            MEGAFORGE_COMMIT (provenance of the JSON lines), VLLM_KIT (/tmp/vllmkit), VLLM_SITE (/tmp/vllmsite),
 #            SGL_WHEELS (/tmp/sgl: the SGLang kit's wheels vllm_kit takes), TRL_SITE (/tmp/trlsite, for vllm_check).
 # Budget of a hold, from hold 1's figures: setup to megaforge's launch ~250 s (device start, parts, install, kit, 9 GGUF
@@ -73,6 +73,7 @@ mf_specs() {  # evaluate's arguments for megaforge's graded exports, newest firs
 STEPS=${PEER_STEPS:-20}
 V=${VERL_VARIANT:-mapped}
 TRL_RUN=$HOLD-trl; [ "${TRL_VLLM:-0}" = 1 ] && TRL_RUN=$HOLD-trl-vllm  # the run label of TRL's schema lines and grades
+[ "${TRL_VARIANT:-mapped}" = mapped ] || TRL_RUN=$TRL_RUN-${TRL_VARIANT}  # TRL_VARIANT=defaults: TRL's own checkpointing and micro-batch
 VK=${VLLM_KIT:-/tmp/vllmkit}  # vllm_part collects the carried vLLM kit here; vllm_kit writes its env.sh here
 VS=${VLLM_SITE:-/tmp/vllmsite}  # ... and installs it here (SGL_WHEELS: the SGLang kit's wheels, /tmp/sgl)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -246,7 +247,8 @@ for stage in "$@"; do
         . $VK/env.sh; vllm=--use_vllm; site=/tmp/trlsite:$VS
       fi
       launch trl $P/trl/trl_steps.jsonl env PYTHONPATH=$PWD:$site:/tmp/mfsite python3 tools/peers/trl_grpo.py --config $RECIPE \
-        --data $P/data/train.jsonl --steps "$STEPS" --out_dir $P/trl --run "$TRL_RUN" --save_every ${TRL_SAVE_EVERY:-10} --model.path $MODEL $vllm ;;
+        --data $P/data/train.jsonl --steps "$STEPS" --out_dir $P/trl --run "$TRL_RUN" --save_every ${TRL_SAVE_EVERY:-10} --model.path $MODEL $vllm \
+        --variant ${TRL_VARIANT:-mapped} ;;
     trl_watch)
       watch_run trl $P/trl/trl_steps.jsonl
       cp $P/trl/trl_steps.jsonl "$OUT/trl_${HOLD}_steps.jsonl" 2>/dev/null ;;

@@ -257,9 +257,23 @@ def verl_overrides(cfg, data_dir: str, steps: int, out_dir: str, variant: str = 
     return o
 
 
-def trl_kwargs(cfg, steps: int, out_dir: str, use_vllm: bool = False, save_every: int = 10, bf16: bool = True) -> dict:
-    """TRL 1.16.0 GRPOConfig keyword arguments (see TABLE). ``steps`` counts megaforge steps."""
-    g = geometry(cfg)
+TRL_DEFAULT_MICRO_BATCH = 8  # transformers' TrainingArguments.per_device_train_batch_size
+
+
+def trl_kwargs(cfg, steps: int, out_dir: str, use_vllm: bool = False, save_every: int = 10, bf16: bool = True,
+               variant: str = "mapped") -> dict:
+    """TRL 1.16.0 GRPOConfig keyword arguments (see TABLE). ``steps`` counts megaforge steps. ``variant``
+    ``defaults``: TRL's own settings where they are not the recipe's algorithm, i.e. gradient checkpointing on (GRPOConfig's
+    default) and micro-batches of 8 rows (TrainingArguments' default; gradient accumulation and steps per generation
+    scaled so an update is still 128 samples and a generation 512); ``best`` is ``use_vllm``."""
+    if variant not in ("mapped", "defaults"):
+        raise MappingError(f"TRL variant {variant!r} is not one of mapped, defaults (best: --use_vllm)")
+    g = dict(geometry(cfg))
+    if variant == "defaults":
+        mb = TRL_DEFAULT_MICRO_BATCH
+        if g["per_update"] % mb:
+            raise MappingError(f"an update of {g['per_update']} samples is not a multiple of TRL's default micro-batch {mb}")
+        g.update(micro_batch=mb, trl_grad_accum=g["per_update"] // mb, trl_steps_per_generation=g["samples"] // mb)
     kw = dict(
         output_dir=out_dir, run_name=cfg.run_name, seed=cfg.seed, max_steps=steps * g["updates"],
         per_device_train_batch_size=g["micro_batch"], gradient_accumulation_steps=g["trl_grad_accum"],
@@ -269,7 +283,7 @@ def trl_kwargs(cfg, steps: int, out_dir: str, use_vllm: bool = False, save_every
         warmup_steps=cfg.trainer.warmup_steps, weight_decay=cfg.trainer.weight_decay, adam_beta1=cfg.trainer.betas[0],
         adam_beta2=cfg.trainer.betas[1], adam_epsilon=cfg.trainer.eps, max_grad_norm=cfg.trainer.grad_clip,
         epsilon=cfg.grpo.clip_low, epsilon_high=cfg.grpo.clip_high, beta=cfg.grpo.beta, loss_type="dapo",
-        scale_rewards="group", mask_truncated_completions=False, bf16=bf16, gradient_checkpointing=False,
+        scale_rewards="group", mask_truncated_completions=False, bf16=bf16, gradient_checkpointing=variant == "defaults",
         shuffle_dataset=False, logging_steps=1, report_to="none", save_strategy="steps" if save_every else "no",
         save_steps=max(save_every, 1) * g["updates"], save_only_model=True, dataloader_num_workers=0,
         disable_dropout=True, log_completions=False,
@@ -453,7 +467,8 @@ def main(argv=None) -> int:
         elif a.peer == "slime":
             print("\n".join(slime_args(cfg, a.data_dir, a.steps, a.out_dir, hf_config=a.hf_config)))
         else:
-            print(json.dumps(trl_kwargs(cfg, a.steps, a.out_dir, a.use_vllm, a.save_freq)))
+            print(json.dumps(trl_kwargs(cfg, a.steps, a.out_dir, a.use_vllm, a.save_freq,
+                                        variant="mapped" if a.variant == "best" else a.variant)))
     except ConfigError as e:
         print(f"megaforge: config error: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,7 @@ prompts in megaforge's order (tools/peers/peer_data.py's train.jsonl) and megafo
 (tools/peers/peer_reward.py), with one schema line per megaforge-sized step (tools/peers/schema.py).
 
     python tools/peers/trl_grpo.py --config configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml --data D/train.jsonl --steps 20 \
-        --out_dir O --run hold2-mapped [--use_vllm] [--save_every 10] [--model.path M ...any megaforge override]
+        --out_dir O --run hold2-mapped [--use_vllm] [--variant defaults] [--save_every 10] [--model.path M ...any megaforge override]
 
 Writes ``O/trl_steps.jsonl``: a ``startup`` record (process start, or ``--launch_t``, to the first step's
 start) and a ``step`` record each ``trainer.mini_batches`` optimizer steps (= one generation of
@@ -179,6 +179,8 @@ def main(argv=None) -> int:
     p.add_argument("--run", default="trl")
     p.add_argument("--save_every", type=int, default=10, help="megaforge steps between HF checkpoints (0: none)")
     p.add_argument("--use_vllm", action="store_true", help="vLLM colocate generation (needs vllm 0.22-0.31)")
+    p.add_argument("--variant", default="mapped", choices=["mapped", "defaults"],
+                   help="defaults: TRL's own gradient checkpointing (on) and micro-batch (8 rows) (tools/peers/mapping.py)")
     p.add_argument("--launch_t", type=float, default=launch_default, help="epoch seconds of the launch")
     a, rest = p.parse_known_args(argv)
     try:
@@ -207,7 +209,7 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     os.makedirs(a.out_dir, exist_ok=True)
     tok = load_tokenizer(cfg.model)
-    kw = trl_kwargs(cfg, a.steps, a.out_dir, a.use_vllm, a.save_every, bf16=cuda)
+    kw = trl_kwargs(cfg, a.steps, a.out_dir, a.use_vllm, a.save_every, bf16=cuda, variant=a.variant)
     if not cuda:
         kw["use_cpu"] = True
     if cfg.model.path:
