@@ -136,6 +136,12 @@
 #   CPU with (a)'s steps: say which steps it overlapped. Before each watch call, status's budget_left_s: a call still
 #   running when the budget ends brings nothing back, so the last WATCH_SECONDS ends ~60 s before it (the metrics of
 #   every evaluation so far come back with it). (b), lora_7b_memory (~2-4 min), does not fit beside both.
+# Issue 38 point 4, the recipe's rollout with FA3 (after parts + install + the FA3 kit's fa3_part x 3 + fa3_install below;
+#   here first: bash tools/gpu/fa3_prepare.sh .fa3): the GSM8K recipe a few steps with SGLang's Hopper default beside
+#   the triton steps of the same run's kind (numbers quoted: rollout.extra_args is a list of strings; no spaces, GSM_FLAGS
+#   is split on them; checked here with --dry_run):
+#   GSM_NAME=grpo_gsm8k_fa3 GSM_FLAGS="--max_steps 10 --eval.before_train false --rollout.extra_args [--attention-backend,fa3,--sampling-backend,pytorch,--cuda-graph-backend-prefill,disabled,--cuda-graph-bs-decode,'1','2','4','8','16','24','32','48','64','96','128','160','192','224','256','320','384','448','512']" \
+#     bash tools/gpu/h200_session.sh gsm_start   (then gsm_watch; compare its time/rollout with the triton run's)
 # SGLang with its default Hopper attention (FA3; the kit drops it): bash tools/gpu/fa3_prepare.sh .fa3 here
 #   (/.fa3/ excluded), then after parts + install: one call per piece, carry .fa3/fa3-partK: fa3_part;
 #   then carry .fa3/fa3-small: fa3_install rollout_fa3; then rollout_triton (same flags) for the ratio; or both
