@@ -89,7 +89,7 @@
 #   gsm_prep gsm_start (50 steps, evaluations every 10, checkpoints every 10) -> gsm_watch; then GSM_FLAGS=
 #   "--memory.offload auto" a few steps (it prints "memory.offload auto -> none: ..." there; sync was the one phase
 #   verl won). The colocated path with the state resident has not run on a GPU yet.
-# 2026-12-07 on an H100 80GB (code 0c854e7; one refused start ~90 s): the GSM8K recipe's 50 steps ran as issue 39's hold 2
+# 2026-12-07 on an H100 80GB (code 0c854e7; two refused starts ~180 s): the GSM8K recipe's 50 steps ran as issue 39's hold 2
 #   megaforge run (tools/peers/h200_peers.sh mf_start, --memory.offload auto -> none): 125 s start-up, median step 6.22 s,
 #   train 3.36, sync 0.10 (0.59 with pinned), greedy pass@1 0.3434 after step 50 (issue 38 point 2 on an H100; run 4:
 #   0.3624, McNemar p 0.18). Next here: train_bench (mfsite, BENCH_PROFILE=0: fb9afab and f4fb8c1 not yet measured;

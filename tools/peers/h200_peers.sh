@@ -26,7 +26,7 @@
 #   last: bash tools/peers/h200_peers.sh eval_verl compare
 # TRL in its own hold (same calls 1-12 without SGLang's two if megaforge's steps are not rerun... they are: every hold
 # that runs a peer also runs megaforge for a few steps), then trl_start / trl_watch / eval_trl / compare.
-# Hold 2 ran 2026-12-07 on an H100 80GB (code 0c854e7 + 9fca4a7's harness; no H200 lent, one refused start ~90 s):
+# Hold 2 ran 2026-12-07 on an H100 80GB (code 0c854e7 + 9fca4a7's harness; no H200 lent, two refused starts ~180 s):
 #   parts 0.2 s; install 26 s + PEER_KITS=trl kit 4 s (one call); gsm_part 0.2-0.5 s each (~4 s held); gsm_prep 66 s
 #   convert; data 12 s; megaforge 50 steps: 125 s start-up, 6.22 s a step, HF export every 10, evaluated after step 50
 #   (~7.5 min in all; its first launch was lost to a flag the config refuses, ~160 s: fixed, and checked on the CPU by
