@@ -66,11 +66,14 @@ def prompts(cfg, tok, n: int) -> list[list[int]]:
 
 
 def token_logprobs(model, prompt: list[int], answer: list[int], temperature: float, device) -> torch.Tensor:
-    """log pi(y_t | prompt, y_<t) of the answer's tokens at ``temperature``, float32 [len(answer)]."""
+    """log pi(y_t | prompt, y_<t) of the answer's tokens at ``temperature``, float32 [len(answer)]
+    (megaforge.trainer.logprobs.token_logprobs, the torch backend's own, at the answer's positions)."""
+    from megaforge.trainer.logprobs import token_logprobs as aligned_logprobs
+
     x = torch.tensor([prompt + answer], device=device)
     with torch.no_grad():
-        logits = model(x).logits[0, len(prompt) - 1:-1].float() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(answer, device=device)[:, None])[:, 0].cpu()
+        lp, _ = aligned_logprobs(model(x).logits, x, torch.tensor([x.shape[1]], device=device), temperature)
+    return lp[0, len(prompt):].cpu()
 
 
 def summary(k: torch.Tensor) -> dict:
