@@ -136,6 +136,10 @@
 #   CPU with (a)'s steps: say which steps it overlapped. Before each watch call, status's budget_left_s: a call still
 #   running when the budget ends brings nothing back, so the last WATCH_SECONDS ends ~60 s before it (the metrics of
 #   every evaluation so far come back with it). (b), lora_7b_memory (~2-4 min), does not fit beside both.
+# 2026-12-07 (second session): the same hold with the two conversions side by side (stage preps: both models in ~2 min
+#   on this 2-core CPU, 116 s) and the teacher's own greedy pass@1 (stage grade, tools/evaluate.py, one SGLang start):
+#   parts -> install -> gsm_part x 9 -> t15_part x 22 -> carry the last teacher part + .carry/data .carry/whl:
+#   preps + LoRA gsm_start -> gsm_watch .. -> distill gsm_start -> gsm_watch .. -> grade (if ~120 s remain).
 # Issue 38 point 4, the recipe's rollout with FA3 (after parts + install + the FA3 kit's fa3_part x 3 + fa3_install below;
 #   here first: bash tools/gpu/fa3_prepare.sh .fa3): the GSM8K recipe a few steps with SGLang's Hopper default beside
 #   the triton steps of the same run's kind (numbers quoted: rollout.extra_args is a list of strings; no spaces, GSM_FLAGS
@@ -387,6 +391,24 @@ for stage in "$@"; do
     t15_prep)  # after t15_part for every part (or carrying the last one; .carry/data .carry/whl unless an earlier call did):
       # the teacher Qwen2.5-Coder-1.5B-Instruct to /tmp/qwen2.5-coder-1.5b-instruct (configs/distill_gsm8k_qwen2.5_0.5b_h200.yaml)
       model_prep Qwen2.5-Coder-1.5B-Instruct q15 /tmp/qwen2.5-coder-1.5b-instruct t15_convert.log || exit 1 ;;
+    preps)  # gsm_prep and t15_prep side by side (two processes: the machine has 16 cores), after every gsm_part and
+      # t15_part (or carrying the last one); .carry/data .carry/whl in this call or an earlier one
+      gsm_kit || exit 1
+      model_prep Qwen2.5-Coder-0.5B-Instruct q /tmp/qwen2.5-coder-0.5b-instruct gsm_convert.log & p1=$!
+      model_prep Qwen2.5-Coder-1.5B-Instruct q15 /tmp/qwen2.5-coder-1.5b-instruct t15_convert.log & p2=$!
+      wait $p1; r1=$?; wait $p2; r2=$?
+      [ $r1 = 0 ] && [ $r2 = 0 ] || { echo "[h200_session] preps: student exit $r1, teacher exit $r2"; exit 1; } ;;
+    grade)  # greedy pass@1 on the GSM8K test split (tools/evaluate.py, the recipe's config, one SGLang start) of the HF
+      # folders in GRADE_MODELS (default: the distillation teacher); GRADE_FLAGS e.g. "--k 0" (greedy only);
+      # -> $OUT/grade.log (evaluate.py's JSON lines) and grade_<i>_samples.jsonl.gz per model (compare.py --mcnemar)
+      gsm_kit || exit 1
+      margs=(); for m in ${GRADE_MODELS:-/tmp/qwen2.5-coder-1.5b-instruct}; do margs+=(--model "$m"); done
+      timeout -k 20 $((200 + 60 * ${#margs[@]})) python3 tools/evaluate.py "${margs[@]}" \
+        --config configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml --data /tmp/mf/data/gsm8k/test.jsonl \
+        --rollout.engine_env "$(engine_env)" ${GRADE_FLAGS:---k 0} --out "/tmp/mf/grade_{model}_samples.jsonl" \
+        > "$OUT/grade.log" 2>&1; echo "exit $?"
+      grep '^{' "$OUT/grade.log" | cut -c1-1500; grep -v -i warn "$OUT/grade.log" | grep -i "error" | tail -3
+      for f in /tmp/mf/grade_*_samples.jsonl; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done ;;
     gsm_chunk)  # one resumable chunk of the GSM8K recipe: SIGTERM at GSM_SECONDS (default 480) -> checkpoint
       gsm_argv || exit 1
       mkdir -p /tmp/mf
