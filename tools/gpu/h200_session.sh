@@ -255,6 +255,7 @@ gsm_collect() {  # the run's metrics, curves, first/last per-sample evaluation a
   python3 tools/plot_run.py $GSM_RUN --out "$OUT/gsm_curves.png" > /dev/null 2>&1
   grep -v -i warn "$GSM_LOG" | grep -i "error\|Traceback" | tail -5
   grep eval/ $GSM_RUN/metrics.jsonl | gsm_rows
+  du -s --block-size=1M $GSM_RUN/checkpoints/* $GSM_RUN/adapter/* 2>/dev/null | tail -4  # a LoRA run's are small
   gsm_summary $GSM_RUN/metrics.jsonl
   tail -c 1200 "$GSM_LOG"
 }
