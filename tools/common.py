@@ -1,6 +1,6 @@
 """What the benchmark and check tools share: the checkout's paths, one JSON line per result with its
 provenance (:func:`emit`), progress lines on stderr, device timing (:class:`Stopwatch`,
-:func:`time_per_call`), peak device memory (:class:`PeakMemory`), synthetic RL batches
+:func:`time_per_call`, the median of timed runs :func:`timed_runs`), peak device memory (:class:`PeakMemory`), synthetic RL batches
 (:func:`rl_batch`) and random-weight models of ``configs/models/`` or of a tool's own shape
 (:func:`model_config`, :func:`random_model`, :func:`write_random_model`).
 
@@ -227,6 +227,15 @@ def time_per_call(fn: Callable[[], object], warmup: int, steps: int, device, acr
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         dt = float(t)
     return dt
+
+
+def timed_runs(runs: list[tuple[int, float]]) -> dict:
+    """The median run by tok/s (the lower middle one of an even count) of (tokens, seconds) timed runs
+    (``tok_s``, ``wall_s``, ``tokens``) and every run's tok/s (``tok_s_runs``, in order)."""
+    rates = [t / w for t, w in runs]
+    mid = sorted(range(len(runs)), key=lambda i: rates[i])[(len(runs) - 1) // 2]
+    return {"tok_s": round(rates[mid], 1), "wall_s": round(runs[mid][1], 3), "tokens": runs[mid][0],
+            "tok_s_runs": [round(r, 1) for r in rates]}
 
 
 class PeakMemory:

@@ -1,6 +1,7 @@
-"""tools/bench/bench_rollout.py --sglang starts the server a run starts: for the same settings, the
-command line and environment of megaforge.rollout.http.sglang (embedded_server for the CPU stand-in,
-``--sglang_server embedded``), built from a run's YAML config here."""
+"""tools/bench/bench_rollout.py --sglang starts the server a run starts (tools/bench/sglang_server_bench.py):
+for the same settings, the command line and environment of megaforge.rollout.http.sglang
+(embedded_server for the CPU stand-in, ``--sglang_server embedded``), built from a run's YAML config
+here."""
 import os
 import sys
 
@@ -17,6 +18,7 @@ from megaforge.supervise import env_from_script
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools", "bench"))
 import bench_rollout  # noqa: E402
+import sglang_server_bench  # noqa: E402
 
 KIT_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--cuda-graph-backend-prefill", "disabled"]
 
@@ -32,7 +34,7 @@ def test_sglang_server_is_the_one_a_run_starts(tmp_path):
     env_sh.write_text("export MEGAFORGE_TEST_SGL_HOME=/opt/sgl\nexport LD_LIBRARY_PATH=/opt/sgl/lib\n")
     args, _, _, _ = bench_rollout.parse_args(["--sglang", "--device", "cuda", "--sglang_python", "/opt/sgl/bin/python",
                                               "--sglang_env_sh", str(env_sh), "--sglang_mem", "0.4"])
-    servers, cfg, start = bench_rollout.server_launch("/models/shape", args)
+    servers, cfg, start = sglang_server_bench.server_launch("/models/shape", args)
     run = run_config(tmp_path, {"data": {"path": "/data/train.jsonl"}, "model": {"path": "/models/shape", "dtype": "bfloat16"}, "rollout": {
         "engine": "sglang", "engine_python": "/opt/sgl/bin/python", "mem_fraction": 0.4, "extra_args": KIT_FLAGS,
         "engine_env": env_from_script(str(env_sh))}})  # what the kit's env.sh sets, as the bench's --sglang_env_sh
@@ -54,7 +56,7 @@ def test_sglang_server_is_the_one_a_run_starts(tmp_path):
 
 def test_embedded_stand_in_is_the_embedded_server_a_run_starts(tmp_path):
     args, _, _, _ = bench_rollout.parse_args(["--sglang", "--sglang_server", "embedded", "--tiny", "--device", "cpu"])
-    servers, cfg, start = bench_rollout.server_launch("/models/tiny", args)
+    servers, cfg, start = sglang_server_bench.server_launch("/models/tiny", args)
     run = run_config(tmp_path, {"data": {"path": "/data/train.jsonl"}, "model": {"path": "/models/tiny", "dtype": "float32"}, "rollout": {
         "engine": "embedded_server", "device": "cpu", "engine_batch_size": 4096}})
     run_start = ServerStart("/models/tiny", "", "", [], torch.device("cpu"))
@@ -70,13 +72,13 @@ def test_sglang_attention_backends_each_get_a_server_with_that_backend_only(tmp_
     args, _, _, _ = bench_rollout.parse_args(["--sglang", "--device", "cuda", "--sglang_attention", "fa3,triton"])
     assert args.sglang_attention == ["fa3", "triton"]
     for attn in args.sglang_attention:
-        servers, cfg, start = bench_rollout.server_launch("/models/shape", args, attn)
+        servers, cfg, start = sglang_server_bench.server_launch("/models/shape", args, attn)
         cmd = servers.command(cfg, start, 30125, None)
         assert cmd.count("--attention-backend") == 1 and cmd[cmd.index("--attention-backend") + 1] == attn
         assert cmd[cmd.index("--sampling-backend") + 1] == "pytorch"  # the kit's other flags kept
         assert "--cuda-graph-backend-prefill" in cmd
-    assert bench_rollout.with_attention("--attention-backend=triton --x 1", "fa3") == ["--x", "1", "--attention-backend", "fa3"]
-    assert bench_rollout.with_attention("--x 1", None) == ["--x", "1"]
+    assert sglang_server_bench.with_attention("--attention-backend=triton --x 1", "fa3") == ["--x", "1", "--attention-backend", "fa3"]
+    assert sglang_server_bench.with_attention("--x 1", None) == ["--x", "1"]
 
 
 @pytest.mark.parametrize("argv", [["--sglang", "--sglang_server", "embedded", "--tiny", "--sglang_attention", "fa3"],

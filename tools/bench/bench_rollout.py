@@ -24,7 +24,7 @@ path's logprobs against a teacher-forced HF forward of its own samples (smallest
 With ``--sglang``: megaforge's fast engine against a real SGLang server on the same GPU instead of
 HF: the shape's random weights are saved with a tokenizer folder, ``python -m sglang.launch_server``
 serves them with the command line and environment a run gives its SGLang engine (built by
-megaforge.rollout.http.sglang, :func:`server_launch`; its own environment: ``--sglang_env_sh`` /
+megaforge.rollout.http.sglang, :func:`sglang_server_bench.server_launch`; its own environment: ``--sglang_env_sh`` /
 ``--sglang_python``, as ``rollout.engine_env`` / ``rollout.engine_python``), each batch is one batched ``/generate`` of the same prompts
 (``input_ids``, temperature 1, ``ignore_eos``, logprobs returned, as megaforge's rollout asks):
 a warm-up run, the prefix cache flushed, ``--repeats`` timed runs (default 3, the median reported, every
@@ -52,7 +52,8 @@ import time
 import torch
 
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: common.py
-from common import ROOT, Stopwatch, device_name, emit, model_config, random_model, stage_logger  # noqa: E402
+from common import Stopwatch, device_name, emit, model_config, random_model, stage_logger, timed_runs  # noqa: E402
+from sglang_server_bench import backend_suffix, sglang_rows  # noqa: E402
 
 QWEN2 = dict(model_type="qwen2", rope_theta=1e6, rms_norm_eps=1e-6)
 SHAPES = {  # HF config fields, or a name under configs/models/
@@ -65,7 +66,6 @@ SHAPES = {  # HF config fields, or a name under configs/models/
                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
 }
 NEVER_STOPS = dict(max_position_embeddings=4096, eos_token_id=None, bos_token_id=None, pad_token_id=0)
-TOKENIZER = os.path.join(ROOT, "assets", "tiny-tokenizer")
 T0 = time.time()
 say = stage_logger("bench_rollout")
 
@@ -246,118 +246,7 @@ def extra_rows(shape, model, args, dev) -> dict:
     return ex
 
 
-# ------------------------------------------------------------------------------------- real SGLang
-def backend_suffix(attention: str | None) -> str:
-    """The suffix of an attention backend's row (``sglang`` + it) and ratios (``ratio<variant>`` + it):
-    ``_<backend>`` with ``--sglang_attention``, nothing for the one ``--sglang_args`` names."""
-    return "" if attention is None else f"_{attention}"
-
-
-def with_attention(server_args: str, attention: str | None) -> list[str]:
-    """``server_args`` split, with ``--attention-backend`` set to ``attention`` (replaced where the args
-    name one, appended where not); None leaves them as they are."""
-    argv = server_args.split()
-    if attention is None:
-        return argv
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--attention-backend":
-            skip = True
-        elif not a.startswith("--attention-backend="):
-            out.append(a)
-    return out + ["--attention-backend", attention]
-
-
-def server_launch(model_dir: str, args, attention: str | None = None):
-    """The server this bench starts, built as a run builds its engines' servers: the engine kind's
-    :class:`~megaforge.rollout.http.start.Servers` (megaforge.rollout.http.sglang, or embedded_server
-    for ``--sglang_server embedded``), a run config with the bench's settings and the
-    :class:`~megaforge.rollout.http.start.ServerStart`. Settings: ``rollout.engine_python`` =
-    ``--sglang_python``, ``rollout.engine_env`` = what ``--sglang_env_sh`` sets, ``rollout.mem_fraction``
-    = ``--sglang_mem``, ``rollout.extra_args`` = ``--sglang_args`` (SGLang only), ``model.dtype`` the
-    bench's; colocated (``rollout.num_gpus 0``: SGLang's memory saver, which the release of its memory
-    before the fast engine's runs needs), TP 1 on 127.0.0.1, seed 0, ``rollout.engine_batch_size`` 4096
-    (the embedded server), no training steps (``max_steps 0``: no data), no API key, the tokenizer saved
-    beside the weights. Returns (servers, spec, start): ``spec`` the EngineSpec a run gives its engine kind."""
-    from megaforge.build import RunBuilder
-    from megaforge.config import config_from_dict
-    from megaforge.rollout.http import embedded_server, sglang
-    from megaforge.rollout.http.start import ServerStart
-    from megaforge.supervise import env_from_script
-
-    real = args.sglang_server == "sglang"
-    cfg = config_from_dict({"seed": 0, "max_steps": 0, "model": {"path": model_dir, "dtype": args.dtype_name}, "rollout": {
-        "engine": "sglang" if real else "embedded_server", "device": args.device, "host": "127.0.0.1",
-        "num_gpus": 0, "tensor_parallel": 1, "mem_fraction": args.sglang_mem, "engine_python": args.sglang_python,
-        "engine_env": env_from_script(args.sglang_env_sh) if args.sglang_env_sh and real else {},
-        "extra_args": with_attention(args.sglang_args, attention) if real else [], "engine_batch_size": 4096}})
-    return ((sglang if real else embedded_server).SERVERS, RunBuilder(cfg).engine_spec(),
-            ServerStart(model_dir, "", "", [], torch.device(args.device)))
-
-
-class SGLangServer:
-    """A server of ``model_dir`` on this machine's GPU (``--sglang_server sglang``), or megaforge's
-    embedded server speaking the same protocol (``embedded``: the CPU check of this code path), started
-    with the command line and environment a run gives its engine (:func:`server_launch`)."""
-
-    def __init__(self, model_dir: str, args, log_path: str, attention: str | None = None):
-        import asyncio
-        import functools
-
-        from megaforge.rollout.http.client import SGLangClient
-        from megaforge.rollout.http.processes import ServerProcess
-
-        servers, cfg, start = server_launch(model_dir, args, attention)
-        proc = ServerProcess(args.sglang_server, functools.partial(servers.command, cfg, start), log_path,
-                             host=cfg.rollout.host, env=servers.env(cfg, start), hold_socket=servers.hold_socket)
-        with Stopwatch() as w:
-            self.proc = proc.start_ready(900.0)
-        self.start_s = w.seconds
-        self.loop = asyncio.new_event_loop()
-        self.client = SGLangClient(self.proc.url, timeout_s=1800.0)
-        self.info = self.call(self.client.get_server_info())
-
-    def call(self, coro):
-        return self.loop.run_until_complete(coro)
-
-    def stop(self) -> None:
-        self.call(self.client.close())
-        self.proc.stop()
-        self.loop.close()
-
-
-def measure_sglang(srv: SGLangServer, prompts, new: int, repeats: int = 1) -> dict:
-    """A warm-up run, then ``repeats`` timed runs of one batched /generate (the prefix cache flushed
-    after each); the median by tok/s (:func:`timed_runs`)."""
-    payload = {"input_ids": prompts.tolist(), "return_logprob": True,
-               "sampling_params": [{"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": new,
-                                    "ignore_eos": True}] * prompts.shape[0]}
-
-    def once():
-        with Stopwatch() as w:
-            outs = srv.call(srv.client.generate(payload))
-        return sum(len(o["output_ids"]) for o in outs), w.seconds
-
-    w_tok, w_wall = once()
-    srv.call(srv.client.flush_cache())
-    runs = []
-    for _ in range(repeats):
-        runs.append(once())
-        srv.call(srv.client.flush_cache())
-    return dict(timed_runs(runs), warmup_s=round(w_wall, 3), capped=min(t for t, _ in runs) < prompts.shape[0] * new)
-
-
-def timed_runs(runs: list[tuple[int, float]]) -> dict:
-    """The median run by tok/s (the lower middle one of an even count) of (tokens, seconds) timed runs
-    (``tok_s``, ``wall_s``, ``tokens``) and every run's tok/s (``tok_s_runs``, in order)."""
-    rates = [t / w for t, w in runs]
-    mid = sorted(range(len(runs)), key=lambda i: rates[i])[(len(runs) - 1) // 2]
-    return {"tok_s": round(rates[mid], 1), "wall_s": round(runs[mid][1], 3), "tokens": runs[mid][0],
-            "tok_s_runs": [round(r, 1) for r in rates]}
-
-
+# ------------------------------------------------------------------------------------- vs SGLang
 def fast_variants(args) -> list[tuple[str, dict]]:
     """The fast engine's variants against SGLang: (name, FastDecoder options); ratio keys follow the
     names (fast -> ratio, fast_compiled -> ratio_compiled, ...)."""
@@ -375,48 +264,20 @@ def fast_variants(args) -> list[tuple[str, dict]]:
     return [(n, o) for n, o in out if n in want]
 
 
-def sglang_rows(shape: str, model, args, dev, tmp: str) -> dict:
+def versus_sglang(shape: str, model, args, dev, tmp: str) -> dict:
     """Fast engine vs SGLang at every batch size: SGLang first (fast engine's model idle on the GPU),
-    then its memory released and the fast engine on the same requests."""
-    from transformers import AutoTokenizer
-
-    d = os.path.join(tmp, shape)
-    model.save_pretrained(d)
-    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(d)
-    V = model.config.vocab_size
-    prompts = {B: torch.randint(3, V, (B, args.prompt), generator=torch.Generator().manual_seed(B)).to(dev)
-               for B in args.batches}
-    rows = {str(B): {} for B in args.batches}
-    out = {}
+    then its memory released and the fast engine on the same requests (:func:`sglang_server_bench.sglang_rows`,
+    :func:`fast_rows`), with the ratios ``ratio<variant>[_<backend>]`` = fast variant / that SGLang."""
+    out = sglang_rows(shape, model, args, dev, tmp,
+                      fast_rows=lambda prompts, rows: fast_rows(model, prompts, rows, args, dev, shape),
+                      guard=lambda fn: variant(fn, dev), say=say)
     backends = args.sglang_attention or [None]
-    for i, attn in enumerate(backends):  # one server per attention backend, each stopped before the next starts
-        key = "sglang" + backend_suffix(attn)
-        say(f"{shape}: starting the {args.sglang_server} server" + (f" (--attention-backend {attn})" if attn else ""))
-        srv = SGLangServer(d, args, os.path.join(tmp, f"{shape}-{key}-server.log"), attention=attn)
-        info = {"server_start_s": round(srv.start_s, 1), "server_version": srv.info.get("version"),
-                "cuda_graph_max_bs": srv.info.get("cuda_graph_max_bs"), "attention_backend": srv.info.get("attention_backend")}
-        if attn is None:
-            out.update(info)
-        else:
-            out.setdefault("servers", {})[attn] = info
-        last = i == len(backends) - 1
-        try:
-            for B in args.batches:
-                say(f"{shape} B={B}: {key}")
-                rows[str(B)][key] = variant(lambda: measure_sglang(srv, prompts[B], args.new, args.repeats), dev)
-                say(f"  {key}: {rows[str(B)][key].get('tok_s')} tok/s")
-            if last:  # the fast engine runs while the last server's memory is released
-                srv.call(srv.client.release_memory_occupation(["kv_cache", "weights"]))
-                fast_rows(model, prompts, rows, args, dev, shape)
-        finally:
-            srv.stop()
     for B in args.batches:  # ratio<variant>[_<backend>] = fast variant / that SGLang
-        r = rows[str(B)]
+        r = out["batches"][str(B)]
         for name, _ in fast_variants(args):
             for sfx in map(backend_suffix, backends):
                 if "tok_s" in r.get(name, {}) and "tok_s" in r.get("sglang" + sfx, {}):
                     r["ratio" + name[4:] + sfx] = round(r[name]["tok_s"] / r["sglang" + sfx]["tok_s"], 3)
-    out["batches"] = rows
     return out
 
 
@@ -549,7 +410,7 @@ def main_sglang(shapes, args, dev, dtype) -> int:
         model = build_model(shape, dev, dtype)
         out["shapes"][shape] = {"params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)}
         try:
-            out["shapes"][shape].update(sglang_rows(shape, model, args, dev, tmp))
+            out["shapes"][shape].update(versus_sglang(shape, model, args, dev, tmp))
         except Exception as e:  # noqa: BLE001  (the other shape's figures still count)
             out["shapes"][shape]["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             say(f"{shape} failed: {e}")

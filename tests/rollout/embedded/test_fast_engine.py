@@ -473,8 +473,8 @@ def test_bench_tool_against_a_server_repeats_and_reports_the_median():
 
 
 def test_bench_timed_runs_takes_the_median_run():
-    sys.path.insert(0, os.path.join(ROOT, "tools", "bench"))
-    from bench_rollout import timed_runs
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from common import timed_runs
 
     got = timed_runs([(100, 1.0), (90, 0.3), (100, 0.5), (100, 2.0)])  # 100, 300, 200, 50 tok/s
     assert got == {"tok_s": 100.0, "wall_s": 1.0, "tokens": 100, "tok_s_runs": [100.0, 300.0, 200.0, 50.0]}
