@@ -37,11 +37,12 @@ def engine_python(spec) -> str:
     return spec.rollout.engine_python or sys.executable
 
 
-def engine_env(spec, extra: Optional[dict] = None, repo_on_path: bool = False) -> dict:
+def engine_env(spec) -> dict:
     """Environment of an engine server or router: this process's without torchrun's rendezvous
-    variables, ``rollout.engine_env`` on top (then ``extra``). Each server's GPUs are pinned over it
+    variables, ``rollout.engine_env`` on top (megaforge's tree not put on ``PYTHONPATH``: the engine's
+    interpreter imports its own packages). Each server's GPUs are pinned over it
     (:func:`megaforge.supervise.pin_gpus`, by :func:`build_http_engine`)."""
-    return child_env(None, {**spec.rollout.engine_env, **(extra or {})}, repo_on_path=repo_on_path)
+    return child_env(None, dict(spec.rollout.engine_env), repo_on_path=False)
 
 
 def installed_versions(spec, packages: tuple[str, ...]) -> dict[str, Optional[str]]:
