@@ -140,6 +140,15 @@
 #   on this 2-core CPU, 116 s) and the teacher's own greedy pass@1 (stage grade, tools/evaluate.py, one SGLang start):
 #   parts -> install -> gsm_part x 9 -> t15_part x 22 -> carry the last teacher part + .carry/data .carry/whl:
 #   preps + LoRA gsm_start -> gsm_watch .. -> distill gsm_start -> gsm_watch .. -> grade (if ~120 s remain).
+#   That session got one start (an H100, parts 0.3 s), taken back for other work during the next call (install);
+#   the other 15 starts from 03:54 to 05:40 UTC were refused (~90-105 s each) or not tried (15 s each): no figure.
+#   With < ~800 s left, the fallback was issue 38 point 1's train_bench (mfsite only, carry .whl; ~75 s a shape and
+#   micro-batch size): BENCH_FLAGS="--mbs 4 --micro_batches 2" (the recipe's 16,384-token micro-batches) first.
+# Issue 38 point 1 whole, without SGLang (~700 s; the TE kit is prepared here: .tep, te-prepare.sh, 2026-12-07):
+#   1 carry .tep/te-part1 .whl (62.8 MiB), alone: mfsite te1, then train_bench torch spec: BENCH_FLAGS="--mbs 4
+#     --micro_batches 2" (the recipes' 16,384-token micro-batches) and the default 4,096-token ones, q05b q17b
+#   2-5 carry .tep/te-partK: teK     6 carry .tep/te-part6 .tep/te-small .whl (48.9 MiB): te6 te_build, then
+#     BENCH_SPEC=te train_bench (both micro-batch sizes as in 1); keep te_build's te_ext.tgz.* as .tep/te-ext
 # Issue 38 point 4, the recipe's rollout with FA3 (after parts + install + the FA3 kit's fa3_part x 3 + fa3_install below;
 #   here first: bash tools/gpu/fa3_prepare.sh .fa3): the GSM8K recipe a few steps with SGLang's Hopper default beside
 #   the triton steps of the same run's kind (numbers quoted: rollout.extra_args is a list of strings; no spaces, GSM_FLAGS
