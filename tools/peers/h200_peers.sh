@@ -63,7 +63,7 @@ HOLD=${HOLD:-hold1}
 MF=${MF_STEPS:-5}
 MF_EVERY=${MF_EXPORT_EVERY:-$MF}  # megaforge's run exports HF weights every MF_EVERY steps (outside the step times)
 MF_GRADE=${MF_EVAL_STEPS:-$MF}  # ... and the eval stages grade these steps' exports with the peer's models
-mf_flags() {  # megaforge's launcher flags in a hold (mf_start; tests/tools/test_peers.py checks them with --dry_run)
+mf_flags() {  # megaforge's launcher flags in a hold (mf_start; tests/tools/test_peers_h200.py checks them with --dry_run)
   echo --config $RECIPE --run_name peers_mf --max_steps "$MF" --eval.before_train false --eval.interval "$MF" \
     --export_hf_every "$MF_EVERY" --checkpoint.interval 0 --metrics.progress false
 }

@@ -11,7 +11,7 @@ train.py flags (issue 39; slime's checked by its own parser: tools/peers/slime_c
 
 :data:`TABLE` holds, for every key of configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml, verl's key, TRL's key and
 what still differs; the functions below read the values from the megaforge config (so an override of the
-recipe moves all three systems together). A recipe key missing from the table fails tests/tools/test_peers.py.
+recipe moves all three systems together). A recipe key missing from the table fails tests/tools/test_peers_mapping.py.
 
 Batch geometry. megaforge step = ``rollout.batch_size`` (64) prompts x ``grpo.n_samples`` (8) = 512
 samples, then ``trainer.mini_batches`` (4) optimizer updates of 128 samples in micro-batches of at most
