@@ -141,7 +141,7 @@
 #   parts -> install -> gsm_part x 9 -> t15_part x 22 -> carry the last teacher part + .carry/data .carry/whl:
 #   preps + LoRA gsm_start -> gsm_watch .. -> distill gsm_start -> gsm_watch .. -> grade (if ~120 s remain).
 #   That session got one start (an H100, parts 0.3 s), taken back for other work during the next call (install);
-#   the other 15 starts from 03:54 to 05:40 UTC were refused (~90-105 s each) or not tried (15 s each): no figure.
+#   of its 22 calls from 03:54 to 05:25 UTC, 14 starts were refused (~90-105 s each), 5 not tried (15 s each): no figure.
 #   With < ~800 s left, the fallback was issue 38 point 1's train_bench (mfsite only, carry .whl; ~75 s a shape and
 #   micro-batch size): BENCH_FLAGS="--mbs 4 --micro_batches 2" (the recipe's 16,384-token micro-batches) first.
 # Issue 38 point 1 whole, without SGLang (~700 s; the TE kit is prepared here: .tep, te-prepare.sh, 2026-12-07):
