@@ -46,7 +46,7 @@ def test_batch_geometry_of_the_recipe():
     cfg = recipe_cfg()
     g = mapping.geometry(cfg)
     assert g == {"samples": 512, "per_update": 128, "verl_mini_prompts": 16, "trl_grad_accum": 8,
-                 "trl_steps_per_generation": 32, "updates": 4, "micro_batch": 16}
+                 "trl_steps_per_generation": 32, "updates": 4, "micro_batch": 16, "micro_batch_tokens": 16384}
     kw = mapping.trl_kwargs(cfg, 20, "/o")
     assert (kw["max_steps"], kw["per_device_train_batch_size"], kw["gradient_accumulation_steps"],
             kw["steps_per_generation"], kw["save_steps"]) == (80, 16, 8, 32, 40)

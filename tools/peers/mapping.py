@@ -172,7 +172,8 @@ def geometry(cfg) -> dict:
     mb = peer_micro_batch(cfg, per_update)
     return {"samples": samples, "per_update": per_update, "verl_mini_prompts": prompts // minis,
             "trl_grad_accum": per_update // mb, "trl_steps_per_generation": samples // mb, "updates": minis,
-            "micro_batch": mb}
+            "micro_batch": mb,  # a token budget a micro-batch for the peers that pack by tokens (verl best, slime):
+            "micro_batch_tokens": cfg.trainer.micro_batch_tokens or mb * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)}
 
 
 def _extra_args(cfg) -> dict:
@@ -245,7 +246,7 @@ def verl_overrides(cfg, data_dir: str, steps: int, out_dir: str, variant: str = 
     for k, v in _extra_args(cfg).items():
         o.append(f"+{r}.engine_kwargs.sglang.{k}={_hydra(v)}")
     if variant == "best":
-        tokens = cfg.trainer.micro_batch_tokens or mb * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+        tokens = g["micro_batch_tokens"]
         o += ["actor_rollout_ref.model.use_remove_padding=True", f"{a}.use_dynamic_bsz=True",
               "actor_rollout_ref.model.enable_gradient_checkpointing=False",
               f"{a}.ppo_max_token_len_per_gpu={tokens}", f"{r}.log_prob_max_token_len_per_gpu={tokens}"]
@@ -408,7 +409,7 @@ def slime_args(cfg, data_dir: str, steps: int, out_dir: str, model_path: str = "
           "--tensor-model-parallel-size 1", "--pipeline-model-parallel-size 1", "--context-parallel-size 1",
           "--expert-model-parallel-size 1", "--expert-tensor-parallel-size 1",
           "--use-dynamic-batch-size",
-          f"--max-tokens-per-gpu {cfg.trainer.micro_batch_tokens or g['micro_batch'] * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)}",
+          f"--max-tokens-per-gpu {g['micro_batch_tokens']}",
           "--bf16" if cfg.model.dtype == "bfloat16" else "--fp16" if cfg.model.dtype == "float16" else "--no-bf16",
           "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32", "--attention-dropout 0.0",
           "--hidden-dropout 0.0", "--attention-backend fused", "--no-gradient-accumulation-fusion"]
