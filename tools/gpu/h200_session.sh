@@ -217,6 +217,7 @@ GSM_NAME=${GSM_NAME:-$(sed -n 's/^run_name: *//p' "$GSM_CONFIG" 2>/dev/null | he
 GSM_RUN=/tmp/runs/$GSM_NAME
 GSM_LOG=/tmp/mf/$GSM_NAME.log  # outside $OUT (emptied before each call): the run's whole log, across calls
 GSM_PID=/tmp/mf/$GSM_NAME.pid
+GSM_KIT_DONE=""  # set by gsm_kit once this call has the kit (not taken from the environment)
 gsm_argv() {  # the run's command into $argv (--resume when the run folder has checkpoints)
   [ -f "$GSM_CONFIG" ] && [ -n "$GSM_NAME" ] \
     || { echo "[h200_session] GSM_CONFIG=$GSM_CONFIG: no such config, or no run_name in it (set GSM_NAME)" >&2; return 1; }
@@ -269,7 +270,8 @@ gsm_collect() {  # the run's metrics, curves, first/last per-sample evaluation a
   tail -c 1200 "$GSM_LOG"
 }
 gsm_kit() {  # the GSM8K data and wheels (gguf, math-verify) into /tmp/mf from the call that carries .carry/data .carry/whl,
-  # the wheels installed once into /tmp/mfsite
+  # the wheels installed once into /tmp/mfsite; once a call (GSM_KIT_DONE: preps' two conversions do not copy again)
+  [ -n "${GSM_KIT_DONE:-}" ] && return 0
   mkdir -p /tmp/mf
   [ -d .carry/data ] && cp -r .carry/data /tmp/mf/
   [ -d .carry/whl ] && cp -r .carry/whl /tmp/mf/
@@ -277,7 +279,7 @@ gsm_kit() {  # the GSM8K data and wheels (gguf, math-verify) into /tmp/mf from t
     || { echo "[h200_session] /tmp/mf has no data/ or whl/ yet: carry .carry/data .carry/whl in this call"; return 1; }
   [ -e /tmp/mf/whl.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mfsite \
     /tmp/mf/whl/*.whl && touch /tmp/mf/whl.installed; } || return 1
-  export PYTHONPATH=$PWD:/tmp/mfsite
+  export PYTHONPATH=$PWD:/tmp/mfsite; GSM_KIT_DONE=1  # a shell variable: the & subshells of preps see it, no child process
 }
 collect_parts() {  # $1 a GGUF's parts folder: what this call carries of .carry/$1 (SHA256SUMS, parts) into /tmp/mf/$1;
   # $2 whose parts (a *_part stage: then this call must carry some), to say how many of them are here
@@ -297,6 +299,8 @@ model_prep() {  # $1 packaged model, $2 its parts' folder (.carry/$2 -> /tmp/mf/
   echo "[h200_session] $name -> $hf: exit $rc in $((SECONDS - t0)) s"; tail -2 "$OUT/$log" 2>/dev/null | cut -c1-1500
   return $rc
 }
+student_prep() { model_prep Qwen2.5-Coder-0.5B-Instruct q /tmp/qwen2.5-coder-0.5b-instruct gsm_convert.log; }
+teacher_prep() { model_prep Qwen2.5-Coder-1.5B-Instruct q15 /tmp/qwen2.5-coder-1.5b-instruct t15_convert.log; }
 
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
@@ -395,17 +399,17 @@ for stage in "$@"; do
       collect_parts q student || exit 1 ;;
     gsm_prep)  # after gsm_part x 9 (all the parts: the last one with .carry/data .carry/whl is over 64 MiB since the tree
       # grew to ~11 MB); carry .carry/data .carry/whl here or in an earlier call: the student to /tmp/qwen2.5-coder-0.5b-instruct
-      model_prep Qwen2.5-Coder-0.5B-Instruct q /tmp/qwen2.5-coder-0.5b-instruct gsm_convert.log || exit 1 ;;
+      student_prep || exit 1 ;;
     t15_part)  # carry .carry/q15/SHA256SUMS and one .carry/q15/*.part_NN: the distillation teacher's parts under /tmp/mf/q15
       collect_parts q15 teacher || exit 1 ;;
     t15_prep)  # after t15_part for every part (or carrying the last one; .carry/data .carry/whl unless an earlier call did):
       # the teacher Qwen2.5-Coder-1.5B-Instruct to /tmp/qwen2.5-coder-1.5b-instruct (configs/distill_gsm8k_qwen2.5_0.5b_h200.yaml)
-      model_prep Qwen2.5-Coder-1.5B-Instruct q15 /tmp/qwen2.5-coder-1.5b-instruct t15_convert.log || exit 1 ;;
+      teacher_prep || exit 1 ;;
     preps)  # gsm_prep and t15_prep side by side (two processes: the machine has 16 cores), after every gsm_part and
       # t15_part (or carrying the last one); .carry/data .carry/whl in this call or an earlier one
       gsm_kit || exit 1
-      model_prep Qwen2.5-Coder-0.5B-Instruct q /tmp/qwen2.5-coder-0.5b-instruct gsm_convert.log & p1=$!
-      model_prep Qwen2.5-Coder-1.5B-Instruct q15 /tmp/qwen2.5-coder-1.5b-instruct t15_convert.log & p2=$!
+      student_prep & p1=$!
+      teacher_prep & p2=$!
       wait $p1; r1=$?; wait $p2; r2=$?
       [ $r1 = 0 ] && [ $r2 = 0 ] || { echo "[h200_session] preps: student exit $r1, teacher exit $r2"; exit 1; } ;;
     grade)  # greedy pass@1 on the GSM8K test split (tools/evaluate.py, the recipe's config, one SGLang start) of the HF
