@@ -214,3 +214,18 @@ def test_the_launcher_refuses_a_negative_lr_in_one_line():
 
     rc, out, err = run_in_process("sft", ["--config", DEMO, "--sft.lr", "-3e-3", "--output_dir", "/nonexistent/x"])
     assert rc == 2 and err == "megaforge: config error: config key 'sft.lr': must be >= 0, got -0.003\n", err
+
+
+def test_server_flags_reads_extra_args_one_way():
+    """rollout.extra_args' one reader: ``--flag v ...``, ``--flag=v``, a bare flag; a stray value is an error
+    naming the key (the planner and the peers' mapping both read through it)."""
+    from megaforge.config.rollout import server_flags
+    assert server_flags(["--attention-backend", "fa3", "--cuda-graph-bs-decode", "1", "2", "--disable-radix-cache",
+                         "--kv-cache-dtype=fp8_e5m2"]) == {
+        "--attention-backend": ["fa3"], "--cuda-graph-bs-decode": ["1", "2"], "--disable-radix-cache": [],
+        "--kv-cache-dtype": ["fp8_e5m2"]}
+    assert server_flags([]) == {}
+    with pytest.raises(ValueError, match=r"rollout.extra_args: value 'triton' comes before any --flag"):
+        server_flags(["triton", "--attention-backend"])
+    with pytest.raises(ConfigError, match=r"config key 'rollout.extra_args': value '512' comes before any --flag"):
+        load_config(["--config", "configs/demo_cpu.yaml", "--rollout.extra_args", "['512',--cuda-graph-max-bs]"])

@@ -56,7 +56,8 @@ class RolloutConfig:
     router: bool = False
     """Put the SGLang router in front of several engines."""
     extra_args: list[str] = field(default_factory=list)
-    """Extra command-line arguments passed through to each engine server."""
+    """Extra command-line arguments passed through to each engine server, as ``--flag [value ...]`` or
+    ``--flag=value`` items (read by :func:`server_flags`: a value before any ``--flag`` is an error)."""
     engine_python: str = ""
     """Python interpreter that runs the SGLang servers and router (empty: this process's). Point it at
     another virtualenv's ``bin/python`` when SGLang is installed apart from the trainer (its pins, e.g.
@@ -115,3 +116,21 @@ class RolloutConfig:
     max_tool_tokens: int = 64
     """Tokens of one tool result appended to the context (longer results are cut); the whole
     response, model and tool tokens, stays within rollout.max_new_tokens."""
+
+
+def server_flags(args: list[str]) -> dict[str, list[str]]:
+    """``rollout.extra_args`` as ``{"--flag": [values]}``, in order: ``--flag`` alone -> ``[]``, ``--flag a b``
+    -> ``["a", "b"]``, ``--flag=a`` -> ``["a"]`` (a flag given twice: the later one). The one reader of the
+    list (the memory planner, the peers' mapping). ValueError naming the key on a value before any flag."""
+    flags: dict[str, list[str]] = {}
+    key = None
+    for a in map(str, args):
+        if a.startswith("--"):
+            key, _, v = a.partition("=")
+            flags[key] = [v] if _ else []
+        elif key is None:
+            raise ValueError(f"rollout.extra_args: value {a!r} comes before any --flag (items are '--flag', "
+                             f"'--flag value ...' or '--flag=value')")
+        else:
+            flags[key].append(a)
+    return flags

@@ -9,7 +9,7 @@ from megaforge.config.algo import GROUP_BASELINE_ADVANTAGES, AlgoConfig, CriticC
 from megaforge.config.evaluation import EvalConfig
 from megaforge.config.model import DataConfig, ModelConfig
 from megaforge.config.rewards import RewardsConfig, check_reward_spec, reward_label
-from megaforge.config.rollout import RolloutConfig
+from megaforge.config.rollout import RolloutConfig, server_flags
 from megaforge.config.teacher import TeacherConfig
 from megaforge.config.run import (CheckpointConfig, LaunchConfig, LoopConfig, MemoryConfig, MetricsConfig,
                                   SlurmConfig, SyncConfig)
@@ -198,6 +198,10 @@ class Config:
         need(self.rollout.batch_size >= 1, "rollout.batch_size", "must be >= 1")
         need(self.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
         need(self.rollout.max_restarts >= 0, "rollout.max_restarts", "must be >= 0")
+        try:
+            server_flags(self.rollout.extra_args)
+        except ValueError as e:  # "rollout.extra_args: <what>"
+            need(False, "rollout.extra_args", str(e).split(": ", 1)[1])
         need(self.trainer.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
         need(self.trainer.mini_batches >= 1, "trainer.mini_batches", "must be >= 1")
         need(self.trainer.epochs >= 1, "trainer.epochs", "must be >= 1")

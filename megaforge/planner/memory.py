@@ -85,6 +85,7 @@ import importlib.util
 import math
 from dataclasses import dataclass, field
 
+from megaforge.config.rollout import server_flags
 from megaforge.engine_kinds import engine_kind
 from megaforge.specs import PlanInput
 
@@ -127,30 +128,24 @@ def dtype_bytes(name: str) -> int:
     return 4 if name == "float32" else 2
 
 
-def _extra_arg(args: list, flag: str, default):
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            return type(default)(args[i + 1]) if default is not None else args[i + 1]
-        if a.startswith(flag + "="):
-            return type(default)(a.split("=", 1)[1]) if default is not None else a.split("=", 1)[1]
-    return default
+def _extra_arg(flags: dict, flag: str, default):
+    """The first value of ``flag`` in :func:`server_flags`' dict, as ``default``'s type; ``default`` when absent."""
+    vals = flags.get(flag)
+    if not vals:
+        return default
+    return type(default)(vals[0]) if default is not None else vals[0]
 
 
-def _graph_max_bs(args: list) -> int:
+def _graph_max_bs(flags: dict) -> int:
     """The largest decode batch SGLang captures a CUDA graph for: 0 with --disable-cuda-graph; the largest size
-    listed after --cuda-graph-bs-decode (or --cuda-graph-bs) when given; else --cuda-graph-max-bs, else its default."""
-    if "--disable-cuda-graph" in args:
+    listed after --cuda-graph-bs-decode (or --cuda-graph-bs) when given; else --cuda-graph-max-bs, else its default.
+    ``flags``: :func:`megaforge.config.rollout.server_flags` of rollout.extra_args."""
+    if "--disable-cuda-graph" in flags:
         return 0
     for flag in ("--cuda-graph-bs-decode", "--cuda-graph-bs"):
-        if flag in args:
-            sizes = []
-            for a in args[args.index(flag) + 1:]:
-                if str(a).startswith("--"):
-                    break
-                sizes.append(int(a))
-            if sizes:
-                return max(sizes)
-    return _extra_arg(args, "--cuda-graph-max-bs", SGLANG_DEFAULT_MAX_BS)
+        if flags.get(flag):
+            return max(int(v) for v in flags[flag])
+    return _extra_arg(flags, "--cuda-graph-max-bs", SGLANG_DEFAULT_MAX_BS)
 
 
 # ---------------------------------------------------------------------------------- trainer state
@@ -389,7 +384,7 @@ def engine_items(pin: PlanInput, shape, lay, memory: float) -> tuple[list[Item],
     r = pin.rollout
     p = dtype_bytes(pin.engine_dtype)
     n = shape.hf_params()
-    args = list(r.extra_args)
+    args = server_flags(r.extra_args)
     seqs = r.batch_size * pin.grpo.n_samples * (pin.loop.oversample if pin.algo.dynamic_sampling else 1.0)
     P, N = pin.data.max_prompt_len, r.max_new_tokens
     ffn = shape.topk * shape.expert_ffn + shape.shared_ffn if shape.is_moe else shape.ffn

@@ -382,10 +382,15 @@ def test_megatron_lora_plan_counts_the_rank_s_adapters_for_grads_and_adam():
 def test_cuda_graph_batch_read_from_the_decode_sizes_list():
     """SGLang's --cuda-graph-bs-decode list (the recipes' flags) sets the largest captured batch, as
     --cuda-graph-max-bs does; graphs for 512 rows cost more than for the default 256."""
+    from megaforge.config.rollout import server_flags
     from megaforge.planner.memory import SGLANG_DEFAULT_MAX_BS, _graph_max_bs
-    assert _graph_max_bs([]) == SGLANG_DEFAULT_MAX_BS == 256
-    assert _graph_max_bs(["--cuda-graph-max-bs", "64"]) == 64
-    assert _graph_max_bs(["--attention-backend", "triton", "--cuda-graph-bs-decode", "1", "2", "512", "320",
-                          "--sampling-backend", "pytorch"]) == 512
-    assert _graph_max_bs(["--cuda-graph-bs", "8", "16"]) == 16
-    assert _graph_max_bs(["--disable-cuda-graph", "--cuda-graph-bs-decode", "512"]) == 0
+
+    def max_bs(args):
+        return _graph_max_bs(server_flags(args))
+    assert max_bs([]) == SGLANG_DEFAULT_MAX_BS == 256
+    assert max_bs(["--cuda-graph-max-bs", "64"]) == 64
+    assert max_bs(["--cuda-graph-max-bs=48"]) == 48
+    assert max_bs(["--attention-backend", "triton", "--cuda-graph-bs-decode", "1", "2", "512", "320",
+                   "--sampling-backend", "pytorch"]) == 512
+    assert max_bs(["--cuda-graph-bs", "8", "16"]) == 16
+    assert max_bs(["--disable-cuda-graph", "--cuda-graph-bs-decode", "512"]) == 0

@@ -177,18 +177,14 @@ def geometry(cfg) -> dict:
 
 
 def _extra_args(cfg) -> dict:
-    """rollout.extra_args (``--flag [value ...]``) as SGLang ServerArgs fields (verl's engine_kwargs.sglang): a
-    flag alone is True, one value a scalar, several a list (numbers as ints)."""
-    vals: dict[str, list] = {}
-    key = None
-    for a in cfg.rollout.extra_args:
-        if a.startswith("--"):
-            key = a[2:].replace("-", "_")
-            vals[key] = []
-        elif key is None:
-            raise MappingError(f"rollout.extra_args: value {a!r} comes before any --flag")
-        else:
-            vals[key].append(int(a) if a.isdigit() else a)
+    """rollout.extra_args (``--flag [value ...]``, read by server_flags) as SGLang ServerArgs fields (verl's
+    engine_kwargs.sglang): a flag alone is True, one value a scalar, several a list (numbers as ints)."""
+    from megaforge.config.rollout import server_flags
+    try:
+        flags = server_flags(cfg.rollout.extra_args)
+    except ValueError as e:
+        raise MappingError(str(e)) from None
+    vals = {k[2:].replace("-", "_"): [int(a) if a.isdigit() else a for a in v] for k, v in flags.items()}
     return {k: True if not v else v[0] if len(v) == 1 else v for k, v in vals.items()}
 
 
