@@ -417,6 +417,7 @@ for stage in "$@"; do
       # -> $OUT/grade.log (evaluate.py's JSON lines) and grade_<i>_samples.jsonl.gz per model (compare.py --mcnemar)
       gsm_kit || exit 1
       margs=(); for m in ${GRADE_MODELS:-/tmp/qwen2.5-coder-1.5b-instruct}; do margs+=(--model "$m"); done
+      rm -f /tmp/mf/grade_*_samples.jsonl  # an earlier grade's files are not this one's
       timeout -k 20 $((200 + 60 * ${#margs[@]})) python3 tools/evaluate.py "${margs[@]}" \
         --config configs/grpo_gsm8k_qwen2.5_0.5b_h200.yaml --data /tmp/mf/data/gsm8k/test.jsonl \
         --rollout.engine_env "$(engine_env)" ${GRADE_FLAGS:---k 0} --out "/tmp/mf/grade_{model}_samples.jsonl" \
