@@ -14,12 +14,10 @@ import time
 import pytest
 import torch
 
-from gpu_helpers import sglang_env, sglang_python
+from gpu_helpers import save_tiny_qwen3, sglang_env, sglang_python
 from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(900)
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOKENIZER = os.path.join(ROOT, "assets", "tiny-tokenizer")
 PROMPTS = [[5, 17, 33, 9, 41], [100, 101, 102], [7, 8, 9, 10, 11, 12, 13], [40, 41, 42, 43]]
 SERVER_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-cuda-graph",
                "--log-level", "info"]
@@ -40,16 +38,7 @@ def _report(key, value):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
-
-    d = str(tmp_path_factory.mktemp("tiny-qwen3-lora"))
-    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=128,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      tie_word_embeddings=True, eos_token_id=2, pad_token_id=0, bos_token_id=None)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(d)
-    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(d)
-    return d
+    return save_tiny_qwen3(str(tmp_path_factory.mktemp("tiny-qwen3-lora")))
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,13 @@ Figures go to ``$MEGAFORGE_GPU_REPORT`` with a ``moe_`` prefix when it is set.
 """
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 import torch
 
-from gpu_helpers import sglang_env, sglang_python
-from test_sglang_server import LP_MAX_DIFF, PROMPTS, SERVER_ARGS, TOKENIZER, _batch, _lp_diff, _report, _requests
+from gpu_helpers import TOKENIZER, sglang_env, sglang_python
+from test_sglang_server import LP_MAX_DIFF, PROMPTS, SERVER_ARGS, _batch, _lp_diff, _report, _requests
 from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(1500)

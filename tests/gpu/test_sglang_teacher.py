@@ -13,12 +13,10 @@ import time
 import pytest
 import torch
 
-from gpu_helpers import sglang_env, sglang_python
+from gpu_helpers import save_tiny_qwen3, sglang_env, sglang_python
 from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(900)
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOKENIZER = os.path.join(ROOT, "assets", "tiny-tokenizer")
 SERVER_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-cuda-graph"]
 # bf16 serving vs the trainer's bf16 forward of the same weights (test_sglang_server.py: a few 1e-3
 # measured on two layers), plus two bf16 spacings of the log-prob itself: the sharpened teacher's
@@ -41,19 +39,7 @@ def build_served_teacher(cfg, tokenizer=None):
 
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory) -> str:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
-
-    d = str(tmp_path_factory.mktemp("tiny-qwen3-teacher"))
-    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=128,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      tie_word_embeddings=True, eos_token_id=2, pad_token_id=0, bos_token_id=None)
-    torch.manual_seed(3)
-    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    with torch.no_grad():
-        m.model.embed_tokens.weight.mul_(10.0)  # a less uniform distribution than a plain random init's
-    m.save_pretrained(d)
-    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(d)
-    return d
+    return save_tiny_qwen3(str(tmp_path_factory.mktemp("tiny-qwen3-teacher")), seed=3, embed_scale=10.0)
 
 
 def _cfg(tmp, student, teacher, **teacher_kw):
