@@ -1,13 +1,41 @@
-"""Helpers of the GPU tests: the SGLang environment they run the server in (see conftest.py), and the tiny
-Qwen3 model the SGLang tests serve."""
+"""Helpers of the GPU tests: the SGLang environment they run the server in (see conftest.py), the rollout
+section and the tiny Qwen3 model the SGLang tests serve, and the JSON report their figures go to."""
 from __future__ import annotations
 
+import json
 import os
 
 from megaforge.build import RunBuilder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER = os.path.join(ROOT, "assets", "tiny-tokenizer")
+# Triton attention: the GPU machine's SGLang kit drops sgl_kernel's FA3 kernels (tools/gpu/README.md); the torch
+# sampler and no CUDA graphs keep a test server's start short.
+SGLANG_TEST_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-cuda-graph",
+                    "--log-level", "info"]
+
+
+def sglang_rollout(**over) -> dict:
+    """The ``rollout`` section of a test server: SGLang from the environment conftest.py names, 30% of the GPU,
+    SGLANG_TEST_ARGS; ``over`` adds or replaces keys."""
+    return {"engine": "sglang", "engine_env": sglang_env(), "engine_python": sglang_python(),
+            "extra_args": SGLANG_TEST_ARGS, "mem_fraction": 0.3, "startup_timeout_s": 900.0,
+            "request_timeout_s": 300.0, **over}
+
+
+class JsonReport:
+    """``report(key, value)`` records a figure and rewrites the JSON file ``$env_var`` names (nothing when unset),
+    so a test run stopped half-way keeps what it measured."""
+
+    def __init__(self, env_var: str):
+        self.env_var, self.figures = env_var, {}
+
+    def __call__(self, key: str, value) -> None:
+        self.figures[key] = value
+        path = os.environ.get(self.env_var)
+        if path:
+            with open(path, "w") as f:
+                json.dump(self.figures, f, indent=1, default=str)
 
 
 def save_tiny_qwen3(d: str, seed: int = 0, embed_scale: float = 1.0) -> str:

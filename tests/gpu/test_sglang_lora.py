@@ -3,37 +3,25 @@ rollout.engine sglang, megaforge.rollout.http.lora): the server started by ``bui
 ``--enable-lora`` from model.lora, a torch trainer with rank-8 adapters on every linear of a tiny random
 Qwen3 (bf16) on the same GPU. After each adapter sync the served log-probs equal the trainer's adapted
 policy (not the base's), the previous adapter is gone from ``/v1/models``; the adapter syncs' bytes and
-seconds are reported beside a merged sync's into the same server (sync.transport ipc). Figures go to ``$MEGAFORGE_GPU_REPORT``.
+seconds are reported beside a merged sync's into the same server (sync.transport ipc). Figures go to ``$MEGAFORGE_GPU_REPORT_LORA``.
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import pytest
 import torch
 
-from gpu_helpers import save_tiny_qwen3, sglang_env, sglang_python
+from gpu_helpers import JsonReport, save_tiny_qwen3, sglang_rollout
 from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(900)
 PROMPTS = [[5, 17, 33, 9, 41], [100, 101, 102], [7, 8, 9, 10, 11, 12, 13], [40, 41, 42, 43]]
-SERVER_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-cuda-graph",
-               "--log-level", "info"]
 # bf16 serving vs the trainer's bf16 forward (test_sglang_server.py's LP_MAX_DIFF: a few 1e-3 measured
 # on two layers); the adapter's x A^T B^T adds one more bf16 product per linear (SGLang's csgmv kernel
 # vs PEFT's two matmuls), same order. Adapters perturbed by 0.3 randn move the log-probs by more than the tolerance (asserted).
 LP_MAX_DIFF = 0.05
-REPORT: dict = {}
-
-
-def _report(key, value):
-    REPORT[key] = value
-    path = os.environ.get("MEGAFORGE_GPU_REPORT_LORA")
-    if path:
-        with open(path, "w") as f:
-            json.dump(REPORT, f, indent=1, default=str)
+_report = JsonReport("MEGAFORGE_GPU_REPORT_LORA")
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +37,7 @@ def cfg(model_dir, tmp_path_factory):
         "output_dir": str(tmp_path_factory.mktemp("run")), "run_name": "gpu_lora", "max_steps": 0, "seed": 0,
         "model": {"path": model_dir, "dtype": "bfloat16", "lora": {"rank": 8, "alpha": 16.0}},
         "data": {"path": "arithmetic", "format": "synthetic"},
-        "rollout": {"engine": "sglang", "engine_env": sglang_env(), "engine_python": sglang_python(),
-                    "extra_args": SERVER_ARGS, "mem_fraction": 0.3, "startup_timeout_s": 900.0,
-                    "request_timeout_s": 300.0},
+        "rollout": sglang_rollout(),
         "sync": {"lora_adapters": True, "transport": "ipc"},
         "trainer": {"backend": "torch", "device": "cuda", "lr": 3e-3, "micro_batch_size": 8},
         "grpo": {"beta": 0.01},

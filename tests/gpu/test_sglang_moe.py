@@ -22,8 +22,8 @@ import time
 import pytest
 import torch
 
-from gpu_helpers import TOKENIZER, sglang_env, sglang_python
-from test_sglang_server import LP_MAX_DIFF, PROMPTS, SERVER_ARGS, _batch, _lp_diff, _report, _requests
+from gpu_helpers import TOKENIZER, sglang_rollout
+from test_sglang_server import LP_MAX_DIFF, PROMPTS, _batch, _lp_diff, _report, _requests
 from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(1500)
@@ -53,9 +53,7 @@ def moe_cfg(moe_dir, tmp_path_factory):
         "output_dir": str(tmp_path_factory.mktemp("run")), "run_name": "gpu_moe", "max_steps": 0, "seed": 0,
         "model": {"path": moe_dir, "dtype": "bfloat16"},
         "data": {"path": "arithmetic", "format": "synthetic"},
-        "rollout": {"engine": "sglang", "engine_env": sglang_env(), "engine_python": sglang_python(),
-                    "extra_args": SERVER_ARGS, "mem_fraction": 0.3, "max_restarts": 1, "startup_timeout_s": 900.0,
-                    "request_timeout_s": 300.0, "health_timeout_s": 120.0},
+        "rollout": sglang_rollout(max_restarts=1, health_timeout_s=120.0),
         "sync": {"transport": "ipc"},
         "trainer": {"backend": "megatron", "device": "cuda", "layer_spec": "auto", "lr": 3e-3,
                     "micro_batch_size": 8, "grad_clip": 1.0},

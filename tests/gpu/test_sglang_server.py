@@ -13,7 +13,6 @@ answered once. Figures go to ``$MEGAFORGE_GPU_REPORT`` (a JSON file) when it is 
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -22,27 +21,17 @@ import time
 import pytest
 import torch
 
-from gpu_helpers import save_tiny_qwen3, sglang_env, sglang_python, sglang_version
+from gpu_helpers import JsonReport, save_tiny_qwen3, sglang_rollout, sglang_version
 from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(1500)
 PROMPTS = [[5, 17, 33, 9, 41], [100, 101, 102], [7, 8, 9, 10, 11, 12, 13], [40, 41, 42, 43],
            [300, 301], [9, 9, 9, 9, 9, 9], [250, 12, 77], [60, 61, 62, 63, 64]]
-SERVER_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-cuda-graph",
-               "--log-level", "info"]
 # bf16 forward of a 2-layer model, SGLang (Triton attention) vs the trainer (torch SDPA): logits carry
 # ~2^-8 relative rounding per op; over two layers a token's logprob moves by a few 1e-3 (measured
 # 0.002-0.004 on the prompt logprobs of such models). A training step at this LR moves them by ~0.1.
 LP_MAX_DIFF = 0.05
-REPORT: dict = {}
-
-
-def _report(key, value):
-    REPORT[key] = value
-    path = os.environ.get("MEGAFORGE_GPU_REPORT")
-    if path:
-        with open(path, "w") as f:
-            json.dump(REPORT, f, indent=1, default=str)
+_report = JsonReport("MEGAFORGE_GPU_REPORT")
 
 
 def _cfg(tmp, model_dir, **rollout):
@@ -52,9 +41,7 @@ def _cfg(tmp, model_dir, **rollout):
         "output_dir": str(tmp), "run_name": "gpu", "max_steps": 0, "seed": 0,
         "model": {"path": model_dir, "dtype": "bfloat16"},
         "data": {"path": "arithmetic", "format": "synthetic"},
-        "rollout": {"engine": "sglang", "engine_env": sglang_env(), "engine_python": sglang_python(),
-                    "extra_args": SERVER_ARGS, "mem_fraction": 0.3, "max_restarts": 1, "startup_timeout_s": 900.0,
-                    "request_timeout_s": 300.0, "health_timeout_s": 120.0, **rollout},
+        "rollout": sglang_rollout(max_restarts=1, health_timeout_s=120.0, **rollout),
         "sync": {"transport": "ipc"},
         "trainer": {"backend": "torch", "device": "cuda", "lr": 3e-3, "micro_batch_size": 8, "grad_clip": 1.0},
         "grpo": {"beta": 0.0},

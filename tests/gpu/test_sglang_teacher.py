@@ -6,23 +6,21 @@ within the bf16 tolerance of test_sglang_server.py. Figures go to ``$MEGAFORGE_G
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import pytest
 import torch
 
-from gpu_helpers import save_tiny_qwen3, sglang_env, sglang_python
+from gpu_helpers import JsonReport, save_tiny_qwen3, sglang_rollout
 from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(900)
-SERVER_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-cuda-graph"]
 # bf16 serving vs the trainer's bf16 forward of the same weights (test_sglang_server.py: a few 1e-3
 # measured on two layers), plus two bf16 spacings of the log-prob itself: the sharpened teacher's
 # log-probs reach -46 on average, where one bf16 step is 0.25 (H100, 2026-12-06, code 7a18bf1: max
 # |diff| 0.254 against the absolute 0.05 alone, i.e. one step at that size).
 LP_MAX_DIFF = 0.05
+_report = JsonReport("MEGAFORGE_GPU_REPORT_TEACHER")
 
 
 def bf16_spacing(x: torch.Tensor) -> torch.Tensor:
@@ -49,8 +47,7 @@ def _cfg(tmp, student, teacher, **teacher_kw):
         "output_dir": str(tmp), "run_name": "gpu_teacher", "max_steps": 0, "seed": 0,
         "model": {"path": student, "dtype": "bfloat16"}, "data": {"path": "arithmetic", "format": "synthetic"},
         "algo": {"advantage": "distill" if teacher else "grpo"}, "teacher": {"path": teacher, **teacher_kw},
-        "rollout": {"engine": "sglang", "engine_env": sglang_env(), "engine_python": sglang_python(),
-                    "extra_args": SERVER_ARGS, "mem_fraction": 0.3, "startup_timeout_s": 900.0},
+        "rollout": sglang_rollout(),
         "trainer": {"backend": "torch", "device": "cuda", "micro_batch_size": 8}, "grpo": {"temperature": 1.0},
     })
 
@@ -85,10 +82,8 @@ def test_sglang_prompt_logprobs_are_the_teachers(teacher_dir, tmp_path):
         report = {"max_lp_diff": diff, "max_lp_diff_over_bound": float((err / bound)[mask > 0].max()),
                   "mean_lp_diff": float(err[mask > 0].mean()), "seconds": round(seconds, 4),
                   "tokens": int(lengths.sum()), "mean_teacher_logprob": float(want[mask > 0].mean())}
-        path = os.environ.get("MEGAFORGE_GPU_REPORT_TEACHER")
-        if path:
-            with open(path, "w") as f:
-                json.dump(report, f, indent=1)
+        for key, value in report.items():
+            _report(key, value)
         print(report)
         assert bool((err <= bound).all()), report
         assert torch.equal(got[mask == 0], torch.zeros_like(got[mask == 0]))
