@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from megaforge.build import RunBuilder
 
@@ -21,6 +22,21 @@ def sglang_rollout(**over) -> dict:
     return {"engine": "sglang", "engine_env": sglang_env(), "engine_python": sglang_python(),
             "extra_args": SGLANG_TEST_ARGS, "mem_fraction": 0.3, "startup_timeout_s": 900.0,
             "request_timeout_s": 300.0, **over}
+
+
+def serving(cfg, report=None, key: str = "server_start_s"):
+    """A module fixture's body: the SGLang server ``build_engine`` starts for ``cfg`` (its start-up seconds go to
+    ``report`` under ``key``), shut down after the module and checked to have left no process alive."""
+    from megaforge.hf import load_tokenizer
+    from megaforge.rollout import build_engine
+
+    t = time.perf_counter()
+    eng = build_engine(RunBuilder(cfg).engine_spec(), load_tokenizer(cfg.model))
+    if report is not None:
+        report(key, round(time.perf_counter() - t, 1))
+    yield eng
+    eng.shutdown()
+    assert not any(p.alive() for p in eng.processes)
 
 
 class JsonReport:

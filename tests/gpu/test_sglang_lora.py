@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from gpu_helpers import JsonReport, save_tiny_qwen3, sglang_rollout
+from gpu_helpers import JsonReport, save_tiny_qwen3, serving, sglang_rollout
 from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(900)
@@ -46,12 +46,7 @@ def cfg(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(cfg):
-    from megaforge.hf import load_tokenizer
-    from megaforge.rollout import build_engine
-
-    eng = build_engine(RunBuilder(cfg).engine_spec(), load_tokenizer(cfg.model))
-    yield eng
-    eng.shutdown()
+    yield from serving(cfg)
 
 
 @pytest.fixture(scope="module")

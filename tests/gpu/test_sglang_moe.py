@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from gpu_helpers import TOKENIZER, sglang_rollout
+from gpu_helpers import TOKENIZER, serving, sglang_rollout
 from test_sglang_server import LP_MAX_DIFF, PROMPTS, _batch, _lp_diff, _report, _requests
 from megaforge.build import RunBuilder
 
@@ -63,15 +63,7 @@ def moe_cfg(moe_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moe_engine(moe_cfg):
-    from megaforge.hf import load_tokenizer
-    from megaforge.rollout import build_engine
-
-    t = time.perf_counter()
-    eng = build_engine(RunBuilder(moe_cfg).engine_spec(), load_tokenizer(moe_cfg.model))
-    _report("moe_server_start_s", round(time.perf_counter() - t, 1))
-    yield eng
-    eng.shutdown()
-    assert not any(p.alive() for p in eng.processes)
+    yield from serving(moe_cfg, _report, "moe_server_start_s")
 
 
 @pytest.fixture(scope="module")

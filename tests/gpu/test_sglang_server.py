@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from gpu_helpers import JsonReport, save_tiny_qwen3, sglang_rollout, sglang_version
+from gpu_helpers import JsonReport, save_tiny_qwen3, serving, sglang_rollout, sglang_version
 from megaforge.build import RunBuilder
 
 pytestmark = pytest.mark.timeout(1500)
@@ -60,15 +60,7 @@ def cfg(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(cfg):
-    from megaforge.hf import load_tokenizer
-    from megaforge.rollout import build_engine
-
-    t = time.perf_counter()
-    eng = build_engine(RunBuilder(cfg).engine_spec(), load_tokenizer(cfg.model))
-    _report("server_start_s", round(time.perf_counter() - t, 1))
-    yield eng
-    eng.shutdown()
-    assert not any(p.alive() for p in eng.processes)
+    yield from serving(cfg, _report, "server_start_s")
 
 
 @pytest.fixture(scope="module")
