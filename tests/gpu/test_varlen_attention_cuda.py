@@ -1,5 +1,5 @@
-"""The torch layer spec's packed attention on CUDA: the varlen flash-attention call
-(``SDPAttention._attend_varlen``, what a bfloat16 training micro-batch uses on a GPU) against each document
+"""The torch layer spec's packed attention on CUDA: the varlen flash-attention call (``SDPAttention._attend_varlen``,
+aten's ``_flash_attention_forward`` and its C++ backward; what a bfloat16 training micro-batch uses on a GPU) against each document
 attended alone in float32, forward and backward, beside the padded single SDPA call it replaces.
 
 Tolerance: both bfloat16 paths are compared with the same float32 reference; the varlen path's largest error
@@ -43,7 +43,7 @@ def _run(fn, leaves, w):
 
 @pytest.mark.parametrize("lengths", [[300, 17, 1, 600, 88], [128, 128], [1000]])
 def test_varlen_call_equals_each_document_alone(lengths):
-    assert varlen_kernel() is not None, "this torch has no torch.nn.attention.varlen"
+    assert varlen_kernel() is not None, "this torch has no aten._flash_attention_forward with its C++ autograd"
     g = torch.Generator(device="cuda").manual_seed(sum(lengths))
     t, np_, ng, hn = sum(lengths), 14, 2, 64  # Qwen2.5-0.5B's heads
     cu = [0] + torch.tensor(lengths).cumsum(0).tolist()

@@ -16,7 +16,6 @@ j <= i.
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 from typing import Optional
 
@@ -152,15 +151,16 @@ def device_offsets(cu: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=1)
 def varlen_kernel():
-    """``(varlen_attn, its keyword names)`` of ``torch.nn.attention.varlen`` (PyTorch's flash attention over
-    packed documents with cu_seqlens, forward and backward), or None where this torch has none. Its
-    keywords changed between releases (``is_causal`` became ``window_size=(-1, 0)``; ``scale`` and
-    ``enable_gqa`` came later), so the call is shaped from the signature."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
+    """aten's flash attention over packed documents, ``torch.ops.aten._flash_attention_forward`` with cu_seqlens
+    (the kernel PyTorch's ``torch.nn.attention.varlen.varlen_attn`` calls), or None where this torch lacks it or
+    its autograd. Called directly, its backward is aten's C++ ``FlashAttentionBackward0``; ``varlen_attn`` wraps
+    the same kernel in a Python custom op (Python dispatch forward and backward, and an rng-state tensor made
+    on the device every call): host time in every layer of a step that is host-bound at 0.5B (the H100's
+    figures in docs/benchmarks/README.md)."""
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    if op is None or not hasattr(torch._C._functions, "FlashAttentionBackward0"):
         return None
-    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+    return op
 
 
 class SDPAttention(MegatronModule):
@@ -241,15 +241,11 @@ class SDPAttention(MegatronModule):
         return torch.cat(outs, 0)
 
     def _varlen_ok(self, q) -> bool:
-        """Whether :meth:`_attend_varlen` serves ``q``: PyTorch's varlen flash attention exists, runs on
-        CUDA in bfloat16 / float16 without dropout, and takes this softmax scale (older releases have
-        no ``scale`` keyword: their scale is 1/sqrt(hn))."""
-        kernel = varlen_kernel()
-        if kernel is None or q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
+        """Whether :meth:`_attend_varlen` serves ``q``: aten's varlen flash attention exists and runs on CUDA
+        in bfloat16 / float16 without dropout."""
+        if varlen_kernel() is None or q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
             return False
-        if self.training and self.dropout > 0:
-            return False
-        return "scale" in kernel[1] or math.isclose(self.scale, 1.0 / math.sqrt(self.hn))
+        return not (self.training and self.dropout > 0)
 
     def _attend_varlen(self, q, k, v, docs: list[tuple[int, int]]) -> torch.Tensor:
         """Causal attention within each document as one varlen flash-attention call over the packed rows:
@@ -257,21 +253,12 @@ class SDPAttention(MegatronModule):
         cu [n + 1]. Unlike :meth:`_attend_padded` nothing is scattered or gathered and no padded
         position is computed: per layer 1 kernel forward and 1 backward instead of 4 index copies each
         way around an SDPA call (the 0.5B step's host time, docs/benchmarks/README.md)."""
-        fn, keys = varlen_kernel()
         t, np_, hn = q.shape[0], q.shape[2], q.shape[3]
-        q3, k3, v3 = q[:, 0], k[:, 0], v[:, 0]  # [t, h, hn]
-        kw = {"window_size": (-1, 0)} if "window_size" in keys else {"is_causal": True}
-        if "scale" in keys:
-            kw["scale"] = self.scale
-        if k3.shape[1] != np_:
-            if "enable_gqa" in keys:
-                kw["enable_gqa"] = True
-            else:  # releases without the keyword take as many K/V heads as query heads
-                rep = np_ // k3.shape[1]
-                k3, v3 = k3.repeat_interleave(rep, dim=1), v3.repeat_interleave(rep, dim=1)
         cu = device_offsets(tuple(lo for lo, _ in docs) + (docs[-1][1],), q.device)
         longest = max(hi - lo for lo, hi in docs)
-        return fn(q3, k3, v3, cu, cu, longest, longest, **kw).view(t, 1, np_, hn)
+        # q [t, np, hn], k/v [t, ng, hn] (flash attention takes ng | np K/V heads as they are), no dropout, causal
+        out = varlen_kernel()(q[:, 0], k[:, 0], v[:, 0], cu, cu, longest, longest, 0.0, True, False, scale=self.scale)[0]
+        return out.view(t, 1, np_, hn)
 
     def _attend_padded(self, q, k, v, docs: list[tuple[int, int]]) -> torch.Tensor:
         """Causal attention within each of n documents as ONE SDPA call: the packed rows q [t, 1, np, hn],
