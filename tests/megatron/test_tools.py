@@ -148,3 +148,14 @@ def test_bench_checkpoint_times_save_verify_load_and_cleans_up(tmp_path):
     assert rep["bytes"] > 1e6 and rep["save_s"] > 0 and rep["verify_s"] >= 0 and rep["load_s"] > 0, rep
     assert rep["write_gb_s"] > 0 and rep["host_peak_rss_gib_after_save"] > 0, rep
     assert not (where / "checkpoints").exists(), "the checkpoint is removed without --keep"
+
+
+def test_bench_train_reports_a_step_out_of_memory_and_times_the_other(tmp_path):
+    # raw's step raises torch.OutOfMemoryError (tests/megatron/bench_raw_oom.py: the CPU cannot run out of CUDA
+    # memory); the JSON line names raw's error, has no raw figures or ratio, and ours is still timed
+    codes, logs = run_ranks([os.path.join(ROOT, "tests", "megatron", "bench_raw_oom.py"), "--tiny"], 1, tmp_path, "bench")
+    assert codes == [0], tails(logs)
+    rep = _json_line(logs[0])
+    assert rep["raw_error"].startswith("OutOfMemoryError: CUDA out of memory. Tried to allocate 9.27 GiB"), rep
+    assert rep["raw_step_s"] is None and rep["raw_tflops_per_gpu"] is None and rep["ratio"] is None, rep
+    assert rep["ours_step_s"] > 0 and rep["ours_tflops_per_gpu"] > 0 and "ours_error" not in rep, rep

@@ -17,7 +17,9 @@ Both steps run on the *same* model, optimizer and layout (one MegatronTrainer, r
 TFLOP/s per GPU = (6 P n + 6 L h sum_d len_d^2) / time / GPUs, forward + backward, with P all
 parameters, n the real tokens of the step and the attention term summed over documents d (a full
 row of ``seq`` tokens gives the usual 6 L s h n; tools/bench/raw_megatron.py); a mixture of experts counts
-the parameters a token is routed through (k of E experts). Prints one JSON line (rank 0).
+the parameters a token is routed through (k of E experts). Prints one JSON line (rank 0). A step that runs out of
+device memory on one GPU (raw megatron-core's fp32 logits at 16,384 tokens a micro-batch and 1.7B on 80 GB) is
+reported as ``raw_error`` / ``ours_error`` with its figures and the ratio null; the other step is still measured.
 
 Mixture of experts (``moe*`` shapes: Qwen3-30B-A3B's layer, 128 experts top-8, expert FFN 768, hidden
 2048, 32 query / 4 key-value heads of 128, in fewer layers): ``--moe_experts sequential,grouped``
@@ -33,6 +35,7 @@ import os
 import shutil
 import sys
 import tempfile
+from typing import Optional
 
 import torch
 
@@ -225,22 +228,44 @@ def measure(args, shape: dict, hf, tr) -> dict:
     data = raw_microbatches(shape["vocab"], s, b, n_micro, dev)
     world = dist.get_world_size()
     with PeakMemory(dev) as peak:  # peak_mem_gib: the allocator's peak over both steps (model resident)
-        t_raw = time_per_call(lambda: raw_step(tr, s, b, data), args.warmup, args.steps, dev)
+        t_raw, raw_error = _time_or_oom(lambda: raw_step(tr, s, b, data), args, dev)
         raw_flops = flops(hf, [s] * (b * n_micro * dp))
-        t_ours = time_per_call(lambda: tr.train_step(batch), args.warmup, args.steps, dev)
+        t_ours, ours_error = _time_or_oom(lambda: tr.train_step(batch), args, dev)
         ours_flops = flops(hf, batch.lengths.tolist())
+    tflops = lambda f, t: None if t is None else f / t / world / 1e12  # noqa: E731
     timed = {"layer_spec": tr.spec, "tokens_per_step": int(batch.lengths.sum()),
-             "ours_tflops_per_gpu": ours_flops / t_ours / world / 1e12, "raw_tflops_per_gpu": raw_flops / t_raw / world / 1e12,
-             "ours_step_s": t_ours, "raw_step_s": t_raw, "ratio": (ours_flops / t_ours) / (raw_flops / t_raw),
+             "ours_tflops_per_gpu": tflops(ours_flops, t_ours), "raw_tflops_per_gpu": tflops(raw_flops, t_raw),
+             "ours_step_s": t_ours, "raw_step_s": t_raw,
+             "ratio": None if None in (t_ours, t_raw) else (ours_flops / t_ours) / (raw_flops / t_raw),
              "peak_mem_gib": peak.gib, "device": device_name(dev)}
+    timed.update({k: v for k, v in (("raw_error", raw_error), ("ours_error", ours_error)) if v})
     if dist.get_rank() == 0:  # the figures before the profiled steps: a run stopped while profiling keeps them
         print(f"[bench_train] timed {json.dumps({'shape': args.shape, **timed})}", file=sys.stderr, flush=True)
-    both = {"raw": lambda: raw_step(tr, s, b, data), "ours": lambda: tr.train_step(batch)}
+    both = {name: fn for name, fn, t in (("raw", lambda: raw_step(tr, s, b, data), t_raw),
+                                         ("ours", lambda: tr.train_step(batch), t_ours)) if t is not None}
     if args.profile:
         profile_steps(args.profile, both, dev)
     if args.trace:
         trace_steps(args.trace, both, dev)
     return timed
+
+
+def _time_or_oom(fn, args, dev) -> tuple[Optional[float], Optional[str]]:
+    """(seconds per call of ``fn``, None), or (None, the error's first line) when the step runs out of device
+    memory: a step that does not fit (e.g. raw megatron-core's fp32 copy of 16,384 x 151,936 logits on an
+    80 GB card) is reported, and the other step still measured, on memory the failed one gave back. One rank only:
+    with more, the error is raised (the other ranks would wait for this one in the step's collectives)."""
+    import torch.distributed as dist
+
+    try:
+        return time_per_call(fn, args.warmup, args.steps, dev), None
+    except torch.OutOfMemoryError as e:
+        if dist.get_world_size() > 1:  # the other ranks would wait in the step's collectives
+            raise
+        msg = str(e).splitlines()[0] if str(e) else "out of memory"
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return None, f"OutOfMemoryError: {msg}"
 
 
 def main(argv=None) -> int:
