@@ -227,22 +227,22 @@ def measure(args, shape: dict, hf, tr) -> dict:
     s, b = shape["seq"], shape["mbs"]
     data = raw_microbatches(shape["vocab"], s, b, n_micro, dev)
     world = dist.get_world_size()
+    steps = {"raw": lambda: raw_step(tr, s, b, data), "ours": lambda: tr.train_step(batch)}  # raw first
+    step_flops = {"raw": flops(hf, [s] * (b * n_micro * dp)), "ours": flops(hf, batch.lengths.tolist())}
+    seconds, errors = {}, {}
     with PeakMemory(dev) as peak:  # peak_mem_gib: the allocator's peak over both steps (model resident)
-        t_raw, raw_error = _time_or_oom(lambda: raw_step(tr, s, b, data), args, dev)
-        raw_flops = flops(hf, [s] * (b * n_micro * dp))
-        t_ours, ours_error = _time_or_oom(lambda: tr.train_step(batch), args, dev)
-        ours_flops = flops(hf, batch.lengths.tolist())
-    tflops = lambda f, t: None if t is None else f / t / world / 1e12  # noqa: E731
+        for name, fn in steps.items():
+            seconds[name], errors[name] = _time_or_oom(fn, args, dev)
+    tflops = {n: None if seconds[n] is None else step_flops[n] / seconds[n] / world / 1e12 for n in steps}
     timed = {"layer_spec": tr.spec, "tokens_per_step": int(batch.lengths.sum()),
-             "ours_tflops_per_gpu": tflops(ours_flops, t_ours), "raw_tflops_per_gpu": tflops(raw_flops, t_raw),
-             "ours_step_s": t_ours, "raw_step_s": t_raw,
-             "ratio": None if None in (t_ours, t_raw) else (ours_flops / t_ours) / (raw_flops / t_raw),
+             "ours_tflops_per_gpu": tflops["ours"], "raw_tflops_per_gpu": tflops["raw"],
+             "ours_step_s": seconds["ours"], "raw_step_s": seconds["raw"],
+             "ratio": None if None in tflops.values() else tflops["ours"] / tflops["raw"],
              "peak_mem_gib": peak.gib, "device": device_name(dev)}
-    timed.update({k: v for k, v in (("raw_error", raw_error), ("ours_error", ours_error)) if v})
+    timed.update({f"{n}_error": e for n, e in errors.items() if e})
     if dist.get_rank() == 0:  # the figures before the profiled steps: a run stopped while profiling keeps them
         print(f"[bench_train] timed {json.dumps({'shape': args.shape, **timed})}", file=sys.stderr, flush=True)
-    both = {name: fn for name, fn, t in (("raw", lambda: raw_step(tr, s, b, data), t_raw),
-                                         ("ours", lambda: tr.train_step(batch), t_ours)) if t is not None}
+    both = {n: fn for n, fn in steps.items() if seconds[n] is not None}
     if args.profile:
         profile_steps(args.profile, both, dev)
     if args.trace:
