@@ -4,8 +4,8 @@
 
 Scenarios (every trainer: the tiny Qwen2 ``model``, ``model.lora`` rank 4 / alpha 8 on all seven
 projections, the adapters of ``adapters`` (a torch file of full tensors by PEFT name) loaded):
-* ``layouts``: for every (name, model, adapters, layout) of ``runs``: logprobs, then one RL step (no clipping, plain optimizer) and the
-  reduced adapter gradients gathered by PEFT name; the base parameters before / after (bit-equal?),
+* ``layouts``: for every (name, model, adapters, layout) of ``runs``: logprobs, then one RL step (no clipping, plain optimizer,
+  profiled: its batched matmuls over the vocabulary) and the reduced adapter gradients gathered by PEFT name; the base parameters before / after (bit-equal?),
   which parameters megatron's DDP buffers and optimizer hold.
 * ``resume``: at ``layout1``, 3 straight steps; 2 steps, save, a fresh trainer loads and steps once;
   trainers at ``layout2`` and ``layout3`` load the 2-step checkpoint (logprobs, adapters) and step once;
@@ -44,6 +44,18 @@ def base_params(tr) -> dict:
     return {n: p.detach().clone() for n, p in tr.bm.model.named_parameters() if ".lora." not in n}
 
 
+def vocab_bmm(tr, prof) -> list:
+    """Input shapes of the batched matmuls of a profiled step that carry the output layer's vocabulary width:
+    torch.matmul's unfolded form of [t, 1, V] @ [V, H] (the frozen weight broadcast to each token), which a
+    transposed logits gradient produced before megaforge.trainer.megatron.lora._RowMajorGrad."""
+    out = getattr(tr.bm.model, "output_layer", None)
+    if out is None:  # a first pipeline stage: no logits here
+        return []
+    width = (out.weight if out.weight is not None else tr.bm.model.shared_embedding_or_output_weight()).shape[0]
+    return [e.input_shapes for e in prof.events()
+            if e.name == "aten::bmm" and any(len(s) == 3 and width in s[1:] for s in e.input_shapes)]
+
+
 def scenario_layouts(spec, res):
     batch = make_batch()
     for name, model, adapters, layout in spec["runs"]:
@@ -58,7 +70,9 @@ def scenario_layouts(spec, res):
         r["optimizer_holds_adapters"] = {id(p) for o in tr.inner_optimizers() for g in o.param_groups
                                          for p in g["params"]} == adapters
         before, a0 = base_params(tr), tr.lora.local_state()
-        r["metrics"] = tr.train_step(batch)
+        with torch.profiler.profile(record_shapes=True) as prof:
+            r["metrics"] = tr.train_step(batch)
+        r["vocab_bmm"] = vocab_bmm(tr, prof)
         after, a1 = base_params(tr), tr.lora.local_state()
         r["base_bit_equal"] = all(torch.equal(before[n], after[n]) for n in before)
         r["adapters_moved"] = sum(int(not torch.equal(a0[n], a1[n])) for n in a0) / len(a0)
