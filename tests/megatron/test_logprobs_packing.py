@@ -103,3 +103,22 @@ def test_max_seqlen_is_a_bucketed_upper_bound():
     for lengths in ([10, 3, 7, 1], [6, 5, 9, 2]):  # different longest rows, one bucket
         p = pack(tokens, torch.tensor(lengths), cp_size=2, cp_rank=0).packed_seq_params
         assert p.max_seqlen_q == p.max_seqlen_kv == 16
+
+
+def test_padded_offsets_are_the_real_ones_object_when_nothing_is_padded():
+    """Transformer Engine 2.20's DotProductAttention decides pad_between_seqs by identity: padded cu_seqlens that
+    *are* the real ones mean no padding; another tensor means padding, whatever its values, and rules out its
+    FlashAttention and unfused backends for thd. So pack hands the same tensor where no row is padded, and a
+    separate one wherever a row is (SP's tail, FP8's multiple of 16, CP)."""
+    tokens = torch.arange(1, 41).reshape(4, 10)
+    lengths = torch.tensor([10, 3, 7, 4])  # 24 tokens: a multiple of 2 (SP at TP 2) and of 8, not of 16
+    for host in (False, True):
+        p = pack(tokens, lengths, host_cu_seqlens=host).packed_seq_params
+        assert p.cu_seqlens_q_padded is p.cu_seqlens_q and p.cu_seqlens_kv_padded is p.cu_seqlens_kv
+        assert p.cu_seqlens_q is p.cu_seqlens_kv and p.cu_seqlens_q.tolist() == [0, 10, 13, 20, 24]
+        sp = pack(tokens, lengths, tp_sp=2, host_cu_seqlens=host).packed_seq_params  # 24 % 2 == 0: no padding
+        assert sp.cu_seqlens_q_padded is sp.cu_seqlens_q
+        for padded in (pack(tokens, lengths, multiple=16, host_cu_seqlens=host),  # 24 -> 32: the last row grows
+                       pack(tokens, lengths, cp_size=2, cp_rank=0, host_cu_seqlens=host)):  # rows to multiples of 4
+            q, q_pad = padded.packed_seq_params.cu_seqlens_q, padded.packed_seq_params.cu_seqlens_q_padded
+            assert q_pad is not q and q_pad.tolist()[-1] == padded.total > q.tolist()[-1]

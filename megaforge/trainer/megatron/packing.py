@@ -143,6 +143,12 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank:
 
     if not host_cu_seqlens:
         cu_real, cu_pad = d(cu_real), d(cu_pad)
+    if cp_size == 1 and padded == lens:
+        # no padding between (or after) the rows: the padded offsets are the *same tensor* as the real ones.
+        # Transformer Engine 2.20's DotProductAttention reads that identity as pad_between_seqs False (no device
+        # sync); another tensor, equal values or not, counts as padding, which rules out the FlashAttention 2/3/4
+        # and unfused backends for thd. (Its zero-fills of O and dQ/dK/dV are fast_zero_fill's, on either way.)
+        cu_pad = cu_real
     max_len = max_seqlen_bucket(max(padded), 2 * cp_size if cp_size > 1 else 1)
     params = PackedSeqParams(
         qkv_format=DOCUMENTS_FORMAT if documents else "thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
