@@ -318,7 +318,7 @@ for stage in "$@"; do
           > "$OUT/bench_train_$shape.log" 2>&1
         echo "exit $?"; grep '^{\|^\[bench_train\] timed' "$OUT/bench_train_$shape.log" | cut -c1-1500
         grep -v -i warn "$OUT/bench_train_$shape.log" | grep -i "error" | tail -3
-        rm -f "$OUT"/prof_$shape/*_trace.json.gz
+        [ "${BENCH_KEEP_TRACE:-0}" = 1 ] || rm -f "$OUT"/prof_$shape/*_trace.json.gz  # BENCH_KEEP_TRACE=1: the chrome traces come back
       done ;;
     moe_tests)  # the MoE GPU tests: SGLang serving the Megatron-trained MoE, and the TE spec's grouped experts
       MEGAFORGE_GPU_REPORT="$OUT/gpu_moe_tests.json" timeout -k 20 470 python3 -m pytest -q -s -p no:cacheprovider \
