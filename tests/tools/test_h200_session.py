@@ -70,3 +70,17 @@ def test_gsm_summary_of_a_finished_run(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("[h200_session] grpo_gsm8k_qwen2.5_0.5b_h200: 50 steps, median step 6.22 s (rollout 2.56")
     assert "peak GiB train 38.8 rollout 10.6 sync 12.3" in r.stdout and r.stdout.rstrip().endswith("greedy pass@1 50:0.3434")
+
+
+def test_kits_script_refuses_an_unknown_kit_before_writing_anything(tmp_path):
+    """tools/gpu/kits.sh checks every kit name first: a typo exits 2 naming the valid kits, and neither
+    .git/info/exclude nor any kit folder is touched (a copy of the repository's tools, in a scratch git repository)."""
+    import shutil
+
+    repo = tmp_path / "r"
+    shutil.copytree(os.path.join(ROOT, "tools"), repo / "tools")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    before = sorted(p.relative_to(repo).as_posix() for p in repo.rglob("*"))
+    p = subprocess.run(["bash", "tools/gpu/kits.sh", "gsm", "tep"], cwd=repo, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "unknown kit 'tep' (sglang, gsm, teacher, te, fa3, peers)" in p.stdout
+    assert sorted(p.relative_to(repo).as_posix() for p in repo.rglob("*")) == before
