@@ -10,6 +10,7 @@ projections, the adapters of ``adapters`` (a torch file of full tensors by PEFT 
 * ``resume``: at ``layout1``, 3 straight steps; 2 steps, save, a fresh trainer loads and steps once;
   trainers at ``layout2`` and ``layout3`` load the 2-step checkpoint (logprobs, adapters) and step once;
   the PEFT folder and the merged HF weights of the 3-step trainer.
+* ``dropout``: model.lora.dropout 0.5, layer 0's adapted linears (their hooks) against the adapters one by one.
 Results go to OUTDIR/SCENARIO.rank{R}.pt.
 """
 from __future__ import annotations
@@ -122,5 +123,40 @@ def scenario_resume(spec, res, outdir):
         d.close()
 
 
+def scenario_dropout(spec, res):
+    """model.lora.dropout 0.5: each adapted linear of layer 0 (its forward hook on given x and base output) against
+    the adapters computed one by one, dropout(x) A^T B^T s placed in the fused slots, from the same seed."""
+    import torch.nn.functional as F
+
+    from megaforge.build import RunBuilder
+    from megaforge.config.model import LoraConfig
+    from megaforge.trainer.megatron import MegatronTrainer
+    from megaforge.trainer.megatron.lora import LINEARS
+
+    cfg = trainer_cfg(spec["model"], layout={})
+    cfg.model.lora = LoraConfig(rank=4, alpha=8.0, dropout=0.5)
+    tr = MegatronTrainer(RunBuilder(cfg).trainer_spec())
+    tr.lora.load_peft_state(torch.load(spec["adapters"]))
+    lora, model = tr.lora, tr.bm.model
+    for lname in LINEARS:
+        linear = model.decoder.layers[0].get_submodule(lname)
+        out_f, in_f = linear.weight.shape
+        x = torch.randn(6, 1, in_f, generator=torch.Generator().manual_seed(1))
+        base = torch.randn(6, 1, out_f, generator=torch.Generator().manual_seed(2))
+        r = {}
+        for mode in ("train", "eval"):
+            model.train(mode == "train")
+            torch.manual_seed(5)
+            got = lora._hook(linear, (x,), (base, None))[0]
+            torch.manual_seed(5)
+            parts = {p: F.linear(F.linear(F.dropout(x, 0.5, training=mode == "train"), ad.lora_A), ad.lora_B) * lora.scale
+                     for p, ad in linear.lora.items()}
+            r[mode] = got
+            r[mode + "_diff"] = float((got - (base + lora._fuse(linear, parts, -1))).abs().max())
+        res[lname] = {"train_diff": r["train_diff"], "eval_diff": r["eval_diff"],
+                      "dropout_moves": float((r["train"] - r["eval"]).abs().max())}
+    tr.close()
+
+
 if __name__ == "__main__":
-    worker_main({"layouts": scenario_layouts, "resume": scenario_resume})
+    worker_main({"layouts": scenario_layouts, "resume": scenario_resume, "dropout": scenario_dropout})

@@ -196,6 +196,20 @@ def _peft_logprobs(model, batch, temperature=0.8):
     return model_logprobs(model, batch, temperature)
 
 
+def test_lora_dropout_draws_one_mask_per_adapter(tiny_models, tmp_path):
+    """model.lora.dropout on the megatron backend (one low-rank pair per linear, megaforge.trainer.megatron.lora):
+    in training, each adapter's x is dropped with its own mask, as PEFT's separate dropout modules do; the hook equals
+    the adapters computed one by one from the same seed; in eval there is no dropout. float32: the same products in
+    another grouping, within TOL."""
+    model = tiny_models["qwen2"]
+    _adapters(model, str(tmp_path / "adapters.pt"))
+    res = run_workers("dropout", 2, {"model": model, "adapters": str(tmp_path / "adapters.pt")}, tmp_path,
+                      worker=WORKER, timeout=240)
+    for lname, r in res[0].items():
+        assert r["train_diff"] <= TOL and r["eval_diff"] <= TOL, (lname, r)
+        assert r["dropout_moves"] > 1e-3, (lname, r)  # the masks reached the adapters
+
+
 # ------------------------------------------------------------------------------------------- refusals
 def test_refusals_name_the_keys():
     from megaforge.config import load_config
