@@ -171,7 +171,9 @@ class Trainer(ABC):
 
     def warm_up(self) -> None:
         """The RL step's kernels once before the first step: the no-grad forward of pi_old
-        (``compute_logprobs``) and the policy objective's forward and backward on two small random
+        (``compute_logprobs``), of the frozen models the step also scores with (the reference where
+        one is held, the distillation teacher where the trainer serves it: their own shapes compile
+        their own graphs) and the policy objective's forward and backward on two small random
         batches (token ids below 16, advantages +-1, :attr:`WARM_UP_LENGTHS` per data-parallel rank
         and mini-batch), so that what compiles or initialises at its first call (torch.compile'd
         functions, e.g. megatron-core's fused RMSNorm / SwiGLU and megaforge's log-probs, each for the
@@ -196,6 +198,9 @@ class Trainer(ABC):
                     advantages=adv.contiguous(), rollout_logprobs=-2.0 * mask))
                 share = share_of(batch, m, dp_rank, dp)
                 share.old_logprobs = self.compute_logprobs(share, "policy", positions="trained")
+                for frozen in ("ref", "teacher"):
+                    if getattr(self, frozen) is not None:
+                        self.compute_logprobs(share, frozen, positions="trained")
                 self._forward_backward(share_mini_batches(share)[0], self._rl_objective())
         self._clear_grads()
 

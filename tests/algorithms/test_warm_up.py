@@ -69,3 +69,26 @@ def test_warm_up_runner(cfg, tokenizer):
     bad = WarmUp(CudaTrainerDouble(ValueError("out of memory in the warm-up")))
     with pytest.raises(RuntimeError, match=r"the trainer's warm-up before step 1 failed: ValueError: out of memory"):
         bad.wait()
+
+
+def test_warm_up_scores_with_the_frozen_models_the_step_uses(tiny_model_dir, tokenizer, monkeypatch):
+    """A trainer-served distillation teacher and a held reference have their own forward (the teacher its own
+    shapes, hence its own compiled graphs): the warm-up runs them too, each after pi_old's forward, and they
+    stay unchanged. Without it the distillation run on the H100 compiled 7 graphs in step 1, the GRPO recipe's
+    runs 3 (its teacher pass 5.25 s there against 1.81 s later; docs/benchmarks/README.md, 2026-12-07 fifth session)."""
+    cfg = config_from_dict({"model": {"path": tiny_model_dir, "dtype": "float32"}, "max_steps": 2, "seed": 0,
+                            "data": {"path": "arithmetic", "format": "synthetic"}, "algo": {"advantage": "distill"},
+                            "teacher": {"path": tiny_model_dir}, "grpo": {"beta": 0.1},
+                            "trainer": {"backend": "torch", "device": "cpu", "lr": 1e-2, "mini_batches": 2}})
+    tr = RunBuilder(cfg).trainer(tokenizer)
+    tr.snapshot_reference()
+    assert tr.teacher is not None and tr.ref is not None
+    calls, real_lp = [], tr.compute_logprobs
+    monkeypatch.setattr(tr, "compute_logprobs", lambda share, model, **k: calls.append((model, share.batch_size))
+                        or real_lp(share, model, **k))
+    frozen = {n: {k: v.detach().clone() for k, v in getattr(tr, n).state_dict().items()} for n in ("ref", "teacher")}
+    tr.warm_up()
+    assert calls == [("policy", 2), ("ref", 2), ("teacher", 2), ("policy", 4), ("ref", 4), ("teacher", 4)]
+    for n, state in frozen.items():
+        for k, v in getattr(tr, n).state_dict().items():
+            assert torch.equal(v, state[k]), f"{n}.{k}: the warm-up moved it"

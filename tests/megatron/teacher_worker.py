@@ -4,7 +4,8 @@
 
 For every layout in ``layouts``: a MegatronTrainer whose policy is ``student`` and whose distillation
 teacher (``teacher.path``) is ``teacher``, another architecture of the same vocabulary; records
-compute_logprobs(batch, "teacher") and of the policy. Results go to OUTDIR/teacher.rank{R}.pt.
+compute_logprobs(batch, "teacher") and of the policy, and the teacher's again after the trainer's
+warm-up (which runs the teacher's forward too). Results go to OUTDIR/teacher.rank{R}.pt.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def main():
         key = "_".join(f"{k}{int(v)}" for k, v in sorted(layout.items()))
         res[key] = {"teacher": tr.compute_logprobs(batch, "teacher"), "policy": tr.compute_logprobs(batch, "policy"),
                     "trained": tr.compute_logprobs(batch, "teacher", positions="trained")}
+        tr.warm_up()  # scores with the teacher too (its collectives at this layout), and leaves it as it was
+        res[key]["teacher_after_warm_up"] = tr.compute_logprobs(batch, "teacher")
         tr.close()
     save_rank_result(res, outdir, scenario)
 

@@ -1,7 +1,8 @@
 """The Megatron backend's distillation teacher (issue 43 point 5): a frozen GPTModel at the policy's
 TP / PP layout, built from the teacher's own HF config (here another architecture than the student's:
 a tied-embedding Llama teaching a Qwen2 of the same vocabulary), whose log-probs of the sampled tokens
-equal transformers' at TP=2 and at PP=2."""
+equal transformers' at TP=2 and at PP=2, and which the trainer's warm-up (it runs the teacher's forward
+as well, at that layout) leaves as it was."""
 import os
 
 import torch
@@ -32,3 +33,4 @@ def test_teacher_logprobs_equal_hf_at_tp2_and_pp2(tiny_models, tmp_path):
         assert d <= TOL, f"{layout}: max |policy logprob - HF| = {d:.3g} (the teacher left the policy alone)"
         assert torch.equal(r["trained"], r["teacher"] * (batch.loss_mask > 0))
         assert torch.equal(res[1][layout]["teacher"], r["teacher"])  # every rank gets the same values
+        assert torch.equal(r["teacher_after_warm_up"], r["teacher"]), f"{layout}: the warm-up changed the teacher"
