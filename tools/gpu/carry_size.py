@@ -3,7 +3,7 @@
 plus untracked files git does not ignore) plus the ignored paths named in ``carry``, against the
 64 MiB limit of a call (/work/.library/device/README.md).
 
-    python tools/gpu/carry_size.py .carry/q/SHA256SUMS .carry/q/Qwen2.5-Coder-0.5B-Instruct.gguf.part_08 .carry/data .carry/whl
+    python tools/gpu/carry_size.py .carry/q/SHA256SUMS .carry/q/Qwen2.5-Coder-0.5B-Instruct.gguf.part_09 .carry/data .carry/whl
 
 Prints one JSON line (bytes of the tree and of each carried path, the total in MiB, ``fits``); exit 1
 when it does not fit or a carried path is missing.

