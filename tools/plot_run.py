@@ -70,6 +70,21 @@ def load(run_dir: str) -> list[dict]:
     return recs
 
 
+def save(fig, out: str, title: str = "", dpi: int = 100) -> str:
+    """``fig`` (its ``title`` on top) written to ``out`` through a temporary file (a reader never sees
+    half a PNG), then closed."""
+    import matplotlib.pyplot as plt
+
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    tmp = out + ".tmp.png"
+    fig.savefig(tmp, dpi=dpi)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out
+
+
 def plot(recs: list[dict], keys: list[str], out: str, title: str = "") -> str:
     import matplotlib
 
@@ -91,14 +106,7 @@ def plot(recs: list[dict], keys: list[str], out: str, title: str = "") -> str:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    tmp = out + ".tmp.png"
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, out)
-    return out
+    return save(fig, out, title)
 
 
 def overlay_series(runs: list[tuple[str, str]], key: str) -> dict[str, list[tuple[int, float]]]:
@@ -130,14 +138,7 @@ def plot_overlay(runs: list[tuple[str, str]], keys: list[str], out: str, title: 
         ax.set_xlabel("step", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    tmp = out + ".tmp.png"
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    os.replace(tmp, out)
-    return out
+    return save(fig, out, title, dpi=90)
 
 
 def parse_overlay(items: list[str]) -> list[tuple[str, str]]:
