@@ -35,14 +35,20 @@ class Packed:
     # [t_local, layers, K] this rank's tokens' recorded routed experts (-1: none; padding, a row's last
     # token), from TrainBatch.routed_experts; None without (megaforge.trainer.megatron.routing_replay)
     routes: Optional[torch.Tensor] = None
+    cp_size: int = 1  # context-parallel ranks the sequence is split over (1: local_pos = all_pos = 0..total-1)
 
     def to_rows(self, gathered: torch.Tensor) -> torch.Tensor:
-        """[c * t_local] values in rank-major CP-gather order -> token-aligned [B, T] (differentiable)."""
-        inv = torch.empty_like(self.all_pos)
-        inv[self.all_pos] = torch.arange(self.all_pos.numel(), device=self.all_pos.device)
-        glob = gathered.index_select(0, inv)  # [total] in packed order
+        """[c * t_local] values in rank-major CP-gather order -> token-aligned [B, T] (differentiable).
+        Without CP the gather order is the packed order (``all_pos`` is 0..total-1): no permutation."""
+        glob = gathered if self.cp_size == 1 else gathered.index_select(0, self.packed_order())  # [total] packed order
         out = glob.index_select(0, self.src.reshape(-1)).reshape(self.src.shape)
         return torch.where(self.valid, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+    def packed_order(self) -> torch.Tensor:
+        """[total] index into the rank-major CP gather of each packed position (the inverse of ``all_pos``)."""
+        inv = torch.empty_like(self.all_pos)
+        inv[self.all_pos] = torch.arange(self.all_pos.numel(), device=self.all_pos.device)
+        return inv
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
@@ -162,5 +168,5 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank:
     return Packed(
         tokens=d(mine(flat)), labels=d(mine(labels)), position_ids=position_ids,
         packed_seq_params=params, local_pos=d(local_pos), all_pos=d(all_pos), src=d(src), valid=d(valid), total=total,
-        routes=None if flat_routes is None else d(mine(flat_routes)[0]),
+        routes=None if flat_routes is None else d(mine(flat_routes)[0]), cp_size=cp_size,
     )
