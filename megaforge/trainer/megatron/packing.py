@@ -27,8 +27,8 @@ class Packed:
     labels: torch.Tensor  # [1, t_local] next-token labels (0 where there is none)
     position_ids: torch.Tensor  # [1, t_local] position inside the row
     packed_seq_params: object  # megatron PackedSeqParams (thd)
-    local_pos: torch.Tensor  # [t_local] global packed positions of this rank's tokens
-    all_pos: torch.Tensor  # [c * t_local] global positions of the rank-major CP gather
+    local_pos: torch.Tensor  # [t_local] global packed positions of this rank's tokens (on the host without CP)
+    all_pos: torch.Tensor  # [c * t_local] global positions of the rank-major CP gather (on the host without CP)
     src: torch.Tensor  # [B, T] packed position predicting token (b, t) (0 where invalid)
     valid: torch.Tensor  # [B, T] bool: 1 <= t < L_b
     total: int  # padded global packed length
@@ -167,6 +167,8 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, cp_size: int = 1, cp_rank:
         params.rope_positions = position_ids[0]
     return Packed(
         tokens=d(mine(flat)), labels=d(mine(labels)), position_ids=position_ids,
-        packed_seq_params=params, local_pos=d(local_pos), all_pos=d(all_pos), src=d(src), valid=d(valid), total=total,
-        routes=None if flat_routes is None else d(mine(flat_routes)[0]), cp_size=cp_size,
+        packed_seq_params=params, src=d(src), valid=d(valid), total=total, cp_size=cp_size,
+        # without CP nothing on the device reads them (to_rows needs no permutation): no copies
+        local_pos=local_pos if cp_size == 1 else d(local_pos), all_pos=all_pos if cp_size == 1 else d(all_pos),
+        routes=None if flat_routes is None else d(mine(flat_routes)[0]),
     )
