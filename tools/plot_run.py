@@ -109,11 +109,11 @@ def plot(recs: list[dict], keys: list[str], out: str, title: str = "") -> str:
     return save(fig, out, title)
 
 
-def overlay_series(runs: list[tuple[str, str]], key: str) -> dict[str, list[tuple[int, float]]]:
-    """{label: [(step, value), ...]} of ``key`` in each (label, metrics.jsonl path) of ``runs``, in step order."""
+def overlay_series(runs: list[tuple[str, str, list[dict]]], key: str) -> dict[str, list[tuple[int, float]]]:
+    """{label: [(step, value), ...]} of ``key`` in each (label, metrics.jsonl path, its records) of ``runs``
+    (:func:`parse_overlay`), in step order."""
     out = {}
-    for label, path in runs:
-        recs = read_jsonl(path)
+    for label, path, recs in runs:
         pts = sorted((r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float)) and "step" in r)
         if not pts:
             have = sorted({k for r in recs for k in r if k.startswith(key.split("/")[0])})[:12]
@@ -122,7 +122,7 @@ def overlay_series(runs: list[tuple[str, str]], key: str) -> dict[str, list[tupl
     return out
 
 
-def plot_overlay(runs: list[tuple[str, str]], keys: list[str], out: str, title: str = "") -> str:
+def plot_overlay(runs: list[tuple[str, str, list[dict]]], keys: list[str], out: str, title: str = "") -> str:
     """One panel per key, one line per run (label in the legend)."""
     import matplotlib
 
@@ -141,8 +141,9 @@ def plot_overlay(runs: list[tuple[str, str]], keys: list[str], out: str, title: 
     return save(fig, out, title, dpi=90)
 
 
-def parse_overlay(items: list[str]) -> list[tuple[str, str]]:
-    """``LABEL=PATH`` items -> [(label, path)]; a missing ``=`` or file is an error naming the item."""
+def parse_overlay(items: list[str]) -> list[tuple[str, str, list[dict]]]:
+    """``LABEL=PATH`` items -> [(label, path, its records)], each file read once for every key drawn; a
+    missing ``=`` or file is an error naming the item."""
     runs = []
     for it in items:
         label, sep, path = it.partition("=")
@@ -150,7 +151,7 @@ def parse_overlay(items: list[str]) -> list[tuple[str, str]]:
             raise SystemExit(f"plot_run: --overlay {it!r} is not LABEL=METRICS.jsonl")
         if not os.path.exists(path):
             raise SystemExit(f"plot_run: --overlay {label}: {path} does not exist")
-        runs.append((label, path))
+        runs.append((label, path, read_jsonl(path)))
     return runs
 
 

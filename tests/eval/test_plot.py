@@ -39,7 +39,7 @@ def test_overlay_puts_runs_on_one_axes_and_names_a_run_without_the_key(tmp_path)
     with open(tmp_path / "o.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     try:
-        plot_run.overlay_series([("lora", str(c))], key)
+        plot_run.overlay_series(plot_run.parse_overlay([f"lora={c}"]), key)
         raise AssertionError("a run without the key was drawn")
     except SystemExit as e:
         assert str(c) in str(e) and "lora" in str(e) and "eval/g/greedy/reward/mean" in str(e)
