@@ -71,6 +71,28 @@ def test_bench_train_mbs_sets_the_micro_batch_geometry(tmp_path):
     assert (rep["mbs"], rep["micro_batches"], rep["tokens_per_step"]) == (1, 2, 2 * 64)
 
 
+@pytest.mark.slow  # ~16 s, a benchmark's option
+def test_bench_train_lora_times_the_adapted_step_beside_the_full_one(tmp_path):
+    codes, logs = run_ranks([os.path.join(ROOT, "tools", "bench", "bench_train.py"), "--tiny", "--lora_rank", "4"], 1,
+                            tmp_path, "bench")
+    assert codes == [0], tails(logs)
+    rep = _json_line(logs[0])
+    assert rep["layer_spec"] == rep["lora_layer_spec"] == "torch" and (rep["lora_rank"], rep["lora_alpha"]) == (4, 8.0)
+    # the tiny shape (2 layers, hidden 64, ffn 128, 4 heads / 2 kv heads of 16): rank 4 on q, k, v, o, gate, up,
+    # down = 4 x ((64 + 64) + 2 (64 + 32) + (64 + 64) + 2 (64 + 128) + (128 + 64)) = 4,096 a layer, the base frozen
+    assert rep["lora_trainable_params"] == 2 * 4096, rep
+    assert rep["lora_step_s"] > 0 and rep["lora_over_full"] == rep["lora_step_s"] / rep["ours_step_s"]
+
+
+def test_bench_train_lora_refuses_the_te_spec():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench", "bench_train.py"), "--lora_rank", "4",
+                        "--layer_spec", "te"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--lora_rank needs --layer_spec torch" in r.stderr, r.stderr[-2000:]
+
+
 def test_bench_train_tiny_moe_randomly_initialised_runs_each_expert_variant(tmp_path):
     """A Qwen3-MoE shape from its config alone (random init: transformers holds the experts fused, the
     converter reads per-expert tensors) trains in both steps; the FLOPs count the k routed experts."""

@@ -26,6 +26,11 @@ Mixture of experts (``moe*`` shapes: Qwen3-30B-A3B's layer, 128 experts top-8, e
 builds the model once per expert implementation (megatron's SequentialMLP, a GEMM per expert; TE's
 grouped GEMM, TEGroupedMLP) in the same process and reports each beside its raw step, under
 ``variants``; the top-level figures are the last variant's.
+
+LoRA (``--lora_rank R``; both steps then on the torch layer spec): after the full fine-tune's steps, the same model is built again with
+rank-R adapters on the seven projections (``model.lora``, alpha ``--lora_alpha``, default 2R) and only its RL
+step is timed on the same batch: ``lora_step_s``, ``lora_trainable_params``, ``lora_over_full`` (its step time over the full fine-tune's, in
+the same process), ``lora_peak_mem_gib``; profiled / traced as ``ours_lora`` when asked.
 """
 from __future__ import annotations
 
@@ -88,7 +93,16 @@ def parse_args(argv=None):
                    help="also trace one step of each with little profiler overhead (no stacks): chrome traces "
                         "DIR/{raw,ours}_trace.json.gz and, on stderr, a JSON line per step with the GPU's idle "
                         "time charged to the host work that ran meanwhile (tools/bench/trace_gaps.py)")
+    p.add_argument("--lora_rank", type=int, default=0,
+                   help="also time the RL step with rank-R adapters on the seven projections (0: not)")
+    p.add_argument("--lora_alpha", type=float, default=None, help="the adapters' alpha (default 2 x rank)")
     a = p.parse_args(argv)
+    if a.lora_rank < 0:
+        p.error(f"--lora_rank {a.lora_rank}: a rank is >= 1 (0: no LoRA step)")
+    if a.lora_rank and a.layer_spec == "te":
+        p.error("--lora_rank needs --layer_spec torch (or auto): megatron's LoRA adapters wrap the torch spec's linears")
+    if a.lora_rank:  # auto would pick TE for the full fine-tune where it is installed: both steps on one spec
+        a.layer_spec = "torch"
     if a.tiny:
         a.shape = "tinymoe" if a.shape == "tinymoe" else "tiny"
         a.dtype, a.warmup, a.steps, a.micro_batches = "float32", 1, 2, 2
@@ -250,6 +264,28 @@ def measure(args, shape: dict, hf, tr) -> dict:
     return timed
 
 
+def measure_lora(args, shape: dict, tr) -> dict:
+    """The RL step alone on LoRA trainer ``tr``, on the batch :func:`measure` built (same shape, same seed)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    batch, _ = paired_batch(shape, args.micro_batches * parallel_state.get_data_parallel_world_size())
+    step = lambda: tr.train_step(batch)  # noqa: E731
+    with PeakMemory(tr.device) as peak:
+        seconds, error = _time_or_oom(step, args, tr.device)
+    out = {"lora_step_s": seconds, "lora_peak_mem_gib": peak.gib,  # trainable: this rank's adapters alone
+           "lora_trainable_params": sum(p.numel() for p in tr.bm.model.parameters() if p.requires_grad)}
+    if error:
+        out["lora_error"] = error
+    if dist.get_rank() == 0:
+        print(f"[bench_train] timed lora {json.dumps(out)}", file=sys.stderr, flush=True)
+    if seconds is not None and args.profile:
+        profile_steps(args.profile, {"ours_lora": step}, tr.device)
+    if seconds is not None and args.trace:
+        trace_steps(args.trace, {"ours_lora": step}, tr.device)
+    return out
+
+
 def _time_or_oom(fn, args, dev) -> tuple[Optional[float], Optional[str]]:
     """(seconds per call of ``fn``, None), or (None, the error's first line) when the step runs out of device
     memory: a step that does not fit (e.g. raw megatron-core's fp32 copy of 16,384 x 151,936 logits on an
@@ -283,9 +319,12 @@ def main(argv=None) -> int:
     tmp = tempfile.mkdtemp(prefix="megaforge-bench-")  # one per rank
     hf.save_pretrained(tmp)
     variants = {}
-    for experts in args.moe_experts.split(","):
+    runs = [(e, None) for e in args.moe_experts.split(",")]
+    if args.lora_rank:  # last: its step beside the full fine-tune's just measured
+        runs.append((runs[-1][0], {"rank": args.lora_rank, "alpha": args.lora_alpha or 2.0 * args.lora_rank}))
+    for experts, lora in runs:
         cfg = config_from_dict({
-            "model": {"config": tmp, "dtype": args.dtype},
+            "model": {"config": tmp, "dtype": args.dtype, "lora": lora},
             "trainer": {"backend": "megatron", "tensor_parallel": args.tp, "pipeline_parallel": args.pp,
                         "sequence_parallel": args.sp, "layer_spec": args.layer_spec, "fp8": args.fp8,
                         "fp8_recipe": args.fp8_recipe, "recompute": args.recompute, "lr": 1e-6,
@@ -294,9 +333,15 @@ def main(argv=None) -> int:
             "max_steps": 0, "seed": 0,
         })
         tr = MegatronTrainer(RunBuilder(cfg).trainer_spec())
-        out = measure(args, shape, hf, tr)
-        out["moe_experts"] = ("grouped" if tr.bm.grouped_experts else "sequential") if tr.desc.is_moe else None
-        variants[experts] = out
+        if lora:
+            lo = measure_lora(args, shape, tr)
+            full = out["ours_step_s"]
+            out.update(lora_rank=lora["rank"], lora_alpha=lora["alpha"], lora_layer_spec=tr.spec, **lo,
+                       lora_over_full=None if None in (lo["lora_step_s"], full) else lo["lora_step_s"] / full)
+        else:
+            out = measure(args, shape, hf, tr)
+            out["moe_experts"] = ("grouped" if tr.bm.grouped_experts else "sequential") if tr.desc.is_moe else None
+            variants[experts] = out
         tr.close()
         del tr
         if torch.cuda.is_available():
