@@ -322,6 +322,7 @@ def main(argv=None) -> int:
     runs = [(e, None) for e in args.moe_experts.split(",")]
     if args.lora_rank:  # last: its step beside the full fine-tune's just measured
         runs.append((runs[-1][0], {"rank": args.lora_rank, "alpha": args.lora_alpha or 2.0 * args.lora_rank}))
+    out: dict = {}  # the last full fine-tune's figures (the LoRA step is added to them)
     for experts, lora in runs:
         cfg = config_from_dict({
             "model": {"config": tmp, "dtype": args.dtype, "lora": lora},
