@@ -153,6 +153,12 @@ def test_engines_get_merged_weights_and_exports_load(tiny_model_dir, tokenizer, 
     t.export_hf(str(tmp_path / "hf"))
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
     assert all(torch.equal(hf.state_dict()[n], v) for n, v in merged.items())
+    # the same tensor names as the base's own files: a tied lm_head stays tied, not written as a second copy
+    # (tools/check_lora_run.py reads the export against the base name by name)
+    from safetensors.torch import load_file
+    assert plain.config.tie_word_embeddings
+    assert set(load_file(str(tmp_path / "hf" / "model.safetensors"))) == set(
+        load_file(os.path.join(tiny_model_dir, "model.safetensors")))
     # the PEFT adapter folder, loaded by peft on the base
     t.export_adapter(str(tmp_path / "adapter"))
     assert sorted(os.listdir(tmp_path / "adapter"))[:2] == ["README.md", "adapter_config.json"]

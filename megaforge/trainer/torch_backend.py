@@ -274,6 +274,7 @@ class TorchTrainer(Trainer):
             plain = AutoModelForCausalLM.from_config(self.model.config, dtype=next(self.model.parameters()).dtype)
         merged = dict(self.lora.merged_state([n for n, _ in self.lora.base_state()]))
         plain.load_state_dict({n: t.detach().clone() for n, t in merged.items()}, strict=True, assign=True)
+        plain.tie_weights()  # assign=True gave lm_head its own tensor: tied again, save_pretrained writes it once
         return plain
 
     @onloaded
