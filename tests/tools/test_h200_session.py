@@ -112,3 +112,38 @@ def test_gsm_start_waits_for_the_detached_student_conversion(tmp_path):
     assert slow.stdout.rstrip().endswith("rc=1") and "still runs after 1 s" in slow.stdout
     gone = session(tmp_path, "wait_detached_prep; echo \"rc=$?\"", PREP_PID=str(tmp_path / "none.pid"))
     assert gone.stdout.rstrip() == "rc=0"  # no detached conversion started: nothing to wait for
+
+
+def test_jit_caches_saved_in_parts_and_restored_in_place(tmp_path):
+    """jit_save packs the kernel-cache folders that exist into 15 MiB parts with their sums; jit_load, given those
+    files as carried, checks the sums and puts every file back at its absolute path. Parts that do not match
+    their sums are refused before anything is written."""
+    import shutil
+
+    triton, tvm = tmp_path / "home" / ".triton" / "cache", tmp_path / "home" / ".cache" / "tvm-ffi"
+    (triton / "abc").mkdir(parents=True)
+    tvm.mkdir(parents=True)
+    blob = os.urandom(17 << 20)  # incompressible: two parts of at most 15 MiB
+    (triton / "abc" / "kernel.cubin").write_bytes(blob)
+    (tvm / "fused.so").write_bytes(b"\x7fELF" * 100)
+    dirs = f"{triton} {tvm} {tmp_path / 'home' / '.cache' / 'flashinfer'}"  # the last one absent: skipped
+    r = session(tmp_path, "jit_save", JIT_DIRS=dirs)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = tmp_path / "out"
+    assert sorted(os.listdir(out)) == ["jit_cache.SHA256SUMS", "jit_cache.tgz.00", "jit_cache.tgz.01"]
+    assert max((out / f).stat().st_size for f in os.listdir(out)) <= 15 << 20
+    carry = tmp_path / "carry"
+    shutil.copytree(out, carry)
+    shutil.rmtree(tmp_path / "home")
+    r = session(tmp_path, "jit_load", JIT_DIRS=dirs, JIT_CARRY=str(carry))
+    assert r.returncode == 0 and "jit_load: 2 cached files restored" in r.stdout, r.stdout + r.stderr
+    assert (triton / "abc" / "kernel.cubin").read_bytes() == blob and (tvm / "fused.so").read_bytes() == b"\x7fELF" * 100
+    shutil.rmtree(tmp_path / "home")
+    with open(carry / "jit_cache.tgz.01", "r+b") as f:  # one byte of the second part changed
+        f.seek(100)
+        f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
+    r = session(tmp_path, "jit_load", JIT_DIRS=dirs, JIT_CARRY=str(carry))
+    assert r.returncode != 0 and "does not match its sums" in r.stdout, r.stdout + r.stderr
+    assert not (tmp_path / "home").exists()
+    r = session(tmp_path, "rm -rf $OUT; mkdir -p $OUT; jit_save", JIT_DIRS=dirs)
+    assert r.returncode != 0 and "none of" in r.stdout, r.stdout + r.stderr

@@ -158,6 +158,26 @@ wait_detached_prep() {  # a gsm_prep_detached still converting: wait for it (up 
   [ "$rc" = 0 ] || { echo "[h200_session] the detached gsm_prep ended with exit $rc; its log's end:"; tail -5 "$PREP_LOG"; return 1; }
 }
 teacher_prep() { model_prep Qwen2.5-Coder-1.5B-Instruct q15 /tmp/qwen2.5-coder-1.5b-instruct t15_convert.log; }
+# The kernel caches a fresh machine fills at SGLang's first start (~80 s of its CUDA-graph capture on 2026-12-07:
+# Triton's compiles and SGLang's nvcc JIT through tvm-ffi), kept across holds (both cards are sm_90, same kit)
+JIT_DIRS=${JIT_DIRS:-"$HOME/.triton/cache $HOME/.cache/tvm-ffi $HOME/.cache/flashinfer $HOME/.cache/sglang"}
+jit_save() {  # JIT_DIRS that exist -> $OUT/jit_cache.tgz.NN (15 MiB parts: a file back is at most 16 MiB) + SHA256SUMS
+  local d have=() n
+  for d in $JIT_DIRS; do [ -d "$d" ] && have+=("$d"); done
+  [ ${#have[@]} -gt 0 ] || { echo "[h200_session] jit_save: none of $JIT_DIRS exists (before SGLang's first start?)"; return 1; }
+  du -sh "${have[@]}"
+  tar czPf - "${have[@]}" | split -b 15m -d - "$OUT/jit_cache.tgz." || return 1
+  n=$(ls "$OUT"/jit_cache.tgz.* | wc -l)
+  [ "$n" -le 7 ] || { echo "[h200_session] jit_save: $n parts, more than the 7 a call brings back beside the sums"; rm -f "$OUT"/jit_cache.tgz.*; return 1; }
+  (cd "$OUT" && sha256sum jit_cache.tgz.* > jit_cache.SHA256SUMS && ls -l jit_cache.*)
+}
+jit_load() {  # carry .carry/jit (jit_save's files, copied there from the hold that made them): the caches back in place
+  local k=${JIT_CARRY:-.carry/jit}
+  [ -f "$k/jit_cache.SHA256SUMS" ] || { echo "[h200_session] jit_load: no $k/jit_cache.SHA256SUMS (carry $k)"; return 1; }
+  (cd "$k" && sha256sum --quiet -c jit_cache.SHA256SUMS) || { echo "[h200_session] jit_load: $k does not match its sums"; return 1; }
+  cat "$k"/jit_cache.tgz.* | tar xzPf - || return 1
+  echo "[h200_session] jit_load: $(cat "$k"/jit_cache.tgz.* | tar tzPf - | grep -vc '/$') cached files restored"
+}
 
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
@@ -168,6 +188,8 @@ for stage in "$@"; do
       tail -2 "$OUT/install.log"
       mfsite ;;
     mfsite) mfsite ;;  # without SGLang: for tests that need no server
+    jit_save) jit_save || exit 1 ;;  # after SGLang's first start in the hold (a run's step 1, or evaluate.py)
+    jit_load) jit_load || exit 1 ;;  # before the hold's first SGLang start: its start-up then excludes the kernel builds
     tests)
       MEGAFORGE_GPU_REPORT="$OUT/gpu_tests.json" timeout -k 20 470 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
       cp /tmp/pytest-of-*/pytest-*/run*/gpu/logs/engine_0.log "$OUT/gpu_tests_engine.log" 2>/dev/null ;;
