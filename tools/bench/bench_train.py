@@ -27,10 +27,11 @@ builds the model once per expert implementation (megatron's SequentialMLP, a GEM
 grouped GEMM, TEGroupedMLP) in the same process and reports each beside its raw step, under
 ``variants``; the top-level figures are the last variant's.
 
-LoRA (``--lora_rank R``; both steps then on the torch layer spec): after the full fine-tune's steps, the same model is built again with
-rank-R adapters on the seven projections (``model.lora``, alpha ``--lora_alpha``, default 2R) and only its RL
-step is timed on the same batch: ``lora_step_s``, ``lora_trainable_params``, ``lora_over_full`` (its step time over the full fine-tune's, in
-the same process), ``lora_peak_mem_gib``; profiled / traced as ``ours_lora`` when asked.
+LoRA (``--lora_rank R``; both steps then on the torch layer spec): after the full fine-tune's steps, the same
+model is built again with rank-R adapters on the seven projections (``model.lora``, alpha ``--lora_alpha``,
+default 2R) and only its RL step is timed on the same batch: ``lora_step_s``, ``lora_trainable_params``,
+``lora_over_full`` (its step time over the full fine-tune's, in the same process), ``lora_peak_mem_gib``;
+profiled / traced as ``ours_lora`` when asked.
 """
 from __future__ import annotations
 
