@@ -175,8 +175,8 @@ jit_load() {  # carry .carry/jit (jit_save's files, copied there from the hold t
   local k=${JIT_CARRY:-.carry/jit}
   [ -f "$k/jit_cache.SHA256SUMS" ] || { echo "[h200_session] jit_load: no $k/jit_cache.SHA256SUMS (carry $k)"; return 1; }
   (cd "$k" && sha256sum --quiet -c jit_cache.SHA256SUMS) || { echo "[h200_session] jit_load: $k does not match its sums"; return 1; }
-  cat "$k"/jit_cache.tgz.* | tar xzPf - || return 1
-  echo "[h200_session] jit_load: $(cat "$k"/jit_cache.tgz.* | tar tzPf - | grep -vc '/$') cached files restored"
+  local names; names=$(cat "$k"/jit_cache.tgz.* | tar xzPvf -) || return 1  # extracted and listed in one read
+  echo "[h200_session] jit_load: $(grep -vc '/$' <<< "$names") cached files restored"
 }
 
 for stage in "$@"; do
