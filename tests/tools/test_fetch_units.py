@@ -114,6 +114,27 @@ def test_gguf_checks_name_what_is_wrong(tmp_path):
         fpm.check_gguf(spec_for(data), str(notgguf))
 
 
+def test_one_parse_per_gguf_shares_a_reader_and_parses_a_changed_file_again(tmp_path):
+    import gguf
+
+    real = gguf.GGUFReader
+    data = tiny_gguf(tmp_path / "t.gguf")
+    with fpm.one_parse_per_gguf() as parsed:
+        a = fpm.check_gguf(spec_for(data), str(tmp_path / "t.gguf"))  # imports GGUFReader inside: the shared one
+        r1 = gguf.GGUFReader(str(tmp_path / "t.gguf"))
+        r2 = gguf.GGUFReader(tmp_path / "t.gguf")
+        assert r1 is r2 and parsed["parses"] == 1 and a["tensors"] == 2
+        other = tiny_gguf(tmp_path / "u.gguf", arch="qwen2")
+        assert gguf.GGUFReader(str(tmp_path / "u.gguf")).fields["general.architecture"].contents() == "qwen2"
+        assert parsed["parses"] == 2
+        mtime = (tmp_path / "t.gguf").stat().st_mtime_ns
+        (tmp_path / "t.gguf").write_bytes(other)  # the file replaced (same size): its new contents, not the old reader
+        os.utime(tmp_path / "t.gguf", ns=(mtime + 10**9, mtime + 10**9))  # a later mtime on any timestamp granularity
+        assert gguf.GGUFReader(str(tmp_path / "t.gguf")).fields["general.architecture"].contents() == "qwen2"
+        assert parsed["parses"] == 3
+    assert gguf.GGUFReader is real
+
+
 def test_every_model_is_pinned_with_sizes_and_a_digest():
     for m in fpm.MODELS.values():
         assert all("==" in p.package for p in m.parts) and len(m.sha256) == 64

@@ -37,6 +37,7 @@ def test_fetch_checks_converts_and_reloads_identically(smollm2):
     assert got["gguf_sha256"] == spec.sha256 and got["gguf_bytes"] == spec.size
     assert got["class"] == "LlamaForCausalLM" and got["parameters"] == 134_515_008
     assert got["logits_max_abs_diff"] == 0.0
+    assert got["gguf_parses"] == 1  # the header check, config, tokenizer, special tokens and weights share one parse
     assert got["special_token_ids"] == {"bos": 1, "eos": 2, "pad": 2}  # <|im_start|>, <|im_end|>, <|im_end|>
     assert "degraded copy" in got["note"] and "NOTE:" in err and "degraded copy" in err
     with open(os.path.join(out, "config.json")) as f:
