@@ -106,6 +106,10 @@ def test_gsm_start_waits_for_the_detached_student_conversion(tmp_path):
     assert ok.stdout.rstrip().endswith("rc=0") and "waited" in ok.stdout, ok.stdout + ok.stderr
     bad = run(1)
     assert bad.stdout.rstrip().endswith("rc=1") and "ended with exit 1" in bad.stdout and "exit 1 in 3 s" in bad.stdout
+    # the stage of the same name, on that failed conversion (a call that runs h200_peers.sh data during the conversion, then mf_start)
+    stage = subprocess.run(["bash", "tools/gpu/h200_session.sh", "gsm_prep_wait"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60, env=dict(os.environ, OUT=str(tmp_path / "out"), **env))
+    assert stage.returncode == 1 and "ended with exit 1" in stage.stdout, stage.stdout + stage.stderr
     killed = run(None)
     assert killed.stdout.rstrip().endswith("rc=1") and "killed?" in killed.stdout
     slow = run(0, sleep_s=5, limit=1)

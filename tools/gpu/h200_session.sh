@@ -286,6 +286,9 @@ for stage in "$@"; do
       mkdir -p /tmp/mf/prep_out; rm -f "$PREP_RC"
       OUT=/tmp/mf/prep_out setsid bash -c "bash tools/gpu/h200_session.sh gsm_prep; echo \$? > $PREP_RC" > "$PREP_LOG" 2>&1 < /dev/null &
       echo $! > "$PREP_PID"; echo "[h200_session] gsm_prep started detached: pid $(cat "$PREP_PID"), log $PREP_LOG" ;;
+    gsm_prep_wait)  # wait for gsm_prep_detached (up to PREP_WAIT_S, 400 s) and stop on its failure: for a call that runs
+      # something else during the conversion (h200_peers.sh data) and then a stage that needs the student (mf_start)
+      wait_detached_prep "${PREP_WAIT_S:-400}" || exit 1 ;;
     t15_part)  # carry .carry/q15/SHA256SUMS and one .carry/q15/*.part_NN: the distillation teacher's parts under /tmp/mf/q15
       collect_parts q15 teacher || exit 1 ;;
     t15_prep)  # after t15_part for every part (or carrying the last one; .carry/data .carry/whl unless an earlier call did):
