@@ -181,3 +181,23 @@ def test_bench_train_reports_a_step_out_of_memory_and_times_the_other(tmp_path):
     assert rep["raw_error"].startswith("OutOfMemoryError: CUDA out of memory. Tried to allocate 9.27 GiB"), rep
     assert rep["raw_step_s"] is None and rep["raw_tflops_per_gpu"] is None and rep["ratio"] is None, rep
     assert rep["ours_step_s"] > 0 and rep["ours_tflops_per_gpu"] > 0 and "ours_error" not in rep, rep
+
+
+@pytest.mark.slow  # ~20 s, a benchmark's option
+def test_bench_train_profile_names_the_forward_host_ops_by_stack(tmp_path):
+    """--profile writes, per step, the host time inside the model's forward (ours: megaforge.forward; raw:
+    raw.forward, its loss included) by outermost aten op and python stack: ours' packed attention (the CPU
+    path scatters rows with index_copy in megaforge's layers.py) shows in ours' file and not in raw's, whose
+    cross entropy (megatron's, inside its forward) shows in raw's only."""
+    prof = tmp_path / "prof"
+    codes, logs = run_ranks([os.path.join(ROOT, "tools", "bench", "bench_train.py"), "--tiny", "--profile", str(prof)],
+                            1, tmp_path, "bench")
+    assert codes == [0], tails(logs)
+    ours = (prof / "ours_forward_host_ops.txt").read_text()
+    raw = (prof / "raw_forward_host_ops.txt").read_text()
+    assert ours.startswith("host CPU time inside megaforge.forward by outermost aten op: "), ours[:300]
+    assert raw.startswith("host CPU time inside raw.forward by outermost aten op: "), raw[:300]
+    entry = next(b for b in ours.split("\n\n") if b.startswith("aten::index_copy "))
+    assert "megaforge/trainer/megatron/layers.py" in entry and "_attend_padded" in entry, entry
+    assert "_attend_padded" not in raw and "cross_entropy" not in ours
+    assert "megatron/core/tensor_parallel/cross_entropy.py" in raw, raw[:3000]

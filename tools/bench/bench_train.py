@@ -164,6 +164,28 @@ def host_waits(prof, min_us: float = 50.0) -> list:
     return sorted(acc.items(), key=lambda kv: -kv[1][1])
 
 
+def host_ops(prof, phase: str = "megaforge.forward") -> list:
+    """Host time spent inside the ``phase`` range (a ``record_function``) by operator: the outermost aten
+    operators under it (an op's nested aten calls are its own time), grouped by (op, the python stack outside
+    torch), most total CPU time first. Where the GPU idles inside ``phase`` with no sync, this names the
+    calls whose host time the device waited for."""
+    acc: dict = {}
+    for e in prof.events():
+        if not e.name.startswith("aten::") or (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")):
+            continue
+        node = e.cpu_parent
+        while node is not None and node.name != phase:
+            node = node.cpu_parent
+        if node is None:
+            continue
+        stack = [fr for fr in (e.stack or []) if not fr.startswith(("torch/", "contextlib.py", "<built-in", "nn.Module: "))
+                 and "site-packages/torch/" not in fr and "cpu_compat.py" not in fr]  # every layer's calls together
+        key = (e.name, tuple(stack[:6]))
+        n, us = acc.get(key, (0, 0.0))
+        acc[key] = (n + 1, us + e.cpu_time_total)
+    return sorted(acc.items(), key=lambda kv: -kv[1][1])
+
+
 def _profiled(steps: dict, device, **profile_kw):
     """One step of each of ``steps`` (name -> fn) under torch.profiler (CPU, and CUDA where there);
     yields (name, profiler, wall seconds) on rank 0."""
@@ -202,6 +224,13 @@ def profile_steps(out_dir: str, steps: dict, device, top: int = 12) -> None:
         with open(os.path.join(out_dir, f"{name}_host_waits.txt"), "w") as f:
             for (key, stack), (n, us) in waits[:20]:
                 f.write(f"{key}  calls {n}  cpu {us / 1e3:.1f} ms\n" + "".join(f"    {fr}\n" for fr in stack) + "\n")
+        phase = "raw.forward" if name == "raw" else "megaforge.forward"  # raw's range holds its loss too
+        ops = host_ops(prof, phase)
+        with open(os.path.join(out_dir, f"{name}_forward_host_ops.txt"), "w") as f:
+            f.write(f"host CPU time inside {phase} by outermost aten op: {sum(us for _, (_, us) in ops) / 1e3:.1f} ms "
+                    f"in {sum(n for _, (n, _) in ops)} calls\n\n")
+            for (key, stack), (n, us) in ops[:40]:
+                f.write(f"{key}  calls {n}  cpu {us / 1e3:.2f} ms\n" + "".join(f"    {fr}\n" for fr in stack) + "\n")
         emit({"profile": name, "wall_s": round(wall, 4), "kernel_s": round(busy, 4), "busy_share": round(busy / wall, 3),
               "top": {e.key[:70]: round(getattr(e, attr) / 1e6, 4) for e in ev[:top]},
               "top_host": {e.key[:70]: round(e.self_cpu_time_total / 1e6, 4) for e in host[:top]},

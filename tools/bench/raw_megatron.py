@@ -66,10 +66,12 @@ def raw_step(tr, seq: int, rows: int, data: list) -> None:
     ``get_forward_backward_func`` over the micro-batches ``data`` (sbhd, causal, megatron's
     vocab-parallel cross entropy summed), then the optimizer step."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from torch.profiler import record_function
 
     def forward_step(it, model):
         tokens, pos, labels, count = next(it)
-        per_token = model(tokens, pos, None, labels=labels)  # [b, s] cross entropy
+        with record_function("raw.forward"):  # bench_train's profile: host ops by stack in this range
+            per_token = model(tokens, pos, None, labels=labels)  # [b, s] cross entropy (the loss inside the model)
 
         def loss_func(x):
             loss = x.float().sum()
