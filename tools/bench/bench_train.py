@@ -164,26 +164,33 @@ def host_waits(prof, min_us: float = 50.0) -> list:
     return sorted(acc.items(), key=lambda kv: -kv[1][1])
 
 
-def host_ops(prof, phase: str = "megaforge.forward") -> list:
-    """Host time spent inside the ``phase`` range (a ``record_function``) by operator: the outermost aten
-    operators under it (an op's nested aten calls are its own time), grouped by (op, the python stack outside
-    torch), most total CPU time first. Where the GPU idles inside ``phase`` with no sync, this names the
-    calls whose host time the device waited for."""
+def host_ops(prof) -> tuple[dict, list]:
+    """The step's host time by outermost aten operator (an op's nested aten calls are its own time),
+    grouped by (phase, op, the python stack outside torch); phase: the innermost ``record_function``
+    range around the op (``megaforge.forward``, ``raw.forward``, ``megaforge.loss``, ...), ``(backward)``
+    for ops of autograd's thread (no python stack there), else ``(none)``. Returns ({phase: (calls, cpu
+    us)}, [((phase, op, stack), (calls, cpu us))] most CPU time first). Where the GPU idles with no sync,
+    this names the calls whose host time the device waited for (tools/bench/trace_gaps.py says in
+    which phase)."""
+    def is_range(e):
+        return getattr(e, "is_user_annotation", False) or e.name.startswith(("megaforge.", "raw."))
+
+    main = {e.thread for e in prof.events() if is_range(e)}
     acc: dict = {}
+    phases: dict = {}
     for e in prof.events():
         if not e.name.startswith("aten::") or (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")):
             continue
         node = e.cpu_parent
-        while node is not None and node.name != phase:
+        while node is not None and not is_range(node):
             node = node.cpu_parent
-        if node is None:
-            continue
+        phase = node.name if node is not None else ("(backward)" if main and e.thread not in main else "(none)")
         stack = [fr for fr in (e.stack or []) if not fr.startswith(("torch/", "contextlib.py", "<built-in", "nn.Module: "))
                  and "site-packages/torch/" not in fr and "cpu_compat.py" not in fr]  # every layer's calls together
-        key = (e.name, tuple(stack[:6]))
-        n, us = acc.get(key, (0, 0.0))
-        acc[key] = (n + 1, us + e.cpu_time_total)
-    return sorted(acc.items(), key=lambda kv: -kv[1][1])
+        for d, key in ((acc, (phase, e.name, tuple(stack[:6]))), (phases, phase)):
+            n, us = d.get(key, (0, 0.0))
+            d[key] = (n + 1, us + e.cpu_time_total)
+    return phases, sorted(acc.items(), key=lambda kv: -kv[1][1])
 
 
 def _profiled(steps: dict, device, **profile_kw):
@@ -224,13 +231,12 @@ def profile_steps(out_dir: str, steps: dict, device, top: int = 12) -> None:
         with open(os.path.join(out_dir, f"{name}_host_waits.txt"), "w") as f:
             for (key, stack), (n, us) in waits[:20]:
                 f.write(f"{key}  calls {n}  cpu {us / 1e3:.1f} ms\n" + "".join(f"    {fr}\n" for fr in stack) + "\n")
-        phase = "raw.forward" if name == "raw" else "megaforge.forward"  # raw's range holds its loss too
-        ops = host_ops(prof, phase)
-        with open(os.path.join(out_dir, f"{name}_forward_host_ops.txt"), "w") as f:
-            f.write(f"host CPU time inside {phase} by outermost aten op: {sum(us for _, (_, us) in ops) / 1e3:.1f} ms "
-                    f"in {sum(n for _, (n, _) in ops)} calls\n\n")
-            for (key, stack), (n, us) in ops[:40]:
-                f.write(f"{key}  calls {n}  cpu {us / 1e3:.2f} ms\n" + "".join(f"    {fr}\n" for fr in stack) + "\n")
+        phases, ops = host_ops(prof)
+        with open(os.path.join(out_dir, f"{name}_host_ops.txt"), "w") as f:
+            f.write("host CPU time by phase (outermost aten ops):\n" + "".join(
+                f"  {ph}: {us / 1e3:.1f} ms in {n} calls\n" for ph, (n, us) in sorted(phases.items(), key=lambda kv: -kv[1][1])))
+            for (phase, key, stack), (n, us) in ops[:60]:
+                f.write(f"\n[{phase}] {key}  calls {n}  cpu {us / 1e3:.2f} ms\n" + "".join(f"    {fr}\n" for fr in stack))
         emit({"profile": name, "wall_s": round(wall, 4), "kernel_s": round(busy, 4), "busy_share": round(busy / wall, 3),
               "top": {e.key[:70]: round(getattr(e, attr) / 1e6, 4) for e in ev[:top]},
               "top_host": {e.key[:70]: round(e.self_cpu_time_total / 1e6, 4) for e in host[:top]},
