@@ -58,6 +58,7 @@ def test_bench_train_tiny_runs_both_steps(tmp_path):
     assert codes == [0], tails(logs)
     rep = _json_line(logs[0])
     assert rep["ours_tflops_per_gpu"] > 0 and rep["raw_tflops_per_gpu"] > 0 and rep["tokens_per_step"] == 4 * 64
+    assert rep["ours_allocator"] is None and rep["raw_allocator"] is None  # CUDA's allocator counters only
     assert (rep["mbs"], rep["micro_batches"]) == (2, 2)
 
 
@@ -133,6 +134,20 @@ def test_trace_gaps_charges_idle_gpu_time_to_the_host_work_running_meanwhile():
     assert by_op == {"A": 57, "B": 77, "cudaLaunchKernel": 6, "bwd_op": 80, "C": 50}, by_op
     by_phase = {k: round(v * 1e6) for k, v in rep["idle_by_phase"].items()}
     assert by_phase == {"phase1": 110, "(none)": 160}, by_phase
+
+
+def test_bench_train_allocator_churn_is_each_counters_increase_and_none_off_cuda():
+    import sys
+
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "tools", "bench"))
+    from bench_train import allocator_churn, allocator_counts
+
+    before = {"num_alloc_retries": 0, "num_device_alloc": 40, "num_device_free": 3}
+    after = {"num_alloc_retries": 2, "num_device_alloc": 47, "num_device_free": 9}
+    assert allocator_churn(before, after) == {"alloc_retries": 2, "device_alloc": 7, "device_free": 6}
+    assert allocator_counts(torch.device("cpu")) is None and allocator_churn(None, None) is None
 
 
 @pytest.mark.slow  # ~30 s; the tool's real run is on the GPU (tools/gpu/h200_session.sh bench_step)

@@ -279,16 +279,19 @@ def measure(args, shape: dict, hf, tr) -> dict:
     world = dist.get_world_size()
     steps = {"raw": lambda: raw_step(tr, s, b, data), "ours": lambda: tr.train_step(batch)}  # raw first
     step_flops = {"raw": flops(hf, [s] * (b * n_micro * dp)), "ours": flops(hf, batch.lengths.tolist())}
-    seconds, errors = {}, {}
+    seconds, errors, churn = {}, {}, {}
     with PeakMemory(dev) as peak:  # peak_mem_gib: the allocator's peak over both steps (model resident)
         for name, fn in steps.items():
+            before = allocator_counts(dev)
             seconds[name], errors[name] = _time_or_oom(fn, args, dev)
+            churn[name] = allocator_churn(before, allocator_counts(dev))
     tflops = {n: None if seconds[n] is None else step_flops[n] / seconds[n] / world / 1e12 for n in steps}
     timed = {"layer_spec": tr.spec, "tokens_per_step": int(batch.lengths.sum()),
              "ours_tflops_per_gpu": tflops["ours"], "raw_tflops_per_gpu": tflops["raw"],
              "ours_step_s": seconds["ours"], "raw_step_s": seconds["raw"],
              "ratio": None if None in tflops.values() else tflops["ours"] / tflops["raw"],
-             "peak_mem_gib": peak.gib, "device": device_name(dev)}
+             "peak_mem_gib": peak.gib, "device": device_name(dev),
+             "ours_allocator": churn["ours"], "raw_allocator": churn["raw"]}
     timed.update({f"{n}_error": e for n, e in errors.items() if e})
     if dist.get_rank() == 0:  # the figures before the profiled steps: a run stopped while profiling keeps them
         print(f"[bench_train] timed {json.dumps({'shape': args.shape, **timed})}", file=sys.stderr, flush=True)
@@ -308,8 +311,10 @@ def measure_lora(args, shape: dict, tr) -> dict:
     batch, _ = paired_batch(shape, args.micro_batches * parallel_state.get_data_parallel_world_size())
     step = lambda: tr.train_step(batch)  # noqa: E731
     with PeakMemory(tr.device) as peak:
+        before = allocator_counts(tr.device)
         seconds, error = _time_or_oom(step, args, tr.device)
     out = {"lora_step_s": seconds, "lora_peak_mem_gib": peak.gib,  # trainable: this rank's adapters alone
+           "lora_allocator": allocator_churn(before, allocator_counts(tr.device)),
            "lora_trainable_params": sum(p.numel() for p in tr.bm.model.parameters() if p.requires_grad)}
     if error:
         out["lora_error"] = error
@@ -320,6 +325,29 @@ def measure_lora(args, shape: dict, tr) -> dict:
     if seconds is not None and args.trace:
         trace_steps(args.trace, {"ours_lora": step}, tr.device)
     return out
+
+
+#: torch.cuda.memory_stats counters of the allocator's device calls: cudaMalloc, cudaFree (which synchronises the
+#: device), and retries (an allocation that failed, freed the cache with cudaFree and tried again)
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+
+
+def allocator_counts(dev) -> Optional[dict]:
+    """The CUDA caching allocator's :data:`ALLOCATOR_COUNTERS` now (None off CUDA)."""
+    if dev.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(dev)
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTERS}
+
+
+def allocator_churn(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
+    """What the allocator did over a step's warm-up and timed calls: each counter's increase (``device_alloc``
+    cudaMalloc calls, ``device_free`` cudaFree calls, ``alloc_retries``). A cudaFree synchronises the device:
+    the GPU then idles while the host catches up, which a trace charges to whatever host op runs next. After
+    the first warm-up call a steady step adds 0. None off CUDA."""
+    if before is None or after is None:
+        return None
+    return {k.removeprefix("num_"): after[k] - before[k] for k in ALLOCATOR_COUNTERS}
 
 
 def _time_or_oom(fn, args, dev) -> tuple[Optional[float], Optional[str]]:
