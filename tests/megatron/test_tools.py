@@ -125,13 +125,19 @@ def test_trace_gaps_charges_idle_gpu_time_to_the_host_work_running_meanwhile():
         ev("kernel", "k1", 10, 40, pid=0, tid=7), ev("kernel", "k2", 180, 120, pid=0, tid=7),
         ev("gpu_memcpy", "copy", 290, 30, pid=0, tid=8),  # overlaps k2: merged into one busy interval
         ev("kernel", "k3", 450, 10, pid=0, tid=7),
+        ev("cuda_runtime", "cudaFree", 120, 20), ev("cuda_runtime", "cudaFree", 140, 5),  # inside B and phase1
+        ev("cuda_runtime", "cudaStreamSynchronize", 20, 30),  # inside A and phase1, while k1 runs: no idle
+        ev("cuda_runtime", "cudaMemcpyAsync", 60, 2),  # not a sync
     ]
     rep = gaps_report(events, sample_us=1.0)
     # busy [10, 50] + [180, 320] + [450, 460]; idle [0, 10] + [50, 180] + [320, 450]
     assert rep["busy_s"] == 190e-6 and rep["idle_s"] == 270e-6 and rep["gaps"] == 3, rep
     by_op = {k: round(v * 1e6) for k, v in rep["idle_by_op"].items()}
     # the launches (5-8, 175-178) inside A and B; [320, 400] bwd_op (started after C), [400, 450] C
-    assert by_op == {"A": 57, "B": 77, "cudaLaunchKernel": 6, "bwd_op": 80, "C": 50}, by_op
+    # the runtime calls inside A and B take their idle samples: [120, 145] cudaFree, [60, 62] the copy
+    assert by_op == {"A": 55, "B": 52, "cudaFree": 25, "cudaMemcpyAsync": 2, "cudaLaunchKernel": 6, "bwd_op": 80,
+                     "C": 50}, by_op
+    assert rep["host_syncs"] == {"cudaFree @ phase1": [2, 25e-6], "cudaStreamSynchronize @ phase1": [1, 30e-6]}, rep
     by_phase = {k: round(v * 1e6) for k, v in rep["idle_by_phase"].items()}
     assert by_phase == {"phase1": 110, "(none)": 160}, by_phase
 

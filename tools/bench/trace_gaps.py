@@ -10,8 +10,11 @@ event running at that instant (over all host threads, the one that started last:
 that is the autograd engine's thread, not the main thread blocked in ``run_backward``), and to the
 innermost ``record_function`` range (``user_annotation``) around it: the *phase*.
 
-Prints one JSON line: wall / busy / idle seconds, the number of gaps, and the idle seconds by host
-operation and by phase (largest first). A host-bound step shows idle time spread over the ops
+Prints one JSON line: wall / busy / idle seconds, the number of gaps, the idle seconds by host
+operation and by phase (largest first), and ``host_syncs``: the runtime calls that wait for the device
+(:data:`SYNC_CALLS`: stream syncs, the allocator's cudaFree, blocking copies) as "call @ phase" ->
+[count, seconds]. A sync leaves the GPU idle after it while the host catches up, time charged to the
+host ops that run then. A host-bound step shows idle time spread over the ops
 that launch kernels; a device sync shows as idle time under ``cudaStreamSynchronize`` / ``aten::item``
 followed by host work.
 """
@@ -29,6 +32,10 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from common import emit  # noqa: E402
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+#: runtime calls that block the host until the device has finished earlier work (cudaFree: the caching
+#: allocator freeing its cache to allocate again; cudaMemcpy: a copy from pageable memory or to the host)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaFree", "cudaFreeHost",
+              "cudaMemcpy", "cuMemFree", "cuMemFree_v2")
 HOST_CATS = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function")
 
 
@@ -120,6 +127,14 @@ def gaps_report(events: list[dict], sample_us: float = 5.0, top: int = 25, min_g
                             break
                 by_phase[ann["name"] if ann is not None else "(none)"] += w
             t += sample_us
+    syncs: dict = defaultdict(lambda: [0, 0.0])  # "call @ phase" -> [count, seconds]
+    for th in threads:
+        for e in th.ev:
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and e["name"] in SYNC_CALLS:
+                ann = th.innermost(e["ts"], cat="user_annotation")
+                rec = syncs[f"{e['name']} @ {ann['name'] if ann is not None else '(none)'}"]
+                rec[0] += 1
+                rec[1] += e.get("dur", 0.0) / 1e6
     busy_s = sum(b - a for a, b in busy) / 1e6
     idle_s = sum(b - a for a, b in gaps) / 1e6
 
@@ -128,7 +143,8 @@ def gaps_report(events: list[dict], sample_us: float = 5.0, top: int = 25, min_g
 
     return {"wall_s": round((t1 - t0) / 1e6, 6), "busy_s": round(busy_s, 6), "idle_s": round(idle_s, 6),
             "gaps": len(gaps), "gaps_over_1ms": sum(1 for a, b in gaps if b - a > 1000),
-            "idle_by_op": ranked(by_op), "idle_by_phase": ranked(by_phase)}
+            "idle_by_op": ranked(by_op), "idle_by_phase": ranked(by_phase),
+            "host_syncs": {k: [n, round(sec, 6)] for k, (n, sec) in sorted(syncs.items(), key=lambda kv: -kv[1][0])}}
 
 
 def main(argv=None) -> int:
