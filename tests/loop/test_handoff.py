@@ -223,6 +223,31 @@ def test_shares_partition_every_mini_batch():
         share_of(whole, 2, 0, 4)
 
 
+def test_select_takes_consecutive_rows_as_views_and_other_rows_as_copies():
+    """One DP rank's share is every row (share_rows(n, m, 0, 1) == 0..n-1): TrainBatch.select takes a list or
+    range of consecutive ascending rows as a slice, so the share's fields are views of the batch's (no gathered
+    copy of each [B, T] field on the host), with the same values as the gathered rows; any other list is
+    gathered as before."""
+    from megaforge.data.batch import samples_to_batch, share_of, share_rows
+    from megaforge.types import Sample
+
+    samples = [Sample(prompt_ids=[3, 5], response_ids=[4] * (i + 1), rollout_logprobs=[-0.5] * (i + 1), group_id=i // 2)
+               for i in range(6)]
+    whole = samples_to_batch(samples, pad_id=0)
+    assert share_rows(6, 2, 0, 1) == list(range(6))
+    share = share_of(whole, 2, 0, 1)
+    assert share.tokens.data_ptr() == whole.tokens.data_ptr() and torch.equal(share.tokens, whole.tokens)
+    for rows in ([1, 2, 3], range(1, 4)):  # rows 1-3, trimmed to row 3's 2 + 4 tokens
+        part = whole.select(rows)
+        gathered = whole.select(torch.tensor([1, 2, 3]))
+        assert part.tokens.untyped_storage().data_ptr() == whole.tokens.untyped_storage().data_ptr()
+        assert part.tokens.shape == (3, 6) and all(torch.equal(getattr(part, f), getattr(gathered, f))
+                                                   for f in ("tokens", "lengths", "loss_mask", "rollout_logprobs"))
+    apart = whole.select([0, 2, 4])  # not consecutive: a copy
+    assert apart.tokens.untyped_storage().data_ptr() != whole.tokens.untyped_storage().data_ptr()
+    assert apart.lengths.tolist() == [3, 5, 7] and whole.select([2, 1]).lengths.tolist() == [5, 4]
+
+
 def test_an_estimator_not_declared_for_shares_is_refused_on_several_ranks(model):
     """A plug-in estimator (``package.module:callable``: no declarations) may reduce over the rows it
     is given, which on a share would be the share's statistics: with several DP ranks and advantages
