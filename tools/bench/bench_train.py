@@ -144,6 +144,12 @@ def paired_batch(shape: dict, n_micro: int, seed: int = 0):
     return rl_batch(lengths, shape["vocab"], lengths // 4, width=s, generator=g), rows_per_mb
 
 
+def _user_frames(event) -> list:
+    """A profiler event's python stack outside torch, its module frames dropped (every layer's calls together)."""
+    return [fr for fr in (event.stack or []) if not fr.startswith(("torch/", "contextlib.py", "<built-in", "nn.Module: "))
+            and "site-packages/torch/" not in fr and "cpu_compat.py" not in fr]
+
+
 def host_waits(prof, min_us: float = 50.0) -> list:
     """Where the host waited for the device: copies to the host, ``.item()`` and stream syncs taking
     over ``min_us`` each, grouped by (op, the python stack outside torch), most total time first."""
@@ -155,8 +161,7 @@ def host_waits(prof, min_us: float = 50.0) -> list:
             continue
         node, stack = e, []
         while node is not None and not stack:
-            stack = [fr for fr in (node.stack or []) if not fr.startswith(("torch/", "contextlib.py", "<built-in"))
-                     and "site-packages/torch/" not in fr and "cpu_compat.py" not in fr]
+            stack = _user_frames(node)
             node = node.cpu_parent
         key = (e.name, tuple(stack[:6]))
         n, us = acc.get(key, (0, 0.0))
@@ -185,8 +190,7 @@ def host_ops(prof) -> tuple[dict, list]:
         while node is not None and not is_range(node):
             node = node.cpu_parent
         phase = node.name if node is not None else ("(backward)" if main and e.thread not in main else "(none)")
-        stack = [fr for fr in (e.stack or []) if not fr.startswith(("torch/", "contextlib.py", "<built-in", "nn.Module: "))
-                 and "site-packages/torch/" not in fr and "cpu_compat.py" not in fr]  # every layer's calls together
+        stack = _user_frames(e)
         for d, key in ((acc, (phase, e.name, tuple(stack[:6]))), (phases, phase)):
             n, us = d.get(key, (0, 0.0))
             d[key] = (n + 1, us + e.cpu_time_total)
