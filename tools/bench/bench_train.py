@@ -88,8 +88,9 @@ def parse_args(argv=None):
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     p.add_argument("--fused_logprobs", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--profile", default=None, metavar="DIR",
-                   help="also profile one step of each (torch.profiler): kernel tables in DIR, and a "
-                        "JSON line on stderr with each step's GPU-busy share and its largest kernels")
+                   help="also profile one step of each (torch.profiler, python stacks): in DIR per step its kernel "
+                        "table, its host waits and its host time by phase and by op and stack (<step>_host_ops.txt); "
+                        "a JSON line on stderr with each step's GPU-busy share and its largest kernels")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="also trace one step of each with little profiler overhead (no stacks): chrome traces "
                         "DIR/{raw,ours}_trace.json.gz and, on stderr, a JSON line per step with the GPU's idle "
