@@ -192,9 +192,10 @@ class TrainBatch:
         """Rows ``index`` (slice, list, range or LongTensor), trimmed to their longest row (a whole batch:
         no longer a share). A list or range of consecutive ascending rows (one data-parallel rank's share is
         every row) is taken as a slice: views, not one gathered copy per field on the host."""
-        if isinstance(index, (list, range)) and len(index) > 0 and all(
-                type(r) is int for r in index) and list(index) == list(range(index[0], index[0] + len(index))):
-            index = slice(index[0], index[0] + len(index))
+        if isinstance(index, (list, range)):
+            rows = list(index)
+            if rows and all(type(r) is int for r in rows) and rows == list(range(rows[0], rows[0] + len(rows))):
+                index = slice(rows[0], rows[0] + len(rows))
         out = self.apply(lambda v: v[index]).trimmed()
         out.minis, out.old_from_first_update = None, False
         return out

@@ -287,9 +287,7 @@ def measure(args, shape: dict, hf, tr) -> dict:
     seconds, errors, churn = {}, {}, {}
     with PeakMemory(dev) as peak:  # peak_mem_gib: the allocator's peak over both steps (model resident)
         for name, fn in steps.items():
-            before = allocator_counts(dev)
-            seconds[name], errors[name] = _time_or_oom(fn, args, dev)
-            churn[name] = allocator_churn(before, allocator_counts(dev))
+            seconds[name], errors[name], churn[name] = _time_or_oom(fn, args, dev)
     tflops = {n: None if seconds[n] is None else step_flops[n] / seconds[n] / world / 1e12 for n in steps}
     timed = {"layer_spec": tr.spec, "tokens_per_step": int(batch.lengths.sum()),
              "ours_tflops_per_gpu": tflops["ours"], "raw_tflops_per_gpu": tflops["raw"],
@@ -316,10 +314,9 @@ def measure_lora(args, shape: dict, tr) -> dict:
     batch, _ = paired_batch(shape, args.micro_batches * parallel_state.get_data_parallel_world_size())
     step = lambda: tr.train_step(batch)  # noqa: E731
     with PeakMemory(tr.device) as peak:
-        before = allocator_counts(tr.device)
-        seconds, error = _time_or_oom(step, args, tr.device)
-    out = {"lora_step_s": seconds, "lora_peak_mem_gib": peak.gib,  # trainable: this rank's adapters alone
-           "lora_allocator": allocator_churn(before, allocator_counts(tr.device)),
+        seconds, error, churn = _time_or_oom(step, args, tr.device)
+    out = {"lora_step_s": seconds, "lora_peak_mem_gib": peak.gib, "lora_allocator": churn,
+           # trainable: this rank's adapters alone
            "lora_trainable_params": sum(p.numel() for p in tr.bm.model.parameters() if p.requires_grad)}
     if error:
         out["lora_error"] = error
@@ -355,22 +352,24 @@ def allocator_churn(before: Optional[dict], after: Optional[dict]) -> Optional[d
     return {k.removeprefix("num_"): after[k] - before[k] for k in ALLOCATOR_COUNTERS}
 
 
-def _time_or_oom(fn, args, dev) -> tuple[Optional[float], Optional[str]]:
-    """(seconds per call of ``fn``, None), or (None, the error's first line) when the step runs out of device
-    memory: a step that does not fit (e.g. raw megatron-core's fp32 copy of 16,384 x 151,936 logits on an
-    80 GB card) is reported, and the other step still measured, on memory the failed one gave back. One rank only:
-    with more, the error is raised (the other ranks would wait for this one in the step's collectives)."""
+def _time_or_oom(fn, args, dev) -> tuple[Optional[float], Optional[str], Optional[dict]]:
+    """(seconds per call of ``fn``, None, :func:`allocator_churn` over the calls), or (None, the error's first line,
+    churn) when the step runs out of device memory: a step that does not fit (e.g. raw megatron-core's fp32 copy of
+    16,384 x 151,936 logits on an 80 GB card) is reported, and the other step still measured, on memory the failed one
+    gave back. One rank only: with more, the error is raised (the other ranks would wait for this one in the step's
+    collectives)."""
     import torch.distributed as dist
 
+    before = allocator_counts(dev)
     try:
-        return time_per_call(fn, args.warmup, args.steps, dev), None
+        seconds, error = time_per_call(fn, args.warmup, args.steps, dev), None
     except torch.OutOfMemoryError as e:
         if dist.get_world_size() > 1:  # the other ranks would wait in the step's collectives
             raise
-        msg = str(e).splitlines()[0] if str(e) else "out of memory"
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return None, f"OutOfMemoryError: {msg}"
+        seconds, error = None, f"OutOfMemoryError: {str(e).splitlines()[0] if str(e) else 'out of memory'}"
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return seconds, error, allocator_churn(before, allocator_counts(dev))
 
 
 def main(argv=None) -> int:
